@@ -1,0 +1,5 @@
+"""``python -m ckptconv``: the same as the ``ckptconv`` command."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,376 @@
+"""The ``ckptconv`` command: a thin layer over the library.
+
+Each command parses its options, makes one library call, and prints the
+report. Library errors become a one-line message and exit code 1 in one place
+(:class:`_Group`); usage errors exit 2 through click. Set ``CKPTCONV_DEBUG=1``
+to see tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any, Callable, Optional, TypeVar
+
+import click
+
+from ._version import __version__
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NEGATIVE = 3
+
+_EXIT_CODES = """\b
+Exit codes:
+  0  success
+  1  the operation failed (bad input, unsafe file, cannot write, ...)
+  2  usage error (unknown option, invalid regular expression, ...)
+  3  finished with a negative result (verification found differences)"""
+
+
+# ---------------------------------------------------------------------------------------
+# Error mapping: the one place library errors meet the terminal
+# ---------------------------------------------------------------------------------------
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        from .errors import CkptconvError
+
+        try:
+            return super().invoke(ctx)
+        except CkptconvError as error:
+            if os.environ.get("CKPTCONV_DEBUG"):
+                raise
+            click.echo(f"ckptconv: error: {error}", err=True)
+            ctx.exit(EXIT_FAILED)
+        except KeyboardInterrupt:
+            if os.environ.get("CKPTCONV_DEBUG"):
+                raise
+            click.echo("ckptconv: interrupted; no output was written", err=True)
+            ctx.exit(130)
+
+
+# ---------------------------------------------------------------------------------------
+# Parameter types: bad usage exits 2 with a usage message
+# ---------------------------------------------------------------------------------------
+
+
+class _Regex(click.ParamType):
+    name = "REGEX"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
+        try:
+            re.compile(value)
+        except re.error as error:
+            self.fail(f"{value!r} is not a valid regular expression: {error}", param, ctx)
+        return str(value)
+
+
+class _RenameRule(click.ParamType):
+    name = "REGEX=REPL"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> tuple[str, str]:
+        if isinstance(value, tuple):
+            return value  # type: ignore[return-value]
+        match = re.match(r"^((?:[^=\\]|\\.)*)=(.*)$", value, re.S)
+        if not match or not match.group(1):
+            self.fail(f"{value!r} is not REGEX=REPLACEMENT (e.g. '^backbone\\.=encoder.')", param, ctx)
+        pattern, replacement = match.group(1).replace("\\=", "="), match.group(2)
+        try:
+            regex = re.compile(pattern)
+        except re.error as error:
+            self.fail(f"{pattern!r} is not a valid regular expression: {error}", param, ctx)
+        for group in re.findall(r"\\(\d+)|\\g<(\w+)>", replacement):
+            number, name = group
+            known = int(number) <= regex.groups if number else (name.isdigit() and int(name) <= regex.groups) or name in regex.groupindex
+            if not known:
+                self.fail(f"replacement {replacement!r} refers to a group {pattern!r} does not have", param, ctx)
+        return pattern, replacement
+
+
+class _CastTarget(click.ParamType):
+    name = "fp16|bf16|fp32"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
+        from .dtypes import parse_cast_target
+
+        try:
+            return parse_cast_target(value).name
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
+class _Prefix(click.ParamType):
+    name = "PREFIX"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
+        if not str(value).strip(". "):
+            self.fail("a prefix must name at least one component, e.g. 'module'", param, ctx)
+        return str(value)
+
+
+# ---------------------------------------------------------------------------------------
+# Shared option sets, so convert, strip-module and add-module cannot drift apart
+# ---------------------------------------------------------------------------------------
+
+
+def _compose(*decorators: Callable[[F], F]) -> Callable[[F], F]:
+    def apply(function: F) -> F:
+        for decorator in reversed(decorators):
+            function = decorator(function)
+        return function
+
+    return apply
+
+
+selection_options = _compose(
+    click.option("--select", metavar="PATH", help="Where the weights are in a training checkpoint, e.g. "
+                 "'state_dict_ema' or 'model.state_dict'; 'ema' picks the EMA copy. Searched when omitted."),
+    click.option("--trust", is_flag=True, help="DANGEROUS: unpickle with torch.load(weights_only=False), "
+                 "running any code in the file. Only for files you made yourself."),
+)
+
+transform_options = _compose(
+    click.option("--strip-prefix", "strip_prefixes", multiple=True, type=_Prefix(),
+                 help="Remove this leading prefix (whole components) from every key that has it. Repeatable."),
+    click.option("--rename", "renames", multiple=True, type=_RenameRule(),
+                 help="Rewrite keys with re.sub(REGEX, REPL, key). Repeatable; applied in order."),
+    click.option("--add-prefix", "add_prefixes", multiple=True, type=_Prefix(),
+                 help="Put this prefix in front of every key. Repeatable."),
+    click.option("--keep", "keeps", multiple=True, type=_Regex(),
+                 help="Keep only keys matching REGEX (after renaming). Repeatable."),
+    click.option("--drop", "drops", multiple=True, type=_Regex(),
+                 help="Drop keys matching REGEX (after renaming). Repeatable."),
+    click.option("--dtype", type=_CastTarget(), help="Cast floating-point tensors; integer and bool "
+                 "tensors keep their dtype."),
+    click.option("--keep-dtype", "keep_dtypes", multiple=True, type=_Regex(),
+                 help="With --dtype: keys matching REGEX keep their dtype (e.g. 'norm'). Repeatable."),
+    click.option("--allow-overflow", is_flag=True,
+                 help="With --dtype fp16/bf16: let values beyond the range become inf instead of failing."),
+)
+
+output_options = _compose(
+    click.option("--to", "to", type=click.Choice(["pt", "safetensors"]),
+                 help="Output format; by default it follows DST's suffix (.safetensors, or .pt/.pth/.bin/.pkl)."),
+    click.option("--overwrite", is_flag=True, help="Replace DST if it exists."),
+    click.option("--verify", is_flag=True, help="Re-read the output and compare every tensor before "
+                 "keeping it."),
+    click.option("--dry-run", is_flag=True, help="Show what would change (first 20 key renames) and "
+                 "write nothing."),
+    click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors."),
+)
+
+
+def _pipeline(leading: Sequence[Any], options: dict[str, Any]) -> Any:
+    from .transform import AddPrefix, Cast, Drop, Keep, Pipeline, Rename, StripPrefix
+
+    steps: list[Any] = list(leading)
+    steps += [StripPrefix(prefix) for prefix in options["strip_prefixes"]]
+    steps += [Rename(pattern, replacement) for pattern, replacement in options["renames"]]
+    steps += [AddPrefix(prefix) for prefix in options["add_prefixes"]]
+    steps += [Keep(pattern) for pattern in options["keeps"]]
+    steps += [Drop(pattern) for pattern in options["drops"]]
+    if options["dtype"]:
+        steps.append(Cast(options["dtype"], tuple(options["keep_dtypes"]), options["allow_overflow"]))
+    elif options["keep_dtypes"] or options["allow_overflow"]:
+        raise click.UsageError("--keep-dtype and --allow-overflow need --dtype")
+    return Pipeline.of(steps)
+
+
+def _say(quiet: bool, message: str) -> None:
+    if not quiet:
+        click.echo(message, err=True)
+
+
+def _human_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def _run_conversion(src: str, dst: str, leading: Sequence[Any], options: dict[str, Any]) -> None:
+    from .convert import convert
+
+    quiet = options["quiet"]
+    pipeline = _pipeline(leading, options)
+    report = convert(
+        src,
+        dst,
+        select=options["select"],
+        transforms=pipeline,
+        to=options["to"],
+        overwrite=options["overwrite"],
+        trust=options["trust"],
+        verify=options["verify"],
+        dry_run=options["dry_run"],
+        progress=not quiet and sys.stderr.isatty(),
+    )
+    for note in report.notes:
+        _say(quiet, f"note: {note}")
+    for step in report.steps:
+        _say(quiet, f"{step.step}: {step.changed} changed, {step.unchanged} unchanged")
+    if options["dry_run"]:
+        for old, new in report.renames[:20]:
+            click.echo(f"{old} -> {new}")
+        if len(report.renames) > 20:
+            click.echo(f"... and {len(report.renames) - 20} more")
+        _say(quiet, f"dry run: would write {report.tensors} tensors ({_human_bytes(report.bytes)}) "
+                    f"as {report.format}; nothing was written")
+        return
+    verified = ", verified bit for bit" if report.verified else ""
+    _say(quiet, f"wrote {report.destination} ({report.format}, {report.tensors} tensors, "
+                f"{_human_bytes(report.bytes)}{verified})")
+
+
+# ---------------------------------------------------------------------------------------
+# Commands
+# ---------------------------------------------------------------------------------------
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]}, epilog=_EXIT_CODES)
+@click.version_option(__version__, "--version", prog_name="ckptconv")
+def cli() -> None:
+    """Open any PyTorch checkpoint safely on the CPU and convert it.
+
+    Nothing in a checkpoint is ever executed: classes from code you do not
+    have become inert stand-ins, and files that reach for code-running
+    functions are refused. GPU-saved files load on any machine, and every
+    output is CPU-tagged.
+    """
+
+
+@cli.command()
+@click.argument("src", type=click.Path(dir_okay=True))
+@click.argument("dst", type=click.Path(dir_okay=True))
+@selection_options
+@transform_options
+@output_options
+def convert(src: str, dst: str, **options: Any) -> None:
+    """Convert a checkpoint to .pt or safetensors, with optional transforms.
+
+    The weights are found inside training checkpoints automatically (see
+    --select). Transforms apply in this order: --strip-prefix, --rename,
+    --add-prefix, --keep/--drop, --dtype; --keep, --drop and --keep-dtype match
+    the output key names.
+
+    \b
+    Example:
+      ckptconv convert train_ckpt.pth weights.safetensors
+      ckptconv convert model.safetensors model.pt --dtype bf16 --keep-dtype norm
+    """
+    _run_conversion(src, dst, [], options)
+
+
+@cli.command("strip-module")
+@click.argument("src", type=click.Path(dir_okay=True))
+@click.argument("dst", type=click.Path(dir_okay=True))
+@selection_options
+@transform_options
+@output_options
+def strip_module(src: str, dst: str, **options: Any) -> None:
+    """Remove the 'module.' prefix DataParallel and DDP add to every key.
+
+    Only a leading 'module.' component is removed, once; keys without it are
+    left unchanged and counted ('modules.0' and 'module_list' are never cut).
+
+    \b
+    Example:
+      ckptconv strip-module dp_model.pkl model.pt
+    """
+    from .transform import StripPrefix
+
+    _run_conversion(src, dst, [StripPrefix("module")], options)
+
+
+@cli.command("add-module")
+@click.argument("src", type=click.Path(dir_okay=True))
+@click.argument("dst", type=click.Path(dir_okay=True))
+@selection_options
+@transform_options
+@output_options
+def add_module(src: str, dst: str, **options: Any) -> None:
+    """Add the 'module.' prefix, to load into a DataParallel or DDP model.
+
+    \b
+    Example:
+      ckptconv add-module model.pt dp_model.pt
+    """
+    from .transform import AddPrefix
+
+    _run_conversion(src, dst, [AddPrefix("module")], options)
+
+
+@cli.command()
+@click.argument("src", type=click.Path(dir_okay=True))
+@selection_options
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
+@click.option("--limit", type=click.IntRange(min=0), default=None,
+              help="Show at most this many tensors in the table (default: all).")
+def inspect(src: str, select: Optional[str], trust: bool, as_json: bool, limit: Optional[int]) -> None:
+    """Describe a checkpoint without reading its tensor data.
+
+    Shows the format, the devices it was saved on, classes that became
+    stand-ins, its top-level contents, where the weights are, and every tensor.
+
+    \b
+    Example:
+      ckptconv inspect train_ckpt.pth
+      ckptconv inspect train_ckpt.pth --json | jq .selected
+    """
+    from .inspection import inspect as inspect_checkpoint
+
+    info = inspect_checkpoint(src, select=select, trust=trust)
+    if as_json:
+        click.echo(json.dumps(info.to_dict(), indent=2))
+        return
+    devices = ", ".join(info.saved_devices) or "n/a"
+    click.echo(f"{info.path}: {info.format}, {_human_bytes(info.size)}, saved on {devices}")
+    if info.foreign_globals:
+        click.echo("stand-ins (classes from code that is not here; nothing was run):")
+        for name, count in info.foreign_globals.items():
+            click.echo(f"  {name}" + (f" ({count} object{'s' if count != 1 else ''})" if count else ""))
+    if info.metadata:
+        click.echo("metadata:")
+        for key, value in info.metadata.items():
+            click.echo(f"  {key}: {value if len(value) <= 100 else value[:97] + '...'}")
+    click.echo("contents:")
+    width = min(max((len(key) for key, _ in info.outline), default=0), 40)
+    for key, text in info.outline:
+        click.echo(f"  {key:<{width}}  {text}" if key else f"  {text}")
+    if info.selection_error:
+        click.echo(f"weights: not selected: {info.selection_error}")
+        return
+    where = repr(info.selected) if info.selected else "the whole file"
+    dtypes = ", ".join(f"{name}: {count}" for name, count in info.dtypes.items())
+    click.echo(f"weights: {where}: {len(info.tensors)} tensors, {info.parameters:,} elements, "
+               f"{_human_bytes(info.tensor_bytes)} ({dtypes})")
+    if info.selection_note:
+        click.echo(f"note: {info.selection_note}")
+    shown = info.tensors if limit is None else info.tensors[:limit]
+    if shown:
+        key_width = min(max(len(t.key) for t in shown), 60)
+        click.echo(f"  {'key':<{key_width}}  {'dtype':<9}  shape")
+        for tensor in shown:
+            extra = ""
+            if tensor.shares_with:
+                extra = f"  shares storage with {', '.join(tensor.shares_with[:3])}"
+            elif tensor.is_view:
+                extra = "  view"
+            click.echo(f"  {tensor.key:<{key_width}}  {tensor.dtype:<9}  {list(tensor.shape)}{extra}")
+    if limit is not None and len(info.tensors) > limit:
+        click.echo(f"  ... and {len(info.tensors) - limit} more")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of the ``ckptconv`` console script and ``python -m ckptconv``."""
+    cli.main(args=list(argv) if argv is not None else None, prog_name="ckptconv")
+

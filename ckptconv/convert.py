@@ -1,0 +1,200 @@
+"""The whole flow in one call: load → select → transform → write → verify.
+
+:func:`convert` is what every CLI command runs. It prints nothing: whatever the
+user should hear (which weights were picked, keys that had no prefix, devices
+the file was saved on) comes back in :class:`ConversionReport.notes`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from ._version import __version__
+from .errors import VerifyError
+from .load import open as open_checkpoint
+from .transform import Pipeline, StepReport, StripPrefix, Transform
+from .verify import compare
+from .write import Progress, output_format, save
+
+__all__ = ["ConversionReport", "convert"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# Wrapper prefixes users meet, for hints when the one they asked for is absent.
+_KNOWN_WRAPPERS = ("module.", "_orig_mod.", "_forward_module.", "model.", "_fsdp_wrapped_module.",
+                   "_checkpoint_wrapped_module.", "backbone.", "net.")
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    """What :func:`convert` did.
+
+    Attributes:
+        source: the input file.
+        destination: the output file ("" for a dry run).
+        source_format: the input's format.
+        format: the output's format (``"pt"`` or ``"safetensors"``).
+        selected: where the weights were found (``""`` for the whole file).
+        steps: one report per transform step.
+        tensors: keys written.
+        bytes: tensor bytes written.
+        aliases: safetensors keys stored as references to another key's data.
+        foreign_globals: classes that became inert stand-ins (nothing was run).
+        saved_devices: devices the input's tensors were saved from.
+        notes: sentences the user should see, in order.
+        verified: True when the output was verified, None when not asked.
+        renames: the first ``(old, new)`` key pairs, for ``--dry-run``.
+    """
+
+    source: str
+    destination: str
+    source_format: str
+    format: str
+    selected: str
+    steps: tuple[StepReport, ...]
+    tensors: int
+    bytes: int
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    foreign_globals: Mapping[str, int] = field(default_factory=dict)
+    saved_devices: frozenset[str] = frozenset()
+    notes: tuple[str, ...] = ()
+    verified: Optional[bool] = None
+    renames: tuple[tuple[str, str], ...] = ()
+
+
+def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> list[str]:
+    if not isinstance(step, StripPrefix) or not report.unchanged:
+        return []
+    prefix = step.prefix.rstrip(".") + "."
+    if report.changed == 0:
+        starts = sorted({wrapper for wrapper in _KNOWN_WRAPPERS for key in keys if key.startswith(wrapper)})
+        hint = f"; keys start with {', '.join(repr(s) for s in starts)}" if starts else ""
+        return [f"no key starts with {prefix!r}, so none was renamed{hint}"]
+    return [f"{report.unchanged} of {report.changed + report.unchanged} keys had no {prefix!r} prefix and were left unchanged"]
+
+
+def convert(
+    source: PathLike,
+    destination: Optional[PathLike],
+    *,
+    select: Optional[str] = None,
+    transforms: Union[Pipeline, Sequence[Transform]] = (),
+    to: Optional[str] = None,
+    overwrite: bool = False,
+    trust: bool = False,
+    verify: bool = False,
+    dry_run: bool = False,
+    progress: Progress = False,
+) -> ConversionReport:
+    """Convert a checkpoint: pick its weights, transform them, write them, optionally verify.
+
+    Args:
+        source: any checkpoint :func:`ckptconv.open` reads.
+        destination: the output file; its suffix picks the format unless ``to`` is given.
+        select: where the weights are (``"state_dict_ema"``); searched when None.
+        transforms: steps such as :class:`~ckptconv.transform.StripPrefix` or
+            :class:`~ckptconv.transform.Cast`, applied in order.
+        to: ``"pt"`` or ``"safetensors"``.
+        overwrite: replace an existing destination.
+        trust: see :func:`ckptconv.open`. Dangerous.
+        verify: re-read the written file and compare every tensor before it is
+            moved into place; a difference raises and leaves no output.
+        dry_run: do everything but write; ``renames`` shows the key changes.
+        progress: show a progress bar on stderr, or a callable given byte counts.
+
+    Returns:
+        A :class:`ConversionReport`.
+
+    Raises:
+        LoadError, SelectionError, TransformError, WriteError, VerifyError.
+
+    Example:
+        >>> ckptconv.convert("dp_model.pkl", "model.safetensors",
+        ...                  transforms=[ckptconv.StripPrefix("module"), ckptconv.Cast("bf16")])  # doctest: +SKIP
+    """
+    pipeline = transforms if isinstance(transforms, Pipeline) else Pipeline.of(transforms)
+    checkpoint = open_checkpoint(source, trust=trust)
+    selection = checkpoint.select(select)
+    notes: list[str] = []
+    if selection.note:
+        notes.append(selection.note)
+    elif selection.kind == "module":
+        notes.append("the file is a whole pickled model; using its parameters and persistent buffers")
+    if selection.skipped:
+        notes.append(f"left out {len(selection.skipped)} non-tensor entries (e.g. {selection.skipped[0]!r})")
+
+    state = dict(selection.weights)
+    reports: list[StepReport] = []
+    for step in pipeline.steps:
+        keys = list(state)
+        state, report = step.apply(state)
+        reports.append(report)
+        notes.extend(_prefix_notes(step, report, keys))
+
+    devices = sorted(device for device in checkpoint.saved_devices if device != "cpu")
+    if devices:
+        notes.append(f"tensors were saved on {', '.join(devices)}; the output is loadable on the CPU")
+    if checkpoint.foreign_globals:
+        names = list(checkpoint.foreign_globals)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        notes.append(f"{len(names)} classes from code that is not here became inert stand-ins ({shown}); none was run")
+
+    renames = tuple(
+        (old, new) for old, new in zip(selection.weights, state) if old != new
+    ) if len(state) == len(selection.weights) else ()
+    kind = output_format(destination, to) if destination is not None else (to or "pt")
+    common = dict(
+        source=checkpoint.path,
+        source_format=checkpoint.format,
+        selected=selection.where,
+        steps=tuple(reports),
+        foreign_globals=checkpoint.foreign_globals,
+        saved_devices=checkpoint.saved_devices,
+        renames=renames[:1000],
+    )
+    if dry_run or destination is None:
+        return ConversionReport(destination="", format=kind, tensors=len(state),
+                                bytes=sum(ref.nbytes for ref in state.values()), notes=tuple(notes), **common)
+
+    metadata = {
+        "ckptconv.version": __version__,
+        "ckptconv.source": os.path.basename(checkpoint.path),
+        "ckptconv.selected": selection.where,
+        "ckptconv.transforms": json.dumps(pipeline.describe()),
+    }
+
+    def check(written: str) -> None:
+        result = compare(state, open_checkpoint(written).select().weights)
+        if not result.ok:
+            raise VerifyError(f"{result.summary()}; the output was not written")
+
+    written = save(
+        state,
+        destination,
+        format=kind,
+        overwrite=overwrite,
+        metadata=metadata,
+        progress=progress,
+        inputs=[checkpoint.path],
+        check=check if verify else None,
+    )
+    if written.aliases:
+        notes.append(
+            f"{len(written.aliases)} tied tensors are stored once; their other names are kept in the "
+            "file's metadata (ckptconv restores them on load)"
+        )
+    return ConversionReport(
+        destination=written.path,
+        format=written.format,
+        tensors=written.tensors,
+        bytes=written.bytes,
+        aliases=written.aliases,
+        notes=tuple(notes),
+        verified=True if verify else None,
+        **common,
+    )
+

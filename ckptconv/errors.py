@@ -1,0 +1,137 @@
+"""Every error ckptconv raises on purpose.
+
+One base class, one subclass per stage of the data flow, and a leaf only where
+a caller would handle it differently::
+
+    CkptconvError
+    ├── LoadError                       the input could not be read
+    │   ├── UnsupportedFormatError      not a checkpoint we can read (TorchScript, HTML, empty, ...)
+    │   ├── MalformedCheckpointError    a checkpoint, but broken (truncated, inconsistent)
+    │   └── UnsafeCheckpointError       the file reaches for code-running callables
+    ├── SelectionError (KeyError)       the weights inside a checkpoint could not be picked
+    ├── TransformError (ValueError)     a key or dtype transform cannot be applied
+    │   ├── KeyCollisionError           two keys would end up with one name
+    │   └── CastOverflowError           a cast would turn finite values into inf
+    ├── WriteError (OSError)            the output could not be written
+    │   └── OutputExistsError (FileExistsError)
+    └── VerifyError                     the output does not match its source
+
+``str(error)`` is one sentence that says what failed and what to do next; the
+details ride on attributes (``path``, ``key``, ``globals`` ...), so the CLI can
+print the message alone and library callers can inspect the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+__all__ = [
+    "CastOverflowError",
+    "CkptconvError",
+    "KeyCollisionError",
+    "LoadError",
+    "MalformedCheckpointError",
+    "OutputExistsError",
+    "SelectionError",
+    "TransformError",
+    "UnsafeCheckpointError",
+    "UnsupportedFormatError",
+    "VerifyError",
+    "WriteError",
+]
+
+
+class CkptconvError(Exception):
+    """Base class of every error ckptconv raises deliberately."""
+
+    def __init__(self, message: str, *, path: Optional[str | os.PathLike[str]] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = os.fspath(path) if path is not None else None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class LoadError(CkptconvError):
+    """The input could not be read as a checkpoint."""
+
+
+class UnsupportedFormatError(LoadError):
+    """The input is not in a format ckptconv can read (and says which one it is)."""
+
+
+class MalformedCheckpointError(LoadError):
+    """The input looks like a checkpoint but is truncated or internally inconsistent."""
+
+
+class UnsafeCheckpointError(LoadError):
+    """The input names callables that exist to run code (``os.system``, ``builtins.eval`` ...).
+
+    ckptconv never calls anything named in a checkpoint, so refusing is a warning
+    rather than the safety boundary: a file that reaches for these was made to
+    attack whoever opens it.
+    """
+
+    def __init__(
+        self, message: str, *, path: Optional[str | os.PathLike[str]] = None, globals: Sequence[str] = ()
+    ) -> None:
+        super().__init__(message, path=path)
+        self.globals = tuple(globals)
+
+
+class SelectionError(CkptconvError, KeyError):
+    """The model weights inside a checkpoint could not be picked unambiguously."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: Optional[str | os.PathLike[str]] = None,
+        candidates: Sequence[str] = (),
+    ) -> None:
+        super().__init__(message, path=path)
+        self.candidates = tuple(candidates)
+
+    # KeyError's own __str__ would wrap the message in quotes.
+    __str__ = CkptconvError.__str__
+
+
+class TransformError(CkptconvError, ValueError):
+    """A key or dtype transform cannot be applied to this state dict."""
+
+
+class KeyCollisionError(TransformError):
+    """A transform would give two different tensors the same key."""
+
+    def __init__(self, message: str, *, keys: Sequence[str] = (), new_key: str = "") -> None:
+        super().__init__(message)
+        self.keys = tuple(keys)
+        self.new_key = new_key
+
+
+class CastOverflowError(TransformError):
+    """Casting would turn finite values into infinities (e.g. 70000.0 to fp16)."""
+
+    def __init__(self, message: str, *, key: str = "", count: int = 0) -> None:
+        super().__init__(message)
+        self.key = key
+        self.count = count
+
+
+class WriteError(CkptconvError, OSError):
+    """The output could not be written; nothing was left behind."""
+
+    __str__ = CkptconvError.__str__
+
+
+class OutputExistsError(WriteError, FileExistsError):
+    """The destination exists and ``overwrite`` was not given."""
+
+    __str__ = CkptconvError.__str__
+
+
+class VerifyError(CkptconvError):
+    """The output does not hold what its source and transforms promise."""

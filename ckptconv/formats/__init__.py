@@ -1,0 +1,114 @@
+"""One module per file format, each with the same small interface.
+
+``read(path) -> ReadResult`` for every format; ``write(entries, file, ...)`` for
+the formats ckptconv writes. :func:`detect` decides the format from the
+file's first bytes, never from its name: ``.pth.tar`` files are usually zip
+checkpoints and ``pytorch_model.bin`` is sometimes a Lightning checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Callable
+
+from ..errors import LoadError, UnsupportedFormatError
+from . import raw_pickle, safetensors, torch_legacy, torch_zip
+from ._base import ReadResult
+
+__all__ = ["READERS", "ReadResult", "detect"]
+
+READERS: dict[str, Callable[[str], ReadResult]] = {
+    torch_zip.FORMAT: torch_zip.read,
+    torch_legacy.FORMAT: torch_legacy.read,
+    safetensors.FORMAT: safetensors.read,
+    raw_pickle.FORMAT: raw_pickle.read,
+}
+
+_HEAD_BYTES = 512
+
+# Formats people mistake for PyTorch checkpoints, by their magic bytes.
+_NOT_CHECKPOINTS: tuple[tuple[bytes, str], ...] = (
+    (b"\x89HDF\r\n\x1a\n", "an HDF5 file (Keras or TensorFlow weights?), not a PyTorch checkpoint"),
+    (b"\x93NUMPY", "a numpy .npy file, not a PyTorch checkpoint; load it with numpy.load"),
+    (b"GGUF", "a GGUF file (llama.cpp), not a PyTorch checkpoint"),
+    (b"\x1f\x8b", "gzip-compressed; decompress it first (gunzip) and convert the result"),
+    (b"BZh", "bzip2-compressed; decompress it first (bunzip2) and convert the result"),
+    (b"\xfd7zXZ\x00", "xz-compressed; decompress it first (unxz) and convert the result"),
+    (b"(\xb5/\xfd", "zstd-compressed; decompress it first (unzstd) and convert the result"),
+    (b"7z\xbc\xaf\x27\x1c", "a 7-Zip archive; extract it first"),
+    (b"version https://git-lfs", "a Git LFS pointer, not the checkpoint itself; run `git lfs pull` to fetch it"),
+)
+
+# First opcodes of protocol 0/1 pickles (MARK, EMPTY_DICT, EMPTY_LIST, GLOBAL, NONE, ...).
+_OLD_PICKLE_STARTS = frozenset(b"(}]cNIJKLSVXFGUT)")
+
+
+def detect(path: str) -> str:
+    """The format of the file at ``path``, from its content.
+
+    Raises:
+        LoadError: the path is missing, unreadable or a folder.
+        UnsupportedFormatError: the file is empty, a placeholder, or another kind of file.
+    """
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise LoadError(f"{path!r} does not exist; check the path", path=path) from None
+    except PermissionError:
+        raise LoadError(f"{path!r} cannot be read: permission denied", path=path) from None
+    except OSError as error:
+        raise LoadError(f"{path!r} cannot be read: {error.strerror or error}", path=path) from None
+    if stat.S_ISDIR(info.st_mode):
+        raise UnsupportedFormatError(
+            f"{path!r} is a folder; give the checkpoint file inside it", path=path
+        )
+    if not stat.S_ISREG(info.st_mode):
+        raise UnsupportedFormatError(f"{path!r} is not a regular file", path=path)
+    try:
+        with open(path, "rb") as file:
+            head = file.read(_HEAD_BYTES)
+    except PermissionError:
+        raise LoadError(f"{path!r} cannot be read: permission denied", path=path) from None
+    except OSError as error:
+        raise LoadError(f"{path!r} cannot be read: {error.strerror or error}", path=path) from None
+    size = info.st_size
+    if size == 0:
+        raise UnsupportedFormatError(
+            f"{path!r} is empty (0 bytes); the download or save did not finish", path=path
+        )
+    if torch_zip.is_zip(head):
+        return torch_zip.FORMAT
+    if safetensors.looks_safetensors(head, size):
+        return safetensors.FORMAT
+    if torch_legacy.looks_legacy(head):
+        return torch_legacy.FORMAT
+    for magic, description in _NOT_CHECKPOINTS:
+        if head.startswith(magic):
+            raise UnsupportedFormatError(f"{path!r} is {description}", path=path)
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        raise UnsupportedFormatError(
+            f"{path!r} is a tar archive (torch's pre-0.4 tar checkpoints are not supported); "
+            "extract it, or re-save it with a recent torch",
+            path=path,
+        )
+    lowered = head[:64].lstrip().lower()
+    if lowered.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head")):
+        raise UnsupportedFormatError(
+            f"{path!r} is an HTML/XML page, not a checkpoint (a failed download?)", path=path
+        )
+    if head[0] == 0x80 and size >= 3 and 2 <= head[1] <= 5:
+        return raw_pickle.FORMAT
+    if size < 16:
+        raise UnsupportedFormatError(
+            f"{path!r} is only {size} byte{'s' if size != 1 else ''} long: a placeholder, not a "
+            "checkpoint (an unfinished download, or a Git LFS file that was not pulled?)",
+            path=path,
+        )
+    if head[0] in _OLD_PICKLE_STARTS:
+        return raw_pickle.FORMAT  # protocol 0/1; the reader says so if it is not a pickle after all
+    raise UnsupportedFormatError(
+        f"{path!r} is not a checkpoint format ckptconv knows (it starts with bytes {head[:8].hex(' ')}); "
+        "expected a torch.save file, a pickle or safetensors",
+        path=path,
+    )

@@ -1,0 +1,48 @@
+"""What every format reader returns, and helpers they share."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import MalformedCheckpointError
+
+__all__ = ["ReadResult", "file_size"]
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """A file's content as a reader found it; :func:`ckptconv.open` wraps it in a Checkpoint.
+
+    Attributes:
+        format: the format's name (``"torch-zip"``, ``"torch-legacy"``, ``"safetensors"``, ``"pickle"``).
+        tree: the object the file holds, with :class:`~ckptconv.tensor.TensorRef` for tensors
+            and stand-ins for foreign objects.
+        foreign_globals: stand-in globals found, with how many objects each built.
+        saved_devices: devices the storages were saved from (``"cuda:1"``).
+        metadata: string metadata carried by the format (safetensors ``__metadata__``).
+    """
+
+    format: str
+    tree: Any
+    foreign_globals: Counter[str] = field(default_factory=Counter)
+    saved_devices: frozenset[str] = frozenset()
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def file_size(path: str) -> int:
+    return os.stat(path).st_size
+
+
+def pickle_location(value: Any, source: str) -> str:
+    """A storage's saved location tag (``"cuda:1"``) from a persistent id."""
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if not isinstance(value, str) or len(value) > 64:
+        raise MalformedCheckpointError(
+            f"{source!r} names a storage location {value!r} that is not a device; the file is damaged",
+            path=source,
+        )
+    return value

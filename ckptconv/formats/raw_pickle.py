@@ -1,0 +1,37 @@
+"""Plain pickle files: a state dict pickled without torch's storage records.
+
+Tensors cannot live in a plain pickle without torch's persistent ids, but
+numpy arrays can, and some projects ship weights as a pickled dict of numpy
+arrays. The file is read into memory once; arrays become in-memory tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from ..unpickler import Unpickler
+from ._base import ReadResult
+
+__all__ = ["read"]
+
+FORMAT = "pickle"
+
+
+def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
+    with open(path, "rb") as file:
+        data = file.read()
+    limits = {} if max_items is None else {"max_items": max_items}
+    unpickler = Unpickler(data, source=path, **limits)
+    try:
+        tree = unpickler.load()
+    except MalformedCheckpointError:
+        if data[:1] == b"\x80":
+            raise
+        # Only the first byte suggested an old-protocol pickle; it was a guess.
+        raise UnsupportedFormatError(
+            f"{path!r} is not a checkpoint format ckptconv knows (it starts with bytes "
+            f"{data[:8].hex(' ')}); expected a torch.save file, a pickle or safetensors",
+            path=path,
+        ) from None
+    return ReadResult(FORMAT, tree, unpickler.foreign_globals)

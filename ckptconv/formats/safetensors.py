@@ -1,0 +1,203 @@
+"""The safetensors format: reading and writing, without the safetensors package.
+
+Layout (https://github.com/huggingface/safetensors, "Format")::
+
+    8 bytes    N, little-endian unsigned header length
+    N bytes    JSON: {"__metadata__": {str: str}, key: {"dtype", "shape", "data_offsets": [begin, end]}}
+    rest       tensor bytes, little-endian, row-major; offsets are relative to here
+
+safetensors cannot express two keys sharing memory (huggingface/safetensors#98,
+#202). ckptconv writes one copy of a tied tensor and lists the other keys in the
+``ckptconv.aliases`` metadata entry (a JSON object ``{alias: kept key}``);
+reading a file back through ckptconv restores every key, and plain safetensors
+readers still see a valid file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any, BinaryIO, Callable, Optional
+
+from ..dtypes import dtype_by_safetensors_code
+from ..errors import MalformedCheckpointError, WriteError
+from ..tensor import FileRegion, Storage, TensorRef, contiguous_strides
+from ._base import ReadResult
+
+__all__ = ["ALIASES_KEY", "looks_safetensors", "read", "write"]
+
+FORMAT = "safetensors"
+ALIASES_KEY = "ckptconv.aliases"
+# The safetensors library refuses headers over 100 MB; so do we.
+MAX_HEADER_BYTES = 100_000_000
+
+
+def looks_safetensors(head: bytes, size: int) -> bool:
+    """True if ``head`` starts like a safetensors file of ``size`` bytes."""
+    if len(head) < 9:
+        return False
+    header_length = int.from_bytes(head[:8], "little")
+    return 2 <= header_length <= size - 8 and head[8:9] == b"{"
+
+
+def _damaged(path: str, detail: str) -> MalformedCheckpointError:
+    return MalformedCheckpointError(f"{path!r} is a damaged safetensors file: {detail}", path=path)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def read_header(path: str) -> tuple[dict[str, Any], int, int]:
+    """The parsed JSON header, the offset where tensor data starts, and the file size."""
+    size = os.stat(path).st_size
+    with open(path, "rb") as file:
+        prefix = file.read(8)
+        if len(prefix) < 8:
+            raise _damaged(path, "it is shorter than its 8-byte header length")
+        header_length = int.from_bytes(prefix, "little")
+        if header_length > MAX_HEADER_BYTES:
+            raise _damaged(path, f"its header claims {header_length} bytes (the limit is {MAX_HEADER_BYTES})")
+        if 8 + header_length > size:
+            raise MalformedCheckpointError(
+                f"{path!r} is truncated: its header claims {header_length} bytes but the file has {size}",
+                path=path,
+            )
+        raw = file.read(header_length)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise _damaged(path, f"its header is not valid JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise _damaged(path, "its header is not a JSON object")
+    return header, 8 + header_length, size
+
+
+def read(path: str) -> ReadResult:
+    """Read a safetensors file lazily; every tensor is a region of the file."""
+    header, data_start, size = read_header(path)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise _damaged(path, "its __metadata__ is not a map of strings to strings")
+    data_length = size - data_start
+    tree: dict[str, TensorRef] = {}
+    spans: list[tuple[int, int, str]] = []
+    for key, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) - {"dtype", "shape", "data_offsets"}:
+            raise _damaged(path, f"entry {key!r} is not a tensor description")
+        dtype = dtype_by_safetensors_code(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+        if dtype is None:
+            raise _damaged(path, f"tensor {key!r} has unknown dtype {entry.get('dtype')!r}")
+        shape = entry.get("shape")
+        offsets = entry.get("data_offsets")
+        if not (isinstance(shape, list) and len(shape) <= 64 and all(type(s) is int and s >= 0 for s in shape)):
+            raise _damaged(path, f"tensor {key!r} has shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise _damaged(path, f"tensor {key!r} has data_offsets {offsets!r}")
+        begin, end = offsets
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if not 0 <= begin <= end or end - begin != numel * dtype.itemsize:
+            raise _damaged(path, f"tensor {key!r} of shape {shape} has data_offsets {offsets}")
+        if end > data_length:
+            raise MalformedCheckpointError(
+                f"{path!r} is truncated: tensor {key!r} ends at byte {data_start + end} of {size}", path=path
+            )
+        spans.append((begin, end, key))
+        storage = Storage(end - begin, FileRegion(path, data_start + begin), name=key)
+        tree[key] = TensorRef(storage, dtype, tuple(shape), contiguous_strides(tuple(shape)))
+    spans.sort()
+    for (_, previous_end, previous), (begin, end, key) in zip(spans, spans[1:]):
+        if begin < previous_end and begin != end:
+            raise _damaged(path, f"tensors {previous!r} and {key!r} overlap")
+    _restore_aliases(path, tree, metadata)
+    return ReadResult(FORMAT, tree, metadata=dict(metadata))
+
+
+def _restore_aliases(path: str, tree: dict[str, TensorRef], metadata: dict[str, str]) -> None:
+    raw = metadata.get(ALIASES_KEY)
+    if raw is None:
+        return
+    try:
+        aliases = json.loads(raw)
+    except ValueError:
+        raise _damaged(path, f"its {ALIASES_KEY} metadata is not JSON") from None
+    if not isinstance(aliases, dict):
+        raise _damaged(path, f"its {ALIASES_KEY} metadata is not a JSON object")
+    for alias, target in aliases.items():
+        if not isinstance(target, str) or target not in tree or alias in tree:
+            raise _damaged(path, f"alias {alias!r} -> {target!r} does not match the tensors")
+        tree[alias] = tree[target]
+
+
+def write(
+    entries: Sequence[tuple[str, TensorRef]],
+    file: BinaryIO,
+    *,
+    metadata: Optional[dict[str, str]] = None,
+    write_tensor: Callable[[TensorRef, BinaryIO], Iterable[int]],
+) -> int:
+    """Write ``entries`` as one safetensors file; tied tensors are stored once.
+
+    Args:
+        entries: ``(key, tensor)`` pairs.
+        file: a binary file opened for writing, positioned at 0.
+        metadata: string metadata; ``{"format": "pt"}`` is always included.
+        write_tensor: writes one tensor's contiguous bytes to ``file`` and yields
+            byte counts as it goes (the fast copy path lives with the caller).
+
+    Returns:
+        The number of tensor bytes written.
+
+    Raises:
+        WriteError: a tensor's dtype has no safetensors equivalent.
+    """
+    kept: dict[TensorRef, str] = {}
+    aliases: dict[str, str] = {}
+    unique: list[tuple[str, TensorRef]] = []
+    for key, ref in entries:
+        if ref.out_dtype.safetensors is None:
+            raise WriteError(
+                f"tensor {key!r} is {ref.out_dtype.name}, which safetensors cannot store; "
+                "write a .pt file instead (--to pt)"
+            )
+        if ref in kept:
+            aliases[key] = kept[ref]
+            continue
+        kept[ref] = key
+        unique.append((key, ref))
+    # Largest element types first keeps every tensor aligned to its itemsize,
+    # as the safetensors library does.
+    unique.sort(key=lambda item: (-item[1].out_dtype.itemsize, item[0]))
+
+    header: dict[str, Any] = {}
+    all_metadata = {"format": "pt", **(metadata or {})}
+    if aliases:
+        all_metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
+    header["__metadata__"] = all_metadata
+    offset = 0
+    for key, ref in unique:
+        header[key] = {
+            "dtype": ref.out_dtype.safetensors,
+            "shape": list(ref.shape),
+            "data_offsets": [offset, offset + ref.nbytes],
+        }
+        offset += ref.nbytes
+    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    file.write(len(encoded).to_bytes(8, "little"))
+    file.write(encoded)
+    for key, ref in unique:
+        written = sum(write_tensor(ref, file))
+        if written != ref.nbytes:
+            raise AssertionError(f"tensor {key!r}: wrote {written} bytes, planned {ref.nbytes}")
+    return offset

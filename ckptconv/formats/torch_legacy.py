@@ -1,0 +1,165 @@
+"""torch's legacy checkpoint format (before 1.6, or ``_use_new_zipfile_serialization=False``).
+
+Layout (see ``torch/serialization.py``, ``_legacy_save`` and ``_legacy_load``)::
+
+    pickle  MAGIC_NUMBER (0x1950a86a20f9469cfc6c)
+    pickle  PROTOCOL_VERSION (1001)
+    pickle  sys_info ({"little_endian": ..., "type_sizes": ...})
+    pickle  the saved object; tensors refer to storages through persistent ids
+            ('storage', StorageType, root_key, location, numel, view_metadata)
+    pickle  the list of storage keys, in the order their bytes follow
+    then, per key: int64 element count, then the raw bytes
+
+The storages are read in place at their offsets, like the zip format's.
+The even older tar format (torch < 0.4) is recognised and refused.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from ..tensor import FileRegion, Storage, read_exactly
+from ..unpickler import ForeignGlobal, PickleTruncatedError, StorageType, TypedStorage, Unpickler
+from ._base import ReadResult, pickle_location
+
+__all__ = ["MAGIC_NUMBER", "looks_legacy", "read"]
+
+FORMAT = "torch-legacy"
+MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+PROTOCOL_VERSION = 1001
+# The magic number as torch.save's default protocol 2 writes it: PROTO 2, LONG1 10 bytes.
+_MAGIC_PICKLE = b"\x80\x02\x8a\x0a" + MAGIC_NUMBER.to_bytes(10, "little") + b"."
+
+_FIRST_READ = 1 << 20
+
+
+class _PendingRegion:
+    """Placeholder source until the storage key list tells where the bytes are."""
+
+    def read(self, start: int, length: int) -> bytes:
+        raise MalformedCheckpointError("storage bytes were never located; the legacy file is damaged")
+
+
+def looks_legacy(head: bytes) -> bool:
+    """True if ``head`` starts with the legacy magic-number pickle (any protocol)."""
+    if head.startswith(_MAGIC_PICKLE):
+        return True
+    if head[:1] != b"\x80":
+        return False
+    try:
+        return Unpickler(head[:64], source="").load() == MAGIC_NUMBER
+    except Exception:  # any failure just means "not this format"
+        return False
+
+
+def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
+    """Read a legacy torch checkpoint lazily.
+
+    The pickles come first and are usually small, so they are parsed from a
+    buffer that grows only if a pickle runs past it.
+    """
+    size = os.stat(path).st_size
+    buffer_size = min(size, _FIRST_READ)
+    with open(path, "rb") as file:
+        while True:
+            file.seek(0)
+            head = file.read(buffer_size)
+            try:
+                return _read_from(path, head, file.fileno(), size, max_items)
+            except PickleTruncatedError:
+                if buffer_size >= size:
+                    raise
+                buffer_size = min(size, buffer_size * 8)
+
+
+def _read_from(path: str, head: bytes, fd: int, size: int, max_items: Optional[int]) -> ReadResult:
+    limits = {} if max_items is None else {"max_items": max_items}
+
+    def next_pickle(start: int, **kwargs: Any) -> tuple[Any, Unpickler]:
+        unpickler = Unpickler(head, start=start, source=path, **kwargs, **limits)
+        return unpickler.load(), unpickler
+
+    magic, unpickler = next_pickle(0)
+    if magic != MAGIC_NUMBER:
+        raise UnsupportedFormatError(f"{path!r} is not a legacy torch checkpoint (wrong magic number)", path=path)
+    protocol, unpickler = next_pickle(unpickler.end)
+    if protocol != PROTOCOL_VERSION:
+        raise MalformedCheckpointError(
+            f"{path!r} is a legacy torch checkpoint of unknown protocol {protocol!r}", path=path
+        )
+    sys_info, unpickler = next_pickle(unpickler.end)
+    little_endian = not (isinstance(sys_info, dict) and sys_info.get("little_endian") is False)
+    byteorder = "little" if little_endian else "big"
+
+    storages: dict[str, Storage] = {}
+    itemsizes: dict[str, int] = {}
+    devices: set[str] = set()
+
+    def persistent_load(pid: Any) -> Any:
+        if not isinstance(pid, tuple) or not pid:
+            raise _damaged(path, f"it refers to {str(pid)[:80]!r}")
+        kind = pid[0].decode("ascii", "replace") if isinstance(pid[0], bytes) else pid[0]
+        if kind == "module" and len(pid) == 4:
+            # ('module', class, source file, source): the class the object needs.
+            return pid[1] if isinstance(pid[1], ForeignGlobal) else ForeignGlobal("unknown", "module")
+        if kind != "storage" or len(pid) != 6:
+            raise _damaged(path, f"it refers to {str(pid)[:80]!r} instead of a storage")
+        _, storage_type, root_key, location, numel, view_metadata = pid
+        if not isinstance(storage_type, StorageType) or not isinstance(root_key, str):
+            raise _damaged(path, f"storage reference {str(pid)[:80]!r} is malformed")
+        if type(numel) is not int or numel < 0:
+            raise _damaged(path, f"storage {root_key!r} has size {numel!r}")
+        dtype = storage_type.dtype
+        storage = storages.get(root_key)
+        if storage is None:
+            location_tag = pickle_location(location, path)
+            devices.add(location_tag)
+            storage = Storage(numel * dtype.itemsize, _PendingRegion(), location_tag, byteorder, root_key)  # type: ignore[arg-type]
+            storages[root_key] = storage
+            itemsizes[root_key] = dtype.itemsize
+        offset = 0
+        if view_metadata is not None:
+            if not (isinstance(view_metadata, tuple) and len(view_metadata) == 3):
+                raise _damaged(path, f"storage view {view_metadata!r} is malformed")
+            _view_key, offset, _view_size = view_metadata
+            if type(offset) is not int or offset < 0:
+                raise _damaged(path, f"storage view offset {offset!r} is invalid")
+        return TypedStorage(storage, dtype, offset)
+
+    tree, unpickler = next_pickle(unpickler.end, persistent_load=persistent_load)
+    foreign = unpickler.foreign_globals
+    keys, unpickler = next_pickle(unpickler.end)
+    if not isinstance(keys, list) or not all(isinstance(key, str) for key in keys):
+        raise _damaged(path, "its storage key list is not a list of names")
+
+    offset = unpickler.end
+    for key in keys:
+        storage = storages.get(key)
+        if storage is None:
+            raise _damaged(path, f"storage {key!r} is listed but never used")
+        header = read_exactly(fd, offset, 8, path) if offset + 8 <= size else b""
+        if len(header) != 8:
+            raise MalformedCheckpointError(
+                f"{path!r} is truncated: storage {key!r} is missing; the file is incomplete", path=path
+            )
+        count = int.from_bytes(header, byteorder, signed=True)
+        if count != storage.nbytes // itemsizes[key]:
+            raise _damaged(path, f"storage {key!r} holds {count} elements, the pickle says otherwise")
+        data_offset = offset + 8
+        if data_offset + storage.nbytes > size:
+            raise MalformedCheckpointError(
+                f"{path!r} is truncated: storage {key!r} ends past the end of the file", path=path
+            )
+        # The storage was created before its offset was known; set it now, once.
+        object.__setattr__(storage, "source", FileRegion(path, data_offset))
+        offset = data_offset + storage.nbytes
+    missing = [key for key, storage in storages.items() if isinstance(storage.source, _PendingRegion)]
+    if missing:
+        raise _damaged(path, f"storage {missing[0]!r} is used but its bytes are not in the file")
+    return ReadResult(FORMAT, tree, foreign, frozenset(devices))
+
+
+def _damaged(path: str, detail: str) -> MalformedCheckpointError:
+    return MalformedCheckpointError(f"{path!r} is a damaged legacy torch checkpoint: {detail}", path=path)

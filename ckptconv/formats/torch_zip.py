@@ -1,0 +1,479 @@
+"""torch's zip checkpoint format (torch.save since 1.6): reading and writing.
+
+Layout (see ``torch/serialization.py``, ``_save`` and ``_load``)::
+
+    <root>/data.pkl            pickle of the saved object; tensors refer to storages
+                               through persistent ids ('storage', StorageType, key, location, numel)
+    <root>/data/<key>          each storage's raw little-endian bytes, stored uncompressed,
+                               64-byte aligned
+    <root>/byteorder           "little" or "big" (absent in old files: little)
+    <root>/version, .format_version, .storage_alignment, .data/serialization_id
+
+``<root>`` is whatever the writer chose: ``archive`` for buffers, the file's
+stem for paths in torch 1.6 - 2.x, anything in files made by other tools.
+TorchScript archives use the same container plus ``constants.pkl`` and
+``code/``; they are recognised and refused.
+
+Reading never copies storage bytes: each storage becomes a
+:class:`~ckptconv.tensor.FileRegion` at the record's offset in the file.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, Optional
+
+from ..dtypes import DType
+from ..errors import LoadError, MalformedCheckpointError, UnsupportedFormatError
+from ..tensor import FileRegion, Storage, TensorRef, ZipMember
+from ..unpickler import StorageType, TypedStorage, Unpickler
+from ._base import ReadResult, pickle_location
+
+__all__ = ["read", "write"]
+
+FORMAT = "torch-zip"
+
+# data.pkl holds structure, not tensor bytes; a larger one is not a checkpoint.
+MAX_PICKLE_BYTES = 2 << 30
+
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, struct.error, EOFError, OverflowError,
+               NotImplementedError, KeyError, IndexError)
+
+
+def _damaged(path: str, detail: str) -> MalformedCheckpointError:
+    return MalformedCheckpointError(f"{path!r} is a damaged zip checkpoint: {detail}", path=path)
+
+
+def find_root(names: Iterable[str], path: str) -> str:
+    """The archive's root folder (with trailing slash), e.g. ``"archive/"``.
+
+    Raises:
+        UnsupportedFormatError: a TorchScript archive, a numpy ``.npz``, or a zip
+            that holds no ``<root>/data.pkl``.
+    """
+    names = list(names)
+    roots = sorted({name[: -len("data.pkl")] for name in names if name.endswith("/data.pkl") and name.count("/") == 1})
+    if len(roots) > 1:
+        raise _damaged(path, f"it has {len(roots)} root folders with data.pkl ({', '.join(roots)})")
+    if not roots:
+        if any(name.endswith(".npy") for name in names):
+            raise UnsupportedFormatError(
+                f"{path!r} is a numpy .npz archive, not a PyTorch checkpoint; load it with numpy.load",
+                path=path,
+            )
+        raise UnsupportedFormatError(
+            f"{path!r} is a zip archive but not a PyTorch checkpoint (it has no <folder>/data.pkl)",
+            path=path,
+        )
+    root = roots[0]
+    if f"{root}constants.pkl" in names or any(name.startswith(f"{root}code/") for name in names):
+        raise UnsupportedFormatError(
+            f"{path!r} is a TorchScript archive (torch.jit.save), not a checkpoint; load it with "
+            "torch.jit.load and save model.state_dict() with torch.save to convert it",
+            path=path,
+        )
+    return root
+
+
+def record_data_offset(file: BinaryIO, info: zipfile.ZipInfo, path: str) -> int:
+    """Offset of a member's first data byte, read from its local header."""
+    file.seek(info.header_offset)
+    header = file.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise _damaged(path, f"the local header of {info.filename!r} is missing")
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_length + extra_length
+
+
+def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
+    """Read a torch zip checkpoint lazily.
+
+    Raises:
+        LoadError: the archive is not a torch checkpoint, is damaged, or is unsafe.
+    """
+    try:
+        archive = zipfile.ZipFile(path)
+    except _ZIP_ERRORS as error:
+        raise _damaged(path, f"its zip directory cannot be read ({error})") from None
+    with archive, open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        infos = {info.filename: info for info in archive.infolist()}
+        root = find_root(infos, path)
+        pickle_info = infos[f"{root}data.pkl"]
+        if pickle_info.file_size > MAX_PICKLE_BYTES:
+            raise _damaged(path, f"data.pkl claims {pickle_info.file_size} bytes")
+        try:
+            data = archive.read(pickle_info)
+            byteorder_info = infos.get(f"{root}byteorder")
+            byteorder = archive.read(byteorder_info).decode("ascii", "replace") if byteorder_info else "little"
+        except _ZIP_ERRORS as error:
+            raise _damaged(path, f"data.pkl cannot be read ({error})") from None
+        if byteorder not in ("little", "big"):
+            raise _damaged(path, f"its byteorder record says {byteorder!r}")
+
+        storages: dict[str, Storage] = {}
+        devices: set[str] = set()
+
+        def persistent_load(pid: Any) -> TypedStorage:
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
+                raise _damaged(path, f"data.pkl refers to {str(pid)[:80]!r} instead of a storage")
+            _, storage_type, key, location, numel = pid
+            if not isinstance(storage_type, StorageType):
+                raise _damaged(path, f"a storage has type {storage_type!r}")
+            if not isinstance(key, str) or type(numel) is not int or numel < 0:
+                raise _damaged(path, f"storage reference {str(pid)[:80]!r} is malformed")
+            dtype = storage_type.dtype
+            storage = storages.get(key)
+            if storage is None:
+                name = f"{root}data/{key}"
+                info = infos.get(name)
+                if info is None:
+                    raise _damaged(path, f"storage record {name!r} is missing")
+                nbytes = numel * dtype.itemsize
+                if info.file_size != nbytes:
+                    raise _damaged(
+                        path, f"record {name!r} holds {info.file_size} bytes but data.pkl expects {nbytes}"
+                    )
+                if info.compress_type == zipfile.ZIP_STORED:
+                    offset = record_data_offset(file, info, path)
+                    if offset + nbytes > size:
+                        raise MalformedCheckpointError(
+                            f"{path!r} is truncated: storage {name!r} ends past the end of the file",
+                            path=path,
+                        )
+                    source: Any = FileRegion(path, offset)
+                else:
+                    source = ZipMember(path, name)
+                location_tag = pickle_location(location, path)
+                devices.add(location_tag)
+                storage = Storage(nbytes, source, location_tag, byteorder, name)
+                storages[key] = storage
+            return TypedStorage(storage, dtype)
+
+        unpickler = Unpickler(data, persistent_load=persistent_load, source=path, **_limits(max_items))
+        tree = unpickler.load()
+    return ReadResult(FORMAT, tree, unpickler.foreign_globals, frozenset(devices))
+
+
+def _limits(max_items: Optional[int]) -> dict[str, int]:
+    return {} if max_items is None else {"max_items": max_items}
+
+
+# ---------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------
+
+ALIGNMENT = 64
+ROOT = "archive"
+_ZIP64_LIMIT = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class PlannedStorage:
+    """One storage record of the output: a byte range of a source storage, maybe cast.
+
+    Attributes:
+        source: the storage the bytes come from.
+        start: first byte in ``source``.
+        stop: one past the last byte in ``source``.
+        dtype: element type of the source bytes.
+        out_dtype: element type written (differs from ``dtype`` under a cast).
+        allow_overflow: under a cast, whether values may overflow to inf.
+    """
+
+    source: Storage
+    start: int
+    stop: int
+    dtype: DType
+    out_dtype: DType
+    allow_overflow: bool = False
+
+    @property
+    def numel(self) -> int:
+        return (self.stop - self.start) // self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.out_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    key: str
+    storage_index: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: DType
+
+
+def plan_storages(entries: Sequence[tuple[str, TensorRef]]) -> tuple[list[PlannedStorage], list[PlannedTensor]]:
+    """Decide which bytes become which output storage; pure, no I/O.
+
+    Tensors that overlap in their source storage share one output storage
+    (tied weights and views stay tied); bytes no tensor touches are left out,
+    so a small view of a huge tensor costs only its own bytes
+    (pytorch/pytorch#53419).
+    """
+    groups: dict[tuple[int, str, str, bool], list[tuple[int, str, TensorRef]]] = {}
+    order: list[tuple[int, str, str, bool]] = []
+    for index, (key, ref) in enumerate(entries):
+        group_key = (id(ref.storage), ref.dtype.name, ref.out_dtype.name, ref.allow_overflow)
+        if group_key not in groups:
+            groups[group_key] = []
+            order.append(group_key)
+        groups[group_key].append((index, key, ref))
+
+    storages: list[PlannedStorage] = []
+    planned: list[Optional[PlannedTensor]] = [None] * len(entries)
+    for group_key in order:
+        members = sorted(groups[group_key], key=lambda m: m[2].byte_span)
+        current: list[tuple[int, str, TensorRef]] = []
+        current_stop = -1
+
+        def flush() -> None:
+            if not current:
+                return
+            first = current[0][2]
+            start = min(m[2].byte_span[0] for m in current)
+            stop = max(m[2].byte_span[1] for m in current)
+            storages.append(
+                PlannedStorage(first.storage, start, stop, first.dtype, first.out_dtype, first.allow_overflow)
+            )
+            itemsize = first.dtype.itemsize
+            for index, key, ref in current:
+                planned[index] = PlannedTensor(
+                    key, len(storages) - 1, ref.offset - start // itemsize, ref.shape, ref.stride, ref.out_dtype
+                )
+            current.clear()
+
+        for member in members:
+            span_start, span_stop = member[2].byte_span
+            empty = span_start == span_stop
+            if current and (empty or span_start >= current_stop):
+                flush()
+            current.append(member)
+            current_stop = max(current_stop, span_stop) if not empty else -1
+            if empty:
+                flush()
+        flush()
+    return storages, [p for p in planned if p is not None]
+
+
+class _PickleWriter:
+    """Writes the protocol-2 pickle torch.save would write for a dict of tensors."""
+
+    def __init__(self) -> None:
+        self.out = bytearray(b"\x80\x02")
+        self.memo: dict[str, int] = {}
+
+    def _int(self, value: int) -> None:
+        if 0 <= value < 0x100:
+            self.out += b"K" + bytes([value])
+        elif 0 <= value < 0x10000:
+            self.out += b"M" + struct.pack("<H", value)
+        elif -0x80000000 <= value < 0x80000000:
+            self.out += b"J" + struct.pack("<i", value)
+        else:
+            raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+            self.out += b"\x8a" + bytes([len(raw)]) + raw
+
+    def _str(self, value: str) -> None:
+        raw = value.encode("utf-8", "surrogatepass")
+        self.out += b"X" + struct.pack("<I", len(raw)) + raw
+
+    def _global(self, module: str, name: str) -> None:
+        full = f"{module}\n{name}\n"
+        slot = self.memo.get(full)
+        if slot is not None:
+            self.out += b"h" + bytes([slot]) if slot < 256 else b"j" + struct.pack("<I", slot)
+            return
+        self.out += b"c" + full.encode("ascii")
+        slot = len(self.memo)
+        self.memo[full] = slot
+        self.out += b"q" + bytes([slot]) if slot < 256 else b"r" + struct.pack("<I", slot)
+
+    def _int_tuple(self, values: tuple[int, ...]) -> None:
+        if not values:
+            self.out += b")"
+            return
+        if len(values) > 3:
+            self.out += b"("
+        for value in values:
+            self._int(value)
+        self.out += {1: b"\x85", 2: b"\x86", 3: b"\x87"}.get(len(values), b"t")
+
+    def tensor(self, tensor: PlannedTensor, storage: PlannedStorage, storage_key: str) -> None:
+        typed = tensor.dtype.storage_class is not None
+        self._global("torch._utils", "_rebuild_tensor_v2" if typed else "_rebuild_tensor_v3")
+        self.out += b"("  # MARK: rebuild arguments
+        self.out += b"("  # MARK: persistent id
+        self._str("storage")
+        if typed:
+            self._global("torch", tensor.dtype.storage_class or "")
+            numel = storage.nbytes // tensor.dtype.itemsize
+        else:
+            self._global("torch.storage", "UntypedStorage")
+            numel = storage.nbytes
+        self._str(storage_key)
+        self._str("cpu")
+        self._int(numel)
+        self.out += b"tQ"  # TUPLE, BINPERSID
+        self._int(tensor.offset)
+        self._int_tuple(tensor.shape)
+        self._int_tuple(tensor.stride)
+        self.out += b"\x89"  # requires_grad=False
+        self._global("collections", "OrderedDict")
+        self.out += b")R"  # OrderedDict() for backward hooks
+        if not typed:
+            self._global("torch", tensor.dtype.name)
+        self.out += b"tR"
+
+    def state_dict(self, tensors: Sequence[PlannedTensor], storages: Sequence[PlannedStorage]) -> bytes:
+        self.out += b"}"  # EMPTY_DICT
+        for batch_start in range(0, len(tensors), 1000):
+            self.out += b"("
+            for tensor in tensors[batch_start : batch_start + 1000]:
+                self._str(tensor.key)
+                self.tensor(tensor, storages[tensor.storage_index], str(tensor.storage_index))
+            self.out += b"u"  # SETITEMS
+        self.out += b"."
+        return bytes(self.out)
+
+
+class _ZipWriter:
+    """A minimal zip writer with torch's 64-byte data alignment and ZIP64 support."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, header offset
+
+    def _local_header(self, name: bytes, size: int, crc: int, offset: int) -> bytes:
+        zip64 = size >= _ZIP64_LIMIT
+        extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
+        data_start = offset + 30 + len(name) + len(extra)
+        padding = -data_start % ALIGNMENT
+        if padding:
+            if padding < 4:
+                padding += ALIGNMENT
+            extra += struct.pack("<HH", 0x4246, padding - 4) + b"Z" * (padding - 4)  # torch's "FB" pad
+        field_size = _ZIP64_LIMIT if zip64 else size
+        version = 45 if zip64 else 20
+        return (
+            struct.pack("<IHHHHHIIIHH", 0x04034B50, version, 0, 0, 0, 0x21, crc, field_size, field_size,
+                        len(name), len(extra))
+            + name
+            + extra
+        )
+
+    def write_record(self, name: str, chunks: Iterable[bytes], size: int) -> None:
+        encoded = name.encode("utf-8")
+        offset = self.file.tell()
+        header = self._local_header(encoded, size, 0, offset)
+        self.file.write(header)
+        crc = 0
+        written = 0
+        for chunk in chunks:
+            crc = zlib.crc32(chunk, crc)
+            written += len(chunk)
+            self.file.write(chunk)
+        if written != size:
+            raise AssertionError(f"record {name} wrote {written} bytes, planned {size}")
+        end = self.file.tell()
+        self.file.seek(offset + 14)
+        self.file.write(struct.pack("<I", crc))
+        self.file.seek(end)
+        self.entries.append((encoded, crc, size, offset))
+
+    def close(self) -> None:
+        directory_start = self.file.tell()
+        for name, crc, size, offset in self.entries:
+            extra_fields = []
+            if size >= _ZIP64_LIMIT:
+                extra_fields += [size, size]
+            if offset >= _ZIP64_LIMIT:
+                extra_fields.append(offset)
+            extra = (
+                struct.pack("<HH", 0x0001, 8 * len(extra_fields)) + struct.pack(f"<{len(extra_fields)}Q", *extra_fields)
+                if extra_fields
+                else b""
+            )
+            zip64 = bool(extra_fields)
+            field_size = _ZIP64_LIMIT if size >= _ZIP64_LIMIT else size
+            field_offset = _ZIP64_LIMIT if offset >= _ZIP64_LIMIT else offset
+            self.file.write(
+                struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if zip64 else 20, 45 if zip64 else 20, 0, 0,
+                            0, 0x21, crc, field_size, field_size, len(name), len(extra), 0, 0, 0, 0, field_offset)
+                + name
+                + extra
+            )
+        directory_end = self.file.tell()
+        directory_size = directory_end - directory_start
+        count = len(self.entries)
+        if count >= 0xFFFF or directory_start >= _ZIP64_LIMIT or directory_size >= _ZIP64_LIMIT:
+            self.file.write(
+                struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, directory_size,
+                            directory_start)
+            )
+            self.file.write(struct.pack("<IIQI", 0x07064B50, 0, directory_end, 1))
+            self.file.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _ZIP64_LIMIT,
+                                        _ZIP64_LIMIT, 0))
+        else:
+            self.file.write(
+                struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, directory_size, directory_start, 0)
+            )
+
+
+def write(
+    entries: Sequence[tuple[str, TensorRef]],
+    file: BinaryIO,
+    *,
+    read_storage: Callable[[PlannedStorage], Iterable[bytes]],
+    on_bytes: Optional[Callable[[int], None]] = None,
+) -> int:
+    """Write ``entries`` as a torch zip checkpoint that ``torch.load(weights_only=True)`` reads.
+
+    Args:
+        entries: ``(key, tensor)`` pairs in output order.
+        file: a seekable binary file opened for writing.
+        read_storage: yields the bytes of one planned storage (cast applied).
+        on_bytes: called with the number of tensor bytes after each chunk.
+
+    Returns:
+        The number of tensor bytes written.
+    """
+    storages, tensors = plan_storages(entries)
+    pickle_bytes = _PickleWriter().state_dict(tensors, storages)
+    writer = _ZipWriter(file)
+    writer.write_record(f"{ROOT}/data.pkl", [pickle_bytes], len(pickle_bytes))
+    writer.write_record(f"{ROOT}/.format_version", [b"1"], 1)
+    writer.write_record(f"{ROOT}/.storage_alignment", [str(ALIGNMENT).encode()], len(str(ALIGNMENT)))
+    writer.write_record(f"{ROOT}/byteorder", [b"little"], 6)
+    total = 0
+    for index, storage in enumerate(storages):
+        def counted(chunks: Iterable[bytes]) -> Iterable[bytes]:
+            for chunk in chunks:
+                if on_bytes is not None:
+                    on_bytes(len(chunk))
+                yield chunk
+
+        writer.write_record(f"{ROOT}/data/{index}", counted(read_storage(storage)), storage.nbytes)
+        total += storage.nbytes
+    writer.write_record(f"{ROOT}/version", [b"3\n"], 2)
+    serialization_id = os.urandom(20).hex().encode()
+    writer.write_record(f"{ROOT}/.data/serialization_id", [serialization_id], len(serialization_id))
+    writer.close()
+    return total
+
+
+def is_zip(head: bytes) -> bool:
+    return head[:4] in (b"PK\x03\x04", b"PK\x05\x06")
+
+
+def read_error(path: str, error: Exception) -> LoadError:
+    return _damaged(path, str(error))

@@ -1,0 +1,200 @@
+"""Load: open any checkpoint safely on the CPU, lazily.
+
+:func:`open` detects the format from the file's content, reads only its
+structure (the pickle, or the safetensors header) and returns a
+:class:`Checkpoint` whose tensors are :class:`~ckptconv.tensor.TensorRef`
+references into the file. No code from the file runs: see
+:mod:`ckptconv.unpickler`. :func:`load` is the drop-in for
+``torch.load(path, map_location="cpu")`` that users want most: the model
+weights as real torch tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from . import formats
+from .errors import LoadError
+from .formats._base import ReadResult
+from .selection import Selection, select_weights
+from .tensor import TensorRef
+from .unpickler import ForeignObject, NumpyArray
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Checkpoint", "load", "open"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint file, opened lazily: its structure is in memory, its tensor bytes are not.
+
+    Attributes:
+        path: the file.
+        format: ``"torch-zip"``, ``"torch-legacy"``, ``"safetensors"`` or ``"pickle"``.
+        tree: the object the file holds. Tensors are :class:`TensorRef`; objects of
+            classes ckptconv does not resolve are inert
+            :class:`~ckptconv.unpickler.ForeignObject` stand-ins.
+        foreign_globals: the classes and functions that became stand-ins, with
+            how many objects each built. Nothing named here was imported or called.
+        saved_devices: devices the tensors were saved from (``{"cuda:1"}``); they
+            are always loaded on the CPU.
+        metadata: the file's string metadata (safetensors ``__metadata__``).
+        size: the file's size in bytes.
+        trusted: True when the file was unpickled by torch with ``trust=True``.
+    """
+
+    path: str
+    format: str
+    tree: Any = field(repr=False)
+    foreign_globals: Mapping[str, int] = field(default_factory=dict)
+    saved_devices: frozenset[str] = frozenset()
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    size: int = 0
+    trusted: bool = False
+
+    def select(self, select: Optional[str] = None) -> Selection:
+        """The model weights in this checkpoint; see :func:`ckptconv.selection.select_weights`."""
+        return select_weights(self.tree, select, source=repr(self.path))
+
+    def tensors(self) -> Iterator[tuple[str, TensorRef]]:
+        """Every tensor anywhere in the file, with its dotted path, depth first."""
+        seen: set[int] = set()
+        stack: list[tuple[str, Any]] = [("", self.tree)]
+        while stack:
+            path, value = stack.pop()
+            if isinstance(value, TensorRef):
+                yield path, value
+                continue
+            if isinstance(value, NumpyArray):
+                if value.tensor is not None:
+                    yield path, value.tensor
+                continue
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            children: list[tuple[Any, Any]] = []
+            if isinstance(value, Mapping):
+                children = list(value.items())
+            elif isinstance(value, (list, tuple)):
+                children = list(enumerate(value))
+            elif isinstance(value, ForeignObject):
+                children = list(value.attributes().items()) + list(value.items.items())
+                children += list(enumerate(value.list_items))
+            for key, child in reversed(children):
+                stack.append((f"{path}.{key}" if path else str(key), child))
+
+
+def open(path: PathLike, *, trust: bool = False) -> Checkpoint:  # noqa: A001 - mirrors tarfile.open
+    """Open a checkpoint lazily and safely, whatever device it was saved on.
+
+    Args:
+        path: a ``torch.save`` file (zip or legacy format), a pickle, or a safetensors file.
+        trust: **dangerous**: unpickle with ``torch.load(weights_only=False)``, which
+            runs whatever code the file contains. Only for files you made yourself
+            whose objects need their real classes.
+
+    Returns:
+        A :class:`Checkpoint` holding the file's structure and lazy tensors.
+
+    Raises:
+        LoadError: the file is missing, not a checkpoint, damaged, or unsafe.
+
+    Example:
+        >>> ckpt = ckptconv.open("train.pth")            # doctest: +SKIP
+        >>> ckpt.select().weights["conv1.weight"].shape  # doctest: +SKIP
+        (64, 3, 7, 7)
+    """
+    path = os.fspath(path)
+    kind = formats.detect(path)
+    if trust:
+        result = _read_trusted(path, kind)
+    else:
+        result = formats.READERS[kind](path)
+    return Checkpoint(
+        path=path,
+        format=result.format,
+        tree=result.tree,
+        foreign_globals=dict(sorted(result.foreign_globals.items())),
+        saved_devices=result.saved_devices,
+        metadata=result.metadata,
+        size=os.stat(path).st_size,
+        trusted=trust,
+    )
+
+
+def load(
+    path: PathLike,
+    *,
+    select: Optional[str] = None,
+    trust: bool = False,
+    device: Optional[str] = None,
+) -> dict[str, torch.Tensor]:
+    """The model weights of a checkpoint as torch tensors: a safe ``torch.load``.
+
+    Finds the weights inside training checkpoints (see :mod:`ckptconv.selection`),
+    loads GPU-saved files on a CPU-only machine, and never runs code from the
+    file. Tensors that shared memory in the file share it in the result.
+
+    Args:
+        path: the checkpoint.
+        select: where the weights are (``"state_dict_ema"``); searched when None.
+        trust: see :func:`open`. Dangerous.
+        device: where to put the tensors; the CPU when None.
+
+    Returns:
+        A dict of names to tensors, ready for ``model.load_state_dict``.
+
+    Example:
+        >>> model.load_state_dict(ckptconv.load("dp_model.pkl"))  # doctest: +SKIP
+    """
+    from ._torch import to_torch
+
+    checkpoint = open(path, trust=trust)
+    return to_torch(checkpoint.select(select).weights, device=device)
+
+
+def _read_trusted(path: str, kind: str) -> ReadResult:
+    """Unpickle with torch itself; for trusted files only."""
+    if kind == "safetensors":
+        return formats.READERS[kind](path)
+    import torch
+
+    from ._torch import from_torch
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # torch raises anything from the file's own code
+        raise LoadError(f"torch.load failed on {path!r} even with --trust: {error}", path=path) from None
+    cache: dict[Any, Any] = {}
+    seen: dict[int, Any] = {}
+
+    def convert(value: Any, depth: int = 0) -> Any:
+        if depth > 200:
+            return value
+        if isinstance(value, torch.Tensor):
+            return from_torch(value, cache)
+        if isinstance(value, torch.nn.Module):
+            return convert(value.state_dict(), depth + 1)
+        if id(value) in seen:
+            return seen[id(value)]
+        if isinstance(value, dict):
+            converted = type(value)() if type(value) in (dict,) else {}
+            seen[id(value)] = converted
+            for key, item in value.items():
+                converted[key] = convert(item, depth + 1)
+            return converted
+        if isinstance(value, (list, tuple)):
+            items = [convert(item, depth + 1) for item in value]
+            return items if isinstance(value, list) else tuple(items)
+        return value
+
+    return ReadResult(kind, convert(obj), Counter(), frozenset())
+

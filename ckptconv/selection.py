@@ -1,0 +1,375 @@
+"""Select: find the model weights inside whatever a checkpoint holds.
+
+A checkpoint is a state dict, or a training checkpoint that nests one beside
+optimizer state, EMA copies and hyperparameters, or a whole pickled module.
+:func:`select_weights` finds the weights with a documented search order:
+
+1. The file itself, if it is a state dict (a mapping of names to tensors).
+2. A whole pickled ``nn.Module`` (``torch.save(model)``): its parameters and
+   persistent buffers, named as ``model.state_dict()`` would name them.
+3. Otherwise every state dict or module nested up to five levels deep,
+   skipping optimizer, scheduler and RNG state, ranked by the key they sit
+   under: ``state_dict``, ``model_state_dict``, ``model_state``, ``model``,
+   ``module``, ``net``, ``network``, ``weights``, ``params`` (in that order;
+   nested ones such as ``model`` → ``state_dict`` count under their top key).
+   With none of those, a single candidate is taken and several are an error
+   that lists them.
+4. EMA / averaged copies (``state_dict_ema``, ``model_ema``, ``ema``,
+   ``params_ema``, ``shadow``, SWA ...) are never preferred: they are picked
+   only when they are the only weights, and the selection's ``note`` always
+   names them so the caller can say which copy was used.
+
+An explicit ``select="state_dict_ema"`` (a dotted path; keys that contain dots
+are matched whole) or ``select="ema"`` overrides the search.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from .errors import SelectionError
+from .tensor import TensorRef
+from .unpickler import ForeignObject, NumpyArray
+
+__all__ = ["Selection", "as_state_dict", "module_state_dict", "select_weights"]
+
+PRIMARY_KEYS = ("state_dict", "model_state_dict", "model_state", "model", "module", "net", "network", "weights",
+                "params")
+_EMA_TOKENS = frozenset({"ema", "shadow", "swa", "averaged", "avg"})
+_SKIPPED_TOKENS = frozenset(
+    {"optimizer", "optimizers", "optim", "optimizer_states", "scheduler", "schedulers", "lr_scheduler",
+     "lr_schedulers", "scaler", "grad_scaler", "amp", "rng", "rng_state", "rng_states", "random_state", "loops"}
+)
+_MAX_DEPTH = 5
+_MAX_MODULE_DEPTH = 256
+
+PathPart = Union[str, int]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The weights picked from a checkpoint.
+
+    Attributes:
+        weights: names to lazy tensors, in the checkpoint's order.
+        path: where they were found, e.g. ``("state_dict",)``; ``()`` for the file itself.
+        kind: ``"state_dict"`` or ``"module"`` (a whole pickled ``nn.Module``).
+        alternatives: other places that hold weights, e.g. ``("state_dict_ema (EMA)",)``.
+        skipped: keys of non-tensor entries left out of ``weights``.
+        note: one sentence for the user when the choice deserves a mention, else "".
+    """
+
+    weights: dict[str, TensorRef]
+    path: tuple[PathPart, ...] = ()
+    kind: str = "state_dict"
+    alternatives: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
+    note: str = ""
+    is_ema: bool = False
+
+    @property
+    def where(self) -> str:
+        """The path as text (``"state_dict"``, ``"model.state_dict"``), ``""`` for the whole file."""
+        return format_path(self.path)
+
+
+def format_path(path: tuple[PathPart, ...]) -> str:
+    return ".".join(str(part) for part in path)
+
+
+def as_tensor(value: Any) -> Optional[TensorRef]:
+    """``value`` as a lazy tensor if it is one (a tensor or a numeric numpy array)."""
+    if isinstance(value, TensorRef):
+        return value
+    if isinstance(value, NumpyArray):
+        return value.tensor
+    return None
+
+
+def _mapping_items(value: Any) -> Optional[list[tuple[Any, Any]]]:
+    if isinstance(value, Mapping):
+        return list(value.items())
+    if isinstance(value, ForeignObject) and value.items and not value.list_items:
+        return list(value.items.items())  # a dict subclass from foreign code (EasyDict, ...)
+    return None
+
+
+def as_state_dict(value: Any) -> Optional[tuple[dict[str, TensorRef], tuple[str, ...]]]:
+    """``(weights, skipped keys)`` if ``value`` is a state dict, else None.
+
+    A state dict maps string keys to tensors. ``None`` values and
+    ``*_extra_state`` entries (module extra state) are tolerated and skipped.
+    """
+    items = _mapping_items(value)
+    if not items:
+        return None
+    weights: dict[str, TensorRef] = {}
+    skipped: list[str] = []
+    for key, item in items:
+        if not isinstance(key, str):
+            return None
+        tensor = as_tensor(item)
+        if tensor is not None:
+            weights[key] = tensor
+        elif item is None or key.endswith("_extra_state"):
+            skipped.append(key)
+        else:
+            return None
+    if not weights:
+        return None
+    return weights, tuple(skipped)
+
+
+def is_module(value: Any) -> bool:
+    """True for a stand-in of a pickled ``nn.Module`` (it has ``_parameters`` and ``_modules``)."""
+    if not isinstance(value, ForeignObject):
+        return False
+    attributes = value.attributes()
+    return isinstance(attributes.get("_parameters"), Mapping) and isinstance(attributes.get("_modules"), Mapping)
+
+
+def module_state_dict(module: ForeignObject) -> tuple[dict[str, TensorRef], tuple[str, ...]]:
+    """What ``module.state_dict()`` would return, read from a pickled module's stand-in.
+
+    Parameters, then persistent buffers, then each child's, depth first, exactly
+    as ``nn.Module.state_dict`` orders them.
+    """
+    weights: dict[str, TensorRef] = {}
+    skipped: list[str] = []
+    visiting: set[int] = set()
+
+    def visit(node: ForeignObject, prefix: str, depth: int) -> None:
+        if depth > _MAX_MODULE_DEPTH or id(node) in visiting:
+            raise SelectionError(f"module {prefix[:-1] or 'root'!r} is nested too deeply or contains itself")
+        visiting.add(id(node))
+        attributes = node.attributes()
+        non_persistent = attributes.get("_non_persistent_buffers_set") or ()
+        for group in ("_parameters", "_buffers"):
+            entries = attributes.get(group)
+            if not isinstance(entries, Mapping):
+                continue
+            for name, value in entries.items():
+                if not isinstance(name, str) or value is None:
+                    continue
+                if group == "_buffers" and isinstance(non_persistent, (set, frozenset, list)) and name in non_persistent:
+                    continue
+                tensor = as_tensor(value)
+                if tensor is None:
+                    skipped.append(prefix + name)
+                else:
+                    weights[prefix + name] = tensor
+        children = attributes.get("_modules")
+        if isinstance(children, Mapping):
+            for name, child in children.items():
+                if isinstance(name, str) and is_module(child):
+                    visit(child, f"{prefix}{name}.", depth + 1)
+        visiting.discard(id(node))
+
+    visit(module, "", 0)
+    return weights, tuple(skipped)
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    path: tuple[PathPart, ...]
+    weights: dict[str, TensorRef] = field(repr=False)
+    skipped: tuple[str, ...]
+    kind: str
+
+    @property
+    def is_ema(self) -> bool:
+        return any(_is_ema_name(part) for part in self.path if isinstance(part, str))
+
+    @property
+    def label(self) -> str:
+        text = format_path(self.path) or "(the whole file)"
+        return f"{text} (EMA)" if self.is_ema else text
+
+
+def _tokens(name: str) -> set[str]:
+    return {token for token in re.split(r"[^a-z0-9]+", name.lower()) if token}
+
+
+def _is_ema_name(name: str) -> bool:
+    return bool(_tokens(name) & _EMA_TOKENS)
+
+
+def _is_skipped_name(name: str) -> bool:
+    lowered = name.lower()
+    return lowered in _SKIPPED_TOKENS or lowered.startswith(("optimizer", "optim_"))
+
+
+def _as_candidate(value: Any, path: tuple[PathPart, ...]) -> Optional[_Candidate]:
+    found = as_state_dict(value)
+    if found is not None:
+        return _Candidate(path, found[0], found[1], "state_dict")
+    if is_module(value):
+        weights, skipped = module_state_dict(value)
+        if weights:
+            return _Candidate(path, weights, skipped, "module")
+    return None
+
+
+def _children(value: Any) -> list[tuple[PathPart, Any]]:
+    items = _mapping_items(value)
+    if items is not None:
+        return [(key, item) for key, item in items if isinstance(key, (str, int))]
+    if isinstance(value, (list, tuple)):
+        return list(enumerate(value))
+    if isinstance(value, ForeignObject):
+        children: list[tuple[PathPart, Any]] = list(value.attributes().items())
+        children += list(enumerate(value.list_items))
+        return children
+    return []
+
+
+def _candidates(root: Any, base: tuple[PathPart, ...]) -> list[_Candidate]:
+    found: list[_Candidate] = []
+    seen: set[int] = set()
+    level: list[tuple[tuple[PathPart, ...], Any]] = [(base, root)]
+    for _depth in range(_MAX_DEPTH + 1):
+        next_level: list[tuple[tuple[PathPart, ...], Any]] = []
+        for path, value in level:
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            candidate = _as_candidate(value, path)
+            if candidate is not None:
+                found.append(candidate)
+                continue
+            for key, child in _children(value):
+                if isinstance(key, str) and _is_skipped_name(key):
+                    continue
+                next_level.append(((*path, key), child))
+        level = next_level
+    return found
+
+
+def _primary_rank(candidate: _Candidate, base: int) -> Optional[int]:
+    if len(candidate.path) <= base:
+        return None
+    first = candidate.path[base]
+    return PRIMARY_KEYS.index(first) if isinstance(first, str) and first in PRIMARY_KEYS else None
+
+
+def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: str) -> Selection:
+    if not candidates:
+        where = f" under {format_path(base)!r}" if base else ""
+        raise SelectionError(
+            f"{source} holds no state dict or model{where}; run `ckptconv inspect` to see what it contains"
+        )
+    ordinary = [c for c in candidates if not c.is_ema]
+    averaged = [c for c in candidates if c.is_ema]
+    chosen: Optional[_Candidate] = None
+    if ordinary:
+        ranked = [(rank, len(c.path), i, c) for i, c in enumerate(ordinary)
+                  if (rank := _primary_rank(c, len(base))) is not None]
+        if ranked:
+            ranked.sort(key=lambda item: item[:3])
+            best = ranked[0]
+            ties = [item for item in ranked if item[:2] == best[:2]]
+            if len(ties) == 1:
+                chosen = best[3]
+            else:
+                _ambiguous([item[3] for item in ties], source)
+        elif len(ordinary) == 1:
+            chosen = ordinary[0]
+        else:
+            _ambiguous(candidates, source)
+    elif len(averaged) == 1:
+        chosen = averaged[0]
+    else:
+        _ambiguous(candidates, source)
+    assert chosen is not None
+    others = tuple(c.label for c in candidates if c is not chosen)
+    note = ""
+    if chosen.is_ema:
+        note = f"using the EMA weights under {chosen.label[:-6]!r}: they are the only weights in the file"
+    elif others:
+        choices = ", ".join(repr(label) for label in others)
+        note = f"using the weights under {format_path(chosen.path) or 'the file'!r}; also found {choices} (pass --select to use another)"
+    return Selection(chosen.weights, chosen.path, chosen.kind, others, chosen.skipped, note, chosen.is_ema)
+
+
+def _ambiguous(candidates: list[_Candidate], source: str) -> None:
+    labels = [c.label for c in candidates]
+    raise SelectionError(
+        f"{source} holds several sets of weights ({', '.join(repr(label) for label in labels)}); "
+        "pick one with --select",
+        candidates=labels,
+    )
+
+
+def _resolve(tree: Any, path_text: str, source: str) -> tuple[Any, tuple[PathPart, ...]]:
+    node = tree
+    parts = path_text.split(".") if path_text else []
+    path: list[PathPart] = []
+    while parts:
+        items = _mapping_items(node)
+        if items is None and isinstance(node, ForeignObject):
+            items = list(node.attributes().items())
+        matched = False
+        if items is not None:
+            keys = {key: value for key, value in items}
+            for length in range(len(parts), 0, -1):
+                candidate = ".".join(parts[:length])
+                if candidate in keys:
+                    node, parts = keys[candidate], parts[length:]
+                    path.append(candidate)
+                    matched = True
+                    break
+                if candidate.isdigit() and int(candidate) in keys:
+                    node, parts = keys[int(candidate)], parts[length:]
+                    path.append(int(candidate))
+                    matched = True
+                    break
+        elif isinstance(node, (list, tuple)) and parts[0].isdigit() and int(parts[0]) < len(node):
+            node = node[int(parts[0])]
+            path.append(int(parts[0]))
+            parts = parts[1:]
+            matched = True
+        if not matched:
+            where = format_path(tuple(path))
+            available = ", ".join(repr(str(k)) for k, _ in (_children(node) or [])[:12])
+            raise SelectionError(
+                f"{source} has no {parts[0]!r}" + (f" under {where!r}" if where else "")
+                + (f"; it has {available}" if available else ""),
+                candidates=[str(k) for k, _ in _children(node)],
+            )
+    return node, tuple(path)
+
+
+def select_weights(tree: Any, select: Optional[str] = None, *, source: str = "the checkpoint") -> Selection:
+    """Find the model weights in a loaded checkpoint's object tree.
+
+    Args:
+        tree: the object a checkpoint file holds (see :class:`ckptconv.Checkpoint`).
+        select: a dotted path to the weights (``"state_dict_ema"``, ``"model.state_dict"``),
+            ``"ema"`` for the EMA copy, or None to search (see the module docstring).
+        source: how to name the checkpoint in messages.
+
+    Raises:
+        SelectionError: nothing holds weights, the choice is ambiguous, or
+            ``select`` names nothing.
+    """
+    if select == "ema":
+        averaged = [c for c in _candidates(tree, ()) if c.is_ema]
+        if len(averaged) != 1:
+            if not averaged:
+                raise SelectionError(f"{source} holds no EMA weights")
+            _ambiguous(averaged, source)
+        chosen = averaged[0]
+        return Selection(chosen.weights, chosen.path, chosen.kind, (), chosen.skipped, "", True)
+    if select is not None and select not in ("", "."):
+        node, path = _resolve(tree, select, source)
+        candidate = _as_candidate(node, path)
+        if candidate is not None:
+            return Selection(candidate.weights, path, candidate.kind, (), candidate.skipped, "", candidate.is_ema)
+        return _choose(_candidates(node, path), path, source)
+    candidate = _as_candidate(tree, ())
+    if candidate is not None:
+        return Selection(candidate.weights, (), candidate.kind, (), candidate.skipped)
+    return _choose(_candidates(tree, ()), (), source)

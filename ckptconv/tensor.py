@@ -1,0 +1,363 @@
+"""Lazy tensors: where a tensor's bytes are, not the bytes themselves.
+
+Loading a checkpoint produces :class:`TensorRef` objects. Each one points into a
+:class:`Storage` (a run of bytes in the input file, or in memory) with an
+offset, shape and stride, exactly like a torch tensor points into its storage.
+Nothing is read until a writer asks for the bytes, so peak memory is bounded by
+the largest tensor, never by the checkpoint. Tensors that share a storage in the
+file share one :class:`Storage` object here, which is how tied weights and views
+survive a conversion.
+
+This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Union
+
+from .dtypes import DType
+from .errors import CastOverflowError, MalformedCheckpointError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["FileRegion", "InMemory", "Storage", "TensorRef", "ZipMember"]
+
+# Reads larger than this are split; it keeps single allocations modest when a
+# caller streams a huge tensor.
+DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FileRegion:
+    """Bytes stored uncompressed at ``offset`` in the file at ``path``."""
+
+    path: str
+    offset: int
+
+    def read(self, start: int, length: int) -> bytes:
+        with open(self.path, "rb") as file:
+            return read_exactly(file.fileno(), self.offset + start, length, self.path)
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        with open(self.path, "rb") as file:
+            read_exactly_into(file.fileno(), self.offset + start, out, self.path)
+
+
+@dataclass(frozen=True)
+class ZipMember:
+    """A compressed zip member: read by decompressing from its start."""
+
+    path: str
+    name: str
+
+    def read(self, start: int, length: int) -> bytes:
+        with zipfile.ZipFile(self.path) as archive, archive.open(self.name) as member:
+            if start:
+                member.seek(start)
+            data = member.read(length)
+        if len(data) != length:
+            raise MalformedCheckpointError(
+                f"{self.path!r} is truncated: record {self.name!r} ends early; the file is damaged",
+                path=self.path,
+            )
+        return data
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        out[:] = self.read(start, len(out))
+
+
+@dataclass(frozen=True, eq=False)
+class InMemory:
+    """Bytes already in memory (numpy arrays inside a pickle, tensors handed to ``save``)."""
+
+    data: Union[bytes, bytearray, memoryview]
+
+    def read(self, start: int, length: int) -> bytes:
+        return bytes(memoryview(self.data)[start : start + length])
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        out[:] = memoryview(self.data).cast("B")[start : start + len(out)]
+
+
+ByteSource = Union[FileRegion, ZipMember, InMemory]
+
+
+def read_exactly(fd: int, offset: int, length: int, path: str) -> bytes:
+    """``length`` bytes at ``offset`` of ``fd``; a short read means a truncated file."""
+    parts = []
+    remaining = length
+    while remaining > 0:
+        chunk = os.pread(fd, min(remaining, 1 << 30), offset)
+        if not chunk:
+            raise MalformedCheckpointError(
+                f"{path!r} is truncated: {remaining} bytes missing at offset {offset}; "
+                "the file is damaged or still being written",
+                path=path,
+            )
+        parts.append(chunk)
+        offset += len(chunk)
+        remaining -= len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def read_exactly_into(fd: int, offset: int, out: memoryview, path: str) -> None:
+    """Fill ``out`` from ``fd`` at ``offset`` without an intermediate copy."""
+    out = out.cast("B")
+    filled = 0
+    while filled < len(out):
+        count = os.preadv(fd, [out[filled : filled + (1 << 30)]], offset + filled)
+        if count <= 0:
+            raise MalformedCheckpointError(
+                f"{path!r} is truncated: {len(out) - filled} bytes missing at offset {offset + filled}; "
+                "the file is damaged or still being written",
+                path=path,
+            )
+        filled += count
+
+
+@dataclass(frozen=True, eq=False)
+class Storage:
+    """One storage record: ``nbytes`` bytes shared by every tensor that views them.
+
+    Storages compare by identity: two tensors share memory exactly when they
+    hold the same ``Storage`` object.
+
+    Attributes:
+        nbytes: size of the record in bytes.
+        source: where the bytes are.
+        location: the device the storage was saved from (``"cuda:1"``); only
+            reported, since ckptconv always loads on the CPU.
+        byteorder: ``"little"`` or ``"big"``; big-endian files are swapped on read.
+        name: the record's name in the source, for messages.
+    """
+
+    nbytes: int
+    source: ByteSource
+    location: str = "cpu"
+    byteorder: str = "little"
+    name: str = ""
+
+    def read(self, start: int = 0, length: Optional[int] = None) -> bytes:
+        """Raw bytes ``[start, start + length)`` of the record, as stored."""
+        if length is None:
+            length = self.nbytes - start
+        if start < 0 or length < 0 or start + length > self.nbytes:
+            raise ValueError(f"byte range {start}+{length} outside storage of {self.nbytes} bytes")
+        if length == 0:
+            return b""
+        return self.source.read(start, length)
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        """Fill ``out`` with the record's bytes from ``start`` (no intermediate copy for files)."""
+        if start < 0 or start + out.nbytes > self.nbytes:
+            raise ValueError(f"byte range {start}+{out.nbytes} outside storage of {self.nbytes} bytes")
+        if out.nbytes:
+            self.source.read_into(start, out)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides (in elements) for ``shape``."""
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor that has not been read: a view into a :class:`Storage`.
+
+    Attributes:
+        storage: the bytes this tensor views.
+        dtype: the element type of the stored bytes.
+        shape: sizes, as in ``torch.Tensor.shape``.
+        stride: strides in elements, as in ``torch.Tensor.stride()``.
+        offset: storage offset in elements of ``dtype``.
+        cast_to: the dtype this tensor will have when written, if a cast is
+            pending; see :meth:`cast`.
+        origin: ``"torch"`` for tensors, ``"numpy"`` for numpy arrays found in a pickle.
+        allow_overflow: under a cast, let finite values beyond the target's
+            range become inf instead of raising :class:`CastOverflowError`.
+    """
+
+    storage: Storage
+    dtype: DType
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int = 0
+    cast_to: Optional[DType] = None
+    origin: str = "torch"
+    allow_overflow: bool = False
+
+    @classmethod
+    def checked(
+        cls,
+        storage: Storage,
+        dtype: DType,
+        shape: tuple[int, ...],
+        stride: tuple[int, ...],
+        offset: int = 0,
+        *,
+        origin: str = "torch",
+    ) -> TensorRef:
+        """A TensorRef after the bounds checks ``torch.Tensor.set_`` does.
+
+        Raises:
+            MalformedCheckpointError: the view reaches outside its storage or
+                its sizes are not non-negative integers.
+        """
+        ints_ok = all(type(v) is int and v >= 0 for v in (*shape, *stride, offset))
+        if not ints_ok or len(shape) != len(stride) or len(shape) > 64:
+            raise MalformedCheckpointError(
+                f"tensor view (size {shape}, stride {stride}, offset {offset}) is invalid; "
+                "the checkpoint is damaged"
+            )
+        ref = cls(storage, dtype, tuple(shape), tuple(stride), offset, origin=origin)
+        start, end = ref.byte_span
+        if end > storage.nbytes:
+            raise MalformedCheckpointError(
+                f"tensor of size {list(shape)} and stride {list(stride)} at offset {offset} "
+                f"needs {end} bytes but its storage {storage.name or ''!s} holds only "
+                f"{storage.nbytes}; the checkpoint is damaged"
+            )
+        return ref
+
+    # -- shape facts -----------------------------------------------------------------
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def out_dtype(self) -> DType:
+        """The dtype this tensor has once written (after any pending cast)."""
+        return self.cast_to or self.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this tensor occupies once written contiguously in ``out_dtype``."""
+        return self.numel * self.out_dtype.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        """True when the elements are laid out row-major with no gaps."""
+        expected = 1
+        for size, step in zip(reversed(self.shape), reversed(self.stride)):
+            if size == 1:
+                continue
+            if step != expected:
+                return False
+            expected *= size
+        return True
+
+    @property
+    def byte_span(self) -> tuple[int, int]:
+        """``(start, end)`` bytes of the storage this tensor touches (``start == end`` if empty)."""
+        itemsize = self.dtype.itemsize
+        start = self.offset * itemsize
+        if self.numel == 0:
+            return start, start
+        last = sum((size - 1) * step for size, step in zip(self.shape, self.stride))
+        return start, start + (last + 1) * itemsize
+
+    @property
+    def is_whole_storage(self) -> bool:
+        """True when this tensor is contiguous and covers its storage exactly."""
+        return self.is_contiguous and self.byte_span == (0, self.storage.nbytes)
+
+    def cast(self, dtype: DType, *, allow_overflow: bool = False) -> TensorRef:
+        """This tensor, to be converted to ``dtype`` when its bytes are read."""
+        if dtype == self.dtype:
+            return dataclasses.replace(self, cast_to=None, allow_overflow=False)
+        return dataclasses.replace(self, cast_to=dtype, allow_overflow=allow_overflow)
+
+    def _cast(self, values: np.ndarray) -> np.ndarray:
+        from ._cast import cast_array, count_overflows
+
+        assert self.cast_to is not None
+        if not self.allow_overflow:
+            overflows = count_overflows(values, self.dtype.name, self.cast_to.name)
+            if overflows:
+                raise CastOverflowError(
+                    f"casting to {self.cast_to.name} would turn {overflows} finite value"
+                    f"{'s' if overflows != 1 else ''} into inf; keep this tensor's dtype "
+                    "(--keep-dtype) or pass --allow-overflow",
+                    count=overflows,
+                )
+        return cast_array(values, self.dtype.name, self.cast_to.name)
+
+    def with_view(self, *, offset: int) -> TensorRef:
+        """The same tensor rebased to ``offset`` (used when storages are compacted)."""
+        return dataclasses.replace(self, offset=offset)
+
+    # -- reading ---------------------------------------------------------------------
+
+    def numpy(self) -> np.ndarray:
+        """The tensor's elements, contiguous, in ``out_dtype``'s storage representation.
+
+        bfloat16 and float8 come back as unsigned integers of the same width,
+        since numpy has no such types; ``.tobytes()`` gives what a writer stores.
+        """
+        import numpy as np
+
+        stored = np.dtype(self.dtype.numpy)
+        if self.storage.byteorder == "big":
+            stored = stored.newbyteorder(">")
+        start, end = self.byte_span
+        raw = self.storage.read(start, end - start)
+        if self.is_contiguous:
+            array = np.frombuffer(raw, dtype=stored, count=self.numel).reshape(self.shape)
+        else:
+            base = np.frombuffer(raw, dtype=stored)
+            array = np.lib.stride_tricks.as_strided(
+                base,
+                shape=self.shape,
+                strides=tuple(s * stored.itemsize for s in self.stride),
+                writeable=False,
+            )
+        # Writers store little-endian whatever the machine or the source.
+        array = np.ascontiguousarray(array, dtype=stored.newbyteorder("<"))
+        if self.cast_to is not None:
+            array = self._cast(array.reshape(-1)).reshape(self.shape)
+        return array
+
+    def tobytes(self) -> bytes:
+        """The tensor's bytes as a writer stores them: contiguous, little-endian, ``out_dtype``."""
+        return self.numpy().tobytes()
+
+    def iter_bytes(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+        """The bytes of :meth:`tobytes` in pieces of about ``chunk_bytes``.
+
+        Contiguous tensors in native byte order are streamed without ever
+        holding the whole tensor; others are gathered first (bounded by the
+        tensor's own size).
+        """
+        streamable = self.is_contiguous and self.storage.byteorder == "little"
+        if not streamable:
+            data = self.tobytes()
+            for start in range(0, len(data), chunk_bytes):
+                yield data[start : start + chunk_bytes]
+            return
+        itemsize = self.dtype.itemsize
+        elements = max(chunk_bytes // itemsize, 1)
+        start, end = self.byte_span
+        position = start
+        while position < end:
+            length = min(elements * itemsize, end - position)
+            raw = self.storage.read(position, length)
+            position += length
+            if self.cast_to is None:
+                yield raw
+            else:
+                import numpy as np
+
+                yield self._cast(np.frombuffer(raw, dtype=np.dtype(self.dtype.numpy))).tobytes()

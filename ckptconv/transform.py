@@ -1,0 +1,248 @@
+"""Transform: pure steps over a state dict's keys and dtypes.
+
+Every step takes a mapping of names to lazy tensors and returns a new one
+(the input is never mutated), together with a count of what it changed. No
+tensor bytes are read here: a cast only marks tensors, and the bytes are
+converted as they are written. Steps compose in a :class:`Pipeline`, which can
+also describe itself for ``--dry-run`` output and for the provenance recorded in
+written files.
+
+Key rules, learned from real breakage (see LANDSCAPE.md):
+
+* prefixes are whole dotted components: stripping ``module`` turns
+  ``module.conv.weight`` into ``conv.weight`` but leaves ``modules.0.weight``
+  and ``module_list.0`` alone (``k[7:]`` corrupts those, ray-project/ray#43594);
+* keys without the prefix are left unchanged and counted;
+* no step may map two keys to one name: that raises
+  :class:`~ckptconv.errors.KeyCollisionError` naming both.
+* casts touch floating-point tensors only; ``num_batches_tracked`` and
+  ``position_ids`` keep their integer dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Union
+
+from .dtypes import DType, parse_cast_target
+from .errors import KeyCollisionError, TransformError
+from .tensor import TensorRef
+
+__all__ = [
+    "AddPrefix",
+    "Cast",
+    "Drop",
+    "Keep",
+    "Pipeline",
+    "Rename",
+    "StepReport",
+    "StripPrefix",
+    "Transform",
+]
+
+State = dict[str, TensorRef]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one step did.
+
+    Attributes:
+        step: the step's description.
+        changed: keys renamed, dropped or cast.
+        unchanged: keys the step left as they were.
+    """
+
+    step: str
+    changed: int
+    unchanged: int
+
+
+class Transform(Protocol):
+    """A pure function from a state dict to a new state dict."""
+
+    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]: ...
+
+    def describe(self) -> str: ...
+
+
+def _rekey(state: Mapping[str, TensorRef], rename: Callable[[str], Optional[str]], step: str) -> tuple[State, StepReport]:
+    """Apply ``rename`` to every key; None drops the key. Refuses to merge two keys."""
+    result: State = {}
+    origin: dict[str, str] = {}
+    changed = 0
+    for key, tensor in state.items():
+        new_key = rename(key)
+        if new_key is None:
+            changed += 1
+            continue
+        if new_key in result:
+            raise KeyCollisionError(
+                f"{step} maps both {origin[new_key]!r} and {key!r} to {new_key!r}; "
+                "drop one of them first (--drop) or choose another rule",
+                keys=(origin[new_key], key),
+                new_key=new_key,
+            )
+        result[new_key] = tensor
+        origin[new_key] = key
+        changed += new_key != key
+    return result, StepReport(step, changed, len(state) - changed)
+
+
+def _components(prefix: str) -> str:
+    """``"module"`` and ``"module."`` both mean the component ``module.``."""
+    prefix = prefix.strip()
+    if not prefix or prefix.strip(".") == "":
+        raise TransformError("a prefix must name at least one component, e.g. 'module'")
+    return prefix.rstrip(".") + "."
+
+
+@dataclass(frozen=True)
+class StripPrefix:
+    """Remove a leading prefix made of whole components (``module`` → ``conv.weight``)."""
+
+    prefix: str
+
+    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
+        prefix = _components(self.prefix)
+        return _rekey(state, lambda key: key[len(prefix) :] if key.startswith(prefix) else key, self.describe())
+
+    def describe(self) -> str:
+        return f"strip prefix {_components(self.prefix)!r}"
+
+
+@dataclass(frozen=True)
+class AddPrefix:
+    """Put a prefix of whole components in front of every key (``conv.weight`` → ``module.conv.weight``)."""
+
+    prefix: str
+
+    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
+        prefix = _components(self.prefix)
+        return _rekey(state, lambda key: prefix + key, self.describe())
+
+    def describe(self) -> str:
+        return f"add prefix {_components(self.prefix)!r}"
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as error:
+        raise TransformError(f"{pattern!r} is not a valid regular expression: {error}") from None
+
+
+@dataclass(frozen=True)
+class Rename:
+    """Rewrite keys with a regular expression, as ``re.sub(pattern, replacement, key)``."""
+
+    pattern: str
+    replacement: str
+
+    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
+        regex = _compile(self.pattern)
+        try:
+            return _rekey(state, lambda key: regex.sub(self.replacement, key), self.describe())
+        except (re.error, IndexError) as error:
+            raise TransformError(f"replacement {self.replacement!r} is invalid: {error}") from None
+
+    def describe(self) -> str:
+        return f"rename {self.pattern!r} -> {self.replacement!r}"
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Keep only keys that match a regular expression (``re.search``)."""
+
+    pattern: str
+
+    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
+        regex = _compile(self.pattern)
+        return _rekey(state, lambda key: key if regex.search(key) else None, self.describe())
+
+    def describe(self) -> str:
+        return f"keep keys matching {self.pattern!r}"
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Drop keys that match a regular expression (``re.search``)."""
+
+    pattern: str
+
+    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
+        regex = _compile(self.pattern)
+        return _rekey(state, lambda key: None if regex.search(key) else key, self.describe())
+
+    def describe(self) -> str:
+        return f"drop keys matching {self.pattern!r}"
+
+
+@dataclass(frozen=True)
+class Cast:
+    """Convert floating-point tensors to ``dtype``; integer, bool and complex tensors keep theirs.
+
+    Args:
+        dtype: the target, a :class:`~ckptconv.dtypes.DType` or a name such as ``"bf16"``.
+        keep: regular expressions; matching keys keep their dtype (e.g. norms).
+        allow_overflow: let finite values that exceed the target's range become
+            inf; by default writing such a tensor fails with
+            :class:`~ckptconv.errors.CastOverflowError`.
+    """
+
+    dtype: Union[DType, str]
+    keep: tuple[str, ...] = ()
+    allow_overflow: bool = False
+
+    @property
+    def target(self) -> DType:
+        return self.dtype if isinstance(self.dtype, DType) else parse_cast_target(self.dtype)
+
+    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
+        target = self.target
+        keep = [_compile(pattern) for pattern in self.keep]
+        result: State = {}
+        changed = 0
+        for key, tensor in state.items():
+            if tensor.dtype.is_floating_point and not any(regex.search(key) for regex in keep):
+                cast = tensor.cast(target, allow_overflow=self.allow_overflow)
+                changed += cast.out_dtype != tensor.out_dtype
+                result[key] = cast
+            else:
+                result[key] = tensor
+        return result, StepReport(self.describe(), changed, len(state) - changed)
+
+    def describe(self) -> str:
+        text = f"cast floating-point tensors to {self.target.name}"
+        if self.keep:
+            text += " except keys matching " + ", ".join(repr(p) for p in self.keep)
+        return text
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Steps applied in order, with a report per step."""
+
+    steps: tuple[Transform, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def of(cls, steps: Iterable[Transform]) -> Pipeline:
+        return cls(tuple(steps))
+
+    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, list[StepReport]]:  # type: ignore[override]
+        """Run every step; returns the new state and one report per step."""
+        current: State = dict(state)
+        reports = []
+        for step in self.steps:
+            current, report = step.apply(current)
+            reports.append(report)
+        return current, reports
+
+    def describe(self) -> list[str]:  # type: ignore[override]
+        """One line per step, in order."""
+        return [step.describe() for step in self.steps]
+
+    def __bool__(self) -> bool:
+        return bool(self.steps)

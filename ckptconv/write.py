@@ -1,0 +1,352 @@
+"""Write: stream a state dict to ``.pt`` or safetensors, atomically.
+
+Bytes go from the input file to the output tensor by tensor, in bounded
+chunks, so memory stays bounded by the largest tensor. The output is written to
+a temporary file beside the destination and renamed into place only when it is
+complete: an interrupted or failed write leaves the old file (or nothing),
+never a truncated one (huggingface/safetensors#762).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Callable, Optional, Union
+
+from .errors import CastOverflowError, OutputExistsError, WriteError
+from .formats import safetensors, torch_zip
+from .formats.torch_zip import PlannedStorage
+from .tensor import FileRegion, TensorRef, ZipMember
+
+__all__ = ["WriteReport", "output_format", "save"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+Progress = Union[bool, Callable[[int], None]]
+
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".tar", ".pth.tar", ".pt.tar")
+_FORMAT_NAMES = {"pt": "pt", "torch": "pt", "pth": "pt", "bin": "pt", "safetensors": "safetensors",
+                 "st": "safetensors"}
+_COPY_CHUNK = 64 << 20
+
+
+@dataclass(frozen=True)
+class WriteReport:
+    """What :func:`save` wrote.
+
+    Attributes:
+        path: the output file.
+        format: ``"pt"`` or ``"safetensors"``.
+        tensors: keys written (aliases included).
+        bytes: tensor bytes written.
+        aliases: for safetensors, keys stored as references to another key's data.
+    """
+
+    path: str
+    format: str
+    tensors: int
+    bytes: int
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+
+def output_format(path: PathLike, to: Optional[str] = None) -> str:
+    """``"pt"`` or ``"safetensors"``: ``to`` if given, else from the destination's suffix.
+
+    Raises:
+        WriteError: neither ``to`` nor the suffix says which format to write.
+    """
+    if to is not None:
+        name = _FORMAT_NAMES.get(to.lower())
+        if name is None:
+            raise WriteError(f"unknown output format {to!r}; use 'pt' or 'safetensors'")
+        return name
+    lowered = os.fspath(path).lower()
+    if lowered.endswith(".safetensors"):
+        return "safetensors"
+    if lowered.endswith(_TORCH_SUFFIXES):
+        return "pt"
+    raise WriteError(
+        f"cannot tell the output format from {os.fspath(path)!r}; end it in .safetensors or .pt, or pass --to"
+    )
+
+
+def _source_paths(entries: Iterable[tuple[str, TensorRef]]) -> set[str]:
+    paths = set()
+    for _, ref in entries:
+        source = ref.storage.source
+        if isinstance(source, (FileRegion, ZipMember)):
+            paths.add(source.path)
+    return paths
+
+
+def _check_not_an_input(path: str, inputs: Iterable[str]) -> None:
+    for source in inputs:
+        same = os.path.abspath(source) == path
+        if not same and os.path.exists(path):
+            with contextlib.suppress(OSError):
+                same = os.path.samefile(source, path)
+        if same:
+            raise WriteError(
+                f"refusing to write {path!r} onto its own input; choose another output path", path=path
+            )
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+@contextlib.contextmanager
+def atomic_output(path: PathLike, *, overwrite: bool = False) -> Iterator[BinaryIO]:
+    """A file to write; it appears at ``path`` only if the block finishes without error.
+
+    Raises:
+        OutputExistsError: ``path`` exists and ``overwrite`` is False.
+        WriteError: the folder is missing or not writable, the disk is full, ...
+    """
+    target = os.path.abspath(os.fspath(path))
+    folder = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise WriteError(f"{os.fspath(path)!r} is a folder; give a file name for the output", path=target)
+    if not os.path.isdir(folder):
+        raise WriteError(f"folder {folder!r} does not exist; create it first", path=target)
+    if os.path.lexists(target) and not overwrite:
+        raise OutputExistsError(
+            f"{os.fspath(path)!r} already exists; pass --overwrite to replace it", path=target
+        )
+    try:
+        fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".partial", dir=folder)
+    except OSError as error:
+        raise _write_error(error, target) from None
+    try:
+        os.close(fd)
+        with open(temporary, "r+b") as file:  # by name, so file.name is the temporary path
+            yield file
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(temporary, 0o666 & ~_umask())
+        if overwrite:
+            os.replace(temporary, target)
+        else:
+            # link() refuses to replace, so a file that appeared meanwhile is never clobbered.
+            try:
+                os.link(temporary, target)
+            except FileExistsError:
+                raise OutputExistsError(
+                    f"{os.fspath(path)!r} already exists; pass --overwrite to replace it", path=target
+                ) from None
+            except OSError:
+                if os.path.lexists(target):
+                    raise
+                os.replace(temporary, target)  # filesystems without hard links
+            else:
+                os.unlink(temporary)
+        with contextlib.suppress(OSError):
+            directory = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        if isinstance(error, OSError) and not isinstance(error, WriteError):
+            raise _write_error(error, target) from None
+        raise
+
+
+def _write_error(error: OSError, path: str) -> WriteError:
+    reasons = {
+        errno.ENOSPC: "the disk is full",
+        errno.EDQUOT: "the disk quota is exceeded",
+        errno.EFBIG: "the file would exceed the allowed size",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied",
+        errno.EROFS: "the file system is read-only",
+    }
+    reason = reasons.get(error.errno or 0, error.strerror or str(error))
+    return WriteError(f"cannot write {path!r}: {reason}; nothing was written", path=path)
+
+
+def _copy_file_region(source: FileRegion, start: int, length: int, file: BinaryIO) -> Iterator[int]:
+    """Copy bytes file to file in the kernel where possible (no trip through Python)."""
+    file.flush()
+    out = file.fileno()
+    with open(source.path, "rb") as src:
+        offset = source.offset + start
+        remaining = length
+        copy_range = getattr(os, "copy_file_range", None)
+        while remaining > 0 and copy_range is not None:
+            try:
+                copied = copy_range(src.fileno(), out, min(remaining, _COPY_CHUNK), offset)
+            except OSError as error:
+                if error.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF):
+                    break  # this pair of file systems cannot; fall back to read/write
+                raise
+            if copied == 0:
+                break
+            offset += copied
+            remaining -= copied
+            yield copied
+        while remaining > 0:
+            chunk = os.pread(src.fileno(), min(remaining, _COPY_CHUNK), offset)
+            if not chunk:
+                raise WriteError(f"{source.path!r} ended while being copied; was it modified meanwhile?")
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(out, view) :]
+            offset += len(chunk)
+            remaining -= len(chunk)
+            yield len(chunk)
+    file.seek(0, os.SEEK_END)  # the raw descriptor moved; resynchronise the buffered file
+
+
+def _write_tensor(ref: TensorRef, file: BinaryIO) -> Iterator[int]:
+    """Write one tensor's contiguous bytes; a plain copy when nothing needs converting."""
+    source = ref.storage.source
+    if (
+        isinstance(source, FileRegion)
+        and ref.cast_to is None
+        and ref.is_contiguous
+        and ref.storage.byteorder == "little"
+    ):
+        start, stop = ref.byte_span
+        yield from _copy_file_region(source, start, stop - start, file)
+        return
+    for chunk in ref.iter_bytes():
+        file.write(chunk)
+        yield len(chunk)
+
+
+def _planned_storage_bytes(storage: PlannedStorage) -> Iterator[bytes]:
+    itemsize = storage.dtype.itemsize
+    numel = (storage.stop - storage.start) // itemsize
+    whole = TensorRef(storage.source, storage.dtype, (numel,), (1,), storage.start // itemsize)
+    if storage.out_dtype != storage.dtype:
+        whole = whole.cast(storage.out_dtype, allow_overflow=storage.allow_overflow)
+    return whole.iter_bytes()
+
+
+def _progress_callback(progress: Progress, total: int, path: str) -> tuple[Callable[[int], None], Callable[[], None]]:
+    if callable(progress):
+        return progress, lambda: None
+    if not progress:
+        return (lambda n: None), (lambda: None)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=os.path.basename(path),
+               leave=False, dynamic_ncols=True)
+    return bar.update, bar.close
+
+
+def save(
+    state: Mapping[str, Any],
+    path: PathLike,
+    *,
+    format: Optional[str] = None,  # noqa: A002 - the natural name for users
+    overwrite: bool = False,
+    metadata: Optional[Mapping[str, str]] = None,
+    progress: Progress = False,
+    inputs: Iterable[str] = (),
+    check: Optional[Callable[[str], None]] = None,
+) -> WriteReport:
+    """Write a state dict to ``.pt`` or safetensors, streaming, atomically.
+
+    Args:
+        state: names to tensors: lazy :class:`~ckptconv.tensor.TensorRef` from
+            :func:`ckptconv.open`, or torch tensors.
+        path: the output file.
+        format: ``"pt"`` or ``"safetensors"``; from the suffix of ``path`` when None.
+        overwrite: replace an existing ``path``.
+        metadata: extra string metadata (safetensors ``__metadata__``).
+        progress: show a progress bar on stderr, or a callable given byte counts.
+        inputs: other files that must not be overwritten (the checkpoint read).
+        check: called with the finished temporary file's path before it is moved
+            into place; an exception from it leaves no output behind.
+
+    Returns:
+        A :class:`WriteReport`.
+
+    Raises:
+        OutputExistsError: ``path`` exists and ``overwrite`` is False.
+        WriteError: the output cannot be written, or is one of the inputs.
+        CastOverflowError: a pending fp16/bf16 cast would create infinities.
+
+    Example:
+        >>> ckptconv.save(model.state_dict(), "model.safetensors")  # doctest: +SKIP
+    """
+    entries = _entries(state)
+    kind = output_format(path, format)
+    target = os.path.abspath(os.fspath(path))
+    _check_not_an_input(target, {*_source_paths(entries), *inputs})
+    total = sum(ref.nbytes for _, ref in entries)
+    update, close = _progress_callback(progress, total, target)
+    aliases: dict[str, str] = {}
+    try:
+        with atomic_output(target, overwrite=overwrite) as file:
+            if kind == "safetensors":
+                def write_tensor(ref: TensorRef, out: BinaryIO) -> Iterator[int]:
+                    for count in _with_key(entries, ref, _write_tensor(ref, out)):
+                        update(count)
+                        yield count
+
+                written = safetensors.write(entries, file, metadata=dict(metadata or {}), write_tensor=write_tensor)
+                aliases = _aliases(entries)
+            else:
+                written = torch_zip.write(entries, file, read_storage=_planned_storage_bytes, on_bytes=update)
+            if check is not None:
+                file.flush()
+                check(file.name)
+    finally:
+        close()
+    return WriteReport(target, kind, len(entries), written, aliases)
+
+
+def _with_key(entries: list[tuple[str, TensorRef]], ref: TensorRef, counts: Iterator[int]) -> Iterator[int]:
+    try:
+        yield from counts
+    except CastOverflowError as error:
+        key = next((k for k, r in entries if r is ref), "?")
+        raise CastOverflowError(f"tensor {key!r}: {error}", key=key, count=error.count) from None
+
+
+def _aliases(entries: list[tuple[str, TensorRef]]) -> dict[str, str]:
+    kept: dict[TensorRef, str] = {}
+    aliases = {}
+    for key, ref in entries:
+        if ref in kept:
+            aliases[key] = kept[ref]
+        else:
+            kept[ref] = key
+    return aliases
+
+
+def _entries(state: Mapping[str, Any]) -> list[tuple[str, TensorRef]]:
+    entries: list[tuple[str, TensorRef]] = []
+    cache: dict[Any, Any] = {}
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise WriteError(f"state dict key {key!r} is not a string")
+        if isinstance(value, TensorRef):
+            entries.append((key, value))
+        else:
+            from ._torch import from_torch
+
+            try:
+                entries.append((key, from_torch(value, cache)))
+            except TypeError:
+                raise WriteError(
+                    f"{key!r} holds a {type(value).__name__}, not a tensor; only tensors can be written"
+                ) from None
+    return entries
