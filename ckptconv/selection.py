@@ -255,9 +255,23 @@ def _primary_rank(candidate: _Candidate, base: int) -> Optional[int]:
     return PRIMARY_KEYS.index(first) if isinstance(first, str) and first in PRIMARY_KEYS else None
 
 
-def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: str) -> Selection:
+def _holds_shards(root: Any) -> bool:
+    """True if the tree holds stand-ins of distributed tensor shards (DTensor, ShardedTensor)."""
+    for _path, child in _children(root):
+        if isinstance(child, ForeignObject) and child.qualname.endswith(("DTensor", "ShardedTensor")):
+            return True
+    return False
+
+
+def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: str, root: Any = None) -> Selection:
     if not candidates:
         where = f" under {format_path(base)!r}" if base else ""
+        if _holds_shards(root):
+            raise SelectionError(
+                f"{source} holds DTensor/ShardedTensor shards: one rank's part of an FSDP or tensor-parallel "
+                "model, not whole weights; convert the DCP checkpoint folder, or save a full state dict "
+                "(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
+            )
         raise SelectionError(
             f"{source} holds no state dict or model{where}; run `ckptconv inspect` to see what it contains"
         )
@@ -368,8 +382,8 @@ def select_weights(tree: Any, select: Optional[str] = None, *, source: str = "th
         candidate = _as_candidate(node, path)
         if candidate is not None:
             return Selection(candidate.weights, path, candidate.kind, (), candidate.skipped, "", candidate.is_ema)
-        return _choose(_candidates(node, path), path, source)
+        return _choose(_candidates(node, path), path, source, node)
     candidate = _as_candidate(tree, ())
     if candidate is not None:
         return Selection(candidate.weights, (), candidate.kind, (), candidate.skipped)
-    return _choose(_candidates(tree, ()), (), source)
+    return _choose(_candidates(tree, ()), (), source, tree)

@@ -356,9 +356,16 @@ def _rebuild_parameter(data: Any, *_ignored: Any) -> Any:
 
 def _rebuild_from_type_v2(function: Any, new_type: Any, args: Any, state: Any) -> Any:
     # Tensor subclasses: rebuild the plain tensor; the subclass is not ours to create.
+    # Wrapper subclasses (DTensor) keep their data in `state` (`_local_tensor`), so
+    # a stand-in result carries the state and the subclass's name.
     if not isinstance(args, tuple):
         raise _malformed("tensor subclass arguments are not a tuple")
-    return _call(function, args)
+    result = _call(function, args)
+    if isinstance(result, ForeignObject):
+        if isinstance(new_type, ForeignGlobal):
+            result.cls = new_type
+        result.state = state
+    return result
 
 
 def _torch_size(values: Any = ()) -> tuple[Any, ...]:
@@ -457,8 +464,15 @@ def _newobj_ex(cls: Any, args: Any, kwargs: Any) -> Any:
 
 
 def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
-    # copyreg._reconstructor: protocols 0/1 spelling of "object of class cls".
-    return _instantiate(cls, (), None)
+    # copyreg._reconstructor: protocols 0/1 spelling of "object of class cls";
+    # for dict and list subclasses `state` is the initial content.
+    result = _instantiate(cls, (), None)
+    if isinstance(result, ForeignObject):
+        if isinstance(state, dict):
+            result.items.update(state)
+        elif isinstance(state, list):
+            result.list_items.extend(state)
+    return result
 
 
 def _numpy_reconstruct(subtype: Any, shape: Any, dtype: Any) -> NumpyArray:
@@ -1141,9 +1155,8 @@ class Unpickler:
                 target.__dict__.update(attrs)
             elif attrs is not None:
                 raise _malformed("OrderedDict state is not a dict of attributes")
-        elif isinstance(target, (TensorRef, str, int, float, tuple, type(None))):
-            # Tensor attributes (e.g. on subclasses) and stand-in reductions that
-            # produced plain values: the state holds nothing a state dict needs.
+        elif isinstance(target, TensorRef):
+            # Attributes of tensor subclasses: nothing a state dict needs.
             return
         elif isinstance(target, (dict, list, set)):
             if state:

@@ -230,12 +230,7 @@ def _write_tensor(ref: TensorRef, file: BinaryIO) -> Iterator[int]:
 
 
 def _planned_storage_bytes(storage: PlannedStorage) -> Iterator[bytes]:
-    itemsize = storage.dtype.itemsize
-    numel = (storage.stop - storage.start) // itemsize
-    whole = TensorRef(storage.source, storage.dtype, (numel,), (1,), storage.start // itemsize)
-    if storage.out_dtype != storage.dtype:
-        whole = whole.cast(storage.out_dtype, allow_overflow=storage.allow_overflow)
-    return whole.iter_bytes()
+    return storage.tensor.iter_bytes()
 
 
 def _progress_callback(progress: Progress, total: int, path: str) -> tuple[Callable[[int], None], Callable[[], None]]:

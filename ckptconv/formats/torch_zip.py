@@ -20,6 +20,7 @@ Reading never copies storage bytes: each storage becomes a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 import zipfile
@@ -30,7 +31,7 @@ from typing import Any, BinaryIO, Callable, Optional
 
 from ..dtypes import DType
 from ..errors import LoadError, MalformedCheckpointError, UnsupportedFormatError
-from ..tensor import FileRegion, Storage, TensorRef, ZipMember
+from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
 from ..unpickler import StorageType, TypedStorage, Unpickler
 from ._base import ReadResult, pickle_location
 
@@ -175,31 +176,23 @@ _ZIP64_LIMIT = 0xFFFFFFFF
 
 @dataclass(frozen=True)
 class PlannedStorage:
-    """One storage record of the output: a byte range of a source storage, maybe cast.
+    """One storage record of the output, described as the tensor whose bytes fill it.
 
-    Attributes:
-        source: the storage the bytes come from.
-        start: first byte in ``source``.
-        stop: one past the last byte in ``source``.
-        dtype: element type of the source bytes.
-        out_dtype: element type written (differs from ``dtype`` under a cast).
-        allow_overflow: under a cast, whether values may overflow to inf.
+    ``tensor`` is either a 1-D range of a source storage (tensors overlapping
+    there keep sharing it) or one strided view gathered into contiguous bytes
+    (a sparse view of a big storage). Either way the record holds exactly
+    ``tensor.iter_bytes()``, cast included.
     """
 
-    source: Storage
-    start: int
-    stop: int
-    dtype: DType
-    out_dtype: DType
-    allow_overflow: bool = False
+    tensor: TensorRef
 
     @property
-    def numel(self) -> int:
-        return (self.stop - self.start) // self.dtype.itemsize
+    def dtype(self) -> DType:
+        return self.tensor.out_dtype
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.out_dtype.itemsize
+        return self.tensor.nbytes
 
 
 @dataclass(frozen=True)
@@ -212,56 +205,77 @@ class PlannedTensor:
     dtype: DType
 
 
+# A group of overlapping views is gathered into compact copies when the bytes
+# its views span exceed the bytes they hold by this factor (pytorch/pytorch#53419).
+SPARSE_SPAN_FACTOR = 2
+
+
 def plan_storages(entries: Sequence[tuple[str, TensorRef]]) -> tuple[list[PlannedStorage], list[PlannedTensor]]:
     """Decide which bytes become which output storage; pure, no I/O.
 
     Tensors that overlap in their source storage share one output storage
-    (tied weights and views stay tied); bytes no tensor touches are left out,
-    so a small view of a huge tensor costs only its own bytes
-    (pytorch/pytorch#53419).
+    (tied weights and views stay tied), and bytes no tensor touches are left
+    out, so a small view of a huge tensor costs only its own bytes. When views
+    are sparse (a column of a big matrix spans almost all of it), each distinct
+    view is gathered into its own compact storage instead.
     """
     groups: dict[tuple[int, str, str, bool], list[tuple[int, str, TensorRef]]] = {}
-    order: list[tuple[int, str, str, bool]] = []
     for index, (key, ref) in enumerate(entries):
         group_key = (id(ref.storage), ref.dtype.name, ref.out_dtype.name, ref.allow_overflow)
-        if group_key not in groups:
-            groups[group_key] = []
-            order.append(group_key)
-        groups[group_key].append((index, key, ref))
+        groups.setdefault(group_key, []).append((index, key, ref))
 
     storages: list[PlannedStorage] = []
     planned: list[Optional[PlannedTensor]] = [None] * len(entries)
-    for group_key in order:
-        members = sorted(groups[group_key], key=lambda m: m[2].byte_span)
+
+    def add_range(members: list[tuple[int, str, TensorRef]]) -> None:
+        first = members[0][2]
+        itemsize = first.dtype.itemsize
+        start = min(m[2].byte_span[0] for m in members)
+        stop = max(m[2].byte_span[1] for m in members)
+        whole = dataclasses.replace(first, shape=((stop - start) // itemsize,), stride=(1,), offset=start // itemsize)
+        storages.append(PlannedStorage(whole))
+        for index, key, ref in members:
+            planned[index] = PlannedTensor(
+                key, len(storages) - 1, ref.offset - start // itemsize, ref.shape, ref.stride, ref.out_dtype
+            )
+
+    def add_gathered(members: list[tuple[int, str, TensorRef]]) -> None:
+        by_view: dict[TensorRef, int] = {}
+        for index, key, ref in members:
+            if ref not in by_view:
+                storages.append(PlannedStorage(ref))
+                by_view[ref] = len(storages) - 1
+            planned[index] = PlannedTensor(
+                key, by_view[ref], 0, ref.shape, contiguous_strides(ref.shape), ref.out_dtype
+            )
+
+    def flush(members: list[tuple[int, str, TensorRef]]) -> None:
+        if not members:
+            return
+        start = min(m[2].byte_span[0] for m in members)
+        stop = max(m[2].byte_span[1] for m in members)
+        distinct = {m[2] for m in members}
+        held = sum(ref.numel * ref.dtype.itemsize for ref in distinct)
+        if stop - start > SPARSE_SPAN_FACTOR * held:
+            add_gathered(members)
+        else:
+            add_range(members)
+
+    for members in groups.values():
+        members.sort(key=lambda m: m[2].byte_span)
         current: list[tuple[int, str, TensorRef]] = []
         current_stop = -1
-
-        def flush() -> None:
-            if not current:
-                return
-            first = current[0][2]
-            start = min(m[2].byte_span[0] for m in current)
-            stop = max(m[2].byte_span[1] for m in current)
-            storages.append(
-                PlannedStorage(first.storage, start, stop, first.dtype, first.out_dtype, first.allow_overflow)
-            )
-            itemsize = first.dtype.itemsize
-            for index, key, ref in current:
-                planned[index] = PlannedTensor(
-                    key, len(storages) - 1, ref.offset - start // itemsize, ref.shape, ref.stride, ref.out_dtype
-                )
-            current.clear()
-
         for member in members:
             span_start, span_stop = member[2].byte_span
-            empty = span_start == span_stop
-            if current and (empty or span_start >= current_stop):
-                flush()
+            if span_start == span_stop:  # empty tensors share nothing
+                flush([member])
+                continue
+            if current and span_start >= current_stop:
+                flush(current)
+                current = []
             current.append(member)
-            current_stop = max(current_stop, span_stop) if not empty else -1
-            if empty:
-                flush()
-        flush()
+            current_stop = max(current_stop, span_stop)
+        flush(current)
     return storages, [p for p in planned if p is not None]
 
 
@@ -316,7 +330,7 @@ class _PickleWriter:
         self._str("storage")
         if typed:
             self._global("torch", tensor.dtype.storage_class or "")
-            numel = storage.nbytes // tensor.dtype.itemsize
+            numel = storage.tensor.numel
         else:
             self._global("torch.storage", "UntypedStorage")
             numel = storage.nbytes

@@ -1,0 +1,162 @@
+"""Shared helpers: tiny real checkpoints and bit-exact comparisons."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's elements as bytes, in logical order: equal bytes mean equal bits (NaNs included)."""
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same_tensor(ours: torch.Tensor, theirs: torch.Tensor, where: str = "") -> None:
+    assert isinstance(ours, torch.Tensor), where
+    assert ours.dtype == theirs.dtype, f"{where}: dtype {ours.dtype} != {theirs.dtype}"
+    assert tuple(ours.shape) == tuple(theirs.shape), f"{where}: shape {ours.shape} != {theirs.shape}"
+    assert ours.device.type == "cpu", where
+    assert raw_bytes(ours) == raw_bytes(theirs), f"{where}: values differ"
+
+
+def assert_same_state(ours: Mapping[str, torch.Tensor], theirs: Mapping[str, Any], *, ordered: bool = True) -> None:
+    if ordered:
+        assert list(ours) == list(theirs)
+    else:
+        assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+        assert_same_tensor(ours[key], theirs[key], key)
+
+
+def torch_tensors(value: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in an object tree from torch.load, with the dotted path ckptconv uses."""
+    if type(value).__name__ == "DTensor":
+        # A DTensor's data is its local shard; ckptconv keeps it as the stand-in's `_local_tensor`.
+        yield f"{path}._local_tensor", value._local_tensor
+    elif isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, nn.Module):
+        for key, item in value.__dict__.items():
+            yield from torch_tensors(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from torch_tensors(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from torch_tensors(item, f"{path}.{index}" if path else str(index))
+    elif hasattr(value, "__dict__") and not isinstance(value, type):
+        for key, item in vars(value).items():
+            yield from torch_tensors(item, f"{path}.{key}" if path else key)
+
+
+class TinyCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(self.conv(x)).mean((2, 3)))
+
+
+def tiny_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = TinyCNN()
+    model(torch.randn(2, 3, 8, 8))  # updates BatchNorm running stats and num_batches_tracked
+    return model.state_dict()
+
+
+def all_dtypes_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    base = torch.randn(3, 4)
+    state: dict[str, torch.Tensor] = {
+        "f32": base,
+        "f64": base.double(),
+        "f16": base.half(),
+        "bf16": base.bfloat16(),
+        "i64": torch.arange(6),
+        "i32": torch.arange(6, dtype=torch.int32),
+        "i16": torch.arange(6, dtype=torch.int16),
+        "i8": torch.arange(-3, 3, dtype=torch.int8),
+        "u8": torch.arange(6, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "c64": torch.randn(2, dtype=torch.complex64),
+        "c128": torch.randn(2, dtype=torch.complex128),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "nan_inf": torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0]),
+    }
+    for name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
+        dtype = getattr(torch, name, None)
+        if dtype is not None:
+            state[name] = torch.tensor([1, 2, 3]).to(dtype)
+    return state
+
+
+def views_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(2)
+    big = torch.randn(64, 32)
+    embedding = torch.randn(10, 4)
+    return {
+        "embed.weight": embedding,
+        "lm_head.weight": embedding,  # tied
+        "rows": big[3:5],  # a small view of a bigger storage
+        "column": big[:, 7],  # non-contiguous
+        "transposed": big[:8, :4].t(),
+        "expanded": torch.randn(1, 3).expand(4, 3),  # stride 0
+        "whole": big,
+    }
+
+
+def training_checkpoint() -> dict[str, Any]:
+    torch.manual_seed(3)
+    model = TinyCNN()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    optimizer.step()
+    return {
+        "epoch": 3,
+        "state_dict": model.state_dict(),
+        "state_dict_ema": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "args": argparse.Namespace(lr=1e-3, arch="tiny", layers=[1, 2]),
+        "numpy_rng": np.random.RandomState(0).get_state(),
+        "np_array": np.arange(5, dtype=np.float32),
+        "np_scalar": np.float64(0.25),
+        "torch_rng": torch.get_rng_state(),
+    }
+
+
+@pytest.fixture
+def save_torch(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Save an object with torch.save into tmp_path and return the path."""
+
+    def save(obj: Any, name: str = "ckpt.pt", **kwargs: Any) -> Path:
+        path = tmp_path / name
+        torch.save(obj, path, **kwargs)
+        return path
+
+    return save
+
+
+def gpu_fixture_files() -> list[Path]:
+    folder = FIXTURES / "gpu"
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix not in (".json", ".md", ".txt", ".py"))
+
+
+def reference_load(path: os.PathLike[str] | str) -> Any:
+    """torch.load as people use it on trusted files: the reference ckptconv must equal."""
+    return torch.load(path, map_location="cpu", weights_only=False)
