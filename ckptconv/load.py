@@ -12,13 +12,15 @@ weights as real torch tensors.
 from __future__ import annotations
 
 import os
+import struct
+import zipfile
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from . import formats
-from .errors import LoadError
+from .errors import CkptconvError, LoadError, MalformedCheckpointError
 from .formats._base import ReadResult
 from .selection import Selection, select_weights
 from .tensor import TensorRef
@@ -30,6 +32,11 @@ if TYPE_CHECKING:
 __all__ = ["Checkpoint", "load", "open"]
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+# What parsing a hostile file can raise from the standard library's zip, json
+# and struct code; each becomes a MalformedCheckpointError.
+_PARSE_FAILURES = (ValueError, TypeError, IndexError, KeyError, AttributeError, struct.error, OverflowError,
+                   RecursionError, MemoryError, UnicodeError, EOFError, zipfile.BadZipFile, NotImplementedError)
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,20 @@ def open(path: PathLike, *, trust: bool = False) -> Checkpoint:  # noqa: A001 - 
     if trust:
         result = _read_trusted(path, kind)
     else:
-        result = formats.READERS[kind](path)
+        try:
+            result = formats.READERS[kind](path)
+        except CkptconvError:
+            raise
+        except _PARSE_FAILURES as error:
+            # Hostile or damaged input must not end in a traceback; the cause stays
+            # chained for CKPTCONV_DEBUG=1.
+            raise MalformedCheckpointError(
+                f"{path!r} could not be parsed as {kind} ({type(error).__name__}: {error}); "
+                "the file is damaged or not a checkpoint",
+                path=path,
+            ) from error
+        except OSError as error:
+            raise LoadError(f"{path!r} cannot be read: {error.strerror or error}", path=path) from error
     return Checkpoint(
         path=path,
         format=result.format,

@@ -1,0 +1,191 @@
+"""Writing: outputs load with plain torch and safetensors, bit for bit; ties, views and casts are right."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import ckptconv
+from ckptconv.formats.torch_zip import plan_storages
+
+from .conftest import all_dtypes_state, assert_same_state, assert_same_tensor, tiny_state_dict, views_state
+
+SAFETENSORS_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                      torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+                      torch.complex64, torch.uint16, torch.uint32, torch.uint64}
+
+
+def _safetensors_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: value for key, value in state.items() if value.dtype in SAFETENSORS_DTYPES}
+
+
+@pytest.mark.parametrize("builder", [tiny_state_dict, all_dtypes_state, views_state])
+def test_pt_output_loads_with_weights_only_and_mmap(builder: Callable[[], dict[str, torch.Tensor]], tmp_path: Path) -> None:
+    state = builder()
+    source = tmp_path / "in.pt"
+    torch.save(state, source)
+    output = tmp_path / "out.pt"
+    ckptconv.convert(source, output)
+    assert_same_state(torch.load(output, weights_only=True), state)
+    assert_same_state(torch.load(output, weights_only=True, mmap=True), state)
+
+
+@pytest.mark.parametrize("builder", [tiny_state_dict, all_dtypes_state, views_state])
+def test_safetensors_output_loads_with_safe_open(builder: Callable[[], dict[str, torch.Tensor]], tmp_path: Path) -> None:
+    state = _safetensors_state(builder())
+    source = tmp_path / "in.pt"
+    torch.save(state, source)
+    output = tmp_path / "out.safetensors"
+    report = ckptconv.convert(source, output)
+    with safe_open(output, framework="pt") as handle:
+        metadata = handle.metadata()
+        stored = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    assert metadata["format"] == "pt"
+    assert metadata["ckptconv.source"] == "in.pt"
+    assert json.loads(metadata["ckptconv.transforms"]) == []
+    for key, tensor in stored.items():
+        assert_same_tensor(tensor, state[key], key)
+    assert set(stored) | set(report.aliases) == set(state)
+    assert_same_state(ckptconv.load(output), state, ordered=False)
+
+
+def test_tied_weights_in_safetensors(tmp_path: Path) -> None:
+    state = views_state()
+    source = tmp_path / "in.pt"
+    torch.save(state, source)
+    output = tmp_path / "out.safetensors"
+    report = ckptconv.convert(source, output)
+    assert report.aliases == {"lm_head.weight": "embed.weight"}
+    with safe_open(output, framework="pt") as handle:
+        assert "lm_head.weight" not in handle.keys()
+        assert json.loads(handle.metadata()["ckptconv.aliases"]) == {"lm_head.weight": "embed.weight"}
+    loaded = ckptconv.load(output)
+    assert_same_tensor(loaded["lm_head.weight"], state["embed.weight"])
+    # Back to .pt: the two keys share one storage again.
+    back = tmp_path / "back.pt"
+    ckptconv.convert(output, back)
+    reloaded = torch.load(back, weights_only=True)
+    assert reloaded["lm_head.weight"].data_ptr() == reloaded["embed.weight"].data_ptr()
+
+
+def test_views_are_written_compactly(tmp_path: Path) -> None:
+    big = torch.randn(1000, 1000)
+    state = {"rows": big[10:12], "column": big[:, 3], "transposed": big[:4, :5].t()}
+    source = tmp_path / "in.pt"
+    torch.save(state, source)
+    assert source.stat().st_size > 4_000_000
+    for suffix in (".pt", ".safetensors"):
+        output = tmp_path / f"out{suffix}"
+        ckptconv.convert(source, output)
+        assert output.stat().st_size < 30_000, suffix
+        assert_same_state(ckptconv.load(output), state, ordered=False)
+
+
+def test_overlapping_views_keep_sharing_one_storage() -> None:
+    base = torch.arange(100.0)
+    import ckptconv._torch as bridge
+
+    cache: dict[Any, Any] = {}
+    entries = [(k, bridge.from_torch(v, cache)) for k, v in
+               {"a": base[0:60], "b": base[50:100], "c": base[0:60], "d": torch.zeros(0)}.items()]
+    storages, tensors = plan_storages(entries)
+    indexes = {t.key: t.storage_index for t in tensors}
+    assert indexes["a"] == indexes["b"] == indexes["c"] != indexes["d"]
+    assert storages[indexes["a"]].nbytes == 400
+
+
+@pytest.mark.parametrize("target", ["fp16", "bf16", "fp32"])
+def test_casts_match_torch_bit_for_bit(target: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    values = torch.randn(1000) * 1000
+    state = {
+        "w32": values,
+        "w64": values.double() / 7,
+        "w16": (values / 100).half(),
+        "wbf": (values / 100).bfloat16(),
+        "special": torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, 65504.0, 65519.0]),
+        "steps": torch.arange(5),
+        "flags": torch.tensor([True, False]),
+    }
+    source = tmp_path / "in.pt"
+    torch.save(state, source)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[target]
+    for suffix in (".pt", ".safetensors"):
+        output = tmp_path / f"out{suffix}"
+        ckptconv.convert(source, output, transforms=[ckptconv.Cast(target)], overwrite=True)
+        loaded = ckptconv.load(output)
+        for key, tensor in state.items():
+            expected = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            assert_same_tensor(loaded[key], expected, f"{key}{suffix}")
+
+
+def test_saving_torch_tensors_directly(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    state = dict(model.state_dict())
+    state["tied"] = state["weight"]
+    for name in ("direct.pt", "direct.safetensors"):
+        report = ckptconv.save(state, tmp_path / name)
+        assert report.tensors == 3
+        assert_same_state(ckptconv.load(tmp_path / name), state, ordered=name.endswith(".pt"))
+
+
+def test_non_tensors_cannot_be_saved(tmp_path: Path) -> None:
+    with pytest.raises(ckptconv.WriteError, match="holds a int, not a tensor"):
+        ckptconv.save({"epoch": 3}, tmp_path / "x.pt")
+
+
+def test_complex128_cannot_go_to_safetensors(tmp_path: Path) -> None:
+    with pytest.raises(ckptconv.WriteError, match="complex128, which safetensors cannot store"):
+        ckptconv.save({"c": torch.zeros(2, dtype=torch.complex128)}, tmp_path / "x.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_permissions_follow_the_umask(tmp_path: Path) -> None:
+    previous = os.umask(0o027)
+    try:
+        ckptconv.save({"w": torch.ones(2)}, tmp_path / "x.pt")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "x.pt").stat().st_mode) == 0o640
+
+
+def test_pt_records_are_64_byte_aligned(tmp_path: Path) -> None:
+    ckptconv.save(tiny_state_dict(), tmp_path / "x.pt")
+    with zipfile.ZipFile(tmp_path / "x.pt") as archive, open(tmp_path / "x.pt", "rb") as file:
+        assert archive.testzip() is None  # every CRC is right
+        for info in archive.infolist():
+            if "/data/" in info.filename:
+                file.seek(info.header_offset + 26)
+                name_length, extra_length = struct.unpack("<HH", file.read(4))
+                assert (info.header_offset + 30 + name_length + extra_length) % 64 == 0
+
+
+def test_many_records_use_zip64(tmp_path: Path) -> None:
+    state = {f"t{i}": torch.tensor([float(i)]) for i in range(70_000)}
+    ckptconv.save(state, tmp_path / "many.pt")
+    loaded = torch.load(tmp_path / "many.pt", weights_only=True)
+    assert len(loaded) == 70_000
+    assert loaded["t69999"].item() == 69999.0
+
+
+def test_verify_catches_a_corrupted_output(tmp_path: Path) -> None:
+    state = tiny_state_dict()
+    source = tmp_path / "in.pt"
+    torch.save(state, source)
+    output = tmp_path / "out.safetensors"
+    ckptconv.convert(source, output)
+    assert ckptconv.verify(source, output).ok
+    data = bytearray(output.read_bytes())
+    data[-3] ^= 0x01  # flip one bit in the last tensor
+    output.write_bytes(bytes(data))
+    report = ckptconv.verify(source, output)
+    assert not report.ok and report.mismatched[0][1] == "values differ"
