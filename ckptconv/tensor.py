@@ -14,6 +14,7 @@ This module does not import torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import zipfile
@@ -233,7 +234,7 @@ class TensorRef:
 
     # -- shape facts -----------------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -247,7 +248,7 @@ class TensorRef:
         """Bytes this tensor occupies once written contiguously in ``out_dtype``."""
         return self.numel * self.out_dtype.itemsize
 
-    @property
+    @functools.cached_property
     def is_contiguous(self) -> bool:
         """True when the elements are laid out row-major with no gaps."""
         expected = 1
@@ -259,7 +260,7 @@ class TensorRef:
             expected *= size
         return True
 
-    @property
+    @functools.cached_property
     def byte_span(self) -> tuple[int, int]:
         """``(start, end)`` bytes of the storage this tensor touches (``start == end`` if empty)."""
         itemsize = self.dtype.itemsize

@@ -800,8 +800,34 @@ class Unpickler:
             op = data[self.pos]
             self.pos += 1
 
+            # ---- the most frequent opcodes in torch pickles first
+            if op == 0x71:  # BINPUT
+                if self.pos >= size:
+                    raise self._truncated()
+                memo[data[self.pos]] = top()
+                self.pos += 1
+            elif op == 0x68:  # BINGET
+                if self.pos >= size:
+                    raise self._truncated()
+                stack.append(self._memo_get(memo, data[self.pos]))
+                self.pos += 1
+            elif op == 0x28:  # MARK
+                metastack.append(stack)
+                stack = []
+            elif op == 0x4B:  # BININT1
+                if self.pos >= size:
+                    raise self._truncated()
+                stack.append(data[self.pos])
+                self.pos += 1
+            elif op == 0x72:  # LONG_BINPUT
+                memo[unpack_from("<I", read(4))[0]] = top()
+            elif op == 0x6A:  # LONG_BINGET
+                stack.append(self._memo_get(memo, unpack_from("<I", read(4))[0]))
+            elif op == 0x29:  # EMPTY_TUPLE
+                stack.append(())
+
             # ---- constants and scalars
-            if op == 0x80:  # PROTO
+            elif op == 0x80:  # PROTO
                 proto = read(1)[0]
                 if proto > 5:
                     raise UnsupportedFormatError(
@@ -823,8 +849,6 @@ class Unpickler:
                 stack.append(True)
             elif op == 0x89:  # NEWFALSE
                 stack.append(False)
-            elif op == 0x4B:  # BININT1
-                stack.append(read(1)[0])
             elif op == 0x4D:  # BININT2
                 stack.append(unpack_from("<H", read(2))[0])
             elif op == 0x4A:  # BININT
@@ -889,11 +913,6 @@ class Unpickler:
                 stack.append(bytearray(read(unpack_from("<Q", read(8))[0])))
 
             # ---- containers
-            elif op == 0x28:  # MARK
-                metastack.append(stack)
-                stack = []
-            elif op == 0x29:  # EMPTY_TUPLE
-                stack.append(())
             elif op == 0x5D:  # EMPTY_LIST
                 stack.append([])
             elif op == 0x7D:  # EMPTY_DICT
@@ -964,18 +983,10 @@ class Unpickler:
                 pop_mark()
             elif op == 0x32:  # DUP
                 stack.append(top())
-            elif op == 0x71:  # BINPUT
-                memo[read(1)[0]] = top()
-            elif op == 0x72:  # LONG_BINPUT
-                memo[unpack_from("<I", read(4))[0]] = top()
             elif op == 0x94:  # MEMOIZE
                 memo[len(memo)] = top()
             elif op == 0x70:  # PUT (text)
                 memo[self._parse_int(self._readline())] = top()
-            elif op == 0x68:  # BINGET
-                stack.append(self._memo_get(memo, read(1)[0]))
-            elif op == 0x6A:  # LONG_BINGET
-                stack.append(self._memo_get(memo, unpack_from("<I", read(4))[0]))
             elif op == 0x67:  # GET (text)
                 stack.append(self._memo_get(memo, self._parse_int(self._readline())))
 
