@@ -1,0 +1,154 @@
+"""The command line: every command works end to end, help and README cover every command."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptconv
+from ckptconv.cli import cli
+
+from .conftest import FIXTURES, assert_same_state, tiny_state_dict, training_checkpoint
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_strip_module_then_add_module_round_trips(tmp_path: Path) -> None:
+    source = FIXTURES / "gpu" / "dataparallel_state_dict.pkl"
+    stripped = tmp_path / "model.pt"
+    code, stdout, stderr = run("strip-module", str(source), str(stripped))
+    assert code == 0 and stdout == ""
+    assert "note: tensors were saved on cuda:0; the output is loadable on the CPU" in stderr
+    assert "strip prefix 'module.': 9 changed, 0 unchanged" in stderr
+    assert f"wrote {stripped}" in stderr
+    plain = torch.load(stripped, weights_only=True)
+    assert not any(key.startswith("module.") for key in plain)
+
+    wrapped = tmp_path / "dp_model.pt"
+    assert run("add-module", str(stripped), str(wrapped), "-q") == (0, "", "")
+    reference = torch.load(source, map_location="cpu", weights_only=False)
+    assert_same_state(torch.load(wrapped, weights_only=True), reference)
+
+
+def test_convert_training_checkpoint_to_safetensors(tmp_path: Path) -> None:
+    source = tmp_path / "train_ckpt.pth"
+    checkpoint = training_checkpoint()
+    torch.save(checkpoint, source)
+    output = tmp_path / "weights.safetensors"
+    code, _, stderr = run("convert", str(source), str(output), "--verify")
+    assert code == 0
+    assert "note: using the weights under 'state_dict'; also found 'state_dict_ema (EMA)'" in stderr
+    assert "verified bit for bit" in stderr
+    assert_same_state(ckptconv.load(output), checkpoint["state_dict"], ordered=False)
+
+
+def test_convert_safetensors_back_to_pt(tmp_path: Path) -> None:
+    state = tiny_state_dict()
+    ckptconv.save(state, tmp_path / "model.safetensors")
+    code, _, _ = run("convert", str(tmp_path / "model.safetensors"), str(tmp_path / "model.pt"), "-q")
+    assert code == 0
+    assert_same_state(torch.load(tmp_path / "model.pt", weights_only=True), state, ordered=False)
+
+
+def test_strip_module_reports_keys_without_the_prefix(tmp_path: Path) -> None:
+    source = FIXTURES / "gpu" / "compiled_over_dataparallel.pt"
+    code, _, stderr = run("strip-module", str(source), str(tmp_path / "out.pt"))
+    assert code == 0
+    assert "note: no key starts with 'module.', so none was renamed; keys start with '_orig_mod.'" in stderr
+
+
+def test_dry_run_prints_renames_and_writes_nothing(tmp_path: Path) -> None:
+    source = FIXTURES / "gpu" / "ddp_rank0.pt"
+    code, stdout, stderr = run("strip-module", str(source), str(tmp_path / "out.pt"), "--dry-run")
+    assert code == 0
+    assert stdout.splitlines()[0] == "module.conv.weight -> conv.weight"
+    assert "nothing was written" in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_transform_options_apply_in_the_documented_order(tmp_path: Path) -> None:
+    source = FIXTURES / "gpu" / "lightning.ckpt"
+    output = tmp_path / "out.safetensors"
+    code, _, stderr = run(
+        "convert", str(source), str(output), "--strip-prefix", "model", "--rename", r"^bn\.=norm.",
+        "--add-prefix", "backbone", "--drop", "num_batches_tracked", "--dtype", "bf16", "--keep-dtype", "norm",
+    )
+    assert code == 0, stderr
+    weights = ckptconv.open(output).select().weights
+    assert "backbone.norm.running_mean" in weights
+    assert not any("num_batches_tracked" in key for key in weights)
+    assert weights["backbone.conv.weight"].dtype.name == "bfloat16"
+    assert weights["backbone.norm.weight"].dtype.name == "float32"
+
+
+def test_inspect_human_and_json(tmp_path: Path) -> None:
+    source = FIXTURES / "gpu" / "train_checkpoint.pth"
+    code, stdout, _ = run("inspect", str(source))
+    assert code == 0
+    assert "torch-zip" in stdout and "saved on cpu, cuda:0" in stdout
+    assert "argparse.Namespace (1 object)" in stdout
+    assert "weights: 'model': 9 tensors" in stdout
+    assert re.search(r"conv\.weight\s+float32\s+\[8, 3, 3, 3\]", stdout)
+
+    code, stdout, _ = run("inspect", str(source), "--json")
+    info = json.loads(stdout)
+    assert info["selected"] == "model"
+    assert info["saved_devices"] == ["cpu", "cuda:0"]
+    assert "argparse.Namespace" in info["foreign_globals"]
+    assert {t["key"] for t in info["tensors"]} == set(ckptconv.open(source).select().weights)
+    assert info["total_tensors"] > len(info["tensors"])  # optimizer state is counted too
+
+
+def test_inspect_reports_ambiguity_without_failing(tmp_path: Path) -> None:
+    source = tmp_path / "gan.pt"
+    torch.save({"G": tiny_state_dict(0), "D": tiny_state_dict(1)}, source)
+    code, stdout, _ = run("inspect", str(source))
+    assert code == 0
+    assert "weights: not selected:" in stdout and "pick one with --select" in stdout
+
+
+def test_version_and_module_entry_point() -> None:
+    assert run("--version")[1].strip() == f"ckptconv, version {ckptconv.__version__}"
+    result = subprocess.run([sys.executable, "-m", "ckptconv", "--help"], capture_output=True, text=True, check=True)
+    assert "Open any PyTorch checkpoint safely" in result.stdout
+
+
+def test_help_does_not_import_torch() -> None:
+    code = "import sys; from ckptconv.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n" \
+           "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env={**os.environ})
+
+
+COMMANDS = sorted(cli.commands)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_with_an_example(command: str) -> None:
+    code, stdout, _ = run(command, "--help")
+    assert code == 0
+    assert cli.commands[command].get_short_help_str()
+    assert "Example:" in stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_is_in_the_readme(command: str) -> None:
+    assert f"ckptconv {command}" in README.read_text()
+
+
+def test_readme_lists_the_exit_codes() -> None:
+    text = README.read_text()
+    for code in ("0", "1", "2", "3"):
+        assert re.search(rf"^\|\s*`?{code}`?\s*\|", text, re.M), code
