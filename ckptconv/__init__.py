@@ -2,77 +2,90 @@
 
 The data flows one way, one module per stage::
 
-    load.py       open() / load()   detect the format, read the structure, lazy tensors
-    selection.py  Selection         find the weights inside a training checkpoint
-    transform.py  StripPrefix, ...  pure steps over keys and dtypes
-    write.py      save()            stream to .pt or safetensors, atomically
-    verify.py     verify()          compare an output with its source, bit for bit
+    loading.py       open() / load()   detect the format, read the structure, lazy tensors
+    selection.py     Selection         find the weights inside a training checkpoint
+    transforms.py    StripPrefix, ...  pure steps over keys and dtypes
+    writing.py       save()            stream to .pt or safetensors, atomically
+    verification.py  verify()          compare an output with its source, bit for bit
 
-``convert()`` runs them all; ``inspect()`` describes a file. Format details
-live in ``formats/``; the pickle machine that never runs code is
-``unpickler.py``. Importing ckptconv does not import torch.
+``conversion.convert()`` runs them all; ``inspection.inspect()`` describes a
+file. Format details live in ``formats/``; the pickle machine that never runs
+code is ``unpickler.py``.
+
+The public names below are imported on first use, so ``ckptconv --help`` and
+``import ckptconv`` stay fast; importing ckptconv never imports torch. (Modules
+are named for the stage, not the function, so that importing a submodule can
+never shadow a function of the same name on the package.)
 """
 
 from __future__ import annotations
 
-from ._version import __version__
-from .convert import ConversionReport, convert
-from .errors import (
-    CastOverflowError,
-    CkptconvError,
-    KeyCollisionError,
-    LoadError,
-    MalformedCheckpointError,
-    OutputExistsError,
-    SelectionError,
-    TransformError,
-    UnsafeCheckpointError,
-    UnsupportedFormatError,
-    VerifyError,
-    WriteError,
-)
-from .inspection import CheckpointInfo, TensorInfo, inspect
-from .load import Checkpoint, load, open
-from .selection import Selection
-from .tensor import TensorRef
-from .transform import AddPrefix, Cast, Drop, Keep, Pipeline, Rename, StepReport, StripPrefix
-from .verify import VerifyReport, verify
-from .write import WriteReport, save
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "AddPrefix",
-    "Cast",
-    "CastOverflowError",
-    "Checkpoint",
-    "CheckpointInfo",
-    "CkptconvError",
-    "ConversionReport",
-    "Drop",
-    "Keep",
-    "KeyCollisionError",
-    "LoadError",
-    "MalformedCheckpointError",
-    "OutputExistsError",
-    "Pipeline",
-    "Rename",
-    "Selection",
-    "SelectionError",
-    "StepReport",
-    "StripPrefix",
-    "TensorInfo",
-    "TensorRef",
-    "TransformError",
-    "UnsafeCheckpointError",
-    "UnsupportedFormatError",
-    "VerifyError",
-    "VerifyReport",
-    "WriteError",
-    "WriteReport",
-    "__version__",
-    "convert",
-    "inspect",
-    "load",
-    "open",
-    "save",
-    "verify",
-]
+from ._version import __version__
+
+if TYPE_CHECKING:
+    from .conversion import ConversionReport, convert
+    from .errors import (
+        CastOverflowError,
+        CkptconvError,
+        KeyCollisionError,
+        LoadError,
+        MalformedCheckpointError,
+        OutputExistsError,
+        SelectionError,
+        TransformError,
+        UnsafeCheckpointError,
+        UnsupportedFormatError,
+        VerifyError,
+        WriteError,
+    )
+    from .inspection import CheckpointInfo, TensorInfo, inspect
+    from .loading import Checkpoint, load, open
+    from .selection import Selection
+    from .tensor import TensorRef
+    from .transforms import AddPrefix, Cast, Drop, Keep, Pipeline, Rename, StepReport, StripPrefix
+    from .verification import VerifyReport, verify
+    from .writing import WriteReport, save
+
+_HOMES = {
+    ".conversion": ["ConversionReport", "convert"],
+    ".errors": [
+        "CastOverflowError",
+        "CkptconvError",
+        "KeyCollisionError",
+        "LoadError",
+        "MalformedCheckpointError",
+        "OutputExistsError",
+        "SelectionError",
+        "TransformError",
+        "UnsafeCheckpointError",
+        "UnsupportedFormatError",
+        "VerifyError",
+        "WriteError",
+    ],
+    ".inspection": ["CheckpointInfo", "TensorInfo", "inspect"],
+    ".loading": ["Checkpoint", "load", "open"],
+    ".selection": ["Selection"],
+    ".tensor": ["TensorRef"],
+    ".transforms": ["AddPrefix", "Cast", "Drop", "Keep", "Pipeline", "Rename", "StepReport", "StripPrefix"],
+    ".verification": ["VerifyReport", "verify"],
+    ".writing": ["WriteReport", "save"],
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+__all__ = sorted([*_HOME_OF, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptconv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -169,7 +169,7 @@ output_options = _compose(
 
 
 def _pipeline(leading: Sequence[Any], options: dict[str, Any]) -> Any:
-    from .transform import AddPrefix, Cast, Drop, Keep, Pipeline, Rename, StripPrefix
+    from .transforms import AddPrefix, Cast, Drop, Keep, Pipeline, Rename, StripPrefix
 
     steps: list[Any] = list(leading)
     steps += [StripPrefix(prefix) for prefix in options["strip_prefixes"]]
@@ -198,7 +198,7 @@ def _human_bytes(count: float) -> str:
 
 
 def _run_conversion(src: str, dst: str, leading: Sequence[Any], options: dict[str, Any]) -> None:
-    from .convert import convert
+    from .conversion import convert
 
     quiet = options["quiet"]
     pipeline = _pipeline(leading, options)
@@ -286,7 +286,7 @@ def strip_module(src: str, dst: str, **options: Any) -> None:
     Example:
       ckptconv strip-module dp_model.pkl model.pt
     """
-    from .transform import StripPrefix
+    from .transforms import StripPrefix
 
     _run_conversion(src, dst, [StripPrefix("module")], options)
 
@@ -304,7 +304,7 @@ def add_module(src: str, dst: str, **options: Any) -> None:
     Example:
       ckptconv add-module model.pt dp_model.pt
     """
-    from .transform import AddPrefix
+    from .transforms import AddPrefix
 
     _run_conversion(src, dst, [AddPrefix("module")], options)
 

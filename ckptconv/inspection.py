@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
 from .errors import SelectionError
-from .load import open as open_checkpoint
+from .loading import open as open_checkpoint
 from .selection import as_tensor, is_module
 from .tensor import TensorRef
 from .unpickler import ForeignGlobal, ForeignObject, NumpyArray

@@ -15,10 +15,10 @@ from typing import Optional, Union
 
 from ._version import __version__
 from .errors import VerifyError
-from .load import open as open_checkpoint
-from .transform import Pipeline, StepReport, StripPrefix, Transform
-from .verify import compare
-from .write import Progress, output_format, save
+from .loading import open as open_checkpoint
+from .transforms import Pipeline, StepReport, StripPrefix, Transform
+from .verification import compare
+from .writing import Progress, output_format, save
 
 __all__ = ["ConversionReport", "convert"]
 
@@ -96,8 +96,8 @@ def convert(
         source: any checkpoint :func:`ckptconv.open` reads.
         destination: the output file; its suffix picks the format unless ``to`` is given.
         select: where the weights are (``"state_dict_ema"``); searched when None.
-        transforms: steps such as :class:`~ckptconv.transform.StripPrefix` or
-            :class:`~ckptconv.transform.Cast`, applied in order.
+        transforms: steps such as :class:`~ckptconv.transforms.StripPrefix` or
+            :class:`~ckptconv.transforms.Cast`, applied in order.
         to: ``"pt"`` or ``"safetensors"``.
         overwrite: replace an existing destination.
         trust: see :func:`ckptconv.open`. Dangerous.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from .tensor import TensorRef
-from .transform import Pipeline, Transform
+from .transforms import Pipeline, Transform
 
 __all__ = ["VerifyReport", "compare", "verify"]
 
@@ -106,7 +106,7 @@ def verify(
         >>> ckptconv.verify("dp.pkl", "model.pt", transforms=[ckptconv.StripPrefix("module")]).ok  # doctest: +SKIP
         True
     """
-    from .load import open as open_checkpoint
+    from .loading import open as open_checkpoint
 
     pipeline = transforms if isinstance(transforms, Pipeline) else Pipeline.of(transforms)
     expected, _ = pipeline.apply(open_checkpoint(source, trust=trust).select(select).weights)
