@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from ckptconv.dtypes import dtype_by_name
 from ckptconv.errors import KeyCollisionError, TransformError
 from ckptconv.tensor import InMemory, Storage, TensorRef
-from ckptconv.transform import AddPrefix, Cast, Drop, Keep, Pipeline, Rename, StripPrefix
+from ckptconv.transforms import AddPrefix, Cast, Drop, Keep, Pipeline, Rename, StripPrefix
 
 
 def ref(dtype: str = "float32") -> TensorRef:
