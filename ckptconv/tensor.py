@@ -37,10 +37,15 @@ DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 
 @dataclass(frozen=True)
 class FileRegion:
-    """Bytes stored uncompressed at ``offset`` in the file at ``path``."""
+    """Bytes stored uncompressed at ``offset`` in the file at ``path``.
+
+    ``crc32`` is the CRC-32 the source format recorded for the whole storage
+    (zip records have one), which lets a verbatim copy skip recomputing it.
+    """
 
     path: str
     offset: int
+    crc32: Optional[int] = None
 
     def read(self, start: int, length: int) -> bytes:
         with open(self.path, "rb") as file:

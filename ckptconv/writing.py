@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import tempfile
+import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Optional, Union
@@ -229,8 +231,30 @@ def _write_tensor(ref: TensorRef, file: BinaryIO) -> Iterator[int]:
         yield len(chunk)
 
 
-def _planned_storage_bytes(storage: PlannedStorage) -> Iterator[bytes]:
-    return storage.tensor.iter_bytes()
+def _write_planned_storage(storage: PlannedStorage, file: BinaryIO, update: Callable[[int], None]) -> int:
+    """Write one output storage record and return its CRC-32.
+
+    A whole zip record copied unchanged keeps the CRC its source recorded and
+    moves in the kernel; anything else is streamed in chunks and checksummed.
+    """
+    ref = storage.tensor
+    source = ref.storage.source
+    if (
+        isinstance(source, FileRegion)
+        and source.crc32 is not None
+        and ref.cast_to is None
+        and ref.is_whole_storage
+        and ref.storage.byteorder == "little"
+    ):
+        for count in _copy_file_region(source, 0, ref.storage.nbytes, file):
+            update(count)
+        return source.crc32
+    crc = 0
+    for chunk in ref.iter_bytes():
+        crc = zlib.crc32(chunk, crc)
+        file.write(chunk)
+        update(len(chunk))
+    return crc
 
 
 def _progress_callback(progress: Progress, total: int, path: str) -> tuple[Callable[[int], None], Callable[[], None]]:
@@ -299,7 +323,9 @@ def save(
                 written = safetensors.write(entries, file, metadata=dict(metadata or {}), write_tensor=write_tensor)
                 aliases = _aliases(entries)
             else:
-                written = torch_zip.write(entries, file, read_storage=_planned_storage_bytes, on_bytes=update)
+                written = torch_zip.write(
+                    entries, file, write_storage=functools.partial(_write_planned_storage, update=update)
+                )
             if check is not None:
                 file.flush()
                 check(file.name)

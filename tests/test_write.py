@@ -189,3 +189,12 @@ def test_verify_catches_a_corrupted_output(tmp_path: Path) -> None:
     output.write_bytes(bytes(data))
     report = ckptconv.verify(source, output)
     assert not report.ok and report.mismatched[0][1] == "values differ"
+
+
+def test_verbatim_copies_keep_correct_crcs(tmp_path: Path) -> None:
+    source = tmp_path / "in.pt"
+    torch.save({"module.w": torch.randn(1000), "module.b": torch.randn(10)[2:5]}, source)
+    output = tmp_path / "out.pt"
+    ckptconv.convert(source, output, transforms=[ckptconv.StripPrefix("module")])
+    with zipfile.ZipFile(output) as archive:
+        assert archive.testzip() is None

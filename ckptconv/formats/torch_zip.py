@@ -21,6 +21,7 @@ Reading never copies storage bytes: each storage becomes a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import struct
 import zipfile
@@ -147,7 +148,7 @@ def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
                             f"{path!r} is truncated: storage {name!r} ends past the end of the file",
                             path=path,
                         )
-                    source: Any = FileRegion(path, offset)
+                    source: Any = FileRegion(path, offset, crc32=info.CRC)
                 else:
                     source = ZipMember(path, name)
                 location_tag = pickle_location(location, path)
@@ -385,24 +386,28 @@ class _ZipWriter:
             + extra
         )
 
-    def write_record(self, name: str, chunks: Iterable[bytes], size: int) -> None:
+    def write_record(self, name: str, size: int, fill: Callable[[BinaryIO], int]) -> None:
+        """Write one stored record; ``fill`` writes exactly ``size`` bytes and returns their CRC-32."""
         encoded = name.encode("utf-8")
         offset = self.file.tell()
-        header = self._local_header(encoded, size, 0, offset)
-        self.file.write(header)
-        crc = 0
-        written = 0
-        for chunk in chunks:
-            crc = zlib.crc32(chunk, crc)
-            written += len(chunk)
-            self.file.write(chunk)
-        if written != size:
-            raise AssertionError(f"record {name} wrote {written} bytes, planned {size}")
+        self.file.write(self._local_header(encoded, size, 0, offset))
+        data_start = self.file.tell()
+        crc = fill(self.file)
         end = self.file.tell()
+        if end - data_start != size:
+            raise AssertionError(f"record {name} wrote {end - data_start} bytes, planned {size}")
+        # The CRC is known only now; patch it into the local header.
         self.file.seek(offset + 14)
         self.file.write(struct.pack("<I", crc))
         self.file.seek(end)
         self.entries.append((encoded, crc, size, offset))
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        def fill(file: BinaryIO) -> int:
+            file.write(data)
+            return zlib.crc32(data)
+
+        self.write_record(name, len(data), fill)
 
     def close(self) -> None:
         directory_start = self.file.tell()
@@ -447,42 +452,31 @@ def write(
     entries: Sequence[tuple[str, TensorRef]],
     file: BinaryIO,
     *,
-    read_storage: Callable[[PlannedStorage], Iterable[bytes]],
-    on_bytes: Optional[Callable[[int], None]] = None,
+    write_storage: Callable[[PlannedStorage, BinaryIO], int],
 ) -> int:
     """Write ``entries`` as a torch zip checkpoint that ``torch.load(weights_only=True)`` reads.
 
     Args:
         entries: ``(key, tensor)`` pairs in output order.
         file: a seekable binary file opened for writing.
-        read_storage: yields the bytes of one planned storage (cast applied).
-        on_bytes: called with the number of tensor bytes after each chunk.
+        write_storage: writes one planned storage's bytes (cast applied) to the
+            file and returns their CRC-32; the caller owns the fast copy path.
 
     Returns:
         The number of tensor bytes written.
     """
     storages, tensors = plan_storages(entries)
-    pickle_bytes = _PickleWriter().state_dict(tensors, storages)
     writer = _ZipWriter(file)
-    writer.write_record(f"{ROOT}/data.pkl", [pickle_bytes], len(pickle_bytes))
-    writer.write_record(f"{ROOT}/.format_version", [b"1"], 1)
-    writer.write_record(f"{ROOT}/.storage_alignment", [str(ALIGNMENT).encode()], len(str(ALIGNMENT)))
-    writer.write_record(f"{ROOT}/byteorder", [b"little"], 6)
-    total = 0
+    writer.write_bytes(f"{ROOT}/data.pkl", _PickleWriter().state_dict(tensors, storages))
+    writer.write_bytes(f"{ROOT}/.format_version", b"1")
+    writer.write_bytes(f"{ROOT}/.storage_alignment", str(ALIGNMENT).encode())
+    writer.write_bytes(f"{ROOT}/byteorder", b"little")
     for index, storage in enumerate(storages):
-        def counted(chunks: Iterable[bytes]) -> Iterable[bytes]:
-            for chunk in chunks:
-                if on_bytes is not None:
-                    on_bytes(len(chunk))
-                yield chunk
-
-        writer.write_record(f"{ROOT}/data/{index}", counted(read_storage(storage)), storage.nbytes)
-        total += storage.nbytes
-    writer.write_record(f"{ROOT}/version", [b"3\n"], 2)
-    serialization_id = os.urandom(20).hex().encode()
-    writer.write_record(f"{ROOT}/.data/serialization_id", [serialization_id], len(serialization_id))
+        writer.write_record(f"{ROOT}/data/{index}", storage.nbytes, functools.partial(write_storage, storage))
+    writer.write_bytes(f"{ROOT}/version", b"3\n")
+    writer.write_bytes(f"{ROOT}/.data/serialization_id", os.urandom(20).hex().encode())
     writer.close()
-    return total
+    return sum(storage.nbytes for storage in storages)
 
 
 def is_zip(head: bytes) -> bool:
