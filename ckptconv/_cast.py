@@ -1,0 +1,547 @@
+"""Floating-point casts on raw storage, bit-exact with ``torch.Tensor.to`` on CPU.
+
+Why this module exists: ckptconv converts dtypes while streaming tensor bytes
+from disk, and importing torch costs more than a second, so the casts are done
+in numpy on the *storage representation* of each dtype (``float32`` as
+``np.float32``, ``bfloat16`` as ``np.uint16``, float8 as ``np.uint8``; see
+:func:`storage_dtype`). The output must be the bytes torch itself would write,
+so every rule below was measured against torch 2.13 (x86-64, AVX2 kernels;
+torch 2.11's AVX512 kernels behave the same), exhaustively where the input
+space allows it (all 2**32 float32 patterns to float16 and bfloat16, all
+2**16 patterns of each 16-bit source, all 256 of each float8) and with tie,
+overflow and NaN-payload sweeps for float64.
+
+What torch does, and so what we do:
+
+* Finite values and infinities: round to nearest, ties to even, with IEEE
+  overflow to inf and gradual underflow (subnormals kept, never flushed).
+* float64 -> float16 / bfloat16 rounds **twice**: torch first converts to
+  float32 (round to nearest even) and rounds that to 16 bits. So
+  ``1 + 2**-11 + 2**-40`` becomes ``1.0`` in float16, not the nearer
+  ``1 + 2**-10`` a single rounding would give. We do the same.
+* NaN to float16 (from float32 / float64 / bfloat16 / float8) is what the F16C
+  instruction gives: sign kept, quiet bit set, top 10 payload bits kept.
+  (numpy's own float16 casts keep signalling NaNs signalling, and are slow
+  scalar loops, so we do not use them.)
+* NaN to bfloat16: from float32 and float64 it is ``0xFFFF`` (torch's
+  vectorised kernel writes all ones whatever the sign and payload); from
+  float16 and float8 it is ``0x7FC0`` (torch has only a scalar path there).
+* float16 NaN to float32: sign kept, quiet bit set, payload shifted up
+  (F16C ``vcvtph2ps``); to float64 the same, widened.
+* bfloat16 to float32 is a 16-bit shift, so signalling NaNs stay signalling;
+  float32 <-> float64 is the hardware conversion (quiets signalling NaNs,
+  keeps the top payload bits), which numpy uses too.
+
+Where torch is not deterministic, we follow its bulk path. Torch's CPU copy
+kernel runs a vectorised loop and finishes each thread's slice of the tensor
+with a scalar loop, and for two pairs the scalar loop encodes NaN differently:
+
+* float64 -> bfloat16: vector body ``0xFFFF``, scalar tail ``0x7FC0``
+  (body = whole blocks of 16 elements of each thread's slice);
+* float16 -> float32: vector body as above, scalar tail ``0x7FFFFFFF`` for
+  every NaN (sign and payload dropped; body = blocks of 8 elements).
+
+So the bytes torch gives for a NaN in these two pairs depend on the tensor's
+length and on ``torch.get_num_threads()``. For real tensors nearly every
+element is in the body, so we always give the body's answer. Other CPU
+builds of torch differ again in NaN encodings only (with
+``ATEN_CPU_CAPABILITY=default``, float32 -> bfloat16 gives ``0x7FC0`` and the
+float16 scalar path gives ``0x7E00`` with the sign); non-NaN values agree.
+
+Casts run block by block (:data:`BLOCK_ELEMENTS`) so that the temporaries
+stay in cache and the result does not depend on how a caller chunks its input.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import lru_cache
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import numpy as np
+
+__all__ = [
+    "BLOCK_ELEMENTS",
+    "CAST_PAIRS",
+    "cast_array",
+    "cast_bytes",
+    "count_overflows",
+    "storage_dtype",
+]
+
+#: Elements per internal block. Each kernel makes 5-15 numpy passes over a
+#: block, so its temporaries (512 KiB each at 4 bytes) should stay in cache:
+#: measured, 2**17 and 2**18 were fastest, 2**20 lost 25-50 % to memory
+#: traffic and 2**14 as much to numpy's per-call overhead.
+BLOCK_ELEMENTS = 1 << 17
+
+_STORAGE: Dict[str, np.dtype[Any]] = {
+    "float64": np.dtype(np.float64),
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),
+    "float8_e4m3fn": np.dtype(np.uint8),
+    "float8_e5m2": np.dtype(np.uint8),
+}
+
+# The unsigned integer type of the same width, to work on bit patterns.
+_UINT: Dict[int, np.dtype[Any]] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.uint16),
+    4: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
+}
+
+# Bit pattern of +inf per dtype, or of the largest finite magnitude + 1 for
+# float8_e4m3fn, which has no inf (0x7F is its NaN).
+_INF_BITS = {
+    "float64": 0x7FF0000000000000,
+    "float32": 0x7F800000,
+    "float16": 0x7C00,
+    "bfloat16": 0x7F80,
+    "float8_e4m3fn": 0x7F,
+    "float8_e5m2": 0x7C,
+}
+
+# What torch's bulk path writes for a NaN cast to bfloat16, per source (see
+# the module docstring).
+_BF16_NAN_VECTOR = 0xFFFF
+_BF16_NAN_SCALAR = 0x7FC0
+
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def storage_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype holding ``name``'s elements here (bfloat16 -> uint16, float8 -> uint8).
+
+    Native byte order, since the kernels are numpy ufuncs; :func:`cast_bytes`
+    handles the little-endian on-disk layout.
+    """
+    try:
+        return _STORAGE[name]
+    except KeyError:
+        raise ValueError(f"ckptconv cannot cast {name!r} values; known: {', '.join(_STORAGE)}") from None
+
+
+class _Scratch:
+    """Per-call temporaries, one block long, reused by every block of a cast.
+
+    Allocated per call rather than per module so that concurrent casts in
+    several threads (numpy drops the GIL inside ufuncs) never share buffers.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._u32: Optional[np.ndarray] = None
+        self._f32: Optional[np.ndarray] = None
+        self._mid: Optional[np.ndarray] = None
+        self._mask: Optional[np.ndarray] = None
+
+    def u32(self, n: int) -> np.ndarray:
+        if self._u32 is None:
+            self._u32 = np.empty(self.size, np.uint32)
+        return self._u32[:n]
+
+    def f32(self, n: int) -> np.ndarray:
+        if self._f32 is None:
+            self._f32 = np.empty(self.size, np.float32)
+        return self._f32[:n]
+
+    def mid(self, n: int) -> np.ndarray:
+        """The float32 intermediate of two-step casts (the steps use u32 and f32)."""
+        if self._mid is None:
+            self._mid = np.empty(self.size, np.float32)
+        return self._mid[:n]
+
+    def mask(self, n: int) -> np.ndarray:
+        if self._mask is None:
+            self._mask = np.empty(self.size, np.bool_)
+        return self._mask[:n]
+
+
+# A kernel casts one block: (source block, output block, scratch) -> None.
+_Kernel = Callable[[np.ndarray, np.ndarray, _Scratch], None]
+
+
+def _nan_positions(values: np.ndarray, scratch: _Scratch) -> Optional[np.ndarray]:
+    """Indices of the NaNs in a float32 block, or None when there are none (the common case).
+
+    One max-reduction pass answers "any NaN?" (max propagates NaN), so a
+    NaN-free block costs no mask.
+    """
+    if values.size == 0 or not np.isnan(values.max()):
+        return None
+    mask = scratch.mask(values.size)
+    np.isnan(values, out=mask)
+    return np.flatnonzero(mask)
+
+
+# -- to bfloat16 ------------------------------------------------------------------
+
+
+def _f32_to_bf16(src: np.ndarray, out: np.ndarray, scratch: _Scratch, nan_bits: int) -> None:
+    """Round float32 to bfloat16, nearest-even, as ``(u + 0x7FFF + lsb) >> 16``.
+
+    The integer form is exact for every finite value and inf, including
+    rounding across a binade and up to inf. NaNs are then overwritten with
+    ``nan_bits`` (torch does not keep NaN payloads here). Sums wrap around for
+    negative NaNs only, which are overwritten anyway.
+    """
+    bits = src.view(np.uint32)
+    tmp = scratch.u32(src.size)
+    np.right_shift(bits, 16, out=tmp)
+    np.bitwise_and(tmp, 1, out=tmp)
+    np.add(tmp, 0x7FFF, out=tmp)
+    np.add(tmp, bits, out=tmp)
+    np.right_shift(tmp, 16, out=tmp)
+    np.copyto(out, tmp, casting="unsafe")
+    nans = _nan_positions(src, scratch)
+    if nans is not None:
+        out[nans] = nan_bits
+
+
+def _k_f32_bf16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+    _f32_to_bf16(src, out, scratch, _BF16_NAN_VECTOR)
+
+
+def _k_f64_bf16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+    # Twice rounded, like torch: float64 -> float32 -> bfloat16.
+    f32 = scratch.mid(src.size)
+    np.copyto(f32, src, casting="unsafe")
+    _f32_to_bf16(f32, out, scratch, _BF16_NAN_VECTOR)
+
+
+def _k_f16_bf16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+    # float16 -> float32 is exact; NaNs become 0x7FC0 whatever their payload.
+    f32 = scratch.mid(src.size)
+    _k_f16_f32(src, f32, scratch)
+    _f32_to_bf16(f32, out, scratch, _BF16_NAN_SCALAR)
+
+
+# -- to float16 -------------------------------------------------------------------
+
+
+@lru_cache(maxsize=8)
+def _filled(value: int, size: int) -> np.ndarray:
+    """A read-only uint32 array of ``value``: numpy's ``maximum`` is SIMD only between two arrays."""
+    array = np.full(size, value, dtype=np.uint32)
+    array.flags.writeable = False
+    return array
+
+
+def _f32_to_f16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+    """Round float32 to float16 like F16C's ``vcvtps2ph`` (nearest even, subnormals, inf).
+
+    numpy's own cast rounds finite values right but runs a scalar software
+    loop (about half the speed) and leaves signalling NaNs signalling. This
+    is the branch-free float trick of Maratyszcza's FP16 library: scaling by
+    2**112 then 2**-110 sends what overflows float16 to inf, and adding a
+    power of two just above the value makes the FPU round the float16
+    mantissa, subnormals included, into the low bits. NaNs are patched after.
+    """
+    n = src.size
+    bits = src.view(np.uint32)
+    value = scratch.f32(n)
+    bias = scratch.u32(n)
+    np.abs(src, out=value)
+    np.multiply(value, np.float32(2.0**112), out=value)
+    np.multiply(value, np.float32(2.0**-110), out=value)
+    # 2**(e + 15) for the value's exponent e, at least 2**1 (float16 subnormals).
+    np.bitwise_and(bits, np.uint32(0x7F800000), out=bias)
+    np.maximum(bias, _filled(0x38800000, max(n, BLOCK_ELEMENTS))[:n], out=bias)
+    np.add(bias, np.uint32(0x07800000), out=bias)
+    np.add(value, bias.view(np.float32), out=value)
+    rounded = value.view(np.uint32)
+    np.right_shift(rounded, 13, out=bias)
+    np.bitwise_and(bias, np.uint32(0x7C00), out=bias)  # exponent
+    np.bitwise_and(rounded, np.uint32(0x0FFF), out=rounded)  # mantissa, with any carry
+    np.add(bias, rounded, out=bias)
+    np.right_shift(bits, 16, out=rounded)  # contiguous u32 ops beat strided u16 ones
+    np.bitwise_and(rounded, np.uint32(0x8000), out=rounded)
+    np.bitwise_or(bias, rounded, out=bias)
+    half = out.view(np.uint16)
+    np.copyto(half, bias, casting="unsafe")
+    nans = _nan_positions(src, scratch)
+    if nans is not None:
+        nan_bits = bits[nans]
+        half[nans] = ((nan_bits >> 16) & 0x8000) | 0x7E00 | ((nan_bits >> 13) & 0x03FF)
+
+
+def _k_f64_f16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+    # Twice rounded, like torch: float64 -> float32 -> float16.
+    f32 = scratch.mid(src.size)
+    np.copyto(f32, src, casting="unsafe")
+    _f32_to_f16(f32, out, scratch)
+
+
+def _k_bf16_f16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+    f32 = scratch.mid(src.size)
+    _k_bf16_f32(src, f32, scratch)
+    _f32_to_f16(f32, out, scratch)
+
+
+# -- to float32 / float64 ---------------------------------------------------------
+
+
+def _k_f16_f32(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+    """Widen float16 exactly; infinities and NaNs (quieted) as F16C's ``vcvtph2ps`` gives them.
+
+    Faster than numpy's scalar cast: the sign-extended bits shifted into
+    place are a float32 2**112 times too small (subnormals included), which
+    one exact multiply fixes. Only inf and NaN (exponent all ones) need more.
+    """
+    wide = scratch.u32(src.size)
+    np.copyto(wide.view(np.int32), src.view(np.int16))  # sign-extends
+    np.left_shift(wide, 13, out=wide)
+    np.bitwise_and(wide, np.uint32(0x8FFFFFFF), out=wide)  # sign, then exponent and mantissa
+    np.multiply(wide.view(np.float32), np.float32(2.0**112), out=out)
+    magnitude = wide.view(np.uint16)[: src.size]
+    np.bitwise_and(src.view(np.uint16), np.uint16(0x7FFF), out=magnitude)
+    if magnitude.max(initial=0) < 0x7C00:
+        return
+    special = np.flatnonzero(magnitude >= 0x7C00)
+    half = src.view(np.uint16)[special].astype(np.uint32)
+    mantissa = half & 0x03FF
+    quiet = np.where(mantissa != 0, np.uint32(0x00400000), np.uint32(0))
+    out.view(np.uint32)[special] = ((half & 0x8000) << 16) | 0x7F800000 | quiet | (mantissa << 13)
+
+
+def _k_bf16_f32(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+    """Widen bfloat16: its bits are the high half of the float32 (NaNs kept as they are)."""
+    wide = out.view(np.uint32)
+    np.copyto(wide, src)
+    np.left_shift(wide, 16, out=wide)
+
+
+def _k_f16_f64(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+    f32 = scratch.mid(src.size)
+    _k_f16_f32(src, f32, scratch)
+    np.copyto(out, f32)
+
+
+def _k_bf16_f64(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+    # Through float32, so that signalling NaNs are quieted by the hardware widening, as in torch.
+    f32 = scratch.mid(src.size)
+    _k_bf16_f32(src, f32, scratch)
+    np.copyto(out, f32)
+
+
+def _k_numpy(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+    """float32 <-> float64: numpy uses the same hardware conversion as torch."""
+    np.copyto(out, src, casting="unsafe")
+
+
+# -- from float8 (lookup tables) ------------------------------------------------
+
+
+def _e4m3fn_to_f32_table() -> np.ndarray:
+    """float32 bits of all 256 float8_e4m3fn patterns (bias 7, no inf, NaN = S.1111.111)."""
+    code = np.arange(256, dtype=np.uint32)
+    exponent = (code >> 3) & 0xF
+    mantissa = (code & 0x7).astype(np.float64)
+    magnitude = np.where(
+        exponent == 0,
+        mantissa * 2.0**-9,  # subnormal: m/8 * 2**-6
+        (8.0 + mantissa) * np.exp2(exponent.astype(np.float64) - 10.0),  # (1 + m/8) * 2**(e-7)
+    )
+    value = np.where(code >= 0x80, -magnitude, magnitude).astype(np.float32)
+    bits = value.view(np.uint32).copy()
+    nan = (code & 0x7F) == 0x7F
+    # torch widens the NaN like the other codes: exponent all ones, mantissa 0b111 shifted up.
+    bits[nan] = ((code[nan] & 0x80) << 24) | 0x7FF00000
+    return bits
+
+
+def _e5m2_to_f32_table() -> np.ndarray:
+    """float32 bits of all 256 float8_e5m2 patterns: each is the top byte of a float16."""
+    half = (np.arange(256, dtype=np.uint16) << 8).view(np.float16)
+    out = np.empty(256, np.float32)
+    _k_f16_f32(half, out, _Scratch(256))
+    return out.view(np.uint32)
+
+
+@lru_cache(maxsize=None)
+def _float8_table(source: str, target: str) -> np.ndarray:
+    """Result of casting every float8 pattern, in ``target``'s storage dtype.
+
+    torch widens float8 to float32 and casts that; bfloat16 NaNs come out as
+    ``0x7FC0`` (its scalar path), float16 NaNs as F16C gives them.
+    """
+    wide = (_e4m3fn_to_f32_table() if source == "float8_e4m3fn" else _e5m2_to_f32_table()).view(np.float32)
+    out = np.empty(256, _STORAGE[target])
+    scratch = _Scratch(256)
+    with np.errstate(all="ignore"):
+        if target == "float32":
+            out[:] = wide
+        elif target == "bfloat16":
+            _f32_to_bf16(wide, out, scratch, _BF16_NAN_SCALAR)
+        elif target == "float16":
+            _f32_to_f16(wide, out, scratch)
+        else:
+            np.copyto(out, wide)
+    out.flags.writeable = False
+    return out
+
+
+def _table_kernel(source: str, target: str) -> _Kernel:
+    def kernel(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+        np.take(_float8_table(source, target), src, out=out, mode="clip")
+
+    return kernel
+
+
+_KERNELS: Dict[Tuple[str, str], _Kernel] = {
+    ("float64", "float32"): _k_numpy,
+    ("float64", "float16"): _k_f64_f16,
+    ("float64", "bfloat16"): _k_f64_bf16,
+    ("float32", "float64"): _k_numpy,
+    ("float32", "float16"): _f32_to_f16,
+    ("float32", "bfloat16"): _k_f32_bf16,
+    ("float16", "float64"): _k_f16_f64,
+    ("float16", "float32"): _k_f16_f32,
+    ("float16", "bfloat16"): _k_f16_bf16,
+    ("bfloat16", "float64"): _k_bf16_f64,
+    ("bfloat16", "float32"): _k_bf16_f32,
+    ("bfloat16", "float16"): _k_bf16_f16,
+}
+for _source in ("float8_e4m3fn", "float8_e5m2"):
+    for _target in ("float64", "float32", "float16", "bfloat16"):
+        _KERNELS[(_source, _target)] = _table_kernel(_source, _target)
+
+#: Every ``(source, target)`` pair :func:`cast_array` handles, besides ``source == target``.
+CAST_PAIRS = frozenset(_KERNELS)
+
+
+def _kernel(source: str, target: str) -> _Kernel:
+    storage_dtype(source)
+    storage_dtype(target)
+    try:
+        return _KERNELS[(source, target)]
+    except KeyError:
+        raise ValueError(f"ckptconv cannot cast {source} to {target}") from None
+
+
+def _as_storage(values: np.ndarray, source: str) -> np.ndarray:
+    """``values`` viewed as ``source``'s native storage dtype, contiguous (copied only if it must be)."""
+    dtype = storage_dtype(source)
+    if values.dtype.itemsize != dtype.itemsize or values.dtype.kind not in "uif":
+        raise TypeError(f"{source} values must be a {dtype.itemsize}-byte numeric array, not {values.dtype}")
+    if not values.dtype.isnative:
+        values = values.astype(values.dtype.newbyteorder("="))
+    return np.ascontiguousarray(values).view(dtype)
+
+
+def cast_array(values: np.ndarray, source: str, target: str, *, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """Cast an array in ``source``'s storage representation to ``target``'s, bit-exact with torch CPU.
+
+    ``values`` may be any array of ``source``'s width (a uint16 view of
+    float16 is fine; read-only inputs too); the result has ``values``'s shape
+    and ``target``'s :func:`storage_dtype`. When ``source == target`` the input
+    itself comes back (viewed, not copied), as ``Tensor.to`` returns ``self``.
+
+    ``out``, if given, receives the result and is returned; reusing one lets
+    a streaming caller convert chunk after chunk without allocating.
+    """
+    kernel = None if source == target else _kernel(source, target)
+    src = _as_storage(values, source).reshape(-1)
+    if kernel is None:
+        if out is None:
+            return src.reshape(values.shape)
+        kernel = _k_numpy
+    dtype = storage_dtype(target)
+    if out is None:
+        result = np.empty(src.size, dtype)
+    else:
+        if out.dtype != dtype or out.size != src.size or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a contiguous {dtype} array of {src.size} elements")
+        result = out.reshape(-1)
+    n = src.size
+    scratch = _Scratch(min(n, BLOCK_ELEMENTS))
+    # Overflow to inf and NaN inputs are expected here, not worth a warning.
+    with np.errstate(all="ignore"):
+        for start in range(0, n, BLOCK_ELEMENTS):
+            stop = min(start + BLOCK_ELEMENTS, n)
+            kernel(src[start:stop], result[start:stop], scratch)
+    return result.reshape(values.shape) if out is None else out
+
+
+@lru_cache(maxsize=None)
+def _overflow_threshold(source: str, target: str) -> Optional[int]:
+    """Smallest magnitude bit pattern of ``source`` whose cast to ``target`` is inf, or None.
+
+    Found by bisection through :func:`cast_array` itself (rounding is
+    monotonic), so the count can never disagree with the cast, even for the
+    twice-rounded float64 casts where the threshold is awkward to derive.
+    """
+    uint = _UINT[storage_dtype(source).itemsize]
+    target_uint = _UINT[storage_dtype(target).itemsize]
+    target_inf = _INF_BITS[target]
+
+    def overflows(pattern: int) -> bool:
+        bits = np.array([pattern], dtype=uint)
+        result = cast_array(bits, source, target).view(target_uint)
+        return int(result[0]) == target_inf
+
+    low, high = 0, _INF_BITS[source] - 1  # the largest finite magnitude
+    if not overflows(high):
+        return None
+    while low < high:  # invariant: high overflows
+        mid = (low + high) // 2
+        if overflows(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return high
+
+
+def count_overflows(values: np.ndarray, source: str, target: str) -> int:
+    """How many finite source values become ±inf in target (e.g. fp32 70000.0 -> fp16 inf).
+
+    ckptconv refuses such casts unless asked, since they silently destroy
+    weights. Computed on the bits (magnitudes at or above a per-pair
+    threshold), without casting.
+    """
+    if source == target:
+        return 0
+    _kernel(source, target)
+    threshold = _overflow_threshold(source, target)
+    if threshold is None:
+        return 0
+    uint = _UINT[storage_dtype(source).itemsize]
+    bits = _as_storage(values, source).reshape(-1).view(uint)
+    magnitude_mask = uint.type((1 << (8 * uint.itemsize - 1)) - 1)
+    span = uint.type(_INF_BITS[source] - threshold)
+    low = uint.type(threshold)
+    n = bits.size
+    tmp = np.empty(min(n, BLOCK_ELEMENTS), uint)
+    hit = np.empty(min(n, BLOCK_ELEMENTS), np.bool_)
+    total = 0
+    for start in range(0, n, BLOCK_ELEMENTS):
+        stop = min(start + BLOCK_ELEMENTS, n)
+        t = tmp[: stop - start]
+        h = hit[: stop - start]
+        np.bitwise_and(bits[start:stop], magnitude_mask, out=t)
+        # threshold <= |x| < inf, as one unsigned compare after shifting by threshold.
+        np.subtract(t, low, out=t)
+        np.less(t, span, out=h)
+        total += int(np.count_nonzero(h))
+    return total
+
+
+def cast_bytes(data: Union[bytes, bytearray, memoryview], source: str, target: str) -> np.ndarray:
+    """Cast raw little-endian ``source`` bytes to a little-endian ``target`` array.
+
+    Each element is cast on its own, so splitting ``data`` anywhere on an
+    element boundary and concatenating the results gives the same bytes.
+    The result supports the buffer protocol (``file.write(result)`` works);
+    ``.tobytes()`` gives ``bytes``.
+    """
+    dtype = storage_dtype(source)
+    view = memoryview(data).cast("B")
+    if view.nbytes % dtype.itemsize:
+        raise ValueError(f"{view.nbytes} bytes is not a whole number of {source} elements")
+    values = np.frombuffer(view, dtype=dtype.newbyteorder("<"))
+    result = cast_array(values, source, target)
+    if _BIG_ENDIAN:
+        result = result.astype(result.dtype.newbyteorder("<"))
+    return result

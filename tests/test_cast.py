@@ -1,0 +1,558 @@
+"""ckptconv._cast against torch itself, bit for bit.
+
+The casts must give the bytes ``torch.Tensor.to`` gives on CPU, so every test
+compares raw bits with torch as the reference (never ``allclose``): all
+patterns of 16-bit and 8-bit sources, every tie / overflow / subnormal edge
+of 32- and 64-bit sources we can construct, large seeded random samples, and
+Hypothesis property tests.
+
+torch encodes NaNs differently in its vectorised body and its scalar tail for
+two pairs (float64 -> bfloat16, float16 -> float32), so the reference runs
+torch on one thread over arrays padded to whole vector blocks, which is what
+torch does to the bulk of any real tensor; ``test_torch_tail_nan_encoding``
+pins the difference down. On a torch build whose CPU kernels we have not
+measured (not AVX2 / AVX512), NaN encodings may legitimately differ, and
+comparisons then require only that NaNs stay NaNs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, List, Tuple
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from ckptconv import _cast  # noqa: E402
+from ckptconv._cast import (  # noqa: E402
+    CAST_PAIRS,
+    cast_array,
+    cast_bytes,
+    count_overflows,
+    storage_dtype,
+)
+
+TORCH_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+# torch has full support for signed integer views only, numpy compares unsigned.
+SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+WIDE = ("float64", "float32", "float16", "bfloat16")
+PAIRS = [(s, t) for s, t in itertools.permutations(WIDE, 2)]
+FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
+
+# NaN encodings were measured on these torch CPU kernels only (module docstring).
+NAN_EXACT = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+# torch's widest vector block among the casts (bfloat16 outputs: 16 elements).
+TORCH_BLOCK = 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread() -> Iterator[None]:
+    """One thread, so torch's scalar tails (other NaN encodings) fall only at the array's end."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def bits(array: np.ndarray) -> np.ndarray:
+    """``array``'s elements as unsigned integers of the same width."""
+    flat: np.ndarray = np.ascontiguousarray(array).reshape(-1).view(UNSIGNED[array.dtype.itemsize])
+    return flat
+
+
+def patterns(values: List[int], source: str) -> np.ndarray:
+    """Bit patterns as an array in ``source``'s storage dtype."""
+    width = storage_dtype(source).itemsize
+    array: np.ndarray = np.array(values, dtype=UNSIGNED[width]).view(storage_dtype(source))
+    return array
+
+
+def torch_cast(values: np.ndarray, source: str, target: str) -> np.ndarray:
+    """torch's result bits for ``values`` (source storage) cast to ``target``.
+
+    The input is padded with zeros to whole vector blocks so that every real
+    element goes through torch's vectorised body.
+    """
+    width = storage_dtype(source).itemsize
+    flat = bits(values)
+    padded = np.zeros(-(-flat.size // TORCH_BLOCK) * TORCH_BLOCK, dtype=flat.dtype)
+    padded[: flat.size] = flat
+    tensor = torch.from_numpy(padded.view(SIGNED[width])).view(TORCH_DTYPES[source])
+    out = tensor.to(TORCH_DTYPES[target])
+    out_width = out.element_size()
+    as_int = out.view(torch.uint8 if out_width == 1 else getattr(torch, f"int{8 * out_width}"))
+    result: np.ndarray = as_int.numpy().view(UNSIGNED[out_width])[: flat.size]
+    return result
+
+
+def is_nan_bits(values: np.ndarray, dtype: str) -> np.ndarray:
+    """NaN mask of bit patterns of ``dtype`` (works for bfloat16 and float8 too)."""
+    b = bits(values).astype(np.uint64)
+    if dtype == "float8_e4m3fn":
+        mask: np.ndarray = (b & 0x7F) == 0x7F
+        return mask
+    sign_bit = {1: 7, 2: 15, 4: 31, 8: 63}[storage_dtype(dtype).itemsize]
+    inf = {
+        "float64": 0x7FF0000000000000,
+        "float32": 0x7F800000,
+        "float16": 0x7C00,
+        "bfloat16": 0x7F80,
+        "float8_e5m2": 0x7C,
+    }[dtype]
+    mask = (b & np.uint64((1 << sign_bit) - 1)) > np.uint64(inf)
+    return mask
+
+
+def assert_matches_torch(values: np.ndarray, source: str, target: str) -> None:
+    ours = bits(cast_array(values, source, target))
+    ref = torch_cast(values, source, target)
+    if not NAN_EXACT:
+        nan = is_nan_bits(ref, target)
+        assert np.array_equal(is_nan_bits(ours, target), nan)
+        ours, ref = ours[~nan], ref[~nan]
+    if not np.array_equal(ours, ref):
+        wrong = np.flatnonzero(ours != ref)
+        src = bits(values)
+        examples = [(hex(src[i]), "ours", hex(ours[i]), "torch", hex(ref[i])) for i in wrong[:8]]
+        raise AssertionError(f"{source}->{target}: {wrong.size} of {src.size} differ, e.g. {examples}")
+
+
+# -- value sets --------------------------------------------------------------------
+
+# fmt: off
+F32_SPECIALS = [
+    0x00000000, 0x80000000,  # +-0
+    0x7F800000, 0xFF800000,  # +-inf
+    0x7FC00000, 0xFFC00000,  # default quiet NaNs
+    0x7F800001, 0xFF800001,  # signalling NaNs whose payload vanishes in 16 bits
+    0x7F802000, 0x7FA00000, 0x7FBFFFFF, 0x7FC00001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F810000, 0x7F80FFFF,  # payloads
+    0x00000001, 0x80000001, 0x007FFFFF, 0x00800000,  # subnormals, smallest normal
+    0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F7F7FFF,  # largest finite; bfloat16 overflow tie
+    0x477FF000, 0x477FEFFF, 0x477FE000, 0xC77FF000,  # float16 overflow tie (65520) and neighbours
+    0x33800000, 0x33000000, 0x33000001, 0x337FFFFF,  # float16 smallest subnormal and half of it
+    0x38800000, 0x387FE000, 0x387FF000,  # float16 smallest normal, subnormal ties
+    0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF,  # bfloat16 ties to even, both ways
+    0x3F801000, 0x3F803000, 0x3F801001,  # float16 ties to even, both ways
+    0x3FFFFFFF, 0x3F7FFFFF, 0x3F7F8000,  # rounding up into the next binade
+]
+
+F64_SPECIALS = [
+    0x0000000000000000, 0x8000000000000000, 0x7FF0000000000000, 0xFFF0000000000000,  # +-0, +-inf
+    0x7FF8000000000000, 0xFFF8000000000000, 0x7FF0000000000001, 0xFFF0000000000001,  # NaNs
+    0x7FF4000000000000, 0x7FF0000020000000, 0x7FF0000010000000, 0x7FF8000100000000,  # payloads that
+    0x7FFFFFFFFFFFFFFF, 0xFFFFFFFFFFFFFFFF, 0x7FF0040000000000, 0x7FF0000400000000,  # float32 keeps or drops
+    0x0000000000000001, 0x000FFFFFFFFFFFFF, 0x0010000000000000, 0x7FEFFFFFFFFFFFFF,  # extremes
+    0x47EFFFFFE0000000, 0x47EFFFFFF0000000, 0x47EFFFFFEFFFFFFF,  # float32 overflow tie
+    0x36A0000000000000, 0x3690000000000000, 0x3690000000000001,  # float32 subnormal edges
+]
+# fmt: on
+
+
+def neighbours(mids: np.ndarray) -> np.ndarray:
+    """Each value, and the next representable one below and above (same dtype)."""
+    u = bits(mids)
+    # Both signs; +-1 on the bit pattern is the next value away from/towards zero.
+    return np.concatenate([u, u - 1, u + 1]).view(mids.dtype)
+
+
+def f32_edges_for(target: str) -> np.ndarray:
+    """float32 values at, just below and just above every rounding boundary of ``target``.
+
+    The boundaries are the midpoints between adjacent finite ``target`` values
+    (exact in float32), both signs: ties to even, the subnormal range, rounding
+    up into the next binade, and above the largest finite value, where
+    rounding goes to inf.
+    """
+    codes = np.arange(0x10000, dtype=np.uint32)
+    magnitude = codes & 0x7FFF
+    if target == "bfloat16":
+        mids = ((codes << 16) | 0x8000)[magnitude < 0x7F80]
+    else:
+        codes, magnitude = codes[magnitude < 0x7C00], magnitude[magnitude < 0x7C00]
+        low = magnitude.astype(np.uint16).view(np.float16).astype(np.float64)
+        high = (magnitude + 1).astype(np.uint16).view(np.float16).astype(np.float64)
+        high[magnitude == 0x7BFF] = 65536.0  # the next step past the largest finite value
+        mids = (np.where(codes & 0x8000, -1.0, 1.0) * (low + high) / 2).astype(np.float32).view(np.uint32)
+    return neighbours(mids.view(np.float32))
+
+
+def f64_edges_for(target: str) -> np.ndarray:
+    """float64 values around ``target``'s boundaries: where rounding once or twice differs.
+
+    For each float32 boundary value ``m`` of :func:`f32_edges_for`, this takes
+    ``m`` itself, ``m`` nudged by far less than half a float32 ulp (float32
+    rounding hides the nudge, a direct cast would not), and the float32
+    midpoints next to ``m`` (float64 ties of the first rounding).
+    """
+    if target == "float32":
+        mids = np.arange(0, 0x7F800000, 0x10001, dtype=np.uint64)
+        f32 = np.concatenate([mids, mids | 0x80000000]).astype(np.uint32).view(np.float32)
+        # float64 midpoints between adjacent float32 values, and their neighbours.
+        with np.errstate(over="ignore"):
+            up = np.nextafter(f32, np.float32(np.inf)).astype(np.float64)
+        return neighbours((f32.astype(np.float64) + up) / 2)
+    m = f32_edges_for(target).astype(np.float64)
+    m = m[np.isfinite(m)]
+    u = bits(m)
+    nudged = np.concatenate([u + 1, u - 1, u + (1 << 20), u - (1 << 20)]).view(np.float64)
+    ulp_up = np.nextafter(m.astype(np.float32), np.float32(np.inf)).astype(np.float64)
+    ulp_down = np.nextafter(m.astype(np.float32), np.float32(-np.inf)).astype(np.float64)
+    ties = neighbours(np.concatenate([(m + ulp_up) / 2, (m + ulp_down) / 2]))
+    return np.concatenate([m, nudged, ties])
+
+
+# -- exhaustive and edge tests -------------------------------------------------------
+
+
+@pytest.mark.parametrize("source, target", [p for p in PAIRS if p[0] in ("float16", "bfloat16")])
+def test_16bit_sources_exhaustive(source: str, target: str) -> None:
+    values = np.arange(0x10000, dtype=np.uint32).astype(np.uint16).view(storage_dtype(source))
+    assert_matches_torch(values, source, target)
+
+
+@pytest.mark.parametrize("source", FLOAT8)
+@pytest.mark.parametrize("target", WIDE)
+def test_float8_sources_exhaustive(source: str, target: str) -> None:
+    values = np.arange(256, dtype=np.uint16).astype(np.uint8)
+    assert_matches_torch(values, source, target)
+
+
+@pytest.mark.parametrize("target", ["float64", "float16", "bfloat16"])
+def test_float32_specials(target: str) -> None:
+    assert_matches_torch(patterns(F32_SPECIALS, "float32"), "float32", target)
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_float32_every_rounding_boundary(target: str) -> None:
+    assert_matches_torch(f32_edges_for(target), "float32", target)
+
+
+@pytest.mark.parametrize("target", ["float32", "float16", "bfloat16"])
+def test_float64_specials_and_boundaries(target: str) -> None:
+    values = np.concatenate([patterns(F64_SPECIALS, "float64"), f64_edges_for(target)])
+    assert_matches_torch(values, "float64", target)
+
+
+@pytest.mark.parametrize(
+    "value, target, twice, once",
+    [
+        (1 + 2**-11 + 2**-40, "float16", 0x3C00, 0x3C01),
+        (-(1 + 2**-11 + 2**-40), "float16", 0xBC00, 0xBC01),
+        (1 + 2**-8 + 2**-40, "bfloat16", 0x3F80, 0x3F81),
+        (2**-24 * (1 + 2**-30) / 2, "float16", 0x0000, 0x0001),  # half the smallest subnormal, and a bit
+        (65520 - 2**-20, "float16", 0x7C00, 0x7BFF),  # float32 rounds it up to the tie, which overflows
+    ],
+)
+def test_float64_rounds_twice_through_float32(value: float, target: str, twice: int, once: int) -> None:
+    """torch casts float64 to 16 bits through float32; a single rounding would differ here."""
+    values = np.array([value], dtype=np.float64)
+    assert torch_cast(values, "float64", target)[0] == twice
+    assert bits(cast_array(values, "float64", target))[0] == twice != once
+
+
+@pytest.mark.parametrize("source, target", [p for p in PAIRS if p[0] in ("float32", "float64")])
+def test_random_bit_patterns(source: str, target: str) -> None:
+    rng = np.random.default_rng(20240611)
+    width = storage_dtype(source).itemsize
+    raw = rng.integers(0, 2 ** (8 * width), size=1 << 18, dtype=UNSIGNED[width], endpoint=False)
+    # Also values within the target's range, where the rounding happens.
+    scale = rng.uniform(-30, 30, size=1 << 18)
+    ranged = (rng.standard_normal(1 << 18) * np.exp2(scale)).astype(storage_dtype(source))
+    assert_matches_torch(np.concatenate([raw.view(storage_dtype(source)), ranged]), source, target)
+
+
+# fmt: off
+NAN_PAYLOADS = {
+    "float32": [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FA12345, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F810000],
+    "float64": [0x7FF8000000000000, 0xFFF8000000000000, 0x7FF0000000000001, 0x7FF4000000000000,
+                0x7FF0000020000000, 0xFFFFFFFFFFFFFFFF, 0x7FF8000100000000, 0xFFF0000000000001],
+    "float16": [0x7E00, 0xFE00, 0x7C01, 0xFC01, 0x7D00, 0x7FFF, 0xFFFF, 0x7E55],
+    "bfloat16": [0x7FC0, 0xFFC0, 0x7F81, 0xFF81, 0x7FA0, 0x7FFF, 0xFFFF, 0x7FD5],
+}
+# fmt: on
+
+
+@pytest.mark.parametrize("source, target", PAIRS)
+def test_nan_at_every_position(source: str, target: str) -> None:
+    """NaNs of every payload at every position of arrays of length 1..100 and larger.
+
+    Arrays are NaN throughout, each payload rotated through every position; the
+    reference pads them to whole vector blocks (see module docstring).
+    """
+    payloads = NAN_PAYLOADS[source]
+    for n in list(range(1, 101)) + [1000, 4097]:
+        base = patterns((payloads * (n // len(payloads) + 1))[:n], source)
+        for shift in range(len(payloads)):
+            assert_matches_torch(np.roll(base, shift), source, target)
+
+
+@pytest.mark.skipif(not NAN_EXACT, reason="NaN encodings measured on AVX2/AVX512 kernels only")
+@pytest.mark.parametrize(
+    "source, target",
+    [
+        ("float32", "bfloat16"),
+        ("float32", "float16"),
+        ("float64", "float16"),
+        ("float16", "bfloat16"),
+        ("bfloat16", "float32"),
+    ],
+)
+def test_deterministic_pairs_need_no_padding(source: str, target: str) -> None:
+    """These pairs encode NaN the same in torch's body and tail, so any length matches unpadded."""
+    payloads = NAN_PAYLOADS[source]
+    for n in range(1, 40):
+        values = patterns((payloads * n)[:n], source)
+        tensor = torch.from_numpy(bits(values).view(SIGNED[values.dtype.itemsize])).view(TORCH_DTYPES[source])
+        ref = tensor.to(TORCH_DTYPES[target]).contiguous()
+        ref_bits = ref.view(getattr(torch, f"int{8 * ref.element_size()}")).numpy().view(UNSIGNED[ref.element_size()])
+        assert np.array_equal(bits(cast_array(values, source, target)), ref_bits)
+    # A large tensor that torch splits between threads, each slice with its own tail.
+    rng = np.random.default_rng(5)
+    values = patterns(rng.choice(np.array(payloads, dtype=np.uint64), size=100_003).tolist(), source)
+    torch.set_num_threads(2)
+    try:
+        tensor = torch.from_numpy(bits(values).view(SIGNED[values.dtype.itemsize])).view(TORCH_DTYPES[source])
+        ref = tensor.to(TORCH_DTYPES[target])
+    finally:
+        torch.set_num_threads(1)
+    ref_bits = ref.view(getattr(torch, f"int{8 * ref.element_size()}")).numpy().view(UNSIGNED[ref.element_size()])
+    assert np.array_equal(bits(cast_array(values, source, target)), ref_bits)
+
+
+@pytest.mark.skipif(not NAN_EXACT, reason="NaN encodings measured on AVX2/AVX512 kernels only")
+@pytest.mark.parametrize(
+    "source, target, nan, body, tail",
+    [
+        ("float64", "bfloat16", 0x7FF8000000000000, 0xFFFF, 0x7FC0),
+        ("float16", "float32", 0x7E00, 0x7FC00000, 0x7FFFFFFF),
+    ],
+)
+def test_torch_tail_nan_encoding(source: str, target: str, nan: int, body: int, tail: int) -> None:
+    """Pins down torch's position-dependent NaN encoding, and that we follow its vector body.
+
+    17 NaNs: torch's vector body covers the first 16 (8 for float16 -> float32,
+    twice over) and its scalar tail the 17th. If this test fails on a new torch,
+    re-measure and update ckptconv._cast.
+    """
+    values = patterns([nan] * 17, source)
+    tensor = torch.from_numpy(bits(values).view(SIGNED[values.dtype.itemsize])).view(TORCH_DTYPES[source])
+    out = tensor.to(TORCH_DTYPES[target])
+    ref = out.view(getattr(torch, f"int{8 * out.element_size()}")).numpy().view(UNSIGNED[out.element_size()])
+    assert set(ref[:16].tolist()) == {body}
+    assert ref[16] == tail
+    assert set(bits(cast_array(values, source, target)).tolist()) == {body}
+
+
+# -- Hypothesis ------------------------------------------------------------------------
+
+HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@HYPOTHESIS
+@given(
+    st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64),
+    st.sampled_from(["float64", "float16", "bfloat16"]),
+)
+def test_hypothesis_float32_bits(values: List[int], target: str) -> None:
+    assert_matches_torch(patterns(values, "float32"), "float32", target)
+
+
+@HYPOTHESIS
+@given(
+    st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True), min_size=1, max_size=64),
+    st.sampled_from(["float64", "float16", "bfloat16"]),
+)
+def test_hypothesis_float32_values(values: List[float], target: str) -> None:
+    assert_matches_torch(np.array(values, dtype=np.float32), "float32", target)
+
+
+@HYPOTHESIS
+@given(
+    st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=64),
+    st.sampled_from(["float32", "float16", "bfloat16"]),
+)
+def test_hypothesis_float64_bits(values: List[int], target: str) -> None:
+    assert_matches_torch(patterns(values, "float64"), "float64", target)
+
+
+@HYPOTHESIS
+@given(
+    st.lists(st.floats(min_value=-7e4, max_value=7e4, allow_subnormal=True), min_size=1, max_size=64),
+    st.sampled_from(["float32", "float16", "bfloat16"]),
+)
+def test_hypothesis_float64_values_in_16bit_range(values: List[float], target: str) -> None:
+    assert_matches_torch(np.array(values, dtype=np.float64), "float64", target)
+
+
+# -- count_overflows ------------------------------------------------------------------
+
+
+def torch_overflows(values: np.ndarray, source: str, target: str) -> int:
+    width = storage_dtype(source).itemsize
+    tensor = torch.from_numpy(bits(values).view(SIGNED[width]).copy()).view(TORCH_DTYPES[source])
+    finite = torch.isfinite(tensor.to(torch.float64))  # exact; isfinite has no float8 kernel
+    return int((torch.isinf(tensor.to(TORCH_DTYPES[target])) & finite).sum())
+
+
+def overflow_inputs(source: str, target: str) -> np.ndarray:
+    """Each source's edge values plus random ones, enough to cross every overflow threshold."""
+    rng = np.random.default_rng(7)
+    width = storage_dtype(source).itemsize
+    if width == 2 or width == 1:
+        return np.arange(2 ** (8 * width), dtype=np.uint32).astype(UNSIGNED[width]).view(storage_dtype(source))
+    raw = rng.integers(0, 2 ** (8 * width), size=1 << 16, dtype=UNSIGNED[width]).view(storage_dtype(source))
+    if source == "float32":
+        edges = np.concatenate([patterns(F32_SPECIALS, source), f32_edges_for("float16"), f32_edges_for("bfloat16")])
+    else:
+        edges = np.concatenate([patterns(F64_SPECIALS, source), f64_edges_for(target)])
+    return np.concatenate([raw, edges])
+
+
+@pytest.mark.parametrize("source, target", PAIRS + [(s, t) for s in FLOAT8 for t in WIDE])
+def test_count_overflows_matches_torch(source: str, target: str) -> None:
+    values = overflow_inputs(source, target)
+    expected = torch_overflows(values, source, target)
+    assert count_overflows(values, source, target) == expected
+    if source in ("float32", "float64") and target in ("float16", "bfloat16"):
+        assert expected > 0  # the inputs do reach the threshold
+
+
+def test_count_overflows_examples() -> None:
+    assert (
+        count_overflows(np.array([70000.0, -70000.0, 65504.0, np.inf, np.nan], np.float32), "float32", "float16") == 2
+    )
+    assert count_overflows(np.array([65519.99], np.float32), "float32", "float16") == 0
+    assert count_overflows(np.array([65520.0], np.float32), "float32", "float16") == 1
+    assert count_overflows(np.array([3.4e38], np.float32), "float32", "bfloat16") == 1
+    assert count_overflows(np.array([1e300, -1e300], np.float64), "float64", "float32") == 2
+    assert count_overflows(np.array([1e300], np.float64), "float64", "float64") == 0
+    assert count_overflows(np.array([65520.0], np.float32), "float32", "float64") == 0
+    assert count_overflows(np.zeros(0, np.float32), "float32", "float16") == 0
+
+
+# -- cast_bytes ------------------------------------------------------------------------
+
+
+def test_cast_bytes_matches_cast_array() -> None:
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, size=4 * 50001, dtype=np.uint8).tobytes()
+    for target in ("float64", "float16", "bfloat16"):
+        expected = cast_array(np.frombuffer(raw, "<f4"), "float32", target).tobytes()
+        assert cast_bytes(raw, "float32", target).tobytes() == expected
+        assert cast_bytes(bytearray(raw), "float32", target).tobytes() == expected
+        assert cast_bytes(memoryview(raw), "float32", target).tobytes() == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(sorted(CAST_PAIRS)),
+    st.lists(st.integers(0, 300_000), max_size=6),
+    st.integers(0, 2**32 - 1),
+)
+def test_cast_bytes_chunk_boundaries_do_not_matter(pair: Tuple[str, str], cuts: List[int], seed: int) -> None:
+    source, target = pair
+    width = storage_dtype(source).itemsize
+    n = 200_003  # several internal blocks, odd length
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=width * n, dtype=np.uint8)
+    raw[rng.integers(0, raw.size, size=50)] = 0xFF  # sprinkle NaN-ish bytes
+    data = raw.tobytes()
+    whole = cast_bytes(data, source, target).tobytes()
+    edges = sorted({0, n, *(min(c, n) for c in cuts)})
+    pieces = b"".join(
+        cast_bytes(memoryview(data)[a * width : b * width], source, target).tobytes() for a, b in zip(edges, edges[1:])
+    )
+    assert pieces == whole
+    assert_matches_torch(np.frombuffer(data, storage_dtype(source)), source, target)
+
+
+def test_cast_bytes_rejects_partial_elements() -> None:
+    with pytest.raises(ValueError):
+        cast_bytes(b"\x00\x00\x80", "float32", "float16")
+
+
+# -- cast_array's contract ------------------------------------------------------------
+
+
+def test_cast_array_contract() -> None:
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    y = cast_array(x, "float32", "bfloat16")
+    assert y.shape == (3, 4) and y.dtype == np.uint16
+    # Integer views of the storage work as well as the float type.
+    assert np.array_equal(cast_array(x.view(np.uint32), "float32", "bfloat16"), y)
+    # Read-only and non-contiguous inputs.
+    ro = np.frombuffer(x.tobytes(), np.float32)
+    assert np.array_equal(cast_array(ro, "float32", "bfloat16"), y.reshape(-1))
+    assert np.array_equal(cast_array(x[:, ::2], "float32", "bfloat16"), y[:, ::2])
+    # out= is filled and returned.
+    out = np.empty(12, np.uint16)
+    assert cast_array(x.reshape(-1), "float32", "bfloat16", out=out) is out
+    assert np.array_equal(out, y.reshape(-1))
+    # Same dtype: the input itself, as Tensor.to returns self.
+    assert cast_array(x, "float32", "float32") is not None
+    assert np.shares_memory(cast_array(x, "float32", "float32"), x)
+    assert cast_array(np.zeros(0, np.float16), "float16", "float32").size == 0
+    # Big-endian input is read by value.
+    assert np.array_equal(cast_array(x.astype(">f4"), "float32", "float16"), x.astype(np.float16))
+
+
+@pytest.mark.parametrize(
+    "values, source, target, error",
+    [
+        (np.zeros(2, np.float32), "float32", "int8", ValueError),
+        (np.zeros(2, np.float32), "complex64", "float16", ValueError),
+        (np.zeros(2, np.float32), "float16", "float32", TypeError),
+        (np.zeros(2, np.float16), "float32", "float16", TypeError),
+        (np.zeros(2, np.uint8), "float32", "float8_e4m3fn", ValueError),
+    ],
+)
+def test_cast_array_rejects(values: np.ndarray, source: str, target: str, error: type) -> None:
+    with pytest.raises(error):
+        cast_array(values, source, target)
+
+
+def test_cast_array_rejects_a_wrong_out() -> None:
+    with pytest.raises(ValueError):
+        cast_array(np.zeros(4, np.float32), "float32", "bfloat16", out=np.empty(4, np.float16))
+    with pytest.raises(ValueError):
+        cast_array(np.zeros(4, np.float32), "float32", "bfloat16", out=np.empty(3, np.uint16))
+
+
+@pytest.mark.parametrize("source, target", sorted(CAST_PAIRS))
+def test_internal_block_size_does_not_matter(source: str, target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 1000 (uneven last block) give the bytes the default blocks give."""
+    width = storage_dtype(source).itemsize
+    rng = np.random.default_rng(11)
+    values = rng.integers(0, 256, size=width * 10_007, dtype=np.uint8).view(storage_dtype(source))
+    expected = bits(cast_array(values, source, target))
+    monkeypatch.setattr(_cast, "BLOCK_ELEMENTS", 1000)
+    assert np.array_equal(bits(cast_array(values, source, target)), expected)
+
+
+def test_cast_pairs_cover_the_brief() -> None:
+    assert set(PAIRS) <= CAST_PAIRS
+    assert {(s, t) for s in FLOAT8 for t in ("float32", "float16", "bfloat16")} <= CAST_PAIRS
+
+
+def test_widen_then_narrow_round_trips() -> None:
+    """A sanity property independent of torch: 16-bit -> wider -> back is the identity on non-NaNs."""
+    for source in ("float16", "bfloat16"):
+        values = np.arange(0x10000, dtype=np.uint32).astype(np.uint16).view(storage_dtype(source))
+        keep = ~is_nan_bits(values, source)
+        for wide in ("float32", "float64"):
+            back = cast_array(cast_array(values, source, wide), wide, source)
+            assert np.array_equal(bits(back)[keep], bits(values)[keep])
