@@ -164,6 +164,8 @@ output_options = _compose(
                  "keeping it."),
     click.option("--dry-run", is_flag=True, help="Show what would change (first 20 key renames) and "
                  "write nothing."),
+    click.option("--no-fsync", is_flag=True, help="Do not wait for the output to reach the disk before "
+                 "renaming it into place (faster; a power cut may then lose it)."),
     click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors."),
 )
 
@@ -213,6 +215,7 @@ def _run_conversion(src: str, dst: str, leading: Sequence[Any], options: dict[st
         verify=options["verify"],
         dry_run=options["dry_run"],
         progress=not quiet and sys.stderr.isatty(),
+        fsync=not options["no_fsync"],
     )
     for note in report.notes:
         _say(quiet, f"note: {note}")

@@ -89,6 +89,7 @@ def convert(
     verify: bool = False,
     dry_run: bool = False,
     progress: Progress = False,
+    fsync: bool = True,
 ) -> ConversionReport:
     """Convert a checkpoint: pick its weights, transform them, write them, optionally verify.
 
@@ -105,6 +106,7 @@ def convert(
             moved into place; a difference raises and leaves no output.
         dry_run: do everything but write; ``renames`` shows the key changes.
         progress: show a progress bar on stderr, or a callable given byte counts.
+        fsync: make the output durable before it appears (see :func:`ckptconv.save`).
 
     Returns:
         A :class:`ConversionReport`.
@@ -181,6 +183,7 @@ def convert(
         progress=progress,
         inputs=[checkpoint.path],
         check=check if verify else None,
+        fsync=fsync,
     )
     if written.aliases:
         notes.append(

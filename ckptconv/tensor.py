@@ -13,12 +13,16 @@ This module does not import torch.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -160,6 +164,23 @@ class Storage:
             return b""
         return self.source.read(start, length)
 
+    @contextlib.contextmanager
+    def reader(self) -> Iterator[Callable[[int, memoryview], None]]:
+        """A ``read_into(start, out)`` that keeps one file open for many reads."""
+        source = self.source
+        if not isinstance(source, FileRegion):
+            yield self.read_into
+            return
+        with open(source.path, "rb") as file:
+            fd = file.fileno()
+
+            def read_into(start: int, out: memoryview) -> None:
+                if start < 0 or start + out.nbytes > self.nbytes:
+                    raise ValueError(f"byte range {start}+{out.nbytes} outside storage of {self.nbytes} bytes")
+                read_exactly_into(fd, source.offset + start, out, source.path)
+
+            yield read_into
+
     def read_into(self, start: int, out: memoryview) -> None:
         """Fill ``out`` with the record's bytes from ``start`` (no intermediate copy for files)."""
         if start < 0 or start + out.nbytes > self.nbytes:
@@ -286,20 +307,33 @@ class TensorRef:
             return dataclasses.replace(self, cast_to=None, allow_overflow=False)
         return dataclasses.replace(self, cast_to=dtype, allow_overflow=allow_overflow)
 
-    def _cast(self, values: np.ndarray) -> np.ndarray:
+    def _cast(self, values: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
         from ._cast import cast_array, count_overflows
 
         assert self.cast_to is not None
+        result = cast_array(values, self.dtype.name, self.cast_to.name, out=out)
         if not self.allow_overflow:
             overflows = count_overflows(values, self.dtype.name, self.cast_to.name)
             if overflows:
+                example = self._first_overflow(values)
                 raise CastOverflowError(
-                    f"casting to {self.cast_to.name} would turn {overflows} finite value"
-                    f"{'s' if overflows != 1 else ''} into inf; keep this tensor's dtype "
-                    "(--keep-dtype) or pass --allow-overflow",
+                    f"casting to {self.cast_to.name} would turn finite values such as {example} into inf; "
+                    "keep this tensor's dtype (--keep-dtype) or pass --allow-overflow",
                     count=overflows,
                 )
-        return cast_array(values, self.dtype.name, self.cast_to.name)
+        return result
+
+    def _first_overflow(self, values: np.ndarray) -> str:
+        """A finite source value that overflows the cast target, for the error message."""
+        import numpy as np
+
+        from ._cast import cast_array
+
+        assert self.cast_to is not None
+        wide = cast_array(values, self.dtype.name, "float64")
+        narrow = cast_array(cast_array(values, self.dtype.name, self.cast_to.name), self.cast_to.name, "float64")
+        offending = np.flatnonzero(np.isfinite(wide) & np.isinf(narrow))
+        return repr(float(wide[offending[0]])) if len(offending) else "?"
 
     def with_view(self, *, offset: int) -> TensorRef:
         """The same tensor rebased to ``offset`` (used when storages are compacted)."""
@@ -340,30 +374,80 @@ class TensorRef:
         """The tensor's bytes as a writer stores them: contiguous, little-endian, ``out_dtype``."""
         return self.numpy().tobytes()
 
-    def iter_bytes(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+    def iter_bytes(self, chunk_bytes: Optional[int] = None) -> Iterator[memoryview]:
         """The bytes of :meth:`tobytes` in pieces of about ``chunk_bytes``.
 
-        Contiguous tensors in native byte order are streamed without ever
-        holding the whole tensor; others are gathered first (bounded by the
-        tensor's own size).
-        """
-        streamable = self.is_contiguous and self.storage.byteorder == "little"
-        if not streamable:
-            data = self.tobytes()
-            for start in range(0, len(data), chunk_bytes):
-                yield data[start : start + chunk_bytes]
-            return
-        itemsize = self.dtype.itemsize
-        elements = max(chunk_bytes // itemsize, 1)
-        start, end = self.byte_span
-        position = start
-        while position < end:
-            length = min(elements * itemsize, end - position)
-            raw = self.storage.read(position, length)
-            position += length
-            if self.cast_to is None:
-                yield raw
-            else:
-                import numpy as np
+        Contiguous little-endian tensors are streamed through a few reused
+        buffers, so memory stays at a few chunks whatever the tensor's size and
+        no page is allocated per chunk. Under a cast, chunks are read and cast
+        by two worker threads (file reads and numpy release the GIL) while the
+        caller writes the previous one. Others are gathered first, bounded by
+        the tensor's own size.
 
-                yield self._cast(np.frombuffer(raw, dtype=np.dtype(self.dtype.numpy))).tobytes()
+        Each chunk is a view that is only valid until the next one is asked
+        for: consume it (write, hash) before advancing.
+        """
+        chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
+        if not (self.is_contiguous and self.storage.byteorder == "little"):
+            data = memoryview(self.numpy()).cast("B")
+            for offset in range(0, len(data), chunk_bytes):
+                yield data[offset : offset + chunk_bytes]
+            return
+        import numpy as np
+
+        itemsize = self.dtype.itemsize
+        start, end = self.byte_span
+        if start == end:
+            return
+        chunk = min(max(chunk_bytes // itemsize, 1) * itemsize, end - start)
+        if self.cast_to is None:
+            read_buffer = np.empty(chunk, dtype=np.uint8)
+            with self.storage.reader() as read_into:
+                for position in range(start, end, chunk):
+                    piece = read_buffer[: min(chunk, end - position)]
+                    read_into(position, memoryview(piece))
+                    yield memoryview(piece)
+            return
+        if end - start <= chunk:  # small tensors: no threads to start
+            raw = np.empty(end - start, dtype=np.uint8)
+            self.storage.read_into(start, memoryview(raw))
+            yield memoryview(self._cast(raw.view(np.dtype(self.dtype.numpy)))).cast("B")
+            return
+        yield from self._iter_cast_chunks(start, end, max(chunk // 2 // itemsize, 1) * itemsize)
+
+    def _iter_cast_chunks(self, start: int, end: int, chunk: int) -> Iterator[memoryview]:
+        """Cast chunk by chunk, two chunks in flight on worker threads, results in order."""
+        import numpy as np
+
+        from ._cast import storage_dtype
+
+        assert self.cast_to is not None
+        source_dtype = np.dtype(self.dtype.numpy)
+        target_dtype = storage_dtype(self.cast_to.name)
+        itemsize = self.dtype.itemsize
+        in_flight = 2
+        # One spare buffer pair beyond those in flight: the one the caller is consuming.
+        free = [(np.empty(chunk, dtype=np.uint8), np.empty(chunk // itemsize, dtype=target_dtype))
+                for _ in range(in_flight + 1)]
+        positions = iter(range(start, end, chunk))
+        with self.storage.reader() as read_into, \
+                concurrent.futures.ThreadPoolExecutor(max_workers=in_flight) as pool:
+
+            def work(position: int, buffers: tuple[np.ndarray, np.ndarray]) -> tuple[memoryview, tuple[np.ndarray, np.ndarray]]:
+                raw, out = buffers
+                length = min(chunk, end - position)
+                read_into(position, memoryview(raw[:length]))
+                values = raw[:length].view(source_dtype)
+                return memoryview(self._cast(values, out=out[: len(values)])).cast("B"), buffers
+
+            pending: collections.deque[concurrent.futures.Future[tuple[memoryview, tuple[np.ndarray, np.ndarray]]]]
+            pending = collections.deque()
+            for position in itertools.islice(positions, in_flight):
+                pending.append(pool.submit(work, position, free.pop()))
+            while pending:
+                view, buffers = pending.popleft().result()
+                position_next = next(positions, None)
+                if position_next is not None:
+                    pending.append(pool.submit(work, position_next, free.pop()))
+                yield view
+                free.append(buffers)

@@ -203,7 +203,7 @@ def test_cast_overflow_fails_and_leaves_nothing(tmp_path: Path) -> None:
     output = tmp_path / "out.safetensors"
     code, _, stderr = _run("convert", str(source), str(output), "--dtype", "fp16")
     assert code == 1
-    assert "tensor 'w': casting to float16 would turn 2 finite values into inf" in stderr
+    assert "tensor 'w': casting to float16 would turn finite values such as 70000.0 into inf" in stderr
     assert not output.exists() and list(tmp_path.iterdir()) == [source]
     assert _run("convert", str(source), str(output), "--dtype", "fp16", "--allow-overflow", "-q")[0] == 0
 

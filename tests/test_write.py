@@ -198,3 +198,35 @@ def test_verbatim_copies_keep_correct_crcs(tmp_path: Path) -> None:
     ckptconv.convert(source, output, transforms=[ckptconv.StripPrefix("module")])
     with zipfile.ZipFile(output) as archive:
         assert archive.testzip() is None
+
+
+@pytest.mark.parametrize("source_style", ["zip", "legacy", "safetensors"])
+@pytest.mark.parametrize("cast", [None, "bf16", "fp16"])
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_streaming_in_many_chunks_is_exact(
+    source_style: str, cast: str | None, suffix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small chunk and window sizes drive every streaming path (threads, memory maps) through many pieces."""
+    import ckptconv.tensor
+    import ckptconv.writing
+
+    monkeypatch.setattr(ckptconv.tensor, "DEFAULT_CHUNK_BYTES", 4100)
+    monkeypatch.setattr(ckptconv.writing, "_COPY_CHUNK", 70_000)
+    torch.manual_seed(0)
+    state = {"big": torch.randn(300, 333), "half": torch.randn(5000).half(), "ids": torch.arange(9000),
+             "view": torch.randn(100, 100)[7:90]}
+    source = tmp_path / ("in.safetensors" if source_style == "safetensors" else "in.pt")
+    if source_style == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, source)
+    else:
+        torch.save(state, source, _use_new_zipfile_serialization=source_style == "zip")
+    output = tmp_path / f"out{suffix}"
+    ckptconv.convert(source, output, transforms=[ckptconv.Cast(cast)] if cast else [])
+    dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[cast]
+    expected = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in state.items()}
+    assert_same_state(ckptconv.load(output), expected, ordered=False)
+    if suffix == ".pt":
+        with zipfile.ZipFile(output) as archive:
+            assert archive.testzip() is None

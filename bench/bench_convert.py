@@ -1,0 +1,305 @@
+"""Benchmark: ckptconv against `cp` and the usual torch scripts, side by side in one run.
+
+Builds synthetic transformer-like checkpoints (tied embedding, int64 buffers,
+a `module.` prefix, many tensors), then times every approach in fresh child
+processes, alternating them within each round so that machine noise hits all
+of them alike. Reports the median wall time as a ratio to `cp` of the same
+file, and each child's peak RSS (from wait4's rusage).
+
+    python bench/bench_convert.py                    # 1 and 4 GiB, 5 rounds
+    python bench/bench_convert.py --sizes 1 --runs 3 --quick
+
+Cold-cache rows drop the input from the page cache first
+(posix_fadvise(POSIX_FADV_DONTNEED)), where the OS allows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PYTHON = sys.executable
+CKPTCONV = [PYTHON, "-m", "ckptconv"]
+TIME = shutil.which("time") if os.path.exists("/usr/bin/time") else None
+
+
+# ---------------------------------------------------------------------------------------
+# Synthetic checkpoints
+# ---------------------------------------------------------------------------------------
+
+BUILD_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from safetensors.torch import save_file
+    gib, out = float(sys.argv[1]), sys.argv[2]
+    torch.manual_seed(0)
+    d, vocab = 2048, 32000
+    state = {}
+    embed = torch.randn(vocab, d) * 0.02
+    state["module.embed.weight"] = embed
+    per_layer = 12 * d * d * 4
+    layers = max(1, round((gib * 2**30 - embed.nbytes) / per_layer))
+    for i in range(layers):
+        p = f"module.layers.{i}."
+        for name in ("q", "k", "v", "o"):
+            state[p + f"attn.{name}.weight"] = torch.randn(d, d) * 0.02
+            state[p + f"attn.{name}.bias"] = torch.zeros(d)
+        state[p + "mlp.up.weight"] = torch.randn(4 * d, d) * 0.02
+        state[p + "mlp.up.bias"] = torch.zeros(4 * d)
+        state[p + "mlp.down.weight"] = torch.randn(d, 4 * d) * 0.02
+        state[p + "mlp.down.bias"] = torch.zeros(d)
+        state[p + "norm1.weight"] = torch.ones(d)
+        state[p + "norm1.bias"] = torch.zeros(d)
+        state[p + "norm2.weight"] = torch.ones(d)
+        state[p + "norm2.bias"] = torch.zeros(d)
+        state[p + "rotary.inv_freq"] = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    state["module.norm.weight"] = torch.ones(d)
+    state["module.position_ids"] = torch.arange(4096).unsqueeze(0)
+    state["module.norm.num_batches_tracked"] = torch.tensor(7)
+    state["module.lm_head.weight"] = embed  # tied
+    torch.save(state, out + ".pt")
+    torch.save(state, out + ".legacy.pt", _use_new_zipfile_serialization=False)
+    untied = {k: v for k, v in state.items() if k != "module.lm_head.weight"}
+    save_file(untied, out + ".safetensors")
+    print(len(state), sum(t.nbytes for k, t in untied.items()))
+    """
+)
+
+
+def build(folder: Path, gib: float) -> dict[str, Path]:
+    stem = folder / f"model_{gib:g}gib"
+    paths = {"pt": Path(f"{stem}.pt"), "legacy": Path(f"{stem}.legacy.pt"), "safetensors": Path(f"{stem}.safetensors")}
+    if not all(p.exists() for p in paths.values()):
+        print(f"building {gib:g} GiB checkpoints in {folder} ...", file=sys.stderr)
+        out = subprocess.run([PYTHON, "-c", BUILD_SCRIPT, str(gib), str(stem)], check=True, capture_output=True,
+                             text=True)
+        print(f"  {out.stdout.strip()} (tensors, bytes)", file=sys.stderr)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------
+# Approaches
+# ---------------------------------------------------------------------------------------
+
+STRIP = "{k[len('module.'):] if k.startswith('module.') else k: v for k, v in sd.items()}"
+BASELINES = {
+    "torch.load -> strip -> safetensors save_file": f"""
+import sys, torch
+from safetensors.torch import save_file
+sd = torch.load(sys.argv[1], map_location="cpu", weights_only=True)
+sd = {STRIP}
+sd.pop("lm_head.weight", None)  # save_file refuses shared tensors
+save_file(sd, sys.argv[2])
+""",
+    "torch.load(mmap=True) -> strip -> save_file": f"""
+import sys, torch
+from safetensors.torch import save_file
+sd = torch.load(sys.argv[1], map_location="cpu", weights_only=True, mmap=True)
+sd = {STRIP}
+sd.pop("lm_head.weight", None)
+save_file(sd, sys.argv[2])
+""",
+    "torch.load -> strip -> torch.save": f"""
+import sys, torch
+sd = torch.load(sys.argv[1], map_location="cpu", weights_only=True)
+torch.save({STRIP}, sys.argv[2])
+""",
+    "torch.load -> .to(bfloat16) -> save_file": f"""
+import sys, torch
+from safetensors.torch import save_file
+sd = torch.load(sys.argv[1], map_location="cpu", weights_only=True)
+sd = {{k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in ({STRIP}).items()}}
+sd.pop("lm_head.weight", None)
+save_file(sd, sys.argv[2])
+""",
+    "torch.load -> .to(float16) -> torch.save": f"""
+import sys, torch
+sd = torch.load(sys.argv[1], map_location="cpu", weights_only=True)
+torch.save({{k: (v.to(torch.float16) if v.is_floating_point() else v) for k, v in ({STRIP}).items()}}, sys.argv[2])
+""",
+    'python -c "import torch"': "import torch",
+}
+
+
+@dataclass
+class Case:
+    name: str
+    argv: list[str]
+    source: Path
+    output: Path | None
+    cold: bool = False
+    walls: list[float] = field(default_factory=list)
+    rss: list[int] = field(default_factory=list)
+
+
+def drop_from_cache(path: Path) -> bool:
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    os.sync()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True
+
+
+def warm(path: Path) -> None:
+    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
+
+
+def run_once(case: Case) -> None:
+    if case.output is not None and case.output.exists():
+        case.output.unlink()
+    # Flush earlier runs' dirty pages first: their writeback would throttle
+    # whichever command happens to run next.
+    os.sync()
+    if case.cold:
+        drop_from_cache(case.source)
+    else:
+        warm(case.source)
+    # GNU time measures the peak RSS: a child of this Python process would
+    # inherit its high-water mark across fork and exec.
+    rss_file = case.source.parent / "rss.txt"
+    argv = ["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *case.argv] if TIME else case.argv
+    start = time.perf_counter()
+    process = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wall = time.perf_counter() - start
+    if process.returncode != 0:
+        raise SystemExit(f"{case.name} failed ({process.returncode}): {process.stderr.decode()[-2000:]}")
+    case.walls.append(wall)
+    case.rss.append(int(rss_file.read_text().split()[-1]) * 1024 if TIME else 0)
+
+
+def cases_for(paths: dict[str, Path], out: Path, quick: bool) -> list[Case]:
+    pt, legacy, st = paths["pt"], paths["legacy"], paths["safetensors"]
+    cases = [
+        Case("cp", ["cp", str(pt), str(out / "copy.pt")], pt, out / "copy.pt"),
+        Case("cp + fsync", ["sh", "-c", f"cp {pt} {out / 'copy_sync.pt'} && sync {out / 'copy_sync.pt'}"], pt,
+             out / "copy_sync.pt"),
+        Case("ckptconv convert x.pt x.safetensors --no-fsync", [*CKPTCONV, "convert", str(pt), str(out / "a.safetensors"),
+             "--no-fsync", "-q"], pt, out / "a.safetensors"),
+        Case("ckptconv convert x.pt x.safetensors (fsync)", [*CKPTCONV, "convert", str(pt), str(out / "b.safetensors"),
+             "-q"], pt, out / "b.safetensors"),
+        Case("ckptconv strip-module x.pt y.pt --no-fsync", [*CKPTCONV, "strip-module", str(pt), str(out / "c.pt"),
+             "--no-fsync", "-q"], pt, out / "c.pt"),
+        Case("ckptconv convert x.pt x.safetensors --dtype bf16 --no-fsync", [*CKPTCONV, "convert", str(pt),
+             str(out / "d.safetensors"), "--dtype", "bf16", "--no-fsync", "-q"], pt, out / "d.safetensors"),
+        Case("ckptconv strip-module x.pt y.pt --dtype fp16 --no-fsync", [*CKPTCONV, "strip-module", str(pt),
+             str(out / "e.pt"), "--dtype", "fp16", "--no-fsync", "-q"], pt, out / "e.pt"),
+        Case("ckptconv strip-module legacy.pt y.pt --no-fsync", [*CKPTCONV, "strip-module", str(legacy),
+             str(out / "f.pt"), "--no-fsync", "-q"], legacy, out / "f.pt"),
+        Case("ckptconv convert x.safetensors y.pt --no-fsync", [*CKPTCONV, "convert", str(st), str(out / "g.pt"),
+             "--no-fsync", "-q"], st, out / "g.pt"),
+        Case("ckptconv inspect x.pt", [*CKPTCONV, "inspect", str(pt)], pt, None),
+        Case("ckptconv --help", [*CKPTCONV, "--help"], pt, None),
+    ]
+    if not quick:
+        for name, script in BASELINES.items():
+            target = out / ("base.safetensors" if "save_file" in name else "base.pt")
+            argv = [PYTHON, "-c", script, str(pt), str(target)]
+            cases.append(Case(name, argv, pt, None if "import torch" in name else target))
+        cases.append(Case("cp (cold cache)", ["cp", str(pt), str(out / "copy.pt")], pt, out / "copy.pt", cold=True))
+        cases.append(Case("ckptconv strip-module (cold cache) --no-fsync", [*CKPTCONV, "strip-module", str(pt),
+                          str(out / "c.pt"), "--no-fsync", "-q"], pt, out / "c.pt", cold=True))
+    return cases
+
+
+VERIFY_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, ckptconv
+    src, dst, cast = sys.argv[1], sys.argv[2], sys.argv[3]
+    want = ckptconv.load(src)
+    got = ckptconv.load(dst)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "": None}[cast]
+    for key, tensor in want.items():
+        key2 = key[len("module."):] if key.startswith("module.") and key not in got else key
+        if key2 not in got:
+            sys.exit(f"missing {key2}")
+        expected = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        a = got[key2].contiguous().reshape(-1).view(torch.uint8)
+        b = expected.contiguous().reshape(-1).view(torch.uint8)
+        if got[key2].dtype != expected.dtype or got[key2].shape != expected.shape or not torch.equal(a, b):
+            sys.exit(f"differs: {key2}")
+    print("ok", len(want))
+    """
+)
+
+
+def verify_outputs(cases: list[Case]) -> None:
+    """The fast path must produce exactly what torch would: check every ckptconv output once."""
+    for case in cases:
+        if not case.name.startswith("ckptconv") or case.output is None or not case.output.exists():
+            continue
+        cast = "bf16" if "bf16" in case.name else "fp16" if "fp16" in case.name else ""
+        result = subprocess.run([PYTHON, "-c", VERIFY_SCRIPT, str(case.source), str(case.output), cast],
+                                capture_output=True, text=True)
+        status = result.stdout.strip() or result.stderr.strip()[-300:]
+        print(f"  verified {case.name}: {status}", file=sys.stderr)
+        if result.returncode:
+            raise SystemExit(f"output of {case.name} is wrong: {status}")
+
+
+def report(size: float, cases: list[Case], source_bytes: int) -> list[dict[str, object]]:
+    cp = statistics.median(next(c for c in cases if c.name == "cp").walls)
+    cp_cold = next((statistics.median(c.walls) for c in cases if c.name == "cp (cold cache)"), None)
+    rows = []
+    print(f"\n### {size:g} GiB checkpoint ({source_bytes / 2**30:.2f} GiB on disk), median of {len(cases[0].walls)} runs\n")
+    print("| approach | wall (s) | x cp | peak RSS (MiB) |")
+    print("|---|---:|---:|---:|")
+    for case in cases:
+        wall = statistics.median(case.walls)
+        base = cp_cold if case.cold and cp_cold else cp
+        rss = max(case.rss) / 2**20
+        print(f"| {case.name} | {wall:.2f} | {wall / base:.2f} | {rss:.0f} |")
+        rows.append({"size_gib": size, "approach": case.name, "wall_s": wall, "ratio_to_cp": wall / base,
+                     "peak_rss_mib": rss, "walls": case.walls})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=float, nargs="+", default=[1, 4], help="checkpoint sizes in GiB")
+    parser.add_argument("--runs", type=int, default=5, help="rounds per approach (medians are reported)")
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "ckptconv-bench")
+    parser.add_argument("--quick", action="store_true", help="ckptconv rows only, no torch baselines")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints for another run")
+    args = parser.parse_args()
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for size in args.sizes:
+        paths = build(args.dir, size)
+        out = args.dir / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        cases = cases_for(paths, out, args.quick)
+        for round_number in range(args.runs):
+            print(f"{size:g} GiB round {round_number + 1}/{args.runs}", file=sys.stderr)
+            for case in cases:
+                run_once(case)
+            if round_number == 0:
+                verify_outputs(cases)
+        results += report(size, cases, paths["pt"].stat().st_size)
+        shutil.rmtree(out, ignore_errors=True)
+        if not args.keep:
+            for path in paths.values():
+                path.unlink()
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
