@@ -171,6 +171,9 @@ def _limits(max_items: Optional[int]) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------
 
 ALIGNMENT = 64
+PAGE = 4096
+# Records at least this big are placed at their source's page phase (see _local_header).
+PHASE_MATCH_BYTES = 1 << 20
 ROOT = "archive"
 _ZIP64_LIMIT = 0xFFFFFFFF
 
@@ -368,14 +371,21 @@ class _ZipWriter:
         self.file = file
         self.entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, header offset
 
-    def _local_header(self, name: bytes, size: int, crc: int, offset: int) -> bytes:
+    def _local_header(self, name: bytes, size: int, crc: int, offset: int, phase: Optional[int] = None) -> bytes:
         zip64 = size >= _ZIP64_LIMIT
         extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
         data_start = offset + 30 + len(name) + len(extra)
-        padding = -data_start % ALIGNMENT
+        # torch aligns record data to 64 bytes. Copies run fastest when the
+        # output offset has the same position within a page as the input's
+        # (page-level copies, no 4K-aliasing in memcpy), so big records may ask
+        # for a page phase, which is then also 64-aligned.
+        if phase is not None and phase % ALIGNMENT == 0:
+            padding = (phase - data_start) % PAGE
+        else:
+            padding = -data_start % ALIGNMENT
         if padding:
             if padding < 4:
-                padding += ALIGNMENT
+                padding += ALIGNMENT if phase is None else PAGE
             extra += struct.pack("<HH", 0x4246, padding - 4) + b"Z" * (padding - 4)  # torch's "FB" pad
         field_size = _ZIP64_LIMIT if zip64 else size
         version = 45 if zip64 else 20
@@ -386,11 +396,16 @@ class _ZipWriter:
             + extra
         )
 
-    def write_record(self, name: str, size: int, fill: Callable[[BinaryIO], int]) -> None:
-        """Write one stored record; ``fill`` writes exactly ``size`` bytes and returns their CRC-32."""
+    def write_record(
+        self, name: str, size: int, fill: Callable[[BinaryIO], int], *, phase: Optional[int] = None
+    ) -> None:
+        """Write one stored record; ``fill`` writes exactly ``size`` bytes and returns their CRC-32.
+
+        ``phase``, if given, is the data's preferred offset modulo the page size.
+        """
         encoded = name.encode("utf-8")
         offset = self.file.tell()
-        self.file.write(self._local_header(encoded, size, 0, offset))
+        self.file.write(self._local_header(encoded, size, 0, offset, phase))
         data_start = self.file.tell()
         crc = fill(self.file)
         end = self.file.tell()
@@ -472,11 +487,21 @@ def write(
     writer.write_bytes(f"{ROOT}/.storage_alignment", str(ALIGNMENT).encode())
     writer.write_bytes(f"{ROOT}/byteorder", b"little")
     for index, storage in enumerate(storages):
-        writer.write_record(f"{ROOT}/data/{index}", storage.nbytes, functools.partial(write_storage, storage))
+        phase = source_phase(storage.tensor) if storage.nbytes >= PHASE_MATCH_BYTES else None
+        writer.write_record(f"{ROOT}/data/{index}", storage.nbytes, functools.partial(write_storage, storage),
+                            phase=phase)
     writer.write_bytes(f"{ROOT}/version", b"3\n")
     writer.write_bytes(f"{ROOT}/.data/serialization_id", os.urandom(20).hex().encode())
     writer.close()
     return sum(storage.nbytes for storage in storages)
+
+
+def source_phase(ref: TensorRef) -> Optional[int]:
+    """Where a tensor's first byte sits within a page of its source file, if it is copied as is."""
+    source = ref.storage.source
+    if not isinstance(source, FileRegion) or ref.cast_to is not None or not ref.is_contiguous:
+        return None
+    return (source.offset + ref.byte_span[0]) % PAGE
 
 
 def is_zip(head: bytes) -> bool:
