@@ -34,7 +34,7 @@ Progress = Union[bool, Callable[[int], None]]
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".tar", ".pth.tar", ".pt.tar")
 _FORMAT_NAMES = {"pt": "pt", "torch": "pt", "pth": "pt", "bin": "pt", "safetensors": "safetensors",
                  "st": "safetensors"}
-_COPY_CHUNK = 64 << 20
+_COPY_CHUNK = 32 << 20
 
 
 @dataclass(frozen=True)

@@ -33,3 +33,26 @@ def test_public_functions_take_keyword_only_options() -> None:
         positional = [p for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
         assert len(positional) <= 2, name
         assert all(p.kind is p.KEYWORD_ONLY for p in parameters[len(positional):]), name
+
+
+def test_conversions_and_inspect_run_without_torch(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The streaming path never imports torch: it runs even where torch cannot be imported."""
+    import torch
+
+    source = tmp_path / "dp.pt"
+    torch.save({"module.w": torch.randn(64, 64), "module.n": torch.arange(3)}, source)
+    script = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # any `import torch` now fails\n"
+        "from ckptconv.cli import main\n"
+        "for argv in ([\"strip-module\", sys.argv[1], sys.argv[2] + '/a.pt', '-q'],\n"
+        "             [\"convert\", sys.argv[1], sys.argv[2] + '/b.safetensors', '--dtype', 'bf16', '-q'],\n"
+        "             [\"convert\", sys.argv[2] + '/b.safetensors', sys.argv[2] + '/c.pt', '--verify', '-q'],\n"
+        "             [\"inspect\", sys.argv[1], '--json']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as done:\n"
+        "        assert done.code == 0, (argv, done.code)\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(source), str(tmp_path)], check=True, capture_output=True)
+    assert (tmp_path / "c.pt").exists()
