@@ -52,7 +52,7 @@ def to_torch(refs: Mapping[str, TensorRef], *, device: Optional[str] = None) -> 
         start -= start % _SPAN_ALIGNMENT
         buffer = torch.empty(stop - start, dtype=torch.uint8)
         if stop > start:
-            storage.read_into(start, memoryview(buffer.numpy()))
+            storage.read_into(start, buffer.numpy().data)
         buffers[storage] = (buffer, start)
 
     result: dict[str, torch.Tensor] = {}
@@ -104,10 +104,12 @@ def from_torch(tensor: Any, cache: Optional[dict[Any, Storage]] = None) -> Tenso
     key = (untyped.data_ptr(), str(tensor.device), untyped.nbytes())
     storage = cache.get(key) if cache is not None else None
     if storage is None:
-        cpu = untyped if tensor.device.type == "cpu" else untyped.cpu()
+        cpu = untyped if tensor.device.type == "cpu" else untyped.cpu()  # type: ignore[no-untyped-call]
         as_bytes = torch.empty(0, dtype=torch.uint8).set_(cpu)
         # .detach() so tensors that require grad can be viewed as numpy.
-        storage = Storage(cpu.nbytes(), InMemory(memoryview(as_bytes.detach().numpy())))
+        storage = Storage(cpu.nbytes(), InMemory(as_bytes.detach().numpy().data))
         if cache is not None:
             cache[key] = storage
-    return TensorRef.checked(storage, dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+    return TensorRef.checked(
+        storage, dtype, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset())
+    )

@@ -62,7 +62,7 @@ class _Group(click.Group):
 # ---------------------------------------------------------------------------------------
 
 
-class _Regex(click.ParamType):
+class _Regex(click.ParamType):  # type: ignore[type-arg]
     name = "REGEX"
 
     def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
@@ -73,12 +73,12 @@ class _Regex(click.ParamType):
         return str(value)
 
 
-class _RenameRule(click.ParamType):
+class _RenameRule(click.ParamType):  # type: ignore[type-arg]
     name = "REGEX=REPL"
 
     def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> tuple[str, str]:
         if isinstance(value, tuple):
-            return value  # type: ignore[return-value]
+            return value
         match = re.match(r"^((?:[^=\\]|\\.)*)=(.*)$", value, re.S)
         if not match or not match.group(1):
             self.fail(f"{value!r} is not REGEX=REPLACEMENT (e.g. '^backbone\\.=encoder.')", param, ctx)
@@ -95,7 +95,7 @@ class _RenameRule(click.ParamType):
         return pattern, replacement
 
 
-class _CastTarget(click.ParamType):
+class _CastTarget(click.ParamType):  # type: ignore[type-arg]
     name = "fp16|bf16|fp32"
 
     def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
@@ -107,7 +107,7 @@ class _CastTarget(click.ParamType):
             self.fail(str(error), param, ctx)
 
 
-class _Prefix(click.ParamType):
+class _Prefix(click.ParamType):  # type: ignore[type-arg]
     name = "PREFIX"
 
     def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:

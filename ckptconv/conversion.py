@@ -7,6 +7,7 @@ the file was saved on) comes back in :class:`ConversionReport.notes`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -17,7 +18,6 @@ from ._version import __version__
 from .errors import VerifyError
 from .loading import open as open_checkpoint
 from .transforms import Pipeline, StepReport, StripPrefix, Transform
-from .verification import compare
 from .writing import Progress, output_format, save
 
 __all__ = ["ConversionReport", "convert"]
@@ -149,18 +149,22 @@ def convert(
         (old, new) for old, new in zip(selection.weights, state) if old != new
     ) if len(state) == len(selection.weights) else ()
     kind = output_format(destination, to) if destination is not None else (to or "pt")
-    common = dict(
+    summary = ConversionReport(
         source=checkpoint.path,
+        destination="",
         source_format=checkpoint.format,
+        format=kind,
         selected=selection.where,
         steps=tuple(reports),
+        tensors=len(state),
+        bytes=sum(ref.nbytes for ref in state.values()),
         foreign_globals=checkpoint.foreign_globals,
         saved_devices=checkpoint.saved_devices,
+        notes=tuple(notes),
         renames=renames[:1000],
     )
     if dry_run or destination is None:
-        return ConversionReport(destination="", format=kind, tensors=len(state),
-                                bytes=sum(ref.nbytes for ref in state.values()), notes=tuple(notes), **common)
+        return summary
 
     metadata = {
         "ckptconv.version": __version__,
@@ -170,6 +174,8 @@ def convert(
     }
 
     def check(written: str) -> None:
+        from .verification import compare
+
         result = compare(state, open_checkpoint(written).select().weights)
         if not result.ok:
             raise VerifyError(f"{result.summary()}; the output was not written")
@@ -190,7 +196,8 @@ def convert(
             f"{len(written.aliases)} tied tensors are stored once; their other names are kept in the "
             "file's metadata (ckptconv restores them on load)"
         )
-    return ConversionReport(
+    return dataclasses.replace(
+        summary,
         destination=written.path,
         format=written.format,
         tensors=written.tensors,
@@ -198,6 +205,4 @@ def convert(
         aliases=written.aliases,
         notes=tuple(notes),
         verified=True if verify else None,
-        **common,
     )
-

@@ -117,6 +117,11 @@ def read_exactly(fd: int, offset: int, length: int, path: str) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+def _bytes_view(array: np.ndarray) -> memoryview:
+    """A contiguous array's bytes, without a copy."""
+    return array.data.cast("B")
+
+
 def read_exactly_into(fd: int, offset: int, out: memoryview, path: str) -> None:
     """Fill ``out`` from ``fd`` at ``offset`` without an intermediate copy."""
     out = out.cast("B")
@@ -389,7 +394,7 @@ class TensorRef:
         """
         chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
         if not (self.is_contiguous and self.storage.byteorder == "little"):
-            data = memoryview(self.numpy()).cast("B")
+            data = _bytes_view(self.numpy())
             for offset in range(0, len(data), chunk_bytes):
                 yield data[offset : offset + chunk_bytes]
             return
@@ -405,13 +410,13 @@ class TensorRef:
             with self.storage.reader() as read_into:
                 for position in range(start, end, chunk):
                     piece = read_buffer[: min(chunk, end - position)]
-                    read_into(position, memoryview(piece))
-                    yield memoryview(piece)
+                    read_into(position, piece.data)
+                    yield piece.data
             return
         if end - start <= chunk:  # small tensors: no threads to start
             raw = np.empty(end - start, dtype=np.uint8)
-            self.storage.read_into(start, memoryview(raw))
-            yield memoryview(self._cast(raw.view(np.dtype(self.dtype.numpy)))).cast("B")
+            self.storage.read_into(start, raw.data)
+            yield _bytes_view(self._cast(raw.view(np.dtype(self.dtype.numpy))))
             return
         yield from self._iter_cast_chunks(start, end, max(chunk // 2 // itemsize, 1) * itemsize)
 
@@ -436,9 +441,9 @@ class TensorRef:
             def work(position: int, buffers: tuple[np.ndarray, np.ndarray]) -> tuple[memoryview, tuple[np.ndarray, np.ndarray]]:
                 raw, out = buffers
                 length = min(chunk, end - position)
-                read_into(position, memoryview(raw[:length]))
+                read_into(position, raw[:length].data)
                 values = raw[:length].view(source_dtype)
-                return memoryview(self._cast(values, out=out[: len(values)])).cast("B"), buffers
+                return _bytes_view(self._cast(values, out=out[: len(values)])), buffers
 
             pending: collections.deque[concurrent.futures.Future[tuple[memoryview, tuple[np.ndarray, np.ndarray]]]]
             pending = collections.deque()

@@ -231,7 +231,7 @@ class Pipeline:
     def of(cls, steps: Iterable[Transform]) -> Pipeline:
         return cls(tuple(steps))
 
-    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, list[StepReport]]:  # type: ignore[override]
+    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, list[StepReport]]:
         """Run every step; returns the new state and one report per step."""
         current: State = dict(state)
         reports = []
@@ -240,7 +240,7 @@ class Pipeline:
             reports.append(report)
         return current, reports
 
-    def describe(self) -> list[str]:  # type: ignore[override]
+    def describe(self) -> list[str]:
         """One line per step, in order."""
         return [step.describe() for step in self.steps]
 

@@ -400,7 +400,7 @@ def _pairs(items: Any) -> list[tuple[Any, Any]]:
     if isinstance(items, dict):
         return list(items.items())
     if isinstance(items, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in items):
-        return [tuple(p) for p in items]  # type: ignore[misc]
+        return [tuple(p) for p in items]
     raise _malformed("a mapping is built from something that is not key/value pairs")
 
 
@@ -1068,7 +1068,7 @@ class Unpickler:
     def _parse_quoted(line: bytes) -> bytes:
         if len(line) >= 2 and line[0] == line[-1] and line[:1] in (b'"', b"'"):
             try:
-                return codecs.escape_decode(line[1:-1])[0]  # type: ignore[attr-defined, no-any-return]
+                return codecs.escape_decode(line[1:-1])[0]
             except ValueError as error:
                 raise _malformed("STRING opcode holds a bad escape") from error
         raise _malformed("STRING opcode is not quoted")

@@ -324,7 +324,11 @@ def _progress_callback(progress: Progress, total: int, path: str) -> tuple[Calla
 
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=os.path.basename(path),
                leave=False, dynamic_ncols=True)
-    return bar.update, bar.close
+
+    def update(count: int) -> None:
+        bar.update(count)
+
+    return update, bar.close
 
 
 def save(

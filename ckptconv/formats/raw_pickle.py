@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
-from ..unpickler import Unpickler
+from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
 from ._base import ReadResult
 
 __all__ = ["read"]
@@ -21,8 +21,7 @@ FORMAT = "pickle"
 def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
     with open(path, "rb") as file:
         data = file.read()
-    limits = {} if max_items is None else {"max_items": max_items}
-    unpickler = Unpickler(data, source=path, **limits)
+    unpickler = Unpickler(data, source=path, max_items=max_items or DEFAULT_MAX_ITEMS)
     try:
         tree = unpickler.load()
     except MalformedCheckpointError:

@@ -93,7 +93,8 @@ def read(path: str) -> ReadResult:
     for key, entry in header.items():
         if not isinstance(entry, dict) or set(entry) - {"dtype", "shape", "data_offsets"}:
             raise _damaged(path, f"entry {key!r} is not a tensor description")
-        dtype = dtype_by_safetensors_code(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+        code = entry.get("dtype")
+        dtype = dtype_by_safetensors_code(code) if isinstance(code, str) else None
         if dtype is None:
             raise _damaged(path, f"tensor {key!r} has unknown dtype {entry.get('dtype')!r}")
         shape = entry.get("shape")

@@ -17,11 +17,11 @@ The even older tar format (torch < 0.4) is recognised and refused.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Literal, Optional
 
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..tensor import FileRegion, Storage, read_exactly
-from ..unpickler import ForeignGlobal, PickleTruncatedError, StorageType, TypedStorage, Unpickler
+from ..unpickler import DEFAULT_MAX_ITEMS, ForeignGlobal, PickleTruncatedError, StorageType, TypedStorage, Unpickler
 from ._base import ReadResult, pickle_location
 
 __all__ = ["MAGIC_NUMBER", "looks_legacy", "read"]
@@ -49,7 +49,7 @@ def looks_legacy(head: bytes) -> bool:
     if head[:1] != b"\x80":
         return False
     try:
-        return Unpickler(head[:64], source="").load() == MAGIC_NUMBER
+        return bool(Unpickler(head[:64], source="").load() == MAGIC_NUMBER)
     except Exception:  # any failure just means "not this format"
         return False
 
@@ -75,10 +75,9 @@ def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
 
 
 def _read_from(path: str, head: bytes, fd: int, size: int, max_items: Optional[int]) -> ReadResult:
-    limits = {} if max_items is None else {"max_items": max_items}
-
-    def next_pickle(start: int, **kwargs: Any) -> tuple[Any, Unpickler]:
-        unpickler = Unpickler(head, start=start, source=path, **kwargs, **limits)
+    def next_pickle(start: int, persistent_load: Optional[Callable[[Any], Any]] = None) -> tuple[Any, Unpickler]:
+        unpickler = Unpickler(head, start=start, source=path, persistent_load=persistent_load,
+                              max_items=max_items or DEFAULT_MAX_ITEMS)
         return unpickler.load(), unpickler
 
     magic, unpickler = next_pickle(0)
@@ -91,7 +90,7 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: Optional[i
         )
     sys_info, unpickler = next_pickle(unpickler.end)
     little_endian = not (isinstance(sys_info, dict) and sys_info.get("little_endian") is False)
-    byteorder = "little" if little_endian else "big"
+    byteorder: Literal["little", "big"] = "little" if little_endian else "big"
 
     storages: dict[str, Storage] = {}
     itemsizes: dict[str, int] = {}

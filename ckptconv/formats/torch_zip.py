@@ -33,7 +33,7 @@ from typing import Any, BinaryIO, Callable, Optional
 from ..dtypes import DType
 from ..errors import LoadError, MalformedCheckpointError, UnsupportedFormatError
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
-from ..unpickler import StorageType, TypedStorage, Unpickler
+from ..unpickler import DEFAULT_MAX_ITEMS, StorageType, TypedStorage, Unpickler
 from ._base import ReadResult, pickle_location
 
 __all__ = ["read", "write"]
@@ -88,8 +88,10 @@ def record_data_offset(file: BinaryIO, info: zipfile.ZipInfo, path: str) -> int:
     header = file.read(30)
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
         raise _damaged(path, f"the local header of {info.filename!r} is missing")
+    name_length: int
+    extra_length: int
     name_length, extra_length = struct.unpack("<HH", header[26:30])
-    return info.header_offset + 30 + name_length + extra_length
+    return int(info.header_offset) + 30 + name_length + extra_length
 
 
 def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
@@ -157,13 +159,10 @@ def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
                 storages[key] = storage
             return TypedStorage(storage, dtype)
 
-        unpickler = Unpickler(data, persistent_load=persistent_load, source=path, **_limits(max_items))
+        unpickler = Unpickler(data, persistent_load=persistent_load, source=path,
+                              max_items=max_items or DEFAULT_MAX_ITEMS)
         tree = unpickler.load()
     return ReadResult(FORMAT, tree, unpickler.foreign_globals, frozenset(devices))
-
-
-def _limits(max_items: Optional[int]) -> dict[str, int]:
-    return {} if max_items is None else {"max_items": max_items}
 
 
 # ---------------------------------------------------------------------------------------
