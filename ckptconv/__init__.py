@@ -5,8 +5,9 @@ The data flows one way, one module per stage::
     loading.py       open() / load()   detect the format, read the structure, lazy tensors
     selection.py     Selection         find the weights inside a training checkpoint
     transforms.py    StripPrefix, ...  pure steps over keys and dtypes
+    fitting.py       fit()             find the key plan that matches a reference model
     writing.py       save()            stream to .pt or safetensors, atomically
-    verification.py  verify()          compare an output with its source, bit for bit
+    verification.py  verify(), diff()  compare an output with its source, bit for bit
 
 ``conversion.convert()`` runs them all; ``inspection.inspect()`` describes a
 file. Format details live in ``formats/``; the pickle machine that never runs
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from .errors import (
         CastOverflowError,
         CkptconvError,
+        FitError,
         KeyCollisionError,
         LoadError,
         MalformedCheckpointError,
@@ -41,12 +43,24 @@ if TYPE_CHECKING:
         VerifyError,
         WriteError,
     )
+    from .fitting import FitReport, Reference, fit, load_into
     from .inspection import CheckpointInfo, TensorInfo, inspect
     from .loading import Checkpoint, load, open
     from .selection import Selection
     from .tensor import TensorRef
-    from .transforms import AddPrefix, Cast, Drop, Keep, Pipeline, Rename, StepReport, StripPrefix
-    from .verification import VerifyReport, verify
+    from .transforms import (
+        AddPrefix,
+        Canonicalize,
+        Cast,
+        Drop,
+        Keep,
+        Pipeline,
+        Rename,
+        StepReport,
+        StripPrefix,
+        canonicalize,
+    )
+    from .verification import DiffReport, VerifyReport, diff, verify
     from .writing import WriteReport, save
 
 _HOMES = {
@@ -54,6 +68,7 @@ _HOMES = {
     ".errors": [
         "CastOverflowError",
         "CkptconvError",
+        "FitError",
         "KeyCollisionError",
         "LoadError",
         "MalformedCheckpointError",
@@ -65,12 +80,24 @@ _HOMES = {
         "VerifyError",
         "WriteError",
     ],
+    ".fitting": ["FitReport", "Reference", "fit", "load_into"],
     ".inspection": ["CheckpointInfo", "TensorInfo", "inspect"],
     ".loading": ["Checkpoint", "load", "open"],
     ".selection": ["Selection"],
     ".tensor": ["TensorRef"],
-    ".transforms": ["AddPrefix", "Cast", "Drop", "Keep", "Pipeline", "Rename", "StepReport", "StripPrefix"],
-    ".verification": ["VerifyReport", "verify"],
+    ".transforms": [
+        "AddPrefix",
+        "Canonicalize",
+        "Cast",
+        "Drop",
+        "Keep",
+        "Pipeline",
+        "Rename",
+        "StepReport",
+        "StripPrefix",
+        "canonicalize",
+    ],
+    ".verification": ["DiffReport", "VerifyReport", "diff", "verify"],
     ".writing": ["WriteReport", "save"],
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}

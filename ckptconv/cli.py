@@ -31,7 +31,7 @@ Exit codes:
   0  success
   1  the operation failed (bad input, unsafe file, cannot write, ...)
   2  usage error (unknown option, invalid regular expression, ...)
-  3  finished with a negative result (verification found differences)"""
+  3  finished with a negative result (verify/diff found differences, fit found no plan)"""
 
 
 # ---------------------------------------------------------------------------------------
@@ -41,7 +41,7 @@ Exit codes:
 
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
-        from .errors import CkptconvError
+        from .errors import CkptconvError, FitError
 
         try:
             return super().invoke(ctx)
@@ -49,6 +49,11 @@ class _Group(click.Group):
             if os.environ.get("CKPTCONV_DEBUG"):
                 raise
             click.echo(f"ckptconv: error: {error}", err=True)
+            # A fit that cannot be made is a negative result with a report, not a failure.
+            if isinstance(error, FitError) and error.report is not None:
+                for line in error.report.details():
+                    click.echo(f"  {line}", err=True)
+                ctx.exit(EXIT_NEGATIVE)
             ctx.exit(EXIT_FAILED)
         except KeyboardInterrupt:
             if os.environ.get("CKPTCONV_DEBUG"):
@@ -138,6 +143,9 @@ selection_options = _compose(
 )
 
 transform_options = _compose(
+    click.option("--canonical", is_flag=True, help="Remove every wrapper prefix, stacked in any order: "
+                 "module. (DataParallel/DDP), _orig_mod. (torch.compile), _forward_module. (Lightning), "
+                 "_fsdp_wrapped_module. / _checkpoint_wrapped_module. / _fpw_module. (FSDP, checkpointing)."),
     click.option("--strip-prefix", "strip_prefixes", multiple=True, type=_Prefix(),
                  help="Remove this leading prefix (whole components) from every key that has it. Repeatable."),
     click.option("--rename", "renames", multiple=True, type=_RenameRule(),
@@ -164,6 +172,11 @@ output_options = _compose(
                  "keeping it."),
     click.option("--dry-run", is_flag=True, help="Show what would change (first 20 key renames) and "
                  "write nothing."),
+    click.option("--keep-meta", is_flag=True, help="For .pt output: keep the checkpoint's plain data "
+                 "(epoch, step, hyperparameters, args) beside the weights, which then sit under 'state_dict'. "
+                 "safetensors output always keeps it as JSON metadata."),
+    click.option("--no-source-hash", is_flag=True, help="Do not record the source's sha256 in the output "
+                 "(saves hashing the whole source file)."),
     click.option("--no-fsync", is_flag=True, help="Do not wait for the output to reach the disk before "
                  "renaming it into place (faster; a power cut may then lose it)."),
     click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors."),
@@ -171,9 +184,10 @@ output_options = _compose(
 
 
 def _pipeline(leading: Sequence[Any], options: dict[str, Any]) -> Any:
-    from .transforms import AddPrefix, Cast, Drop, Keep, Pipeline, Rename, StripPrefix
+    from .transforms import AddPrefix, Canonicalize, Cast, Drop, Keep, Pipeline, Rename, StripPrefix
 
-    steps: list[Any] = list(leading)
+    steps: list[Any] = [Canonicalize()] if options["canonical"] else []
+    steps += list(leading)
     steps += [StripPrefix(prefix) for prefix in options["strip_prefixes"]]
     steps += [Rename(pattern, replacement) for pattern, replacement in options["renames"]]
     steps += [AddPrefix(prefix) for prefix in options["add_prefixes"]]
@@ -199,7 +213,9 @@ def _human_bytes(count: float) -> str:
     return f"{count:.1f} TiB"
 
 
-def _run_conversion(src: str, dst: str, leading: Sequence[Any], options: dict[str, Any]) -> None:
+def _run_conversion(
+    src: str, dst: str, leading: Sequence[Any], options: dict[str, Any], fit_to: Optional[str] = None
+) -> None:
     from .conversion import convert
 
     quiet = options["quiet"]
@@ -216,6 +232,9 @@ def _run_conversion(src: str, dst: str, leading: Sequence[Any], options: dict[st
         dry_run=options["dry_run"],
         progress=not quiet and sys.stderr.isatty(),
         fsync=not options["no_fsync"],
+        keep_meta=options["keep_meta"],
+        source_hash=not options["no_source_hash"],
+        fit_to=fit_to,
     )
     for note in report.notes:
         _say(quiet, f"note: {note}")
@@ -310,6 +329,104 @@ def add_module(src: str, dst: str, **options: Any) -> None:
     from .transforms import AddPrefix
 
     _run_conversion(src, dst, [AddPrefix("module")], options)
+
+
+@cli.command()
+@click.argument("src", type=click.Path(dir_okay=True))
+@click.argument("dst", type=click.Path(dir_okay=True))
+@click.option("--like", "reference", required=True, metavar="REF",
+              help="What the keys must match: another checkpoint, a text file of key names, or "
+                   "'package.module:factory' that builds your nn.Module (this imports your code).")
+@selection_options
+@transform_options
+@output_options
+def fit(src: str, dst: str, reference: str, **options: Any) -> None:
+    """Rename a checkpoint's keys to match a reference model, then write it.
+
+    Tries removing wrapper prefixes (DataParallel, DDP, compile, FSDP, Lightning),
+    stripping a common leading prefix (model., backbone.) and adding the
+    reference's own wrappers, and writes the result only if the keys and shapes
+    then match exactly; otherwise it prints what is missing, unexpected or of
+    the wrong shape and exits 3. Other transform options apply first.
+
+    \b
+    Example:
+      ckptconv fit lightning.ckpt model.safetensors --like mypkg.models:build_model
+      ckptconv fit dp_model.pkl model.pt --like reference.safetensors
+    """
+    _run_conversion(src, dst, [], options, fit_to=reference)
+
+
+@cli.command()
+@click.argument("src", type=click.Path(dir_okay=True))
+@click.argument("dst", type=click.Path(dir_okay=True))
+@selection_options
+@transform_options
+def verify(src: str, dst: str, select: Optional[str], trust: bool, **options: Any) -> None:
+    """Prove DST holds SRC's weights after the given transforms, bit for bit.
+
+    Pass the transform options the conversion used. Compares keys, dtypes,
+    shapes and every byte (after the cast, if one was applied). Exits 0 when
+    they match and 3 when they do not.
+
+    \b
+    Example:
+      ckptconv verify dp_model.pkl model.pt --strip-prefix module
+      ckptconv verify model.pt model_bf16.safetensors --dtype bf16
+    """
+    from .verification import verify as verify_files
+
+    result = verify_files(src, dst, select=select, transforms=_pipeline([], options), trust=trust)
+    click.echo(result.summary())
+    if not result.ok:
+        for key in result.missing[:20]:
+            click.echo(f"  missing: {key}")
+        for key in result.unexpected[:20]:
+            click.echo(f"  unexpected: {key}")
+        for key, reason in result.mismatched[:20]:
+            click.echo(f"  differs: {key}: {reason}")
+        sys.exit(EXIT_NEGATIVE)
+
+
+@cli.command()
+@click.argument("a", type=click.Path(dir_okay=True))
+@click.argument("b", type=click.Path(dir_okay=True))
+@click.option("--select-a", metavar="PATH", help="Where the weights are in A (searched when omitted).")
+@click.option("--select-b", metavar="PATH", help="Where the weights are in B (searched when omitted).")
+@click.option("--trust", is_flag=True, help="DANGEROUS: unpickle with torch.load(weights_only=False).")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
+def diff(a: str, b: str, select_a: Optional[str], select_b: Optional[str], trust: bool, as_json: bool) -> None:
+    """Compare the weights of two checkpoints.
+
+    Lists keys only in A or only in B, dtype and shape mismatches, and the
+    largest absolute difference of every tensor whose values differ. Exits 0
+    when the weights are identical and 3 when they differ.
+
+    \b
+    Example:
+      ckptconv diff epoch10.pt epoch11.pt
+      ckptconv diff model.pt model.safetensors --json
+    """
+    from .verification import diff as diff_files
+
+    result = diff_files(a, b, select_a=select_a, select_b=select_b, trust=trust)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        for key in result.only_in_a:
+            click.echo(f"only in A: {key}")
+        for key in result.only_in_b:
+            click.echo(f"only in B: {key}")
+        for item in result.differences:
+            if item.reason == "values":
+                click.echo(f"values differ: {item.key}: max abs difference {item.max_abs_diff:g}")
+            else:
+                click.echo(f"{item.reason} differs: {item.key}: {item.a} vs {item.b}")
+        verdict = "identical" if result.identical else "different"
+        click.echo(f"{verdict}: {result.same} tensors identical, {len(result.differences)} differ, "
+                   f"{len(result.only_in_a)} only in A, {len(result.only_in_b)} only in B")
+    if not result.identical:
+        sys.exit(EXIT_NEGATIVE)
 
 
 @cli.command()

@@ -7,17 +7,21 @@ the file was saved on) comes back in :class:`ConversionReport.notes`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from ._version import __version__
-from .errors import VerifyError
+from .errors import FitError, VerifyError
+from .formats._base import Deferred, MetadataValue
+from .metadata import checkpoint_metadata, encode_entries, file_sha256
 from .loading import open as open_checkpoint
-from .transforms import Pipeline, StepReport, StripPrefix, Transform
+from .transforms import Canonicalize, Pipeline, StepReport, StripPrefix, Transform
 from .writing import Progress, output_format, save
 
 __all__ = ["ConversionReport", "convert"]
@@ -67,6 +71,11 @@ class ConversionReport:
 
 
 def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> list[str]:
+    if isinstance(step, Canonicalize):
+        if not report.details:
+            return ["no wrapper prefixes found; the keys are already canonical"]
+        removed = ", ".join(f"'{name}.' from {count} keys" for name, count in report.details.items())
+        return [f"removed wrappers: {removed}"]
     if not isinstance(step, StripPrefix) or not report.unchanged:
         return []
     prefix = step.prefix.rstrip(".") + "."
@@ -90,6 +99,9 @@ def convert(
     dry_run: bool = False,
     progress: Progress = False,
     fsync: bool = True,
+    keep_meta: bool = False,
+    source_hash: bool = True,
+    fit_to: Any = None,
 ) -> ConversionReport:
     """Convert a checkpoint: pick its weights, transform them, write them, optionally verify.
 
@@ -107,6 +119,16 @@ def convert(
         dry_run: do everything but write; ``renames`` shows the key changes.
         progress: show a progress bar on stderr, or a callable given byte counts.
         fsync: make the output durable before it appears (see :func:`ckptconv.save`).
+        keep_meta: ``.pt`` output: keep the checkpoint's plain-data entries (epoch,
+            step, hyperparameters, args) beside the weights, which then sit under
+            ``"state_dict"``. safetensors output always keeps them, as JSON
+            strings in its metadata (``checkpoint.<name>``).
+        fit_to: a reference model, checkpoint or key list (see
+            :func:`ckptconv.fit`): after ``transforms``, rename the keys to match it,
+            or raise :class:`~ckptconv.errors.FitError` with the report and write nothing.
+        source_hash: record the source file's sha256 in the output's provenance;
+            it is computed on a second core while the tensors are copied, but a
+            large training checkpoint may take longer to hash than to convert.
 
     Returns:
         A :class:`ConversionReport`.
@@ -137,6 +159,18 @@ def convert(
         reports.append(report)
         notes.extend(_prefix_notes(step, report, keys))
 
+    fit_report = None
+    if fit_to is not None:
+        from .fitting import fit
+
+        before = list(state)
+        state, fit_report = fit(state, fit_to)
+        if not fit_report.ok:
+            raise FitError(fit_report.summary(), report=fit_report)
+        renamed = sum(old != new for old, new in zip(before, state))
+        plan = "; ".join(fit_report.plan) or "no change"
+        reports.append(StepReport(f"fit to {fit_report.reference} ({plan})", renamed, len(state) - renamed))
+
     devices = sorted(device for device in checkpoint.saved_devices if device != "cpu")
     if devices:
         notes.append(f"tensors were saved on {', '.join(devices)}; the output is loadable on the CPU")
@@ -166,12 +200,19 @@ def convert(
     if dry_run or destination is None:
         return summary
 
-    metadata = {
+    metadata: dict[str, MetadataValue] = {}
+    if checkpoint.format == "safetensors":
+        metadata.update({k: v for k, v in checkpoint.metadata.items() if not k.startswith("ckptconv.") and k != "format"})
+    entries = checkpoint_metadata(checkpoint.tree, selection)
+    if kind == "safetensors":
+        metadata.update(encode_entries(entries, "checkpoint."))
+    metadata.update({
         "ckptconv.version": __version__,
         "ckptconv.source": os.path.basename(checkpoint.path),
         "ckptconv.selected": selection.where,
-        "ckptconv.transforms": json.dumps(pipeline.describe()),
-    }
+        "ckptconv.transforms": json.dumps(pipeline.describe() + (list(fit_report.plan) if fit_report else [])),
+    })
+    extra = entries if kind == "pt" and keep_meta else None
 
     def check(written: str) -> None:
         from .verification import compare
@@ -180,17 +221,27 @@ def convert(
         if not result.ok:
             raise VerifyError(f"{result.summary()}; the output was not written")
 
-    written = save(
-        state,
-        destination,
-        format=kind,
-        overwrite=overwrite,
-        metadata=metadata,
-        progress=progress,
-        inputs=[checkpoint.path],
-        check=check if verify else None,
-        fsync=fsync,
-    )
+    give_up = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as hasher:
+        if source_hash:
+            digest = hasher.submit(file_sha256, checkpoint.path, stop=give_up)
+            metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
+        try:
+            written = save(
+                state,
+                destination,
+                format=kind,
+                overwrite=overwrite,
+                metadata=metadata,
+                extra=extra,
+                progress=progress,
+                inputs=[checkpoint.path],
+                check=check if verify else None,
+                fsync=fsync,
+            )
+        except BaseException:
+            give_up.set()  # do not make a failed conversion wait for the hash
+            raise
     if written.aliases:
         notes.append(
             f"{len(written.aliases)} tied tensors are stored once; their other names are kept in the "

@@ -11,7 +11,8 @@ a caller would handle it differently::
     ├── SelectionError (KeyError)       the weights inside a checkpoint could not be picked
     ├── TransformError (ValueError)     a key or dtype transform cannot be applied
     │   ├── KeyCollisionError           two keys would end up with one name
-    │   └── CastOverflowError           a cast would turn finite values into inf
+    │   ├── CastOverflowError           a cast would turn finite values into inf
+    │   └── FitError                    no key transform makes a checkpoint fit its reference
     ├── WriteError (OSError)            the output could not be written
     │   └── OutputExistsError (FileExistsError)
     └── VerifyError                     the output does not match its source
@@ -25,11 +26,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = [
     "CastOverflowError",
     "CkptconvError",
+    "FitError",
     "KeyCollisionError",
     "LoadError",
     "MalformedCheckpointError",
@@ -119,6 +121,14 @@ class CastOverflowError(TransformError):
         super().__init__(message)
         self.key = key
         self.count = count
+
+
+class FitError(TransformError):
+    """No key transform makes the checkpoint match the reference model; ``report`` says why."""
+
+    def __init__(self, message: str, *, report: Any = None) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 class WriteError(CkptconvError, OSError):

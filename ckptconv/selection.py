@@ -25,6 +25,7 @@ are matched whole) or ``select="ema"`` overrides the search.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -356,6 +357,45 @@ def _resolve(tree: Any, path_text: str, source: str) -> tuple[Any, tuple[PathPar
     return node, tuple(path)
 
 
+# Stable Diffusion's LitEma (ldm/modules/ema.py) keeps one buffer per model
+# parameter, named after the parameter with its dots removed, plus these two.
+LIT_EMA_MARKER = "model_ema.num_updates"
+_LIT_EMA_PREFIX = "model_ema."
+
+
+def lit_ema_weights(weights: dict[str, TensorRef], source: str = "the checkpoint") -> dict[str, TensorRef]:
+    """The model's weights with every parameter replaced by its LitEma copy.
+
+    ``model.diffusion_model.out.0.weight`` takes the value of
+    ``model_ema.diffusion_modelout0weight``; keys without an EMA copy (buffers,
+    the autoencoder, the text encoder) keep their own values, and the
+    ``model_ema.*`` entries themselves are left out.
+
+    Raises:
+        SelectionError: two model keys squash to the same EMA name.
+    """
+    ema = {key[len(_LIT_EMA_PREFIX):]: ref for key, ref in weights.items() if key.startswith(_LIT_EMA_PREFIX)}
+    result: dict[str, TensorRef] = {}
+    claimed: dict[str, str] = {}
+    for key, ref in weights.items():
+        if key.startswith(_LIT_EMA_PREFIX):
+            continue
+        squashed = key[len("model."):].replace(".", "") if key.startswith("model.") else None
+        if squashed is not None and squashed in ema:
+            if squashed in claimed:
+                raise SelectionError(
+                    f"{source}: {claimed[squashed]!r} and {key!r} both match the EMA entry "
+                    f"'model_ema.{squashed}'; select the weights without --select ema"
+                )
+            claimed[squashed] = key
+            result[key] = ema[squashed]
+        else:
+            result[key] = ref
+    if not claimed:
+        raise SelectionError(f"{source}: its model_ema.* entries match none of the model's keys")
+    return result
+
+
 def select_weights(tree: Any, select: Optional[str] = None, *, source: str = "the checkpoint") -> Selection:
     """Find the model weights in a loaded checkpoint's object tree.
 
@@ -370,20 +410,34 @@ def select_weights(tree: Any, select: Optional[str] = None, *, source: str = "th
             ``select`` names nothing.
     """
     if select == "ema":
-        averaged = [c for c in _candidates(tree, ()) if c.is_ema]
-        if len(averaged) != 1:
-            if not averaged:
-                raise SelectionError(f"{source} holds no EMA weights")
+        root = _as_candidate(tree, ())
+        candidates = [root] if root is not None else _candidates(tree, ())
+        averaged = [c for c in candidates if c.is_ema]
+        if len(averaged) == 1:
+            chosen = averaged[0]
+            return Selection(chosen.weights, chosen.path, chosen.kind, (), chosen.skipped, "", True)
+        if len(averaged) > 1:
             _ambiguous(averaged, source)
-        chosen = averaged[0]
-        return Selection(chosen.weights, chosen.path, chosen.kind, (), chosen.skipped, "", True)
+        for candidate in candidates:
+            if LIT_EMA_MARKER in candidate.weights:
+                weights = lit_ema_weights(candidate.weights, source)
+                note = "mapped the LitEma weights (model_ema.*) back onto the model's key names"
+                return Selection(weights, candidate.path, candidate.kind, (), candidate.skipped, note, True)
+        raise SelectionError(f"{source} holds no EMA weights")
     if select is not None and select not in ("", "."):
         node, path = _resolve(tree, select, source)
-        candidate = _as_candidate(node, path)
-        if candidate is not None:
-            return Selection(candidate.weights, path, candidate.kind, (), candidate.skipped, "", candidate.is_ema)
+        found = _as_candidate(node, path)
+        if found is not None:
+            return Selection(found.weights, path, found.kind, (), found.skipped, "", found.is_ema)
         return _choose(_candidates(node, path), path, source, node)
-    candidate = _as_candidate(tree, ())
-    if candidate is not None:
-        return Selection(candidate.weights, (), candidate.kind, (), candidate.skipped)
-    return _choose(_candidates(tree, ()), (), source, tree)
+    whole = _as_candidate(tree, ())
+    if whole is not None:
+        selection = Selection(whole.weights, (), whole.kind, (), whole.skipped)
+    else:
+        selection = _choose(_candidates(tree, ()), (), source, tree)
+    if LIT_EMA_MARKER in selection.weights and not selection.note:
+        selection = dataclasses.replace(
+            selection,
+            note="these weights also hold LitEma copies (model_ema.*); --select ema maps them onto the model's names",
+        )
+    return selection

@@ -32,6 +32,7 @@ from .tensor import TensorRef
 
 __all__ = [
     "AddPrefix",
+    "Canonicalize",
     "Cast",
     "Drop",
     "Keep",
@@ -40,6 +41,8 @@ __all__ = [
     "StepReport",
     "StripPrefix",
     "Transform",
+    "canonical_keys",
+    "canonicalize",
 ]
 
 State = dict[str, TensorRef]
@@ -53,11 +56,13 @@ class StepReport:
         step: the step's description.
         changed: keys renamed, dropped or cast.
         unchanged: keys the step left as they were.
+        details: step-specific counts, e.g. keys per wrapper removed by :class:`Canonicalize`.
     """
 
     step: str
     changed: int
     unchanged: int
+    details: Mapping[str, int] = field(default_factory=dict)
 
 
 class Transform(Protocol):
@@ -125,6 +130,84 @@ class AddPrefix:
 
     def describe(self) -> str:
         return f"add prefix {_components(self.prefix)!r}"
+
+
+# Wrapper attributes that PyTorch and friends put between a model and its parameters.
+# Removed from the front of keys: DataParallel/DDP (`module`), torch.compile
+# (`_orig_mod`), Lightning's strategy wrapper (`_forward_module`). `module` is also
+# an ordinary attribute name, so it is removed only when every key starts with it.
+LEADING_WRAPPERS = ("_orig_mod", "_forward_module", "module")
+# Removed wherever they appear as whole components: FSDP1 (`_fsdp_wrapped_module`),
+# activation checkpointing (`_checkpoint_wrapped_module`), FairScale/FSDP flat
+# parameter wrappers (`_fpw_module`), and torch.compile applied to a submodule.
+INTERIOR_WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_fpw_module", "_orig_mod"})
+_UNAMBIGUOUS_LEADING = frozenset({"_orig_mod", "_forward_module"})
+
+
+def canonical_keys(keys: Iterable[str]) -> tuple[dict[str, str], dict[str, int]]:
+    """The canonical name of every key, and how many keys each wrapper was removed from.
+
+    Wrappers are removed as whole components, stacked in any order
+    (``_orig_mod.module.``, ``module._orig_mod.``, ...). A ``module``
+    component is removed from the front only while *every* key starts with
+    it, so a real submodule called ``module`` inside a model is kept, and
+    ``modules.0`` or ``module_list`` are never cut.
+    """
+    original = list(keys)
+    parts = [key.split(".") for key in original]
+    removed: dict[str, int] = {}
+
+    def count(name: str) -> None:
+        removed[name] = removed.get(name, 0) + 1
+
+    for index, components in enumerate(parts):
+        kept = [c for c in components[:-1] if c not in INTERIOR_WRAPPERS] + components[-1:]
+        for component in components[:-1]:
+            if component in INTERIOR_WRAPPERS:
+                count(component)
+        parts[index] = kept
+    while parts:
+        changed = False
+        for index, components in enumerate(parts):
+            while len(components) > 1 and components[0] in _UNAMBIGUOUS_LEADING:
+                count(components[0])
+                components = components[1:]
+                changed = True
+            parts[index] = components
+        if all(len(components) > 1 and components[0] == "module" for components in parts):
+            for index, components in enumerate(parts):
+                parts[index] = components[1:]
+            removed["module"] = removed.get("module", 0) + len(parts)
+            changed = True
+        if not changed:
+            break
+    return {key: ".".join(components) for key, components in zip(original, parts)}, removed
+
+
+def canonicalize(state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
+    """``state`` with every wrapper component removed from its keys; see :func:`canonical_keys`.
+
+    Raises:
+        KeyCollisionError: two keys have the same canonical name.
+
+    Example:
+        >>> canonicalize(state)[0].keys()  # doctest: +SKIP
+        dict_keys(['conv.weight', ...])   # from '_orig_mod.module.conv.weight', ...
+    """
+    return Canonicalize().apply(state)
+
+
+@dataclass(frozen=True)
+class Canonicalize:
+    """Remove every known wrapper prefix (DataParallel, DDP, compile, FSDP, Lightning, ...)."""
+
+    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
+        mapping, removed = canonical_keys(state)
+        result, report = _rekey(state, mapping.__getitem__, self.describe())
+        return result, StepReport(report.step, report.changed, report.unchanged, removed)
+
+    def describe(self) -> str:
+        return "remove wrapper prefixes (canonical names)"
 
 
 def _compile(pattern: str) -> re.Pattern[str]:

@@ -11,12 +11,15 @@ import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from .tensor import TensorRef
 from .transforms import Pipeline, Transform
 
-__all__ = ["VerifyReport", "compare", "verify"]
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["DiffReport", "TensorDifference", "VerifyReport", "compare", "diff", "verify"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -112,3 +115,140 @@ def verify(
     expected, _ = pipeline.apply(open_checkpoint(source, trust=trust).select(select).weights)
     actual = open_checkpoint(output).select().weights
     return compare(expected, actual)
+
+
+@dataclass(frozen=True)
+class TensorDifference:
+    """How one tensor differs between two checkpoints.
+
+    Attributes:
+        key: the tensor's name.
+        reason: ``"dtype"``, ``"shape"`` or ``"values"``.
+        a: dtype or shape in the first checkpoint (``""`` for values).
+        b: dtype or shape in the second.
+        max_abs_diff: the largest absolute difference of the values (``nan`` when
+            NaNs do not line up), for ``"values"``.
+    """
+
+    key: str
+    reason: str
+    a: str = ""
+    b: str = ""
+    max_abs_diff: float = 0.0
+
+
+@dataclass(frozen=True)
+class DiffReport:
+    """What differs between two checkpoints' weights.
+
+    Attributes:
+        identical: True when both hold the same keys with bit-identical tensors.
+        only_in_a: keys only the first has.
+        only_in_b: keys only the second has.
+        differences: tensors present in both that differ.
+        same: how many tensors are bit-identical.
+    """
+
+    identical: bool
+    only_in_a: tuple[str, ...]
+    only_in_b: tuple[str, ...]
+    differences: tuple[TensorDifference, ...]
+    same: int
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-serialisable dict (what ``ckptconv diff --json`` prints)."""
+        return {
+            "identical": self.identical,
+            "same": self.same,
+            "only_in_a": list(self.only_in_a),
+            "only_in_b": list(self.only_in_b),
+            "differences": [vars(d) | {"max_abs_diff": _json_float(d.max_abs_diff)} for d in self.differences],
+        }
+
+
+def _json_float(value: float) -> object:
+    return value if value == value and abs(value) != float("inf") else repr(value)
+
+
+_DIFF_ELEMENTS = 4 << 20
+
+
+def _as_float64(ref: TensorRef, values: np.ndarray) -> np.ndarray:
+    import numpy as np
+
+    from ._cast import cast_array
+
+    if ref.out_dtype.kind == "float":
+        return cast_array(values, ref.out_dtype.name, "float64")
+    if ref.out_dtype.kind == "complex":
+        return np.asarray(values).astype(np.complex128)
+    return np.asarray(values).astype(np.float64)
+
+
+def _max_abs_difference(a: TensorRef, b: TensorRef) -> float:
+    """The largest |a - b|, computed in windows so memory stays bounded; nan if NaNs differ."""
+    import numpy as np
+
+    a_values = a.numpy().reshape(-1)
+    b_values = b.numpy().reshape(-1)
+    largest = 0.0
+    for start in range(0, a_values.size, _DIFF_ELEMENTS):
+        x = _as_float64(a, a_values[start : start + _DIFF_ELEMENTS])
+        y = _as_float64(b, b_values[start : start + _DIFF_ELEMENTS])
+        with np.errstate(invalid="ignore", over="ignore"):
+            nan_x, nan_y = np.isnan(x), np.isnan(y)
+            if not np.array_equal(nan_x, nan_y):
+                return float("nan")
+            both = ~nan_x
+            delta = np.abs(x[both] - y[both])
+            same_inf = np.isinf(x[both]) & (x[both] == y[both])
+            delta[same_inf] = 0.0
+        if delta.size:
+            largest = max(largest, float(np.max(delta)))
+    return largest
+
+
+def diff(
+    a: PathLike,
+    b: PathLike,
+    *,
+    select_a: Optional[str] = None,
+    select_b: Optional[str] = None,
+    trust: bool = False,
+) -> DiffReport:
+    """Compare the weights of two checkpoints: keys on one side only, dtype/shape mismatches, value differences.
+
+    Args:
+        a, b: any checkpoints :func:`ckptconv.open` reads.
+        select_a, select_b: where the weights are in each (searched when None).
+        trust: see :func:`ckptconv.open`. Dangerous.
+
+    Returns:
+        A :class:`DiffReport`.
+
+    Example:
+        >>> ckptconv.diff("epoch10.pt", "epoch11.pt").differences[0].max_abs_diff  # doctest: +SKIP
+        0.0123
+    """
+    from .loading import open as open_checkpoint
+
+    first = open_checkpoint(a, trust=trust).select(select_a).weights
+    second = open_checkpoint(b, trust=trust).select(select_b).weights
+    differences = []
+    same = 0
+    for key, left in first.items():
+        right = second.get(key)
+        if right is None:
+            continue
+        if left.out_dtype != right.out_dtype:
+            differences.append(TensorDifference(key, "dtype", left.out_dtype.name, right.out_dtype.name))
+        elif left.shape != right.shape:
+            differences.append(TensorDifference(key, "shape", str(list(left.shape)), str(list(right.shape))))
+        elif _digest(left) == _digest(right):
+            same += 1
+        else:
+            differences.append(TensorDifference(key, "values", max_abs_diff=_max_abs_difference(left, right)))
+    only_a = tuple(key for key in first if key not in second)
+    only_b = tuple(key for key in second if key not in first)
+    identical = not (only_a or only_b or differences)
+    return DiffReport(identical, only_a, only_b, tuple(differences), same)

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, Callable, Optional, Union
 
 from .errors import CastOverflowError, OutputExistsError, WriteError
 from .formats import safetensors, torch_zip
+from .formats._base import MetadataValue
 from .formats.torch_zip import PlannedStorage
 from .tensor import FileRegion, TensorRef, ZipMember
 
@@ -337,7 +338,8 @@ def save(
     *,
     format: Optional[str] = None,  # noqa: A002 - the natural name for users
     overwrite: bool = False,
-    metadata: Optional[Mapping[str, str]] = None,
+    metadata: Optional[Mapping[str, MetadataValue]] = None,
+    extra: Optional[Mapping[str, Any]] = None,
     progress: Progress = False,
     inputs: Iterable[str] = (),
     check: Optional[Callable[[str], None]] = None,
@@ -351,7 +353,10 @@ def save(
         path: the output file.
         format: ``"pt"`` or ``"safetensors"``; from the suffix of ``path`` when None.
         overwrite: replace an existing ``path``.
-        metadata: extra string metadata (safetensors ``__metadata__``).
+        metadata: string metadata: safetensors ``__metadata__``, or the
+            ``ckptconv.json`` record of a ``.pt`` file.
+        extra: ``.pt`` only: plain data (numbers, strings, lists, dicts) to keep
+            beside the weights, which then sit under ``"state_dict"``.
         progress: show a progress bar on stderr, or a callable given byte counts.
         inputs: other files that must not be overwritten (the checkpoint read).
         check: called with the finished temporary file's path before it is moved
@@ -385,11 +390,15 @@ def save(
                         update(count)
                         yield count
 
-                written = safetensors.write(entries, file, metadata=dict(metadata or {}), write_tensor=write_tensor)
+                written = safetensors.write(entries, file, metadata=metadata, write_tensor=write_tensor)
                 aliases = _aliases(entries)
             else:
                 written = torch_zip.write(
-                    entries, file, write_storage=functools.partial(_write_planned_storage, update=update)
+                    entries,
+                    file,
+                    write_storage=functools.partial(_write_planned_storage, update=update),
+                    metadata=metadata,
+                    extra=extra,
                 )
             if check is not None:
                 file.flush()

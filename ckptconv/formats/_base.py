@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Union
 
 from ..errors import MalformedCheckpointError
 
-__all__ = ["ReadResult", "file_size"]
+__all__ = ["Deferred", "MetadataValue", "ReadResult", "file_size", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,34 @@ class ReadResult:
     foreign_globals: Counter[str] = field(default_factory=Counter)
     saved_devices: frozenset[str] = frozenset()
     metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A metadata value known only once the tensors are written (the source's sha256, say).
+
+    Writers reserve ``length`` characters for it and call ``resolve()`` at the end.
+    """
+
+    length: int
+    resolve: Callable[[], str]
+
+    @property
+    def placeholder(self) -> str:
+        return "0" * self.length
+
+
+MetadataValue = Union[str, Deferred]
+
+
+def resolve(value: MetadataValue) -> str:
+    """The final text of a metadata value."""
+    if isinstance(value, Deferred):
+        text = value.resolve()
+        if len(text) != value.length or not text.isascii():
+            raise AssertionError(f"deferred metadata resolved to {text!r}, not {value.length} ASCII characters")
+        return text
+    return value
 
 
 def file_size(path: str) -> int:

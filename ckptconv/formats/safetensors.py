@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, BinaryIO, Callable, Optional
 
 from ..dtypes import dtype_by_safetensors_code
 from ..errors import MalformedCheckpointError, WriteError
 from ..tensor import FileRegion, Storage, TensorRef, contiguous_strides
-from ._base import ReadResult
+from ._base import Deferred, MetadataValue, ReadResult, resolve
 
 __all__ = ["ALIASES_KEY", "looks_safetensors", "read", "write"]
 
@@ -169,7 +169,7 @@ def write(
     entries: Sequence[tuple[str, TensorRef]],
     file: BinaryIO,
     *,
-    metadata: Optional[dict[str, str]] = None,
+    metadata: Optional[Mapping[str, MetadataValue]] = None,
     write_tensor: Callable[[TensorRef, BinaryIO], Iterable[int]],
 ) -> int:
     """Write ``entries`` as one safetensors file; tied tensors are stored once.
@@ -178,6 +178,8 @@ def write(
         entries: ``(key, tensor)`` pairs.
         file: a binary file opened for writing, positioned at 0.
         metadata: string metadata; ``{"format": "pt"}`` is always included.
+            :class:`Deferred` values are written as placeholders and filled in
+            once the tensors are written.
         write_tensor: writes one tensor's contiguous bytes to ``file`` and yields
             byte counts as it goes (the fast copy path lives with the caller).
 
@@ -206,7 +208,9 @@ def write(
     unique.sort(key=lambda item: (-item[1].out_dtype.itemsize, item[0]))
 
     header: dict[str, Any] = {}
-    all_metadata = {"format": "pt", **(metadata or {})}
+    deferred = {key: value for key, value in (metadata or {}).items() if isinstance(value, Deferred)}
+    all_metadata = {"format": "pt", **{k: v.placeholder if isinstance(v, Deferred) else v
+                                       for k, v in (metadata or {}).items()}}
     if aliases:
         all_metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
     header["__metadata__"] = all_metadata
@@ -226,4 +230,11 @@ def write(
         written = sum(write_tensor(ref, file))
         if written != ref.nbytes:
             raise AssertionError(f"tensor {key!r}: wrote {written} bytes, planned {ref.nbytes}")
+    end = file.tell()
+    for key, value in deferred.items():
+        needle = (json.dumps(key, ensure_ascii=False) + ":" + json.dumps(value.placeholder)).encode("utf-8")
+        position = encoded.index(needle) + len(needle) - value.length - 1
+        file.seek(8 + position)
+        file.write(resolve(value).encode("ascii"))
+    file.seek(end)
     return offset

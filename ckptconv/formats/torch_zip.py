@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import struct
 import zipfile
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Optional
 
@@ -34,7 +35,7 @@ from ..dtypes import DType
 from ..errors import LoadError, MalformedCheckpointError, UnsupportedFormatError
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
 from ..unpickler import DEFAULT_MAX_ITEMS, StorageType, TypedStorage, Unpickler
-from ._base import ReadResult, pickle_location
+from ._base import MetadataValue, ReadResult, pickle_location, resolve
 
 __all__ = ["read", "write"]
 
@@ -162,7 +163,21 @@ def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
         unpickler = Unpickler(data, persistent_load=persistent_load, source=path,
                               max_items=max_items or DEFAULT_MAX_ITEMS)
         tree = unpickler.load()
-    return ReadResult(FORMAT, tree, unpickler.foreign_globals, frozenset(devices))
+        metadata = _read_metadata(archive, infos.get(f"{root}{METADATA_RECORD}"))
+    return ReadResult(FORMAT, tree, unpickler.foreign_globals, frozenset(devices), metadata)
+
+
+def _read_metadata(archive: zipfile.ZipFile, info: Optional[zipfile.ZipInfo]) -> dict[str, str]:
+    """ckptconv's own metadata record, if present and well formed (it is informational only)."""
+    if info is None or info.file_size > 16 << 20:
+        return {}
+    try:
+        value = json.loads(archive.read(info).decode("utf-8"))
+    except (*_ZIP_ERRORS, UnicodeDecodeError):
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return {}
+    return value
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,6 +185,7 @@ def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
 # ---------------------------------------------------------------------------------------
 
 ALIGNMENT = 64
+METADATA_RECORD = "ckptconv.json"
 PAGE = 4096
 # Records at least this big are placed at their source's page phase (see _local_header).
 PHASE_MATCH_BYTES = 1 << 20
@@ -351,7 +367,33 @@ class _PickleWriter:
             self._global("torch", tensor.dtype.name)
         self.out += b"tR"
 
-    def state_dict(self, tensors: Sequence[PlannedTensor], storages: Sequence[PlannedStorage]) -> bytes:
+    def value(self, value: Any) -> None:
+        """Plain data (what torch.load(weights_only=True) accepts): None, bool, numbers, str, list, dict."""
+        if value is None:
+            self.out += b"N"
+        elif isinstance(value, bool):
+            self.out += b"\x88" if value else b"\x89"
+        elif isinstance(value, int):
+            self._int(value)
+        elif isinstance(value, float):
+            self.out += b"G" + struct.pack(">d", value)
+        elif isinstance(value, str):
+            self._str(value)
+        elif isinstance(value, (list, tuple)):
+            self.out += b"]("
+            for item in value:
+                self.value(item)
+            self.out += b"e"  # APPENDS
+        elif isinstance(value, dict):
+            self.out += b"}("
+            for key, item in value.items():
+                self.value(key)
+                self.value(item)
+            self.out += b"u"
+        else:
+            raise TypeError(f"cannot pickle {type(value).__name__} as plain data")
+
+    def _tensors(self, tensors: Sequence[PlannedTensor], storages: Sequence[PlannedStorage]) -> None:
         self.out += b"}"  # EMPTY_DICT
         for batch_start in range(0, len(tensors), 1000):
             self.out += b"("
@@ -359,6 +401,21 @@ class _PickleWriter:
                 self._str(tensor.key)
                 self.tensor(tensor, storages[tensor.storage_index], str(tensor.storage_index))
             self.out += b"u"  # SETITEMS
+
+    def checkpoint(
+        self, tensors: Sequence[PlannedTensor], storages: Sequence[PlannedStorage], extra: Optional[Mapping[str, Any]]
+    ) -> bytes:
+        """A state dict, or ``{"state_dict": ..., **extra}`` when there is plain data to keep beside it."""
+        if extra:
+            self.out += b"}("
+            self._str("state_dict")
+            self._tensors(tensors, storages)
+            for key, value in extra.items():
+                self._str(key)
+                self.value(value)
+            self.out += b"u"
+        else:
+            self._tensors(tensors, storages)
         self.out += b"."
         return bytes(self.out)
 
@@ -467,6 +524,8 @@ def write(
     file: BinaryIO,
     *,
     write_storage: Callable[[PlannedStorage, BinaryIO], int],
+    metadata: Optional[Mapping[str, MetadataValue]] = None,
+    extra: Optional[Mapping[str, Any]] = None,
 ) -> int:
     """Write ``entries`` as a torch zip checkpoint that ``torch.load(weights_only=True)`` reads.
 
@@ -475,13 +534,17 @@ def write(
         file: a seekable binary file opened for writing.
         write_storage: writes one planned storage's bytes (cast applied) to the
             file and returns their CRC-32; the caller owns the fast copy path.
+        metadata: string metadata, stored as the JSON record ``<root>/ckptconv.json``
+            (torch.load ignores records it does not know; ckptconv reads it back).
+        extra: plain data to pickle beside the weights, which then sit under
+            ``"state_dict"``.
 
     Returns:
         The number of tensor bytes written.
     """
     storages, tensors = plan_storages(entries)
     writer = _ZipWriter(file)
-    writer.write_bytes(f"{ROOT}/data.pkl", _PickleWriter().state_dict(tensors, storages))
+    writer.write_bytes(f"{ROOT}/data.pkl", _PickleWriter().checkpoint(tensors, storages, extra))
     writer.write_bytes(f"{ROOT}/.format_version", b"1")
     writer.write_bytes(f"{ROOT}/.storage_alignment", str(ALIGNMENT).encode())
     writer.write_bytes(f"{ROOT}/byteorder", b"little")
@@ -490,6 +553,9 @@ def write(
         writer.write_record(f"{ROOT}/data/{index}", storage.nbytes, functools.partial(write_storage, storage),
                             phase=phase)
     writer.write_bytes(f"{ROOT}/version", b"3\n")
+    if metadata:
+        resolved = {key: resolve(value) for key, value in metadata.items()}
+        writer.write_bytes(f"{ROOT}/{METADATA_RECORD}", json.dumps(resolved, ensure_ascii=False).encode("utf-8"))
     writer.write_bytes(f"{ROOT}/.data/serialization_id", os.urandom(20).hex().encode())
     writer.close()
     return sum(storage.nbytes for storage in storages)

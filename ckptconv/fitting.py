@@ -1,0 +1,362 @@
+"""Fit: find the key transform that makes a checkpoint match the model you have.
+
+A checkpoint trained under DataParallel, torch.compile, FSDP or Lightning
+names its weights differently from the plain model that should load them, and
+the reverse. :func:`fit` tries the candidate plans (wrapper removal, a common
+leading prefix stripped, the reference's own wrapper names restored) and keeps
+the one that matches the reference exactly, keys and shapes. When none does,
+nothing is applied and the report says what is missing, unexpected or of the
+wrong shape, so a half-fitting file is never written.
+
+:func:`load_into` does the whole thing for an ``nn.Module``: open, select, fit,
+``load_state_dict(strict=True)``. A reference given as ``"package.module:factory"``
+is the only place ckptconv imports user code, and only because the user named it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from .errors import FitError, LoadError, UnsupportedFormatError
+from .transforms import AddPrefix, Canonicalize, StripPrefix, Transform, canonical_keys
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FitReport", "Reference", "fit", "load_into", "reference_from"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# How many mismatched keys a report lists in full.
+_SHOWN = 20
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The key names (and shapes, where known) a checkpoint should end up with.
+
+    Attributes:
+        keys: the names, in the reference's order.
+        shapes: shapes by name, where the reference knows them (a key list does not).
+        description: where the reference came from, for messages.
+    """
+
+    keys: tuple[str, ...]
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    description: str = "the reference"
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """How a checkpoint's keys were fitted to a reference.
+
+    Attributes:
+        ok: True when the fitted keys equal the reference's and every known shape matches.
+        plan: the steps applied, in order (empty when the keys already matched).
+        matched: keys present on both sides after the plan.
+        missing: reference keys the checkpoint does not provide.
+        unexpected: checkpoint keys the reference does not have.
+        shape_mismatches: ``(key, checkpoint shape, reference shape)``.
+        reference: what the checkpoint was fitted to.
+    """
+
+    ok: bool
+    plan: tuple[str, ...]
+    matched: int
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    shape_mismatches: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+    reference: str = "the reference"
+
+    def summary(self) -> str:
+        """One sentence: the plan that fits, or why nothing does."""
+        plan = "; ".join(self.plan) if self.plan else "no change"
+        if self.ok:
+            return f"all {self.matched} keys fit {self.reference} ({plan})"
+        problems = []
+        if self.missing:
+            problems.append(f"{len(self.missing)} missing (e.g. {self.missing[0]!r})")
+        if self.unexpected:
+            problems.append(f"{len(self.unexpected)} unexpected (e.g. {self.unexpected[0]!r})")
+        if self.shape_mismatches:
+            key, got, want = self.shape_mismatches[0]
+            problems.append(f"{len(self.shape_mismatches)} of the wrong shape (e.g. {key!r}: {list(got)} "
+                            f"instead of {list(want)})")
+        return (f"no key transform makes the checkpoint fit {self.reference}: best plan ({plan}) matches "
+                f"{self.matched} keys, with {', '.join(problems)}")
+
+    def details(self) -> list[str]:
+        """Every mismatch, one per line (the first few of each kind)."""
+        lines = [f"plan: {step}" for step in self.plan]
+        for title, keys in (("missing", self.missing), ("unexpected", self.unexpected)):
+            for key in keys[:_SHOWN]:
+                lines.append(f"{title}: {key}")
+            if len(keys) > _SHOWN:
+                lines.append(f"{title}: ... and {len(keys) - _SHOWN} more")
+        for key, got, want in self.shape_mismatches[:_SHOWN]:
+            lines.append(f"shape: {key}: checkpoint {list(got)}, reference {list(want)}")
+        return lines
+
+
+def _shape(value: Any) -> Optional[tuple[int, ...]]:
+    shape = getattr(value, "shape", None)
+    return tuple(int(s) for s in shape) if shape is not None else None
+
+
+def reference_from(reference: Any) -> Reference:
+    """A :class:`Reference` from whatever the caller has.
+
+    Accepts a :class:`Reference`, an ``nn.Module`` (its ``state_dict()``), a state
+    dict, an iterable of key names, a path to a checkpoint (any format ckptconv
+    reads) or to a text file with one key per line, or ``"package.module:factory"``,
+    which imports that module and calls ``factory()`` to build the model.
+
+    Raises:
+        LoadError: the path cannot be read as a checkpoint or a key list, or the
+            factory cannot be imported or called.
+    """
+    if isinstance(reference, Reference):
+        return reference
+    if hasattr(reference, "state_dict") and callable(reference.state_dict):
+        state = reference.state_dict()
+        return Reference(tuple(state), {k: s for k, v in state.items() if (s := _shape(v)) is not None},
+                         f"the {type(reference).__name__} model")
+    if isinstance(reference, Mapping):
+        return Reference(tuple(reference), {k: s for k, v in reference.items() if (s := _shape(v)) is not None},
+                         "the reference state dict")
+    if isinstance(reference, (str, os.PathLike)):
+        text = os.fspath(reference)
+        if os.path.exists(text):
+            return _reference_from_file(text)
+        if ":" in text and not os.path.sep in text.split(":", 1)[0]:
+            return _reference_from_factory(text)
+        raise LoadError(f"reference {text!r} is neither a file nor a 'package.module:factory'; check the path",
+                        path=text)
+    if isinstance(reference, Iterable):
+        keys = tuple(reference)
+        if all(isinstance(key, str) for key in keys):
+            return Reference(keys, {}, "the reference keys")
+    raise TypeError(f"cannot use a {type(reference).__name__} as a reference")
+
+
+def _reference_from_file(path: str) -> Reference:
+    from .loading import open as open_checkpoint
+
+    try:
+        weights = open_checkpoint(path).select().weights
+    except UnsupportedFormatError:
+        keys = _key_list(path)
+        if keys is None:
+            raise
+        return Reference(keys, {}, f"the key list {path!r}")
+    return Reference(tuple(weights), {k: ref.shape for k, ref in weights.items()}, f"the checkpoint {path!r}")
+
+
+def _key_list(path: str) -> Optional[tuple[str, ...]]:
+    """Keys from a text file, one per line ('#' comments and blank lines ignored), or None."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            lines = [line.strip() for line in file.read(50_000_000).splitlines()]
+    except (UnicodeDecodeError, OSError):
+        return None
+    keys = tuple(line.split()[0] for line in lines if line and not line.startswith("#"))
+    return keys if keys and all(key.isprintable() for key in keys) else None
+
+
+def _reference_from_factory(spec: str) -> Reference:
+    module_name, _, attribute = spec.partition(":")
+    try:
+        factory = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            factory = getattr(factory, part)
+        model = factory() if callable(factory) else factory
+    except Exception as error:  # the user's own code can raise anything
+        raise LoadError(f"could not build the reference from {spec!r}: {type(error).__name__}: {error}") from error
+    reference = reference_from(model)
+    return Reference(reference.keys, reference.shapes, f"the model from {spec!r}")
+
+
+def _leading_prefixes(keys: Sequence[str], *, everyone: bool) -> list[str]:
+    """Dotted prefixes (1-3 components) shared by every key, or by at least a tenth of them."""
+    counts: Counter[str] = Counter()
+    for key in keys:
+        parts = key.split(".")
+        for depth in range(1, min(len(parts), 4)):
+            counts[".".join(parts[:depth])] += 1
+    needed = len(keys) if everyone else max(1, len(keys) // 10)
+    return [prefix for prefix, count in counts.most_common(40) if count >= needed]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    steps: tuple[Transform, ...]
+    mapping: dict[str, str]  # checkpoint key -> fitted key
+
+
+def _apply_plan(keys: Sequence[str], steps: Sequence[Transform]) -> Optional[dict[str, str]]:
+    """Where each key ends up under ``steps``, or None if two keys would collide."""
+    mapping = {key: key for key in keys}
+    for step in steps:
+        if isinstance(step, Canonicalize):
+            renamed, _ = canonical_keys(mapping.values())
+        elif isinstance(step, StripPrefix):
+            prefix = step.prefix.rstrip(".") + "."
+            renamed = {k: k[len(prefix):] if k.startswith(prefix) else k for k in mapping.values()}
+        elif isinstance(step, AddPrefix):
+            prefix = step.prefix.rstrip(".") + "."
+            renamed = {k: prefix + k for k in mapping.values()}
+        else:
+            raise AssertionError(step)
+        mapping = {key: renamed[current] for key, current in mapping.items()}
+        if len(set(mapping.values())) != len(mapping):
+            return None
+    return mapping
+
+
+def _candidate_plans(keys: Sequence[str], target: set[str]) -> list[_Plan]:
+    plans = []
+    for base in ((), (Canonicalize(),)):
+        base_keys = _apply_plan(keys, base)
+        if base_keys is None:
+            continue
+        current = list(base_keys.values())
+        strips: list[Optional[str]] = [None, *_leading_prefixes(current, everyone=False)]
+        adds: list[Optional[str]] = [None, *_leading_prefixes(sorted(target), everyone=True)]
+        for strip in strips:
+            for add in adds:
+                steps: tuple[Transform, ...] = base
+                if strip:
+                    steps += (StripPrefix(strip),)
+                if add:
+                    steps += (AddPrefix(add),)
+                mapping = _apply_plan(keys, steps)
+                if mapping is not None:
+                    plans.append(_Plan(steps, mapping))
+    return plans
+
+
+def _describe_restore(canonical: Iterable[str], from_canonical: Mapping[str, str]) -> str:
+    prefixes = {from_canonical[c][: -len(c)] if from_canonical[c].endswith(c) else None
+                for c in canonical if c in from_canonical}
+    if len(prefixes) == 1 and None not in prefixes:
+        return f"add prefix {prefixes.pop()!r}"
+    return "use the reference's wrapper names (FSDP / checkpointing components)"
+
+
+def fit(state: Mapping[str, Any], reference: Any, *, partial: bool = False) -> tuple[dict[str, Any], FitReport]:
+    """Rename ``state``'s keys so they match ``reference``, if some plan makes them match exactly.
+
+    The plans tried: the keys as they are; wrappers removed (see
+    :func:`~ckptconv.transforms.canonicalize`); a leading prefix stripped (Lightning's
+    ``model.``, ``backbone.``, ...); and the reference's own wrappers (``module.``,
+    ``_orig_mod.``, FSDP components) put back. The plan that matches the most
+    keys wins, the shortest on a tie.
+
+    Args:
+        state: names to tensors (lazy or torch); only names and shapes are used.
+        reference: anything :func:`reference_from` accepts.
+        partial: apply the best plan even when it does not fit exactly.
+
+    Returns:
+        The renamed state (``state`` unchanged when nothing fits, unless
+        ``partial``) and a :class:`FitReport`.
+
+    Example:
+        >>> fitted, report = ckptconv.fit(ckptconv.open("dp.pkl").select().weights, model)  # doctest: +SKIP
+        >>> report.plan                                                                     # doctest: +SKIP
+        ('remove wrapper prefixes (canonical names)',)
+    """
+    target_reference = reference_from(reference)
+    target_keys = list(target_reference.keys)
+    # Compare in canonical form, then give every key the reference's own name, so
+    # references with interior wrappers (FSDP) are matched too.
+    to_canonical, _ = canonical_keys(target_keys)
+    if len(set(to_canonical.values())) != len(to_canonical):
+        to_canonical = {key: key for key in target_keys}
+    from_canonical = {canonical: key for key, canonical in to_canonical.items()}
+    target = set(from_canonical)
+    keys = list(state)
+
+    best: Optional[tuple[tuple[int, int], _Plan]] = None
+    for plan in _candidate_plans(keys, target):
+        matched = sum(1 for fitted in plan.mapping.values() if fitted in target)
+        score = (matched, -len(plan.steps))
+        if best is None or score > best[0]:
+            best = (score, plan)
+    assert best is not None  # the empty plan always exists
+    plan = best[1]
+    restores_wrappers = any(from_canonical[c] != c for c in plan.mapping.values() if c in from_canonical)
+    final = {key: from_canonical.get(fitted, fitted) for key, fitted in plan.mapping.items()}
+    fitted_keys = set(final.values())
+
+    reference_keys = set(target_keys)
+    missing = tuple(key for key in target_keys if key not in fitted_keys)
+    unexpected = tuple(final[key] for key in keys if final[key] not in reference_keys)
+    mismatches = []
+    for key in keys:
+        want = target_reference.shapes.get(final[key])
+        got = _shape(state[key])
+        if want is not None and got is not None and tuple(want) != got:
+            mismatches.append((final[key], got, tuple(want)))
+    steps = [step.describe() for step in plan.steps]
+    if restores_wrappers:
+        steps.append(_describe_restore(plan.mapping.values(), from_canonical))
+    ok = not (missing or unexpected or mismatches)
+    report = FitReport(
+        ok=ok,
+        plan=tuple(steps),
+        matched=len(fitted_keys & reference_keys),
+        missing=missing,
+        unexpected=unexpected,
+        shape_mismatches=tuple(mismatches),
+        reference=target_reference.description,
+    )
+    if not ok and not partial:
+        return dict(state), report
+    return {final[key]: value for key, value in state.items()}, report
+
+
+def load_into(
+    model: torch.nn.Module,
+    path: PathLike,
+    *,
+    strict: bool = True,
+    select: Optional[str] = None,
+    trust: bool = False,
+) -> FitReport:
+    """Load a checkpoint into ``model`` (plain, DataParallel or DDP), fitting its keys first.
+
+    Args:
+        model: the module to fill; its parameters stay on their devices.
+        path: any checkpoint :func:`ckptconv.open` reads.
+        strict: require an exact fit (as ``load_state_dict(strict=True)`` does);
+            with False the keys that fit are loaded and the rest reported.
+        select: where the weights are in a training checkpoint.
+        trust: see :func:`ckptconv.open`. Dangerous.
+
+    Returns:
+        The :class:`FitReport`.
+
+    Raises:
+        FitError: ``strict`` and the checkpoint does not fit ``model``.
+
+    Example:
+        >>> ckptconv.load_into(model, "dp_model.pkl")  # doctest: +SKIP
+    """
+    from ._torch import to_torch
+    from .loading import open as open_checkpoint
+
+    weights = open_checkpoint(path, trust=trust).select(select).weights
+    fitted, report = fit(weights, model, partial=not strict)
+    if not report.ok:
+        if strict:
+            raise FitError(report.summary(), report=report)
+        keys = set(model.state_dict())
+        fitted = {key: value for key, value in fitted.items() if key in keys}
+    model.load_state_dict(to_torch(fitted), strict=strict)
+    return report

@@ -1,0 +1,123 @@
+"""What travels with the weights: a training checkpoint's non-tensor facts, and provenance.
+
+A training checkpoint carries the epoch, the step, hyperparameters and the
+``argparse.Namespace`` the run was started with. Those are worth keeping
+next to converted weights, as JSON, but never by running code: values are
+taken from the inert object tree (stand-ins included) and anything that is
+not plain data (tensors, optimizer state, RNG state) is left out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from .selection import Selection, as_tensor
+from .unpickler import ForeignGlobal, ForeignObject, NumpyArray
+
+__all__ = ["checkpoint_metadata", "file_sha256"]
+
+# Entries whose JSON is larger than this are left out (a pickled dataset, say).
+MAX_ENTRY_BYTES = 64 * 1024
+_MAX_DEPTH = 12
+_SKIPPED = frozenset(
+    {"optimizer", "optimizers", "optimizer_states", "optimizer_state_dict", "scheduler", "schedulers",
+     "lr_scheduler", "lr_schedulers", "scaler", "grad_scaler", "rng", "rng_state", "rng_states", "numpy_rng",
+     "torch_rng", "cuda_rng", "random_state", "loops", "callbacks"}
+)
+
+
+class _NotData(Exception):
+    """Raised inside :func:`_plain` for values that are not plain data."""
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """``value`` as JSON-compatible Python data, or raise :class:`_NotData`."""
+    if depth > _MAX_DEPTH:
+        raise _NotData
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if as_tensor(value) is not None or isinstance(value, (NumpyArray, bytes, bytearray)):
+        raise _NotData
+    if hasattr(value, "item") and hasattr(value, "dtype") and type(value).__module__ == "numpy":
+        return _plain(value.item(), depth + 1)  # numpy scalars
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(item, depth + 1) for item in value]
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item, depth + 1) for key, item in value.items()
+                if isinstance(key, (str, int, float, bool))}
+    if isinstance(value, ForeignObject):
+        # argparse.Namespace, SimpleNamespace, dataclasses, omegaconf containers...
+        fields = value.attributes() or {str(k): v for k, v in value.items.items()}
+        if not fields and value.args:
+            return _plain(list(value.args), depth + 1)
+        return {key: _plain(item, depth + 1) for key, item in fields.items()}
+    if isinstance(value, ForeignGlobal):
+        return value.qualname
+    raise _NotData
+
+
+def checkpoint_metadata(tree: Any, selection: Selection) -> dict[str, Any]:
+    """The plain-data entries beside the selected weights, as JSON-compatible values.
+
+    Only the checkpoint's top level is considered; the entry holding the
+    weights, other weight copies (EMA), optimizer, scheduler and RNG state,
+    and anything containing tensors are left out.
+    """
+    if isinstance(tree, Mapping):
+        items = list(tree.items())
+    elif isinstance(tree, ForeignObject):
+        items = list(tree.attributes().items())
+    else:
+        return {}
+    weights_key = selection.path[0] if selection.path else None
+    result: dict[str, Any] = {}
+    for key, value in items:
+        if not isinstance(key, str) or key == weights_key or key.lower() in _SKIPPED:
+            continue
+        try:
+            plain = _plain(value)
+        except _NotData:
+            continue
+        if len(json.dumps(plain)) <= MAX_ENTRY_BYTES:
+            result[key] = plain
+    return result
+
+
+def file_sha256(path: str, chunk_bytes: int = 8 << 20, stop: Optional[threading.Event] = None) -> str:
+    """The sha256 of a file, read in chunks (hashlib releases the GIL, so a thread can do it).
+
+    Returns "" if ``stop`` is set before the end (the caller gave up).
+    """
+    digest = hashlib.sha256()
+    buffer = bytearray(chunk_bytes)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as file:
+        while True:
+            if stop is not None and stop.is_set():
+                return ""
+            count = file.readinto(view)
+            if not count:
+                break
+            digest.update(view[:count])
+    return digest.hexdigest()
+
+
+def source_name(path: str) -> str:
+    return os.path.basename(path)
+
+
+def encode_entries(entries: Mapping[str, Any], prefix: str) -> dict[str, str]:
+    """Metadata entries as strings (JSON), each under ``prefix + key``."""
+    return {f"{prefix}{key}": json.dumps(value, ensure_ascii=False) for key, value in entries.items()}
+
+
+def decode_entry(text: Optional[str]) -> Any:
+    return None if text is None else json.loads(text)
