@@ -8,7 +8,7 @@ a caller asks for real tensors.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .dtypes import DType, dtype_by_name
 from .errors import CkptconvError
@@ -33,41 +33,106 @@ def torch_dtype(dtype: DType) -> torch.dtype:
     return value  # type: ignore[no-any-return]
 
 
-def to_torch(refs: Mapping[str, TensorRef], *, device: Optional[str] = None) -> dict[str, torch.Tensor]:
-    """Read lazy tensors into torch tensors on the CPU, keeping shared storages shared.
+DeviceSpec = Union[None, str, "torch.device", Mapping[str, Union[str, "torch.device"]]]
+
+# Host memory used to stage bytes on their way to a GPU: two pinned buffers, so
+# reading the next chunk from disk overlaps the copy of the previous one.
+STAGING_BYTES = 64 << 20
+
+
+def to_torch(refs: Mapping[str, TensorRef], *, device: DeviceSpec = None) -> dict[str, torch.Tensor]:
+    """Read lazy tensors into torch tensors, keeping shared storages shared.
 
     Each storage is read once, and only the span its tensors use: a small
-    view of a huge tensor does not drag the rest of it into memory.
+    view of a huge tensor does not drag the rest of it into memory. On a GPU
+    the bytes go straight from the file to device memory through two pinned
+    staging buffers, so host memory stays at those buffers however big the
+    checkpoint.
+
+    Args:
+        refs: names to lazy tensors.
+        device: where to put them: None or "cpu", a device ("cuda:1"), or a
+            mapping from key to device (keys not in it go to the CPU).
     """
     import torch
 
-    spans: dict[Storage, tuple[int, int]] = {}
-    for ref in refs.values():
+    def device_of(key: str) -> torch.device:
+        target = device.get(key, "cpu") if isinstance(device, Mapping) else device
+        return torch.device(target if target is not None else "cpu")
+
+    spans: dict[Storage, tuple[int, int, torch.device]] = {}
+    for key, ref in refs.items():
         if _shares_bytes(ref):
             start, stop = ref.byte_span
             known = spans.get(ref.storage)
-            spans[ref.storage] = (start, stop) if known is None else (min(known[0], start), max(known[1], stop))
+            where = known[2] if known is not None else device_of(key)
+            spans[ref.storage] = (start, stop, where) if known is None else (
+                min(known[0], start), max(known[1], stop), where)
+    uploader: Optional[_Uploader] = None
     buffers: dict[Storage, tuple[torch.Tensor, int]] = {}
-    for storage, (start, stop) in spans.items():
+    for storage, (start, stop, where) in spans.items():
         start -= start % _SPAN_ALIGNMENT
-        buffer = torch.empty(stop - start, dtype=torch.uint8)
-        if stop > start:
-            storage.read_into(start, buffer.numpy().data)
+        if where.type == "cpu":
+            buffer = torch.empty(stop - start, dtype=torch.uint8)
+            if stop > start:
+                storage.read_into(start, buffer.numpy().data)
+        else:
+            uploader = uploader or _Uploader()
+            buffer = uploader.upload(storage, start, stop, where)
         buffers[storage] = (buffer, start)
+    if uploader is not None:
+        uploader.finish()
 
     result: dict[str, torch.Tensor] = {}
     for key, ref in refs.items():
         if _shares_bytes(ref):
             buffer, start = buffers[ref.storage]
             itemsize = ref.dtype.itemsize
-            tensor = torch.empty(0, dtype=torch_dtype(ref.dtype))
+            tensor = torch.empty(0, dtype=torch_dtype(ref.dtype), device=buffer.device)
             tensor.set_(buffer.untyped_storage(), (ref.offset * itemsize - start) // itemsize, ref.shape, ref.stride)
         else:
             tensor = _from_numpy(ref)
-        if device is not None and device != "cpu":
-            tensor = tensor.to(device)
+        target = device_of(key)
+        if tensor.device != target:
+            tensor = tensor.to(target)
         result[key] = tensor
     return result
+
+
+class _Uploader:
+    """Streams storage bytes into GPU memory through two pinned host buffers."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.pinned = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.done: list[Optional[torch.cuda.Event]] = [None, None]
+        self.turn = 0
+
+    def upload(self, storage: Storage, start: int, stop: int, device: torch.device) -> torch.Tensor:
+        import torch
+
+        out = torch.empty(stop - start, dtype=torch.uint8, device=device)
+        with storage.reader() as read_into, torch.cuda.device(device):
+            for position in range(start, stop, STAGING_BYTES):
+                slot = self.turn % 2
+                self.turn += 1
+                previous = self.done[slot]
+                if previous is not None:
+                    previous.synchronize()  # the last copy out of this buffer has finished
+                count = min(STAGING_BYTES, stop - position)
+                staging = self.pinned[slot][:count]
+                read_into(position, staging.numpy().data)
+                out[position - start : position - start + count].copy_(staging, non_blocking=True)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record()
+                self.done[slot] = event
+        return out
+
+    def finish(self) -> None:
+        for event in self.done:
+            if event is not None:
+                event.synchronize()
 
 
 def _shares_bytes(ref: TensorRef) -> bool:

@@ -429,24 +429,53 @@ def diff(a: str, b: str, select_a: Optional[str], select_b: Optional[str], trust
         sys.exit(EXIT_NEGATIVE)
 
 
+def _print_devices(as_json: bool) -> None:
+    from .devices import visible_devices
+
+    devices = visible_devices()
+    if as_json:
+        click.echo(json.dumps([vars(device) for device in devices], indent=2))
+        return
+    if not devices:
+        click.echo("no GPU is visible to this process (torch.cuda.is_available() is False); loads go to the CPU")
+        return
+    for device in devices:
+        click.echo(f"{device.name}  physical {device.physical}  {device.model}  "
+                   f"{_human_bytes(device.free_bytes)} free of {_human_bytes(device.total_bytes)}"
+                   + (f"  pci {device.pci_bus_id}" if device.pci_bus_id else ""))
+
+
 @cli.command()
-@click.argument("src", type=click.Path(dir_okay=True))
+@click.argument("src", type=click.Path(dir_okay=True), required=False)
 @selection_options
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
 @click.option("--limit", type=click.IntRange(min=0), default=None,
               help="Show at most this many tensors in the table (default: all).")
-def inspect(src: str, select: Optional[str], trust: bool, as_json: bool, limit: Optional[int]) -> None:
+@click.option("--devices", "show_devices", is_flag=True,
+              help="List the GPUs this process sees (logical and physical numbers, free memory) instead.")
+def inspect(
+    src: Optional[str], select: Optional[str], trust: bool, as_json: bool, limit: Optional[int], show_devices: bool
+) -> None:
     """Describe a checkpoint without reading its tensor data.
 
     Shows the format, the devices it was saved on, classes that became
     stand-ins, its top-level contents, where the weights are, and every tensor.
+    With --devices, lists the GPUs a load could target instead (cuda:N is
+    torch's logical number; "physical" is the matching CUDA_VISIBLE_DEVICES entry).
 
     \b
     Example:
       ckptconv inspect train_ckpt.pth
       ckptconv inspect train_ckpt.pth --json | jq .selected
+      ckptconv inspect --devices
     """
     from .inspection import inspect as inspect_checkpoint
+
+    if show_devices:
+        _print_devices(as_json)
+        return
+    if src is None:
+        raise click.UsageError("give a checkpoint to inspect, or --devices")
 
     info = inspect_checkpoint(src, select=select, trust=trust)
     if as_json:

@@ -328,6 +328,7 @@ def load_into(
     strict: bool = True,
     select: Optional[str] = None,
     trust: bool = False,
+    device: Any = None,
 ) -> FitReport:
     """Load a checkpoint into ``model`` (plain, DataParallel or DDP), fitting its keys first.
 
@@ -338,6 +339,10 @@ def load_into(
             with False the keys that fit are loaded and the rest reported.
         select: where the weights are in a training checkpoint.
         trust: see :func:`ckptconv.open`. Dangerous.
+        device: where tensors are staged before ``load_state_dict`` copies them
+            into the model: the CPU when None; ``"auto"``: each tensor straight
+            onto the device of the parameter or buffer it fills (host memory
+            stays bounded); or one device for all.
 
     Returns:
         The :class:`FitReport`.
@@ -358,5 +363,10 @@ def load_into(
             raise FitError(report.summary(), report=report)
         keys = set(model.state_dict())
         fitted = {key: value for key, value in fitted.items() if key in keys}
-    model.load_state_dict(to_torch(fitted), strict=strict)
+    if device == "auto":
+        targets = {key: str(value.device) for key, value in model.state_dict().items()}
+        staged = to_torch(fitted, device=targets)
+    else:
+        staged = to_torch(fitted, device=device)
+    model.load_state_dict(staged, strict=strict)
     return report

@@ -155,7 +155,7 @@ def load(
     *,
     select: Optional[str] = None,
     trust: bool = False,
-    device: Optional[str] = None,
+    device: Any = None,
 ) -> dict[str, torch.Tensor]:
     """The model weights of a checkpoint as torch tensors: a safe ``torch.load``.
 
@@ -167,7 +167,11 @@ def load(
         path: the checkpoint.
         select: where the weights are (``"state_dict_ema"``); searched when None.
         trust: see :func:`open`. Dangerous.
-        device: where to put the tensors; the CPU when None.
+        device: where to put the tensors: the CPU when None, a device such as
+            ``"cuda:1"`` (bytes stream from the file to the GPU through a small
+            pinned buffer, so host memory stays bounded), or ``"auto"``: the
+            visible GPU with the most free memory, else the CPU (with a
+            :class:`~ckptconv.devices.DeviceFallbackWarning`).
 
     Returns:
         A dict of names to tensors, ready for ``model.load_state_dict``.
@@ -176,9 +180,10 @@ def load(
         >>> model.load_state_dict(ckptconv.load("dp_model.pkl"))  # doctest: +SKIP
     """
     from ._torch import to_torch
+    from .devices import pick_device
 
     checkpoint = open(path, trust=trust)
-    return to_torch(checkpoint.select(select).weights, device=device)
+    return to_torch(checkpoint.select(select).weights, device=pick_device(device))
 
 
 def _read_trusted(path: str, kind: str) -> ReadResult:
