@@ -112,6 +112,21 @@ class _CastTarget(click.ParamType):  # type: ignore[type-arg]
             self.fail(str(error), param, ctx)
 
 
+class _Size(click.ParamType):  # type: ignore[type-arg]
+    name = "SIZE"
+    _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> int:
+        if isinstance(value, int):
+            return value
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).upper() if match else ""
+        if not match or unit not in self._UNITS or float(match.group(1)) <= 0:
+            self.fail(f"{value!r} is not a size such as 5GB, 500MB or 2GiB", param, ctx)
+        return int(float(match.group(1)) * self._UNITS[unit])
+
+
 class _Prefix(click.ParamType):  # type: ignore[type-arg]
     name = "PREFIX"
 
@@ -165,8 +180,12 @@ transform_options = _compose(
 )
 
 output_options = _compose(
-    click.option("--to", "to", type=click.Choice(["pt", "safetensors"]),
-                 help="Output format; by default it follows DST's suffix (.safetensors, or .pt/.pth/.bin/.pkl)."),
+    click.option("--to", "to", type=click.Choice(["pt", "safetensors", "dcp"]),
+                 help="Output format; by default it follows DST's suffix (.safetensors, or .pt/.pth/.bin/.pkl). "
+                      "A folder DST gets shards (safetensors by default); 'dcp' writes a "
+                      "torch.distributed.checkpoint folder."),
+    click.option("--max-shard-size", type=_Size(), help="Write DST as a folder of shards of at most SIZE "
+                 "(5GB, 500MB, 2GiB) with a Hugging Face index."),
     click.option("--overwrite", is_flag=True, help="Replace DST if it exists."),
     click.option("--verify", is_flag=True, help="Re-read the output and compare every tensor before "
                  "keeping it."),
@@ -235,6 +254,7 @@ def _run_conversion(
         keep_meta=options["keep_meta"],
         source_hash=not options["no_source_hash"],
         fit_to=fit_to,
+        max_shard_size=options["max_shard_size"],
     )
     for note in report.notes:
         _say(quiet, f"note: {note}")

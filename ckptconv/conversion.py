@@ -19,10 +19,10 @@ from typing import Any, Optional, Union
 from ._version import __version__
 from .errors import FitError, VerifyError
 from .formats._base import Deferred, MetadataValue
-from .metadata import checkpoint_metadata, encode_entries, file_sha256
+from .metadata import checkpoint_metadata, encode_entries, source_sha256
 from .loading import open as open_checkpoint
 from .transforms import Canonicalize, Pipeline, StepReport, StripPrefix, Transform
-from .writing import Progress, output_format, save
+from .writing import Progress, is_folder_destination, output_format, save
 
 __all__ = ["ConversionReport", "convert"]
 
@@ -52,6 +52,7 @@ class ConversionReport:
         notes: sentences the user should see, in order.
         verified: True when the output was verified, None when not asked.
         renames: the first ``(old, new)`` key pairs, for ``--dry-run``.
+        files: every file written (one, or the shards and the index of a folder).
     """
 
     source: str
@@ -68,6 +69,7 @@ class ConversionReport:
     notes: tuple[str, ...] = ()
     verified: Optional[bool] = None
     renames: tuple[tuple[str, str], ...] = ()
+    files: tuple[str, ...] = ()
 
 
 def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> list[str]:
@@ -102,16 +104,19 @@ def convert(
     keep_meta: bool = False,
     source_hash: bool = True,
     fit_to: Any = None,
+    max_shard_size: Optional[int] = None,
 ) -> ConversionReport:
     """Convert a checkpoint: pick its weights, transform them, write them, optionally verify.
 
     Args:
         source: any checkpoint :func:`ckptconv.open` reads.
-        destination: the output file; its suffix picks the format unless ``to`` is given.
+        destination: the output file, or a folder (existing, or ending in ``/``)
+            for a sharded or DCP layout; the suffix picks the format unless
+            ``to`` is given.
         select: where the weights are (``"state_dict_ema"``); searched when None.
         transforms: steps such as :class:`~ckptconv.transforms.StripPrefix` or
             :class:`~ckptconv.transforms.Cast`, applied in order.
-        to: ``"pt"`` or ``"safetensors"``.
+        to: ``"pt"``, ``"safetensors"`` or ``"dcp"`` (a folder).
         overwrite: replace an existing destination.
         trust: see :func:`ckptconv.open`. Dangerous.
         verify: re-read the written file and compare every tensor before it is
@@ -126,6 +131,7 @@ def convert(
         fit_to: a reference model, checkpoint or key list (see
             :func:`ckptconv.fit`): after ``transforms``, rename the keys to match it,
             or raise :class:`~ckptconv.errors.FitError` with the report and write nothing.
+        max_shard_size: write shards of at most this many bytes, with an index.
         source_hash: record the source file's sha256 in the output's provenance;
             it is computed on a second core while the tensors are copied, but a
             large training checkpoint may take longer to hash than to convert.
@@ -182,7 +188,8 @@ def convert(
     renames = tuple(
         (old, new) for old, new in zip(selection.weights, state) if old != new
     ) if len(state) == len(selection.weights) else ()
-    kind = output_format(destination, to) if destination is not None else (to or "pt")
+    folder_output = destination is not None and is_folder_destination(destination, to, max_shard_size)
+    kind = output_format(destination, to, folder=folder_output) if destination is not None else (to or "pt")
     summary = ConversionReport(
         source=checkpoint.path,
         destination="",
@@ -224,7 +231,7 @@ def convert(
     give_up = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as hasher:
         if source_hash:
-            digest = hasher.submit(file_sha256, checkpoint.path, stop=give_up)
+            digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
         try:
             written = save(
@@ -234,6 +241,7 @@ def convert(
                 overwrite=overwrite,
                 metadata=metadata,
                 extra=extra,
+                max_shard_size=max_shard_size,
                 progress=progress,
                 inputs=[checkpoint.path],
                 check=check if verify else None,
@@ -254,6 +262,7 @@ def convert(
         tensors=written.tensors,
         bytes=written.bytes,
         aliases=written.aliases,
+        files=written.files,
         notes=tuple(notes),
         verified=True if verify else None,
     )

@@ -103,7 +103,9 @@ def open(path: PathLike, *, trust: bool = False) -> Checkpoint:  # noqa: A001 - 
     """Open a checkpoint lazily and safely, whatever device it was saved on.
 
     Args:
-        path: a ``torch.save`` file (zip or legacy format), a pickle, or a safetensors file.
+        path: a ``torch.save`` file (zip or legacy format), a pickle, a safetensors
+            file, a sharded checkpoint (its folder or ``*.index.json``), or a
+            torch.distributed.checkpoint (DCP) folder.
         trust: **dangerous**: unpickle with ``torch.load(weights_only=False)``, which
             runs whatever code the file contains. Only for files you made yourself
             whose objects need their real classes.
@@ -120,7 +122,7 @@ def open(path: PathLike, *, trust: bool = False) -> Checkpoint:  # noqa: A001 - 
         (64, 3, 7, 7)
     """
     path = os.fspath(path)
-    kind = formats.detect(path)
+    kind, path = formats.resolve(path)
     if trust:
         result = _read_trusted(path, kind)
     else:
@@ -145,9 +147,20 @@ def open(path: PathLike, *, trust: bool = False) -> Checkpoint:  # noqa: A001 - 
         foreign_globals=dict(sorted(result.foreign_globals.items())),
         saved_devices=result.saved_devices,
         metadata=result.metadata,
-        size=os.stat(path).st_size,
+        size=_size(path, kind),
         trusted=trust,
     )
+
+
+def _size(path: str, kind: str) -> int:
+    """Bytes on disk: the file, or every file of a sharded or DCP checkpoint."""
+    if kind == "dcp":
+        return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
+    if kind == "sharded":
+        folder = os.path.dirname(os.path.abspath(path))
+        return sum(entry.stat().st_size for entry in os.scandir(folder)
+                   if entry.is_file() and entry.name.endswith((".safetensors", ".bin", ".pt", ".json")))
+    return os.stat(path).st_size
 
 
 def load(

@@ -110,6 +110,24 @@ def file_sha256(path: str, chunk_bytes: int = 8 << 20, stop: Optional[threading.
     return digest.hexdigest()
 
 
+def source_sha256(path: str, stop: Optional[threading.Event] = None) -> str:
+    """The sha256 identifying a checkpoint: of the file, or for a sharded or DCP
+    checkpoint, of its files' names and sha256s (sorted), so every shard counts."""
+    if os.path.isfile(path) and not path.endswith(".index.json"):
+        return file_sha256(path, stop=stop)
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        member = os.path.join(folder, name)
+        if os.path.isfile(member) and (name == ".metadata" or name.endswith((".distcp", ".index.json",
+                                                                              ".safetensors", ".bin", ".pt"))):
+            value = file_sha256(member, stop=stop)
+            if not value:
+                return ""
+            digest.update(f"{name}\0{value}\n".encode())
+    return digest.hexdigest()
+
+
 def source_name(path: str) -> str:
     return os.path.basename(path)
 

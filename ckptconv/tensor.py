@@ -96,7 +96,87 @@ class InMemory:
         out[:] = memoryview(self.data).cast("B")[start : start + len(out)]
 
 
-ByteSource = Union[FileRegion, ZipMember, InMemory]
+@dataclass(frozen=True, eq=False)
+class Assembled:
+    """A tensor stored as several chunks (a DCP checkpoint's shards), read as one contiguous tensor.
+
+    Chunks that split the tensor along its first dimension (FSDP's layout) are
+    read in place, piece by piece; chunks of any other shape are pasted into
+    one buffer the first time the tensor is read (bounded by the tensor's size).
+
+    Attributes:
+        chunks: ``(offsets, chunk)`` pairs: where each chunk starts in the full
+            tensor, and the chunk itself.
+        shape: the full tensor's shape.
+        itemsize: bytes per element.
+    """
+
+    chunks: tuple[tuple[tuple[int, ...], TensorRef], ...]
+    shape: tuple[int, ...]
+    itemsize: int
+
+    @functools.cached_property
+    def _rows(self) -> Optional[list[tuple[int, int, TensorRef]]]:
+        """``(first byte, last byte, chunk)`` when every chunk is a contiguous block of whole rows."""
+        if not self.shape:
+            return None
+        row = math.prod(self.shape[1:]) * self.itemsize
+        rows = []
+        for offsets, chunk in self.chunks:
+            if any(offsets[1:]) or tuple(chunk.shape[1:]) != tuple(self.shape[1:]) or not chunk.is_contiguous:
+                return None
+            rows.append((offsets[0] * row, (offsets[0] + chunk.shape[0]) * row, chunk))
+        rows.sort(key=lambda item: item[0])
+        expected = 0
+        for first, last, _ in rows:
+            if first != expected:
+                return None
+            expected = last
+        return rows if expected == math.prod(self.shape) * self.itemsize else None
+
+    def read(self, start: int, length: int) -> bytes:
+        out = bytearray(length)
+        self.read_into(start, memoryview(out))
+        return bytes(out)
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        out = out.cast("B")
+        rows = self._rows
+        if rows is None:
+            out[:] = _assembled_bytes(self)[start : start + len(out)]
+            return
+        position, end = start, start + len(out)
+        for first, last, chunk in rows:
+            if last <= position or first >= end:
+                continue
+            piece_start, piece_end = max(first, position), min(last, end)
+            chunk_start = chunk.byte_span[0] + piece_start - first
+            chunk.storage.read_into(chunk_start, out[piece_start - start : piece_end - start])
+            position = piece_end
+
+
+_assembled_cache: dict[int, tuple[Assembled, bytes]] = {}
+
+
+def _assembled_bytes(source: Assembled) -> bytes:
+    """The whole tensor, pasted together from its chunks; the last one is kept for the next read."""
+    import numpy as np
+
+    cached = _assembled_cache.get(0)
+    if cached is not None and cached[0] is source:
+        return cached[1]
+    _assembled_cache.clear()
+    full = np.zeros(math.prod(source.shape) * source.itemsize, dtype=np.uint8)
+    view = full.view(f"V{source.itemsize}").reshape(source.shape) if source.itemsize else full
+    for offsets, chunk in source.chunks:
+        block = chunk.numpy().view(f"V{source.itemsize}").reshape(chunk.shape)
+        view[tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape))] = block
+    data = full.tobytes()
+    _assembled_cache[0] = (source, data)
+    return data
+
+
+ByteSource = Union[FileRegion, ZipMember, InMemory, Assembled]
 
 
 def read_exactly(fd: int, offset: int, length: int, path: str) -> bytes:
@@ -158,6 +238,9 @@ class Storage:
     location: str = "cpu"
     byteorder: str = "little"
     name: str = ""
+
+    def __repr__(self) -> str:
+        return f"<Storage {self.name or '?'} {self.nbytes} bytes from {self.location}>"
 
     def read(self, start: int = 0, length: Optional[int] = None) -> bytes:
         """Raw bytes ``[start, start + length)`` of the record, as stored."""
@@ -262,6 +345,10 @@ class TensorRef:
                 f"{storage.nbytes}; the checkpoint is damaged"
             )
         return ref
+
+    def __repr__(self) -> str:
+        cast = f" -> {self.cast_to.name}" if self.cast_to else ""
+        return f"<TensorRef {self.dtype.name}{list(self.shape)}{cast} in {self.storage!r}>"
 
     # -- shape facts -----------------------------------------------------------------
 

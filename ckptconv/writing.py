@@ -15,6 +15,7 @@ import errno
 import functools
 import mmap
 import os
+import re
 import tempfile
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
@@ -22,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Optional, Union
 
 from .errors import CastOverflowError, OutputExistsError, WriteError
-from .formats import safetensors, torch_zip
-from .formats._base import MetadataValue
+from .formats import dcp, safetensors, sharded, torch_zip
+from .formats._base import MetadataValue, resolve
 from .formats.torch_zip import PlannedStorage
 from .tensor import FileRegion, TensorRef, ZipMember
 
@@ -34,7 +35,7 @@ Progress = Union[bool, Callable[[int], None]]
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".tar", ".pth.tar", ".pt.tar")
 _FORMAT_NAMES = {"pt": "pt", "torch": "pt", "pth": "pt", "bin": "pt", "safetensors": "safetensors",
-                 "st": "safetensors"}
+                 "st": "safetensors", "dcp": "dcp"}
 _COPY_CHUNK = 32 << 20
 
 
@@ -48,6 +49,7 @@ class WriteReport:
         tensors: keys written (aliases included).
         bytes: tensor bytes written.
         aliases: for safetensors, keys stored as references to another key's data.
+        files: every file written (one, or the shards and the index).
     """
 
     path: str
@@ -55,10 +57,13 @@ class WriteReport:
     tensors: int
     bytes: int
     aliases: Mapping[str, str] = field(default_factory=dict)
+    files: tuple[str, ...] = ()
 
 
-def output_format(path: PathLike, to: Optional[str] = None) -> str:
-    """``"pt"`` or ``"safetensors"``: ``to`` if given, else from the destination's suffix.
+def output_format(path: PathLike, to: Optional[str] = None, *, folder: bool = False) -> str:
+    """``"pt"``, ``"safetensors"`` or ``"dcp"``: ``to`` if given, else from the destination's suffix.
+
+    Folder outputs default to safetensors, as Hugging Face checkpoints are.
 
     Raises:
         WriteError: neither ``to`` nor the suffix says which format to write.
@@ -66,8 +71,12 @@ def output_format(path: PathLike, to: Optional[str] = None) -> str:
     if to is not None:
         name = _FORMAT_NAMES.get(to.lower())
         if name is None:
-            raise WriteError(f"unknown output format {to!r}; use 'pt' or 'safetensors'")
+            raise WriteError(f"unknown output format {to!r}; use 'pt', 'safetensors' or 'dcp'")
+        if name == "dcp" and not folder:
+            raise WriteError("a DCP checkpoint is a folder; give a folder as the destination")
         return name
+    if folder:
+        return "safetensors"
     lowered = os.fspath(path).lower()
     if lowered.endswith(".safetensors"):
         return "safetensors"
@@ -340,27 +349,38 @@ def save(
     overwrite: bool = False,
     metadata: Optional[Mapping[str, MetadataValue]] = None,
     extra: Optional[Mapping[str, Any]] = None,
+    max_shard_size: Optional[int] = None,
     progress: Progress = False,
     inputs: Iterable[str] = (),
     check: Optional[Callable[[str], None]] = None,
     fsync: bool = True,
 ) -> WriteReport:
-    """Write a state dict to ``.pt`` or safetensors, streaming, atomically.
+    """Write a state dict to ``.pt``, safetensors, shards or a DCP folder, streaming, atomically.
+
+    A destination that is a folder (it exists, or ends in ``/``), or any
+    destination with ``max_shard_size`` or ``format="dcp"``, gets a folder
+    layout: ``model.safetensors`` or ``model-0000k-of-0000N.safetensors`` plus
+    ``model.safetensors.index.json`` (``pytorch_model*.bin`` for ``pt``), or a
+    DCP folder (``.metadata`` and ``__0_0.distcp``).
 
     Args:
         state: names to tensors: lazy :class:`~ckptconv.tensor.TensorRef` from
             :func:`ckptconv.open`, or torch tensors.
-        path: the output file.
-        format: ``"pt"`` or ``"safetensors"``; from the suffix of ``path`` when None.
-        overwrite: replace an existing ``path``.
+        path: the output file or folder.
+        format: ``"pt"``, ``"safetensors"`` or ``"dcp"``; from the suffix of
+            ``path`` when None (safetensors for folders).
+        overwrite: replace existing outputs, and remove shards an earlier run
+            left that this one does not write.
         metadata: string metadata: safetensors ``__metadata__``, or the
-            ``ckptconv.json`` record of a ``.pt`` file.
+            ``ckptconv.json`` record of a ``.pt`` file (also in a shard index).
         extra: ``.pt`` only: plain data (numbers, strings, lists, dicts) to keep
             beside the weights, which then sit under ``"state_dict"``.
+        max_shard_size: split into shards of at most this many bytes (a tensor
+            larger than that gets a shard of its own).
         progress: show a progress bar on stderr, or a callable given byte counts.
         inputs: other files that must not be overwritten (the checkpoint read).
-        check: called with the finished temporary file's path before it is moved
-            into place; an exception from it leaves no output behind.
+        check: called with the finished output's path (the temporary file, or
+            the folder once written); an exception from it leaves no output behind.
         fsync: flush the output to disk before it appears under its name
             (durable across power loss); False is faster for scratch files.
 
@@ -368,44 +388,157 @@ def save(
         A :class:`WriteReport`.
 
     Raises:
-        OutputExistsError: ``path`` exists and ``overwrite`` is False.
+        OutputExistsError: an output exists and ``overwrite`` is False.
         WriteError: the output cannot be written, or is one of the inputs.
         CastOverflowError: a pending fp16/bf16 cast would create infinities.
 
     Example:
         >>> ckptconv.save(model.state_dict(), "model.safetensors")  # doctest: +SKIP
+        >>> ckptconv.save(state, "out/", max_shard_size=5 * 10**9)   # doctest: +SKIP
     """
     entries = _entries(state)
-    kind = output_format(path, format)
     target = os.path.abspath(os.fspath(path))
-    _check_not_an_input(target, {*_source_paths(entries), *inputs})
+    inputs = {*_source_paths(entries), *inputs}
+    folder_output = is_folder_destination(path, format, max_shard_size)
+    kind = output_format(path, format, folder=folder_output)
     total = sum(ref.nbytes for _, ref in entries)
     update, close = _progress_callback(progress, total, target)
-    aliases: dict[str, str] = {}
     try:
-        with atomic_output(target, overwrite=overwrite, fsync=fsync) as file:
-            if kind == "safetensors":
-                def write_tensor(ref: TensorRef, out: BinaryIO) -> Iterator[int]:
-                    for count in _with_key(entries, ref, _write_tensor(ref, out)):
-                        update(count)
-                        yield count
-
-                written = safetensors.write(entries, file, metadata=metadata, write_tensor=write_tensor)
-                aliases = _aliases(entries)
-            else:
-                written = torch_zip.write(
-                    entries,
-                    file,
-                    write_storage=functools.partial(_write_planned_storage, update=update),
-                    metadata=metadata,
-                    extra=extra,
-                )
-            if check is not None:
-                file.flush()
-                check(file.name)
+        if folder_output:
+            return _save_folder(entries, target, kind, overwrite=overwrite, metadata=metadata, extra=extra,
+                                max_shard_size=max_shard_size, update=update, inputs=inputs, check=check,
+                                fsync=fsync)
+        _check_not_an_input(target, inputs)
+        return _save_file(entries, target, kind, overwrite=overwrite, metadata=metadata, extra=extra,
+                          update=update, check=check, fsync=fsync)
     finally:
         close()
-    return WriteReport(target, kind, len(entries), written, aliases)
+
+
+def is_folder_destination(path: PathLike, format: Optional[str], max_shard_size: Optional[int]) -> bool:  # noqa: A002
+    """True when ``save`` writes a folder layout to ``path``."""
+    text = os.fspath(path)
+    return (os.path.isdir(text) or text.endswith(("/", os.sep)) or max_shard_size is not None
+            or (format or "").lower() == "dcp")
+
+
+def _save_file(
+    entries: list[tuple[str, TensorRef]],
+    target: str,
+    kind: str,
+    *,
+    overwrite: bool,
+    metadata: Optional[Mapping[str, MetadataValue]],
+    extra: Optional[Mapping[str, Any]],
+    update: Callable[[int], None],
+    check: Optional[Callable[[str], None]],
+    fsync: bool,
+) -> WriteReport:
+    aliases: dict[str, str] = {}
+    with atomic_output(target, overwrite=overwrite, fsync=fsync) as file:
+        if kind == "safetensors":
+            def write_tensor(ref: TensorRef, out: BinaryIO) -> Iterator[int]:
+                for count in _with_key(entries, ref, _write_tensor(ref, out)):
+                    update(count)
+                    yield count
+
+            written = safetensors.write(entries, file, metadata=metadata, write_tensor=write_tensor)
+            aliases = _aliases(entries)
+        else:
+            written = torch_zip.write(
+                entries,
+                file,
+                write_storage=functools.partial(_write_planned_storage, update=update),
+                metadata=metadata,
+                extra=extra,
+            )
+        if check is not None:
+            file.flush()
+            check(file.name)
+    return WriteReport(target, kind, len(entries), written, aliases, (target,))
+
+
+def _save_folder(
+    entries: list[tuple[str, TensorRef]],
+    folder: str,
+    kind: str,
+    *,
+    overwrite: bool,
+    metadata: Optional[Mapping[str, MetadataValue]],
+    extra: Optional[Mapping[str, Any]],
+    max_shard_size: Optional[int],
+    update: Callable[[int], None],
+    inputs: set[str],
+    check: Optional[Callable[[str], None]],
+    fsync: bool,
+) -> WriteReport:
+    """Write a sharded or DCP folder: each file atomically, the index last, stale shards only with overwrite."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise WriteError(f"{folder!r} is a file; give a folder for a sharded or DCP output", path=folder)
+    parent = os.path.dirname(folder.rstrip(os.sep)) or "."
+    if not os.path.isdir(parent):
+        raise WriteError(f"folder {parent!r} does not exist; create it first", path=folder)
+    if kind == "dcp":
+        plan = None
+        names = [dcp.DATA_FILE, dcp.METADATA_FILE]
+        family = re.compile(r"^(__\d+_\d+\.distcp|\.metadata)$")
+    else:
+        plan = sharded.plan_shards(entries, max_shard_size)
+        shard_files, index_file = sharded.shard_names(kind, len(plan.shards))
+        names = shard_files + ([index_file] if len(shard_files) > 1 else [])
+        family = sharded.family_pattern(kind)
+    existing = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+    clashes = sorted(name for name in existing if name in names)
+    stale = sorted(name for name in existing if family.match(name) and name not in names)
+    if (clashes or stale) and not overwrite:
+        described = ", ".join((clashes + stale)[:4]) + (" ..." if len(clashes + stale) > 4 else "")
+        raise OutputExistsError(
+            f"{folder!r} already holds {described}" + (" (left by an earlier run)" if stale and not clashes else "")
+            + "; pass --overwrite to replace them",
+            path=folder,
+        )
+    for name in names:
+        _check_not_an_input(os.path.join(folder, name), inputs)
+    for name in stale:
+        _check_not_an_input(os.path.join(folder, name), inputs)
+    os.makedirs(folder, exist_ok=True)
+    written_files: list[str] = []
+    aliases: dict[str, str] = {}
+    try:
+        if plan is None:
+            def open_output(name: str) -> Any:
+                written_files.append(os.path.join(folder, name))
+                return atomic_output(os.path.join(folder, name), overwrite=True, fsync=fsync)
+
+            total = dcp.write(entries, folder, open_output=open_output, on_bytes=update)
+        else:
+            total = 0
+            weight_map: dict[str, str] = {}
+            for shard, name in zip(plan.shards, shard_files):
+                # Shards are plain state dicts (what transformers loads); `extra` is for single files.
+                report = _save_file(list(shard), os.path.join(folder, name), kind, overwrite=True,
+                                    metadata=metadata, extra=None, update=update, check=None, fsync=fsync)
+                written_files.append(report.path)
+                total += report.bytes
+                aliases.update(report.aliases)
+                weight_map.update({key: name for key, _ in shard if key not in report.aliases})
+            if len(shard_files) > 1:
+                index_metadata = {k: resolve(v) for k, v in (metadata or {}).items() if k.startswith("ckptconv.")}
+                document = sharded.index_document(weight_map, total, index_metadata)
+                with atomic_output(os.path.join(folder, index_file), overwrite=True, fsync=fsync) as file:
+                    file.write(document)
+                written_files.append(os.path.join(folder, index_file))
+        if check is not None:
+            check(folder)
+    except BaseException:
+        for path in written_files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
+    for name in stale:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(folder, name))
+    return WriteReport(folder, kind, len(entries), total, aliases, tuple(written_files))
 
 
 def _with_key(entries: list[tuple[str, TensorRef]], ref: TensorRef, counts: Iterator[int]) -> Iterator[int]:

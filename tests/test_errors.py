@@ -120,7 +120,7 @@ BAD_INPUTS: dict[str, tuple[Maker, str]] = {
     "truncated safetensors": (_truncated_safetensors, "is truncated"),
     "malicious zip": (_malicious_zip, "calls os.system, which can run code; refusing a checkpoint built to attack"),
     "malicious legacy": (_malicious_legacy, "calls posix.system, which can run code"),
-    "folder": (lambda folder: folder, "is a folder; give the checkpoint file inside it"),
+    "folder": (lambda folder: folder, "is a folder but neither a sharded checkpoint (*.index.json) nor a DCP"),
     "missing": (lambda folder: folder / "missing.pt", "does not exist; check the path"),
 }
 

@@ -13,17 +13,51 @@ import stat
 from typing import Callable
 
 from ..errors import LoadError, UnsupportedFormatError
-from . import raw_pickle, safetensors, torch_legacy, torch_zip
+from . import dcp, raw_pickle, safetensors, sharded, torch_legacy, torch_zip
 from ._base import ReadResult
 
-__all__ = ["READERS", "ReadResult", "detect"]
+__all__ = ["READERS", "ReadResult", "detect", "resolve"]
 
 READERS: dict[str, Callable[[str], ReadResult]] = {
     torch_zip.FORMAT: torch_zip.read,
     torch_legacy.FORMAT: torch_legacy.read,
     safetensors.FORMAT: safetensors.read,
     raw_pickle.FORMAT: raw_pickle.read,
+    sharded.FORMAT: sharded.read,
+    dcp.FORMAT: dcp.read,
 }
+
+_SINGLE_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def resolve(path: str) -> tuple[str, str]:
+    """``(format, path to read)`` for a file or a checkpoint folder.
+
+    A folder is a DCP checkpoint (it has ``.metadata``), a sharded checkpoint
+    (it has one ``*.index.json``), or a folder holding a single checkpoint file.
+
+    Raises:
+        LoadError: see :func:`detect`; or the folder holds no checkpoint, or several.
+    """
+    if os.path.isdir(path):
+        if dcp.is_dcp_folder(path):
+            return dcp.FORMAT, path
+        index = sharded.find_index(path)
+        if index is not None:
+            return sharded.FORMAT, index
+        candidates = sorted(name for name in os.listdir(path)
+                            if name.endswith(_SINGLE_FILE_SUFFIXES) and os.path.isfile(os.path.join(path, name)))
+        if len(candidates) == 1:
+            single = os.path.join(path, candidates[0])
+            return detect(single), single
+        found = f" it holds {', '.join(candidates[:6])}" if candidates else " it holds no checkpoint files"
+        raise UnsupportedFormatError(
+            f"{path!r} is a folder but neither a sharded checkpoint (*.index.json) nor a DCP checkpoint "
+            f"(.metadata), and{found}; give the file to read",
+            path=path,
+        )
+    kind = detect(path)
+    return kind, path
 
 _HEAD_BYTES = 512
 
@@ -63,6 +97,8 @@ def detect(path: str) -> str:
         raise UnsupportedFormatError(
             f"{path!r} is a folder; give the checkpoint file inside it", path=path
         )
+    if path.endswith(sharded.INDEX_SUFFIXES):
+        return sharded.FORMAT
     if not stat.S_ISREG(info.st_mode):
         raise UnsupportedFormatError(f"{path!r} is not a regular file", path=path)
     try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import os
 import struct
@@ -95,75 +96,127 @@ def record_data_offset(file: BinaryIO, info: zipfile.ZipInfo, path: str) -> int:
     return int(info.header_offset) + 30 + name_length + extra_length
 
 
-def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
+class _Window(io.RawIOBase):
+    """A read-only view of ``length`` bytes at ``offset`` of a file, for zips embedded in other files."""
+
+    def __init__(self, file: BinaryIO, offset: int, length: int) -> None:
+        super().__init__()
+        self.file = file
+        self.offset = offset
+        self.length = length
+        self.position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = max(0, min(self.length, base + position))
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        count = min(len(buffer), self.length - self.position)
+        if count <= 0:
+            return 0
+        data = os.pread(self.file.fileno(), count, self.offset + self.position)
+        buffer[: len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+
+def read(path: str, *, max_items: Optional[int] = None, region: Optional[tuple[int, int]] = None) -> ReadResult:
     """Read a torch zip checkpoint lazily.
+
+    Args:
+        path: the file.
+        max_items: limit on objects the pickle may build.
+        region: ``(offset, length)`` when the checkpoint is embedded in a larger
+            file (a chunk of a DCP ``.distcp`` file); record offsets are then
+            reported in the outer file.
 
     Raises:
         LoadError: the archive is not a torch checkpoint, is damaged, or is unsafe.
     """
-    try:
-        archive = zipfile.ZipFile(path)
-    except _ZIP_ERRORS as error:
-        raise _damaged(path, f"its zip directory cannot be read ({error})") from None
-    with archive, open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        infos = {info.filename: info for info in archive.infolist()}
-        root = find_root(infos, path)
-        pickle_info = infos[f"{root}data.pkl"]
-        if pickle_info.file_size > MAX_PICKLE_BYTES:
-            raise _damaged(path, f"data.pkl claims {pickle_info.file_size} bytes")
+    with open(path, "rb") as outer:
+        base = region[0] if region else 0
+        source: Any = _Window(outer, region[0], region[1]) if region else outer
         try:
-            data = archive.read(pickle_info)
-            byteorder_info = infos.get(f"{root}byteorder")
-            byteorder = archive.read(byteorder_info).decode("ascii", "replace") if byteorder_info else "little"
+            archive = zipfile.ZipFile(source)
         except _ZIP_ERRORS as error:
-            raise _damaged(path, f"data.pkl cannot be read ({error})") from None
-        if byteorder not in ("little", "big"):
-            raise _damaged(path, f"its byteorder record says {byteorder!r}")
+            raise _damaged(path, f"its zip directory cannot be read ({error})") from None
+        with archive:
+            return _read_archive(path, archive, source, base, max_items)
 
-        storages: dict[str, Storage] = {}
-        devices: set[str] = set()
 
-        def persistent_load(pid: Any) -> TypedStorage:
-            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
-                raise _damaged(path, f"data.pkl refers to {str(pid)[:80]!r} instead of a storage")
-            _, storage_type, key, location, numel = pid
-            if not isinstance(storage_type, StorageType):
-                raise _damaged(path, f"a storage has type {storage_type!r}")
-            if not isinstance(key, str) or type(numel) is not int or numel < 0:
-                raise _damaged(path, f"storage reference {str(pid)[:80]!r} is malformed")
-            dtype = storage_type.dtype
-            storage = storages.get(key)
-            if storage is None:
-                name = f"{root}data/{key}"
-                info = infos.get(name)
-                if info is None:
-                    raise _damaged(path, f"storage record {name!r} is missing")
-                nbytes = numel * dtype.itemsize
-                if info.file_size != nbytes:
-                    raise _damaged(
-                        path, f"record {name!r} holds {info.file_size} bytes but data.pkl expects {nbytes}"
+def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max_items: Optional[int]) -> ReadResult:
+    size = file.seek(0, io.SEEK_END)
+    infos = {info.filename: info for info in archive.infolist()}
+    root = find_root(infos, path)
+    pickle_info = infos[f"{root}data.pkl"]
+    if pickle_info.file_size > MAX_PICKLE_BYTES:
+        raise _damaged(path, f"data.pkl claims {pickle_info.file_size} bytes")
+    try:
+        data = archive.read(pickle_info)
+        byteorder_info = infos.get(f"{root}byteorder")
+        byteorder = archive.read(byteorder_info).decode("ascii", "replace") if byteorder_info else "little"
+    except _ZIP_ERRORS as error:
+        raise _damaged(path, f"data.pkl cannot be read ({error})") from None
+    if byteorder not in ("little", "big"):
+        raise _damaged(path, f"its byteorder record says {byteorder!r}")
+
+    storages: dict[str, Storage] = {}
+    devices: set[str] = set()
+
+    def persistent_load(pid: Any) -> TypedStorage:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
+            raise _damaged(path, f"data.pkl refers to {str(pid)[:80]!r} instead of a storage")
+        _, storage_type, key, location, numel = pid
+        if not isinstance(storage_type, StorageType):
+            raise _damaged(path, f"a storage has type {storage_type!r}")
+        if not isinstance(key, str) or type(numel) is not int or numel < 0:
+            raise _damaged(path, f"storage reference {str(pid)[:80]!r} is malformed")
+        dtype = storage_type.dtype
+        storage = storages.get(key)
+        if storage is None:
+            name = f"{root}data/{key}"
+            info = infos.get(name)
+            if info is None:
+                raise _damaged(path, f"storage record {name!r} is missing")
+            nbytes = numel * dtype.itemsize
+            if info.file_size != nbytes:
+                raise _damaged(
+                    path, f"record {name!r} holds {info.file_size} bytes but data.pkl expects {nbytes}"
+                )
+            if info.compress_type == zipfile.ZIP_STORED:
+                offset = record_data_offset(file, info, path)
+                if offset + nbytes > size:
+                    raise MalformedCheckpointError(
+                        f"{path!r} is truncated: storage {name!r} ends past the end of the file",
+                        path=path,
                     )
-                if info.compress_type == zipfile.ZIP_STORED:
-                    offset = record_data_offset(file, info, path)
-                    if offset + nbytes > size:
-                        raise MalformedCheckpointError(
-                            f"{path!r} is truncated: storage {name!r} ends past the end of the file",
-                            path=path,
-                        )
-                    source: Any = FileRegion(path, offset, crc32=info.CRC)
-                else:
-                    source = ZipMember(path, name)
-                location_tag = pickle_location(location, path)
-                devices.add(location_tag)
-                storage = Storage(nbytes, source, location_tag, byteorder, name)
-                storages[key] = storage
-            return TypedStorage(storage, dtype)
+                source: Any = FileRegion(path, base + offset, crc32=info.CRC)
+            elif base:
+                raise UnsupportedFormatError(
+                    f"{path!r} embeds a compressed checkpoint, which ckptconv cannot read in place", path=path
+                )
+            else:
+                source = ZipMember(path, name)
+            location_tag = pickle_location(location, path)
+            devices.add(location_tag)
+            storage = Storage(nbytes, source, location_tag, byteorder, name)
+            storages[key] = storage
+        return TypedStorage(storage, dtype)
 
-        unpickler = Unpickler(data, persistent_load=persistent_load, source=path,
-                              max_items=max_items or DEFAULT_MAX_ITEMS)
-        tree = unpickler.load()
-        metadata = _read_metadata(archive, infos.get(f"{root}{METADATA_RECORD}"))
+    unpickler = Unpickler(data, persistent_load=persistent_load, source=path,
+                          max_items=max_items or DEFAULT_MAX_ITEMS)
+    tree = unpickler.load()
+    metadata = _read_metadata(archive, infos.get(f"{root}{METADATA_RECORD}"))
     return ReadResult(FORMAT, tree, unpickler.foreign_globals, frozenset(devices), metadata)
 
 

@@ -1,0 +1,242 @@
+"""torch.distributed.checkpoint (DCP) folders, as FSDP and torchtitan write them: reading and writing.
+
+Layout (see ``torch/distributed/checkpoint/filesystem.py`` and ``metadata.py``)::
+
+    .metadata            pickle of a Metadata dataclass:
+                           state_dict_metadata  {fqn: TensorStorageMetadata(properties, size, chunks)
+                                                       | BytesStorageMetadata}
+                           storage_data         {MetadataIndex(fqn, offset): _StorageInfo(file, offset, length)}
+                           planner_data         {fqn: path in the saved state dict, e.g. ("model", "w")}
+    __<rank>_<n>.distcp  each chunk of each tensor saved with torch.save (a small zip),
+                         one after the other; other objects likewise, as bytes.
+
+torch's own reader unpickles ``.metadata`` with plain ``pickle.load``, which
+runs any code the file contains; ckptconv reads it with its safe unpickler and
+each chunk with its lazy zip reader, in place. A tensor split across ranks
+becomes one tensor whose chunks are read where they lie.
+
+Writing needs torch (the metadata must be made of torch's own classes so that
+``torch.distributed.checkpoint.load`` accepts it); tensors are still written
+one at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional
+
+from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from ..tensor import Assembled, Storage, TensorRef, contiguous_strides
+from ..unpickler import DEFAULT_MAX_ITEMS, ForeignObject, Unpickler
+from . import torch_zip
+from ._base import ReadResult
+
+__all__ = ["METADATA_FILE", "is_dcp_folder", "read", "write"]
+
+FORMAT = "dcp"
+METADATA_FILE = ".metadata"
+DATA_FILE = "__0_0.distcp"
+MAX_METADATA_BYTES = 512 << 20
+
+# The classes a DCP .metadata pickle is made of: known, so not reported as stand-ins.
+_DCP_CLASSES = ("torch.distributed.checkpoint.", "torch.serialization._get_layout", "pathlib.")
+
+
+def is_dcp_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, METADATA_FILE))
+
+
+def _damaged(path: str, detail: str) -> MalformedCheckpointError:
+    return MalformedCheckpointError(f"{path!r} is a damaged DCP checkpoint: {detail}", path=path)
+
+
+def _fields(value: Any, path: str, what: str) -> dict[str, Any]:
+    if not isinstance(value, ForeignObject):
+        raise _damaged(path, f"its {what} is not a DCP record")
+    return value.attributes()
+
+
+def _chunk_file(folder: str, relative: Any) -> str:
+    """The data file a chunk lives in; never anything outside the checkpoint folder."""
+    if not isinstance(relative, str) or not relative or os.path.isabs(relative) or ".." in relative.split("/"):
+        raise _damaged(folder, f"a chunk points to {relative!r}, outside the checkpoint folder")
+    target = os.path.join(folder, relative)
+    if os.path.commonpath([os.path.realpath(target), os.path.realpath(folder)]) != os.path.realpath(folder):
+        raise _damaged(folder, f"chunk file {relative!r} resolves outside the checkpoint folder")
+    if not os.path.isfile(target):
+        raise MalformedCheckpointError(f"{folder!r} is incomplete: data file {relative!r} is missing", path=folder)
+    return target
+
+
+def read(folder: str, *, max_items: Optional[int] = None) -> ReadResult:
+    """Read a DCP folder lazily: every tensor is a chunk of a data file, or several chunks read as one."""
+    metadata_path = os.path.join(folder, METADATA_FILE)
+    if os.path.getsize(metadata_path) > MAX_METADATA_BYTES:
+        raise _damaged(folder, f"its .metadata is larger than {MAX_METADATA_BYTES >> 20} MiB")
+    with open(metadata_path, "rb") as file:
+        unpickler = Unpickler(file.read(), source=metadata_path, max_items=max_items or DEFAULT_MAX_ITEMS)
+    metadata = _fields(unpickler.load(), folder, ".metadata")
+    tensors = metadata.get("state_dict_metadata")
+    storage = metadata.get("storage_data")
+    if not isinstance(tensors, Mapping) or not isinstance(storage, Mapping):
+        raise _damaged(folder, "its .metadata has no state_dict_metadata or storage_data")
+
+    locations: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
+    for index, info in storage.items():
+        index_fields = _fields(index, folder, "storage index")
+        offset = index_fields.get("offset")
+        key = (index_fields.get("fqn"), tuple(offset) if isinstance(offset, (tuple, list)) else ())
+        locations[key] = _fields(info, folder, "storage info")  # type: ignore[index]
+
+    def region(fqn: str, offsets: tuple[int, ...]) -> tuple[str, int, int]:
+        info = locations.get((fqn, offsets))
+        if info is None:
+            raise _damaged(folder, f"the data of {fqn!r} at {list(offsets)} is not listed")
+        if info.get("transform_descriptors"):
+            raise UnsupportedFormatError(
+                f"{folder!r} stores {fqn!r} with transforms {info['transform_descriptors']} (compression?), "
+                "which ckptconv cannot read; save the checkpoint without storage extensions",
+                path=folder,
+            )
+        start, length = info.get("offset"), info.get("length")
+        if type(start) is not int or type(length) is not int or start < 0 or length <= 0:
+            raise _damaged(folder, f"{fqn!r} has data at offset {start!r}, length {length!r}")
+        path = _chunk_file(folder, info.get("relative_path"))
+        if start + length > os.path.getsize(path):
+            raise MalformedCheckpointError(f"{path!r} is truncated: {fqn!r} ends past its end", path=path)
+        return path, start, length
+
+    flat: dict[str, Any] = {}
+    for fqn, entry in tensors.items():
+        if not isinstance(fqn, str):
+            raise _damaged(folder, f"it names an entry {fqn!r}")
+        record = _fields(entry, folder, f"entry {fqn!r}")
+        if "chunks" in record:
+            flat[fqn] = _tensor(folder, fqn, record, region, max_items)
+        else:
+            path, start, length = region(fqn, ())
+            flat[fqn] = torch_zip.read(path, region=(start, length), max_items=max_items).tree
+    tree = _nest(flat, metadata.get("planner_data"))
+    foreign = {name: count for name, count in unpickler.foreign_globals.items() if not name.startswith(_DCP_CLASSES)}
+    return ReadResult(FORMAT, tree, foreign_globals=foreign)  # type: ignore[arg-type]
+
+
+def _tensor(
+    folder: str,
+    fqn: str,
+    record: dict[str, Any],
+    region: Callable[[str, tuple[int, ...]], tuple[str, int, int]],
+    max_items: Optional[int],
+) -> TensorRef:
+    size = record.get("size")
+    chunks = record.get("chunks")
+    if not isinstance(size, (tuple, list)) or not all(type(s) is int and s >= 0 for s in size):
+        raise _damaged(folder, f"{fqn!r} has size {size!r}")
+    if not isinstance(chunks, list) or not chunks:
+        raise _damaged(folder, f"{fqn!r} has no chunks")
+    shape = tuple(size)
+    pieces: list[tuple[tuple[int, ...], TensorRef]] = []
+    covered = 0
+    for chunk in chunks:
+        chunk_fields = _fields(chunk, folder, f"chunk of {fqn!r}")
+        offsets, sizes = chunk_fields.get("offsets"), chunk_fields.get("sizes")
+        if not isinstance(offsets, (tuple, list)) or not isinstance(sizes, (tuple, list)) or \
+                len(offsets) != len(shape) or len(sizes) != len(shape) or \
+                any(type(o) is not int or type(n) is not int or o < 0 or n < 0 or o + n > d
+                    for o, n, d in zip(offsets, sizes, shape)):
+            raise _damaged(folder, f"{fqn!r} has a chunk at {offsets!r} of size {sizes!r}")
+        path, start, length = region(fqn, tuple(offsets))
+        piece = torch_zip.read(path, region=(start, length), max_items=max_items).tree
+        if not isinstance(piece, TensorRef) or piece.shape != tuple(sizes):
+            raise _damaged(folder, f"the chunk of {fqn!r} at {list(offsets)} is not a tensor of size {list(sizes)}")
+        pieces.append((tuple(offsets), piece))
+        covered += math.prod(sizes)
+    dtype = pieces[0][1].dtype
+    if any(piece.dtype != dtype for _, piece in pieces) or covered != math.prod(shape):
+        raise _damaged(folder, f"the chunks of {fqn!r} do not tile a {dtype.name} tensor of size {list(shape)}")
+    if len(pieces) == 1 and pieces[0][1].shape == shape:
+        return pieces[0][1]
+    source = Assembled(tuple(pieces), shape, dtype.itemsize)
+    storage = Storage(math.prod(shape) * dtype.itemsize, source, name=fqn)
+    return TensorRef(storage, dtype, shape, contiguous_strides(shape))
+
+
+def _nest(flat: dict[str, Any], planner_data: Any) -> Any:
+    """Rebuild the nested state dict DCP flattened, from the paths in ``planner_data``."""
+    if not isinstance(planner_data, Mapping):
+        return flat
+    tree: dict[Any, Any] = {}
+    for fqn, value in flat.items():
+        path = planner_data.get(fqn)
+        if not isinstance(path, (tuple, list)) or not path or not all(isinstance(p, (str, int)) for p in path):
+            path = (fqn,)
+        node = tree
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                return flat  # inconsistent paths: fall back to the flat names
+            node = child
+        node[path[-1]] = value
+    return tree
+
+
+# ---------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------
+
+
+def write(
+    entries: Sequence[tuple[str, TensorRef]],
+    folder: str,
+    *,
+    open_output: Callable[[str], Any],
+    on_bytes: Callable[[int], None],
+) -> int:
+    """Write ``entries`` as a DCP folder that ``torch.distributed.checkpoint.load`` reads on any number of ranks.
+
+    Each tensor is saved whole (one chunk, at offset 0) into one data file,
+    one tensor in memory at a time; keys are the fully qualified names.
+
+    Args:
+        entries: ``(key, tensor)`` pairs.
+        folder: the destination folder.
+        open_output: opens a file of the folder for writing atomically (a context manager).
+        on_bytes: called with tensor byte counts, for progress.
+
+    Returns:
+        The number of tensor bytes written.
+    """
+    import torch
+    from torch.distributed.checkpoint import filesystem, metadata as dcp
+
+    from .._torch import to_torch
+
+    state_dict_metadata: dict[str, Any] = {}
+    storage_data: dict[Any, Any] = {}
+    total = 0
+    with open_output(DATA_FILE) as data_file:
+        for key, ref in entries:
+            tensor = to_torch({key: ref})[key]
+            start = data_file.tell()
+            torch.save(tensor, data_file)
+            length = data_file.tell() - start
+            origin = torch.Size([0] * tensor.dim())
+            state_dict_metadata[key] = dcp.TensorStorageMetadata(
+                properties=dcp.TensorProperties(dtype=tensor.dtype),
+                size=tensor.size(),
+                chunks=[dcp.ChunkStorageMetadata(offsets=origin, sizes=tensor.size())],
+            )
+            storage_data[dcp.MetadataIndex(key, origin, 0)] = filesystem._StorageInfo(DATA_FILE, start, length)
+            total += ref.nbytes
+            on_bytes(ref.nbytes)
+    fields: dict[str, Any] = {"state_dict_metadata": state_dict_metadata, "planner_data": {key: (key,) for key, _ in entries},
+              "storage_data": storage_data}
+    if "version" in dcp.Metadata.__dataclass_fields__:
+        fields["version"] = getattr(filesystem, "CURRENT_DCP_VERSION", None)
+    with open_output(METADATA_FILE) as metadata_file:
+        pickle.dump(dcp.Metadata(**fields), metadata_file)
+    return total
+

@@ -1,0 +1,178 @@
+"""Sharded checkpoints: an index plus shard files, as Hugging Face writes them. Reading and writing.
+
+Layout::
+
+    model.safetensors.index.json        {"metadata": {"total_size": N}, "weight_map": {key: shard file}}
+    model-00001-of-00003.safetensors    (or pytorch_model.bin.index.json and
+    model-00002-of-00003.safetensors     pytorch_model-0000k-of-0000N.bin shards)
+    ...
+
+Reading opens every shard lazily with its own reader and merges them into one
+state dict; a ``weight_map`` may only name files inside the checkpoint folder.
+Writing plans the shards first, as a pure function (:func:`plan_shards`), then
+writes each shard with the single-file writers and the index last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import MalformedCheckpointError
+from ..tensor import TensorRef
+from ._base import ReadResult
+
+__all__ = ["INDEX_SUFFIXES", "ShardPlan", "plan_shards", "read", "shard_names"]
+
+FORMAT = "sharded"
+INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json", ".pt.index.json", ".pth.index.json")
+MAX_INDEX_BYTES = 100_000_000
+
+
+def _damaged(path: str, detail: str) -> MalformedCheckpointError:
+    return MalformedCheckpointError(f"{path!r} is a damaged sharded checkpoint index: {detail}", path=path)
+
+
+def shard_path(index_path: str, name: Any) -> str:
+    """The file a ``weight_map`` entry names; never anything outside the index's folder."""
+    folder = os.path.dirname(os.path.abspath(index_path))
+    if not isinstance(name, str) or not name or os.path.isabs(name) or "\\" in name or \
+            any(part in ("", ".", "..") for part in name.split("/")):
+        raise _damaged(index_path, f"its weight_map names {name!r}, which is not a file inside its folder")
+    target = os.path.join(folder, name)
+    real_folder = os.path.realpath(folder)
+    if os.path.commonpath([os.path.realpath(target), real_folder]) != real_folder:
+        raise _damaged(index_path, f"shard {name!r} is a link that leads outside the checkpoint folder")
+    if not os.path.isfile(target):
+        raise MalformedCheckpointError(
+            f"{index_path!r} lists shard {name!r}, which is missing; download or copy every shard", path=index_path
+        )
+    return target
+
+
+def read(index_path: str, *, max_items: int | None = None) -> ReadResult:
+    """Read an index and its shards lazily, merged into one state dict in ``weight_map`` order."""
+    from . import READERS, detect
+
+    if os.path.getsize(index_path) > MAX_INDEX_BYTES:
+        raise _damaged(index_path, f"it is larger than {MAX_INDEX_BYTES} bytes")
+    try:
+        with open(index_path, encoding="utf-8") as file:
+            index = json.load(file)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise _damaged(index_path, f"it is not valid JSON ({error})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(key, str) for key in weight_map):
+        raise _damaged(index_path, "it has no weight_map of names to shard files")
+    shards: dict[str, dict[str, Any]] = {}
+    foreign: dict[str, int] = {}
+    devices: set[str] = set()
+    for name in dict.fromkeys(weight_map.values()):
+        path = shard_path(index_path, name)
+        result = READERS[detect(path)](path)
+        from ..selection import select_weights
+
+        shards[name] = select_weights(result.tree, source=repr(path)).weights
+        for global_name, count in result.foreign_globals.items():
+            foreign[global_name] = foreign.get(global_name, 0) + count
+        devices |= result.saved_devices
+    tree: dict[str, TensorRef] = {}
+    for key, name in weight_map.items():
+        tensor = shards[name].get(key)
+        if tensor is None:
+            raise MalformedCheckpointError(
+                f"{index_path!r} maps {key!r} to {name!r}, which does not hold it; the shards do not match the index",
+                path=index_path,
+            )
+        tree[key] = tensor
+    # Keys a shard restores beyond its weight_map entries (ckptconv's tied-tensor aliases).
+    for name, weights in shards.items():
+        for key, tensor in weights.items():
+            if key not in tree:
+                tree[key] = tensor
+    metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
+    text_metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+    return ReadResult(FORMAT, tree, foreign, frozenset(devices), text_metadata)  # type: ignore[arg-type]
+
+
+def find_index(folder: str) -> str | None:
+    """The one index file in ``folder`` (safetensors preferred over .bin, as transformers does)."""
+    names = sorted(name for name in os.listdir(folder) if name.endswith(INDEX_SUFFIXES))
+    for suffix in INDEX_SUFFIXES:
+        matching = [name for name in names if name.endswith(suffix)]
+        if len(matching) == 1:
+            return os.path.join(folder, matching[0])
+        if len(matching) > 1:
+            raise MalformedCheckpointError(
+                f"{folder!r} holds several indexes ({', '.join(matching)}); give the one to read", path=folder
+            )
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Planning and naming (pure)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which keys go into which shard.
+
+    Attributes:
+        shards: one list of ``(key, tensor)`` per shard, in order.
+        sizes: bytes each shard's tensors take (tied tensors counted once).
+    """
+
+    shards: tuple[tuple[tuple[str, TensorRef], ...], ...]
+    sizes: tuple[int, ...]
+
+
+def plan_shards(entries: Sequence[tuple[str, TensorRef]], max_bytes: int | None) -> ShardPlan:
+    """Split a state dict into shards of at most ``max_bytes``; pure, no I/O.
+
+    Every key lands in exactly one shard; tensors sharing a storage (tied
+    weights, views) land in the same shard so they stay shared; a shard is
+    over the limit only when one such group alone is larger. Order is kept.
+    """
+    groups: dict[int, list[tuple[str, TensorRef]]] = {}
+    for key, ref in entries:
+        groups.setdefault(id(ref.storage), []).append((key, ref))
+
+    def group_bytes(group: list[tuple[str, TensorRef]]) -> int:
+        distinct = {ref for _, ref in group}
+        return sum(ref.nbytes for ref in distinct)
+
+    shards: list[list[tuple[str, TensorRef]]] = [[]]
+    sizes = [0]
+    for group in groups.values():
+        size = group_bytes(group)
+        if max_bytes is not None and shards[-1] and sizes[-1] + size > max_bytes:
+            shards.append([])
+            sizes.append(0)
+        shards[-1].extend(group)
+        sizes[-1] += size
+    return ShardPlan(tuple(tuple(shard) for shard in shards), tuple(sizes))
+
+
+def shard_names(kind: str, count: int) -> tuple[list[str], str]:
+    """File names for ``count`` shards and the index, as transformers names them."""
+    stem, suffix = ("model", "safetensors") if kind == "safetensors" else ("pytorch_model", "bin")
+    if count == 1:
+        return [f"{stem}.{suffix}"], f"{stem}.{suffix}.index.json"
+    return [f"{stem}-{i:05d}-of-{count:05d}.{suffix}" for i in range(1, count + 1)], f"{stem}.{suffix}.index.json"
+
+
+def family_pattern(kind: str) -> re.Pattern[str]:
+    """File names a sharded write of ``kind`` may have left in a folder (this run's or an earlier one's)."""
+    stem, suffix = ("model", "safetensors") if kind == "safetensors" else ("pytorch_model", "bin")
+    return re.compile(rf"^{stem}(-\d{{5}}-of-\d{{5}})?\.{suffix}(\.index\.json)?$")
+
+
+def index_document(weight_map: dict[str, str], total_size: int, metadata: dict[str, str]) -> bytes:
+    document = {"metadata": {"total_size": total_size, **metadata}, "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(document, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+

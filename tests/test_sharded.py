@@ -1,0 +1,225 @@
+"""Sharded checkpoints and DCP folders: in and out, merge and reshard, bit for bit, safely."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import ckptconv
+from ckptconv._torch import to_torch
+from ckptconv.formats.sharded import plan_shards
+from ckptconv.tensor import InMemory, Storage, TensorRef
+
+from .conftest import FIXTURES, assert_same_state, assert_same_tensor, views_state
+
+GPU = FIXTURES / "gpu"
+
+
+def shard_reference(folder: Path) -> dict[str, torch.Tensor]:
+    """What the shards hold, read by their own libraries."""
+    index = json.loads(next(folder.glob("*.index.json")).read_text())
+    state: dict[str, torch.Tensor] = {}
+    for name in dict.fromkeys(index["weight_map"].values()):
+        path = folder / name
+        if name.endswith(".safetensors"):
+            state.update(load_file(path))
+        else:
+            state.update(torch.load(path, map_location="cpu", weights_only=True))
+    return state
+
+
+@pytest.mark.parametrize("folder", ["hf_sharded_safetensors", "hf_sharded_bin"])
+def test_transformers_shards_read_as_one_state_dict(folder: str) -> None:
+    for path in (GPU / folder, next((GPU / folder).glob("*.index.json"))):
+        checkpoint = ckptconv.open(path)
+        assert checkpoint.format == "sharded"
+        assert_same_state(to_torch(checkpoint.select().weights), shard_reference(GPU / folder), ordered=False)
+
+
+def test_dcp_folder_reads_as_the_full_model() -> None:
+    checkpoint = ckptconv.open(GPU / "fsdp2_dcp")
+    assert checkpoint.format == "dcp"
+    selection = checkpoint.select()
+    assert selection.where == "model"  # the optimizer state beside it is skipped
+    full = torch.load(GPU / "fsdp2_full_state_dict.pt", map_location="cpu", weights_only=True)
+    assert_same_state(to_torch(selection.weights), full, ordered=False)
+    assert checkpoint.foreign_globals == {}  # DCP's own classes are not reported as stand-ins
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "pt"])
+def test_single_to_sharded_to_single_round_trip(kind: str, tmp_path: Path) -> None:
+    state = {**views_state(), **{f"layer.{i}.w": torch.randn(64, 64) for i in range(6)}}
+    source = tmp_path / "model.pt"
+    torch.save(state, source)
+    shards = tmp_path / "shards"
+    report = ckptconv.convert(source, shards, to=kind, max_shard_size=40_000)
+    stem, suffix = ("model", "safetensors") if kind == "safetensors" else ("pytorch_model", "bin")
+    names = sorted(p.name for p in shards.iterdir())
+    count = len(names) - 1
+    assert count > 3 and f"{stem}.{suffix}.index.json" in names
+    assert f"{stem}-00001-of-{count:05d}.{suffix}" in names
+    index = json.loads((shards / f"{stem}.{suffix}.index.json").read_text())
+    stored = set(state) - set(report.aliases)
+    assert set(index["weight_map"]) == stored
+    assert index["metadata"]["total_size"] == report.bytes
+    assert index["weight_map"]["embed.weight"] == index["weight_map"].get("lm_head.weight", index["weight_map"]["embed.weight"])
+    assert_same_state(shard_reference(shards), {k: v for k, v in state.items() if k in stored}, ordered=False)
+    merged = tmp_path / f"merged.{'safetensors' if kind == 'safetensors' else 'pt'}"
+    ckptconv.convert(shards, merged)
+    assert_same_state(ckptconv.load(merged), state, ordered=False)
+
+
+def test_a_folder_destination_with_one_shard_gets_the_plain_name(tmp_path: Path) -> None:
+    source = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(3)}, source)
+    report = ckptconv.convert(source, str(tmp_path / "out") + os.sep)
+    assert [Path(f).name for f in report.files] == ["model.safetensors"]
+    assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+
+def test_dcp_round_trip_and_torch_reads_it(tmp_path: Path) -> None:
+    merged = tmp_path / "merged.safetensors"
+    ckptconv.convert(GPU / "fsdp2_dcp", merged)
+    out = tmp_path / "dcp_out"
+    ckptconv.convert(merged, out, to="dcp")
+    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp"]
+    expected = ckptconv.load(merged)
+    state = {key: torch.zeros_like(value) for key, value in expected.items()}
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.load(state, checkpoint_id=str(out), no_dist=True)
+    assert_same_state(state, expected, ordered=False)
+    assert_same_state(ckptconv.load(out), expected, ordered=False)
+
+
+def test_writing_into_a_folder_keeps_other_files_and_reports_stale_shards(tmp_path: Path) -> None:
+    source = tmp_path / "model.pt"
+    torch.save({f"w{i}": torch.randn(100) for i in range(6)}, source)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    ckptconv.convert(source, out, max_shard_size=500)  # 400-byte tensors: one per shard
+    assert len(list(out.glob("model-*-of-00006.safetensors"))) == 6
+    with pytest.raises(ckptconv.OutputExistsError, match="pass --overwrite"):
+        ckptconv.convert(source, out, max_shard_size=1300)
+    assert len(list(out.glob("model-*.safetensors"))) == 6  # nothing was touched
+    ckptconv.convert(source, out, max_shard_size=1300, overwrite=True)  # three per shard
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-00001-of-00002.safetensors",
+                                                     "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert (out / "config.json").read_text() == "{}"
+
+
+def test_output_may_not_replace_an_input_shard(tmp_path: Path) -> None:
+    source = tmp_path / "shards"
+    ckptconv.convert(GPU / "hf_sharded_safetensors", source, max_shard_size=30_000)
+    with pytest.raises(ckptconv.WriteError, match="onto its own input"):
+        ckptconv.convert(source, source, max_shard_size=30_000, overwrite=True)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors", "", 3])
+def test_index_may_only_name_files_inside_its_folder(shard: object, tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
+    with pytest.raises(ckptconv.MalformedCheckpointError, match="inside its folder"):
+        ckptconv.open(folder)
+
+
+def test_index_shard_symlinked_outside_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere.safetensors"
+    ckptconv.save({"w": torch.ones(2)}, outside)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "model-00001-of-00001.safetensors").symlink_to(outside)
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+    with pytest.raises(ckptconv.MalformedCheckpointError, match="leads outside the checkpoint folder"):
+        ckptconv.open(folder)
+
+
+def test_missing_shard_and_mismatched_index(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    ckptconv.convert(GPU / "hf_sharded_safetensors", folder, max_shard_size=30_000)
+    index = folder / "model.safetensors.index.json"
+    document = json.loads(index.read_text())
+    first, second = sorted(set(document["weight_map"].values()))[:2]
+    document["weight_map"]["invented.weight"] = first
+    index.write_text(json.dumps(document))
+    with pytest.raises(ckptconv.MalformedCheckpointError, match="does not hold it"):
+        ckptconv.open(folder)
+    (folder / second).unlink()
+    with pytest.raises(ckptconv.MalformedCheckpointError, match="is missing"):
+        ckptconv.open(folder)
+
+
+def test_dcp_chunk_outside_the_folder_is_refused(tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "dcp"
+    shutil.copytree(GPU / "fsdp2_dcp", folder)
+    metadata = (folder / ".metadata").read_bytes()
+    (folder / ".metadata").write_bytes(metadata.replace(b"__0_0.distcp", b"../_0.distcp"))  # same length
+    with pytest.raises(ckptconv.MalformedCheckpointError, match="outside the checkpoint folder"):
+        ckptconv.open(folder)
+
+
+def _refs(sizes: list[int], tied: list[int]) -> list[tuple[str, TensorRef]]:
+    from ckptconv.dtypes import dtype_by_name
+
+    uint8 = dtype_by_name("uint8")
+    assert uint8 is not None
+    entries = []
+    for index, size in enumerate(sizes):
+        storage = Storage(size, InMemory(bytes(size)))
+        entries.append((f"t{index}", TensorRef(storage, uint8, (size,), (1,))))
+    for index in tied:
+        if index < len(entries):
+            entries.append((f"alias{index}", entries[index][1]))
+    return entries
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.lists(st.integers(0, 40), max_size=5),
+       st.integers(1, 8000))
+def test_shard_plans_cover_every_key_once_and_respect_the_limit(sizes: list[int], tied: list[int], limit: int) -> None:
+    entries = _refs(sizes, tied)
+    plan = plan_shards(entries, limit)
+    keys = [key for shard in plan.shards for key, _ in shard]
+    assert sorted(keys) == sorted(key for key, _ in entries)
+    for shard, size in zip(plan.shards, plan.sizes):
+        storages = {id(ref.storage) for _, ref in shard}
+        if size > limit:
+            assert len(storages) == 1  # only a single (tied) group may exceed the limit
+    shard_of = {key: i for i, shard in enumerate(plan.shards) for key, _ in shard}
+    for key, ref in entries:
+        for other, other_ref in entries:
+            if ref.storage is other_ref.storage:
+                assert shard_of[key] == shard_of[other]
+
+
+def test_inspect_a_sharded_folder() -> None:
+    info = ckptconv.inspect(GPU / "hf_sharded_safetensors")
+    assert info.format == "sharded" and len(info.tensors) == 28
+    assert info.metadata["total_size"] == "122368"
+    assert_same_tensor(ckptconv.load(GPU / "hf_sharded_safetensors")["transformer.wte.weight"],
+                       load_file(GPU / "hf_sharded_safetensors" / "model-00001-of-00008.safetensors")
+                       ["transformer.wte.weight"])
+
+
+def test_safetensors_shards_have_pt_metadata(tmp_path: Path) -> None:
+    out = tmp_path / "shards"
+    ckptconv.convert(GPU / "hf_sharded_bin", out, max_shard_size=30_000)
+    for shard in out.glob("*.safetensors"):
+        with safe_open(shard, framework="pt") as handle:
+            assert handle.metadata()["format"] == "pt"
