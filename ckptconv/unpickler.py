@@ -26,6 +26,7 @@ loading in torch 2.6 and people reached for ``weights_only=False``.
 from __future__ import annotations
 
 import codecs
+import reprlib
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -43,6 +44,7 @@ __all__ = [
     "TypedStorage",
     "Unpickler",
     "classify_global",
+    "short_repr",
 ]
 
 # A pickle may build at most this many container items; each costs a few
@@ -299,6 +301,22 @@ class SafeCallable:
         return f"<known {self.qualname}>"
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 6
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` cut to a few dozen characters, for error messages.
+
+    Values in messages come from the file: a plain ``repr`` of a ten-million-item
+    list, or of a list nested a million deep, would take the memory or the
+    recursion the limits exist to protect.
+    """
+    return _REPR.repr(value)
+
+
 def _malformed(what: str) -> MalformedCheckpointError:
     return MalformedCheckpointError(f"{what}; the checkpoint is damaged or was not written by torch.save")
 
@@ -306,19 +324,19 @@ def _malformed(what: str) -> MalformedCheckpointError:
 def _as_shape(value: Any, what: str) -> tuple[int, ...]:
     if isinstance(value, (tuple, list)) and all(type(v) is int for v in value):
         return tuple(value)
-    raise _malformed(f"tensor {what} {value!r} is not a tuple of integers")
+    raise _malformed(f"tensor {what} {short_repr(value)} is not a tuple of integers")
 
 
 def _typed_storage(value: Any) -> TypedStorage:
     if not isinstance(value, TypedStorage):
-        raise _malformed(f"a tensor is rebuilt from {value!r} instead of a storage")
+        raise _malformed(f"a tensor is rebuilt from {short_repr(value)} instead of a storage")
     return value
 
 
 def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *_ignored: Any) -> TensorRef:
     typed = _typed_storage(storage)
     if type(offset) is not int:
-        raise _malformed(f"tensor storage offset {offset!r} is not an integer")
+        raise _malformed(f"tensor storage offset {short_repr(offset)} is not an integer")
     return TensorRef.checked(
         typed.storage,
         typed.dtype,
@@ -334,9 +352,9 @@ def _rebuild_tensor_v3(
     # v3 carries the dtype separately: the storage is untyped bytes.
     typed = _typed_storage(storage)
     if not isinstance(dtype, DType):
-        raise _malformed(f"tensor dtype {dtype!r} is not a torch dtype")
+        raise _malformed(f"tensor dtype {short_repr(dtype)} is not a torch dtype")
     if type(offset) is not int:
-        raise _malformed(f"tensor storage offset {offset!r} is not an integer")
+        raise _malformed(f"tensor storage offset {short_repr(offset)} is not an integer")
     base = typed.element_offset * typed.dtype.itemsize
     if base % dtype.itemsize:
         raise _malformed("tensor storage offset is not aligned to its dtype")
@@ -370,13 +388,13 @@ def _rebuild_from_type_v2(function: Any, new_type: Any, args: Any, state: Any) -
 
 def _torch_size(values: Any = ()) -> tuple[Any, ...]:
     if not isinstance(values, (tuple, list)):
-        raise _malformed(f"torch.Size({values!r}) is not a sequence")
+        raise _malformed(f"torch.Size({short_repr(values)}) is not a sequence")
     return tuple(values)
 
 
 def _torch_device(kind: Any, index: Any = None) -> str:
     if not isinstance(kind, str):
-        raise _malformed(f"torch.device({kind!r}) is not a device name")
+        raise _malformed(f"torch.device({short_repr(kind)}) is not a device name")
     return kind if index is None else f"{kind}:{index}"
 
 
@@ -400,14 +418,20 @@ def _pairs(items: Any) -> list[tuple[Any, Any]]:
     if isinstance(items, dict):
         return list(items.items())
     if isinstance(items, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in items):
+        # The keys are hashed by the OrderedDict/Counter built from them: check them first.
+        _check_hashable([p[0] for p in items])
         return [tuple(p) for p in items]
     raise _malformed("a mapping is built from something that is not key/value pairs")
 
 
 def _materialised(value: Any) -> Any:
-    if isinstance(value, (list, tuple, set, frozenset, dict, str, bytes)):
+    if isinstance(value, (set, frozenset, dict, str, bytes)):
         return value
-    raise _malformed(f"a container is built from {value!r}")
+    if isinstance(value, (list, tuple)):
+        # set(value) hashes every item: a tuple nested a million deep would crash the interpreter.
+        _check_hashable(value)
+        return value
+    raise _malformed(f"a container is built from {type(value).__name__}")
 
 
 def _set(items: Any = ()) -> set[Any]:
@@ -438,7 +462,7 @@ def _codecs_encode(text: Any, encoding: Any = "utf-8", *_: Any) -> bytes:
     if not isinstance(text, str) or not isinstance(encoding, str):
         raise _malformed("_codecs.encode is given something other than text")
     if encoding.lower().replace("_", "-") not in ("latin1", "latin-1", "iso-8859-1", "utf-8", "utf8", "ascii"):
-        raise _malformed(f"_codecs.encode asks for encoding {encoding!r}")
+        raise _malformed(f"_codecs.encode asks for encoding {short_repr(encoding)}")
     try:
         return text.encode(encoding)
     except UnicodeEncodeError as error:
@@ -481,7 +505,7 @@ def _numpy_reconstruct(subtype: Any, shape: Any, dtype: Any) -> NumpyArray:
 
 def _numpy_dtype(descr: Any, align: Any = False, copy: Any = False) -> NumpyDType:
     if not isinstance(descr, str):
-        raise _malformed(f"numpy dtype {descr!r} is not a type string")
+        raise _malformed(f"numpy dtype {short_repr(descr)} is not a type string")
     return NumpyDType(descr)
 
 
@@ -623,7 +647,7 @@ def _instantiate(cls: Any, args: tuple[Any, ...], kwargs: Optional[dict[Any, Any
         return _SAFE_CLASSES[cls.qualname](*args)
     if isinstance(cls, SafeCallable):
         return ForeignObject(ForeignGlobal(*cls.qualname.rsplit(".", 1)), args, kwargs)
-    raise _malformed(f"the pickle instantiates {cls!r}, which is not a class")
+    raise _malformed(f"the pickle instantiates {short_repr(cls)}, which is not a class")
 
 
 def _call(function: Any, args: tuple[Any, ...]) -> Any:
@@ -635,7 +659,7 @@ def _call(function: Any, args: tuple[Any, ...]) -> Any:
         return function.function(*args)
     if isinstance(function, StorageType):
         raise _malformed("a storage class is called directly")
-    raise _malformed(f"the pickle calls {function!r}, which is not callable")
+    raise _malformed(f"the pickle calls {short_repr(function)}, which is not callable")
 
 
 # ---------------------------------------------------------------------------------------
@@ -658,6 +682,23 @@ def _check_key_depth(key: Any) -> None:
             if depth >= _MAX_KEY_DEPTH:
                 raise _malformed(f"a dict key is nested more than {_MAX_KEY_DEPTH} levels deep")
             pending.extend((item, depth + 1) for item in value)
+
+
+def _check_hashable(items: Iterable[Any]) -> None:
+    """Raise MalformedCheckpointError unless every item can be hashed safely.
+
+    Hashing a tuple recurses in C without a recursion limit (CPython 3.11), so
+    a key nested a million deep would crash the interpreter: look at its depth
+    before hashing it. Every path that hashes pickle data must come through here.
+    """
+    for item in items:
+        if type(item) in _SCALAR_KEYS:
+            continue
+        _check_key_depth(item)
+        try:
+            hash(item)
+        except TypeError:
+            raise _malformed("a set or dict key is not hashable") from None
 
 
 class Unpickler:
@@ -1097,16 +1138,7 @@ class Unpickler:
 
     @staticmethod
     def _hashable_all(items: list[Any]) -> list[Any]:
-        for item in items:
-            if type(item) in _SCALAR_KEYS:
-                continue
-            # Hashing a tuple recurses in C: a key nested a million deep would
-            # crash the interpreter, so look at its depth before hashing it.
-            _check_key_depth(item)
-            try:
-                hash(item)
-            except TypeError:
-                raise _malformed("a set or dict key is not hashable") from None
+        _check_hashable(items)
         return items
 
     def _set_items(self, target: Any, items: list[Any]) -> None:

@@ -33,7 +33,7 @@ from typing import Any, BinaryIO, Callable, Optional
 from ..dtypes import DType
 from ..errors import LoadError, MalformedCheckpointError, UnsupportedFormatError
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
-from ..unpickler import DEFAULT_MAX_ITEMS, StorageType, TypedStorage, Unpickler
+from ..unpickler import DEFAULT_MAX_ITEMS, StorageType, TypedStorage, Unpickler, short_repr
 from ._base import ReadResult, pickle_location
 
 __all__ = ["read", "write"]
@@ -118,19 +118,19 @@ def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
         except _ZIP_ERRORS as error:
             raise _damaged(path, f"data.pkl cannot be read ({error})") from None
         if byteorder not in ("little", "big"):
-            raise _damaged(path, f"its byteorder record says {byteorder!r}")
+            raise _damaged(path, f"its byteorder record says {short_repr(byteorder)}")
 
         storages: dict[str, Storage] = {}
         devices: set[str] = set()
 
         def persistent_load(pid: Any) -> TypedStorage:
             if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
-                raise _damaged(path, f"data.pkl refers to {str(pid)[:80]!r} instead of a storage")
+                raise _damaged(path, f"data.pkl refers to {short_repr(pid)} instead of a storage")
             _, storage_type, key, location, numel = pid
             if not isinstance(storage_type, StorageType):
-                raise _damaged(path, f"a storage has type {storage_type!r}")
+                raise _damaged(path, f"a storage has type {short_repr(storage_type)}")
             if not isinstance(key, str) or type(numel) is not int or numel < 0:
-                raise _damaged(path, f"storage reference {str(pid)[:80]!r} is malformed")
+                raise _damaged(path, f"storage reference {short_repr(pid)} is malformed")
             dtype = storage_type.dtype
             storage = storages.get(key)
             if storage is None:
