@@ -47,9 +47,20 @@ __all__ = [
     "short_repr",
 ]
 
-# A pickle may build at most this many container items; each costs a few
-# bytes of pickle but eight bytes of pointer, so this caps memory at ~1 GB.
-DEFAULT_MAX_ITEMS = 100_000_000
+# A pickle may make at most this many objects. Every opcode counts as one
+# (most make at most one object of ~50-70 bytes), and so do every container
+# item and memo entry; an empty set counts 4, a stand-in object 4, and a known
+# callable such as builtins.set counts the items it is given and returns.
+# Without the weights one byte of pickle could build 235 bytes of empty sets, or
+# copy a memoised million-item list again and again. 20 million caps memory
+# near 2 GB and time near 30 s (tests/test_limits.py measures it); torch.save
+# writes ~30 opcodes per tensor, which leaves room for 600,000 tensors.
+DEFAULT_MAX_ITEMS = 20_000_000
+# Bytes made by copying (bytearray(), _codecs.encode, numpy array data) may
+# exceed the pickle's own size by at most this much.
+_EXTRA_BYTES = 64 << 20
+# Check the opcode count every this many opcodes (a local counter, cheap).
+_OPCODE_BATCH = 1 << 16
 
 
 # ---------------------------------------------------------------------------------------
@@ -208,6 +219,8 @@ _DANGEROUS_MODULES = frozenset(
     numpy.f2py numpy.distutils numpy.ctypeslib numpy.testing torch.hub torch.jit torch.package
     torch.utils.cpp_extension torch.ops torch._ops torch.distributed.rpc torch.serialization.load
     torch._dynamo torch._inductor torch.compiler torch.fx
+    pydoc _osx_support _aix_support _pyrepl cgitb test.support torch.utils.collect_env torch.utils.bottleneck
+    torch.utils.data.datapipes
     """.split()
 )
 
@@ -227,6 +240,7 @@ _DANGEROUS_NAMES = frozenset(
     numpy.lib.npyio.load numpy.lib._npyio_impl.load numpy.testing._private.utils.runstring
     numpy.lib.utils.safe_eval numpy.lib._utils_impl.safe_eval
     pandas.read_pickle pandas.io.pickle.read_pickle
+    uuid._get_command_stdout platform._syscmd_file platform._syscmd_ver
     """.split()
 )
 
@@ -425,7 +439,9 @@ def _pairs(items: Any) -> list[tuple[Any, Any]]:
 
 
 def _materialised(value: Any) -> Any:
-    if isinstance(value, (set, frozenset, dict, str, bytes)):
+    # pickle writes set(x) and frozenset(x) with a list; text (set("abc")) never
+    # occurs, and a memoised megabyte of it would cost a megabyte of work per call.
+    if isinstance(value, (set, frozenset, dict)):
         return value
     if isinstance(value, (list, tuple)):
         # set(value) hashes every item: a tuple nested a million deep would crash the interpreter.
@@ -484,6 +500,9 @@ def _newobj(cls: Any, *args: Any) -> Any:
 
 
 def _newobj_ex(cls: Any, args: Any, kwargs: Any) -> Any:
+    # dict(kwargs) of key/value pairs would hash unchecked keys: accept what pickle writes only.
+    if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
+        raise _malformed("copyreg.__newobj_ex__ is given something other than a tuple and a dict")
     return _instantiate(cls, tuple(args), dict(kwargs))
 
 
@@ -671,6 +690,7 @@ class PickleTruncatedError(MalformedCheckpointError):
 
 
 _SCALAR_KEYS = frozenset({str, int, float, bytes, bool, type(None)})
+_CONTAINERS = (list, tuple, dict, set, frozenset)
 _MAX_KEY_DEPTH = 64
 
 
@@ -732,6 +752,8 @@ class Unpickler:
         self.source = source
         self.max_items = max_items
         self.items_built = 0
+        self.max_bytes = len(self.data) + _EXTRA_BYTES
+        self.bytes_built = 0
         self.foreign_globals: Counter[str] = Counter()
         self._globals_cache: dict[tuple[str, str], Any] = {}
 
@@ -767,6 +789,15 @@ class Unpickler:
             raise MalformedCheckpointError(
                 f"{self.source or 'the pickle'} builds more than {self.max_items:,} objects; "
                 "refusing to exhaust memory on what looks like a hostile file",
+                path=self.source or None,
+            )
+
+    def _count_bytes(self, n: int) -> None:
+        self.bytes_built += n
+        if self.bytes_built > self.max_bytes:
+            raise MalformedCheckpointError(
+                f"{self.source or 'the pickle'} builds more than {self.max_bytes:,} bytes of data from "
+                f"{len(self.data):,} bytes of pickle; refusing to exhaust memory on what looks like a hostile file",
                 path=self.source or None,
             )
 
@@ -835,11 +866,18 @@ class Unpickler:
                 raise _malformed("pickle stack underflow")
             return stack.pop()
 
+        opcodes = memo_counted = 0
+        next_check = _OPCODE_BATCH
         while True:
             if self.pos >= size:
                 raise self._truncated()
             op = data[self.pos]
             self.pos += 1
+            opcodes += 1
+            if opcodes >= next_check:  # every opcode and memo entry counts as one object
+                self._count(_OPCODE_BATCH + len(memo) - memo_counted)
+                memo_counted = len(memo)
+                next_check += _OPCODE_BATCH
 
             # ---- the most frequent opcodes in torch pickles first
             if op == 0x71:  # BINPUT
@@ -959,6 +997,7 @@ class Unpickler:
             elif op == 0x7D:  # EMPTY_DICT
                 stack.append({})
             elif op == 0x8F:  # EMPTY_SET
+                self._count(3)  # an empty set is ~4 times the size of other objects
                 stack.append(set())
             elif op == 0x85:  # TUPLE1
                 stack.append((pop(),))
@@ -1170,10 +1209,29 @@ class Unpickler:
         return value
 
     def _called(self, function: Any, args: tuple[Any, ...]) -> Any:
-        return self._record_foreign(_call(function, args))
+        self._count_arguments(args)
+        return self._charged(self._record_foreign(_call(function, args)))
 
     def _new(self, cls: Any, args: tuple[Any, ...], kwargs: Optional[dict[Any, Any]]) -> Any:
-        return self._record_foreign(_instantiate(cls, args, kwargs))
+        self._count_arguments(args)
+        return self._charged(self._record_foreign(_instantiate(cls, args, kwargs)))
+
+    def _count_arguments(self, args: tuple[Any, ...]) -> None:
+        # A known callable walks its container arguments (set(items), OrderedDict(pairs)):
+        # a memoised million-item list passed again and again must cost each time.
+        self._count(sum(len(arg) for arg in args if isinstance(arg, _CONTAINERS)))
+
+    def _charged(self, result: Any) -> Any:
+        """Count what a call built: its items, or the bytes it copied."""
+        if isinstance(result, _CONTAINERS):
+            self._count(len(result))
+        elif isinstance(result, (bytes, bytearray)):
+            self._count_bytes(len(result))
+        elif isinstance(result, ForeignObject):
+            self._count(3 + len(result.items) + len(result.list_items))
+        elif isinstance(result, NumpyArray) and result.tensor is not None:
+            self._count_bytes(result.tensor.storage.nbytes)
+        return result
 
     def _build(self, target: Any, state: Any) -> None:
         if isinstance(target, ForeignObject):
@@ -1185,6 +1243,8 @@ class Unpickler:
                 target.state = state
         elif isinstance(target, NumpyArray):
             _fill_numpy_array(target, state)
+            if target.tensor is not None:
+                self._count_bytes(target.tensor.storage.nbytes)
         elif isinstance(target, NumpyDType):
             # (version, byteorder, subdescr, names, fields, elsize, alignment, flags)
             if isinstance(state, tuple) and len(state) >= 2 and isinstance(state[1], str):
