@@ -43,8 +43,12 @@ FORMAT = "torch-zip"
 # data.pkl holds structure, not tensor bytes; a larger one is not a checkpoint.
 MAX_PICKLE_BYTES = 2 << 30
 
+# Deflate cannot expand data more than 1032:1 (RFC 1951: 258 bytes per 2-bit
+# code at best); a record that claims more is lying about its size, or a zip bomb.
+MAX_DEFLATE_RATIO = 1032
+
 _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, struct.error, EOFError, OverflowError,
-               NotImplementedError, KeyError, IndexError)
+               NotImplementedError, KeyError, IndexError, zlib.error)
 
 
 def _damaged(path: str, detail: str) -> MalformedCheckpointError:
@@ -82,6 +86,30 @@ def find_root(names: Iterable[str], path: str) -> str:
     return root
 
 
+def check_compression(info: zipfile.ZipInfo, path: str) -> None:
+    """Refuse a member before decompressing it if its claimed size cannot be true.
+
+    torch.save stores records uncompressed; archives repacked by other tools may
+    deflate them. Nothing else is accepted (torch.load reads neither bzip2 nor
+    LZMA), and a deflated member may not claim to expand beyond what deflate can
+    produce, so a few kilobytes can never announce gigabytes.
+    """
+    if info.compress_type == zipfile.ZIP_STORED:
+        return
+    if info.compress_type != zipfile.ZIP_DEFLATED:
+        raise UnsupportedFormatError(
+            f"{path!r} compresses {info.filename!r} with zip method {info.compress_type}, which torch.load "
+            "cannot read either; re-save the checkpoint with torch.save",
+            path=path,
+        )
+    if info.file_size > MAX_DEFLATE_RATIO * info.compress_size + 1024:
+        raise _damaged(
+            path,
+            f"{info.filename!r} claims {info.file_size} bytes from {info.compress_size} compressed bytes, "
+            "more than deflate can produce (a zip bomb?)",
+        )
+
+
 def record_data_offset(file: BinaryIO, info: zipfile.ZipInfo, path: str) -> int:
     """Offset of a member's first data byte, read from its local header."""
     file.seek(info.header_offset)
@@ -110,7 +138,8 @@ def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
         root = find_root(infos, path)
         pickle_info = infos[f"{root}data.pkl"]
         if pickle_info.file_size > MAX_PICKLE_BYTES:
-            raise _damaged(path, f"data.pkl claims {pickle_info.file_size} bytes")
+            raise _damaged(path, f"data.pkl claims {pickle_info.file_size} bytes (the limit is {MAX_PICKLE_BYTES})")
+        check_compression(pickle_info, path)
         try:
             data = archive.read(pickle_info)
             byteorder_info = infos.get(f"{root}byteorder")
@@ -143,6 +172,7 @@ def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
                     raise _damaged(
                         path, f"record {name!r} holds {info.file_size} bytes but data.pkl expects {nbytes}"
                     )
+                check_compression(info, path)
                 if info.compress_type == zipfile.ZIP_STORED:
                     offset = record_data_offset(file, info, path)
                     if offset + nbytes > size:
