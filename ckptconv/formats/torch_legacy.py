@@ -24,6 +24,7 @@ from ..tensor import FileRegion, Storage, read_exactly
 from ..unpickler import (DEFAULT_MAX_ITEMS, ForeignGlobal, PickleTruncatedError, StorageType, TypedStorage, Unpickler,
                          short_repr)
 from ._base import ReadResult, pickle_location
+from .torch_zip import MAX_PICKLE_BYTES
 
 __all__ = ["MAGIC_NUMBER", "looks_legacy", "read"]
 
@@ -72,7 +73,11 @@ def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
             except PickleTruncatedError:
                 if buffer_size >= size:
                     raise
-                buffer_size = min(size, buffer_size * 8)
+                if buffer_size >= MAX_PICKLE_BYTES:
+                    # torch writes small pickles before the storages; one that runs on
+                    # for gigabytes would otherwise pull the whole file into memory.
+                    raise _damaged(path, f"its pickles run past the first {MAX_PICKLE_BYTES} bytes (the limit)") from None
+                buffer_size = min(size, buffer_size * 8, MAX_PICKLE_BYTES)
 
 
 def _read_from(path: str, head: bytes, fd: int, size: int, max_items: Optional[int]) -> ReadResult:
