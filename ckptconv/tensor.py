@@ -63,7 +63,8 @@ class FileRegion:
 
 # What zipfile raises on a damaged compressed member: a corrupt deflate stream
 # (zlib.error), a stream that ends early (EOFError), a wrong CRC-32 (BadZipFile).
-_DECOMPRESS_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, KeyError, ValueError)
+_DECOMPRESS_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, KeyError, ValueError,
+                      RuntimeError)
 
 
 @dataclass(frozen=True)

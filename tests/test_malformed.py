@@ -187,8 +187,24 @@ BAD_ZIPS = {
                                                                    "data.pkl", 3), "data.pkl cannot be read"),
     "wrong CRC, deflated data.pkl": (lambda d: _set_crc(_rezip(d, compression=zipfile.ZIP_DEFLATED), "data.pkl"),
                                      "Bad CRC-32"),
+    # Found by the fuzzer: a flipped general-purpose bit 0 made zipfile raise RuntimeError
+    # (flipped flag bits also hid pickles from picklescan).
+    "encrypted flag on data.pkl": (lambda d: _set_flag(d, "data.pkl"), "has an encrypted member"),
+    "encrypted flag on a record": (lambda d: _set_flag(d, "data/0"), "has an encrypted member"),
     "two roots": (lambda d: d[: d.rfind(b"PK\x05\x06")] and _two_roots(d), "root folders"),
 }
+
+
+def _set_flag(data: bytes, name: str) -> bytes:
+    raw = bytearray(data)
+    for signature, flag_at, length_at, name_at in ((b"PK\x03\x04", 6, 26, 30), (b"PK\x01\x02", 8, 28, 46)):
+        index = raw.find(signature)
+        while index >= 0:
+            length = struct.unpack_from("<H", raw, index + length_at)[0]
+            if raw[index + name_at : index + name_at + length].decode().split("/", 1)[1] == name:
+                raw[index + flag_at] |= 0x1
+            index = raw.find(signature, index + 1)
+    return bytes(raw)
 
 
 def _two_roots(data: bytes) -> bytes:

@@ -94,6 +94,11 @@ def check_compression(info: zipfile.ZipInfo, path: str) -> None:
     LZMA), and a deflated member may not claim to expand beyond what deflate can
     produce, so a few kilobytes can never announce gigabytes.
     """
+    if info.flag_bits & 0x1:
+        # zipfile would raise RuntimeError("password required"); torch.load cannot read it either.
+        raise UnsupportedFormatError(
+            f"{path!r} has an encrypted member {info.filename!r}; decrypt the archive first", path=path
+        )
     if info.compress_type == zipfile.ZIP_STORED:
         return
     if info.compress_type != zipfile.ZIP_DEFLATED:
@@ -143,6 +148,8 @@ def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
         try:
             data = archive.read(pickle_info)
             byteorder_info = infos.get(f"{root}byteorder")
+            if byteorder_info:
+                check_compression(byteorder_info, path)
             byteorder = archive.read(byteorder_info).decode("ascii", "replace") if byteorder_info else "little"
         except _ZIP_ERRORS as error:
             raise _damaged(path, f"data.pkl cannot be read ({error})") from None
