@@ -22,6 +22,7 @@ import itertools
 import math
 import os
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
@@ -60,6 +61,12 @@ class FileRegion:
             read_exactly_into(file.fileno(), self.offset + start, out, self.path)
 
 
+# What zipfile raises on a damaged compressed member: a corrupt deflate stream
+# (zlib.error), a stream that ends early (EOFError), a wrong CRC-32 (BadZipFile).
+_DECOMPRESS_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, KeyError, ValueError,
+                      RuntimeError)
+
+
 @dataclass(frozen=True)
 class ZipMember:
     """A compressed zip member: read by decompressing from its start."""
@@ -68,19 +75,47 @@ class ZipMember:
     name: str
 
     def read(self, start: int, length: int) -> bytes:
-        with zipfile.ZipFile(self.path) as archive, archive.open(self.name) as member:
-            if start:
-                member.seek(start)
-            data = member.read(length)
-        if len(data) != length:
-            raise MalformedCheckpointError(
-                f"{self.path!r} is truncated: record {self.name!r} ends early; the file is damaged",
-                path=self.path,
-            )
-        return data
+        with self.opened() as read:
+            return read(start, length)
 
     def read_into(self, start: int, out: memoryview) -> None:
         out[:] = self.read(start, len(out))
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[Callable[[int, int], bytes]]:
+        """A ``read(start, length)`` over one open member.
+
+        Reading chunk after chunk through it decompresses the member once;
+        reopening it per chunk made a large record cost quadratic time.
+        """
+        try:
+            archive = zipfile.ZipFile(self.path)
+            member = archive.open(self.name)
+        except _DECOMPRESS_ERRORS as error:
+            raise self._damaged(error) from None
+
+        def read(start: int, length: int) -> bytes:
+            try:
+                if member.tell() != start:
+                    member.seek(start)
+                data = member.read(length)
+            except _DECOMPRESS_ERRORS as error:
+                raise self._damaged(error) from None
+            if len(data) != length:
+                raise MalformedCheckpointError(
+                    f"{self.path!r} is truncated: record {self.name!r} ends early; the file is damaged",
+                    path=self.path,
+                )
+            return data
+
+        with archive, member:
+            yield read
+
+    def _damaged(self, error: BaseException) -> MalformedCheckpointError:
+        return MalformedCheckpointError(
+            f"{self.path!r} is a damaged zip checkpoint: record {self.name!r} cannot be decompressed ({error})",
+            path=self.path,
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -256,6 +291,16 @@ class Storage:
     def reader(self) -> Iterator[Callable[[int, memoryview], None]]:
         """A ``read_into(start, out)`` that keeps one file open for many reads."""
         source = self.source
+        if isinstance(source, ZipMember):
+            with source.opened() as read:
+
+                def read_member_into(start: int, out: memoryview) -> None:
+                    if start < 0 or start + out.nbytes > self.nbytes:
+                        raise ValueError(f"byte range {start}+{out.nbytes} outside storage of {self.nbytes} bytes")
+                    out.cast("B")[:] = read(start, out.nbytes)
+
+                yield read_member_into
+            return
         if not isinstance(source, FileRegion):
             yield self.read_into
             return
@@ -500,10 +545,14 @@ class TensorRef:
                     read_into(position, piece.data)
                     yield piece.data
             return
-        if end - start <= chunk:  # small tensors: no threads to start
-            raw = np.empty(end - start, dtype=np.uint8)
-            self.storage.read_into(start, raw.data)
-            yield _bytes_view(self._cast(raw.view(np.dtype(self.dtype.numpy))))
+        if end - start <= chunk or isinstance(self.storage.source, ZipMember):
+            # Small tensors: no threads to start. Compressed records: one stream
+            # read in order (two threads reading out of order would rewind it).
+            with self.storage.reader() as read_into:
+                for position in range(start, end, chunk):
+                    raw = np.empty(min(chunk, end - position), dtype=np.uint8)
+                    read_into(position, raw.data)
+                    yield _bytes_view(self._cast(raw.view(np.dtype(self.dtype.numpy))))
             return
         yield from self._iter_cast_chunks(start, end, max(chunk // 2 // itemsize, 1) * itemsize)
 

@@ -26,6 +26,7 @@ loading in torch 2.6 and people reached for ``weights_only=False``.
 from __future__ import annotations
 
 import codecs
+import reprlib
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -43,11 +44,23 @@ __all__ = [
     "TypedStorage",
     "Unpickler",
     "classify_global",
+    "short_repr",
 ]
 
-# A pickle may build at most this many container items; each costs a few
-# bytes of pickle but eight bytes of pointer, so this caps memory at ~1 GB.
-DEFAULT_MAX_ITEMS = 100_000_000
+# A pickle may make at most this many objects. Every opcode counts as one
+# (most make at most one object of ~50-70 bytes), and so do every container
+# item and memo entry; an empty set counts 4, a stand-in object 4, and a known
+# callable such as builtins.set counts the items it is given and returns.
+# Without the weights one byte of pickle could build 235 bytes of empty sets, or
+# copy a memoised million-item list again and again. 20 million caps memory
+# near 2 GB and time near 30 s (tests/test_limits.py measures it); torch.save
+# writes ~30 opcodes per tensor, which leaves room for 600,000 tensors.
+DEFAULT_MAX_ITEMS = 20_000_000
+# Bytes made by copying (bytearray(), _codecs.encode, numpy array data) may
+# exceed the pickle's own size by at most this much.
+_EXTRA_BYTES = 64 << 20
+# Check the opcode count every this many opcodes (a local counter, cheap).
+_OPCODE_BATCH = 1 << 16
 
 
 # ---------------------------------------------------------------------------------------
@@ -206,6 +219,8 @@ _DANGEROUS_MODULES = frozenset(
     numpy.f2py numpy.distutils numpy.ctypeslib numpy.testing torch.hub torch.jit torch.package
     torch.utils.cpp_extension torch.ops torch._ops torch.distributed.rpc torch.serialization.load
     torch._dynamo torch._inductor torch.compiler torch.fx
+    pydoc _osx_support _aix_support _pyrepl cgitb test.support torch.utils.collect_env torch.utils.bottleneck
+    torch.utils.data.datapipes
     """.split()
 )
 
@@ -225,6 +240,7 @@ _DANGEROUS_NAMES = frozenset(
     numpy.lib.npyio.load numpy.lib._npyio_impl.load numpy.testing._private.utils.runstring
     numpy.lib.utils.safe_eval numpy.lib._utils_impl.safe_eval
     pandas.read_pickle pandas.io.pickle.read_pickle
+    uuid._get_command_stdout platform._syscmd_file platform._syscmd_ver
     """.split()
 )
 
@@ -299,6 +315,22 @@ class SafeCallable:
         return f"<known {self.qualname}>"
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 6
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` cut to a few dozen characters, for error messages.
+
+    Values in messages come from the file: a plain ``repr`` of a ten-million-item
+    list, or of a list nested a million deep, would take the memory or the
+    recursion the limits exist to protect.
+    """
+    return _REPR.repr(value)
+
+
 def _malformed(what: str) -> MalformedCheckpointError:
     return MalformedCheckpointError(f"{what}; the checkpoint is damaged or was not written by torch.save")
 
@@ -306,19 +338,19 @@ def _malformed(what: str) -> MalformedCheckpointError:
 def _as_shape(value: Any, what: str) -> tuple[int, ...]:
     if isinstance(value, (tuple, list)) and all(type(v) is int for v in value):
         return tuple(value)
-    raise _malformed(f"tensor {what} {value!r} is not a tuple of integers")
+    raise _malformed(f"tensor {what} {short_repr(value)} is not a tuple of integers")
 
 
 def _typed_storage(value: Any) -> TypedStorage:
     if not isinstance(value, TypedStorage):
-        raise _malformed(f"a tensor is rebuilt from {value!r} instead of a storage")
+        raise _malformed(f"a tensor is rebuilt from {short_repr(value)} instead of a storage")
     return value
 
 
 def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *_ignored: Any) -> TensorRef:
     typed = _typed_storage(storage)
     if type(offset) is not int:
-        raise _malformed(f"tensor storage offset {offset!r} is not an integer")
+        raise _malformed(f"tensor storage offset {short_repr(offset)} is not an integer")
     return TensorRef.checked(
         typed.storage,
         typed.dtype,
@@ -334,9 +366,9 @@ def _rebuild_tensor_v3(
     # v3 carries the dtype separately: the storage is untyped bytes.
     typed = _typed_storage(storage)
     if not isinstance(dtype, DType):
-        raise _malformed(f"tensor dtype {dtype!r} is not a torch dtype")
+        raise _malformed(f"tensor dtype {short_repr(dtype)} is not a torch dtype")
     if type(offset) is not int:
-        raise _malformed(f"tensor storage offset {offset!r} is not an integer")
+        raise _malformed(f"tensor storage offset {short_repr(offset)} is not an integer")
     base = typed.element_offset * typed.dtype.itemsize
     if base % dtype.itemsize:
         raise _malformed("tensor storage offset is not aligned to its dtype")
@@ -370,13 +402,13 @@ def _rebuild_from_type_v2(function: Any, new_type: Any, args: Any, state: Any) -
 
 def _torch_size(values: Any = ()) -> tuple[Any, ...]:
     if not isinstance(values, (tuple, list)):
-        raise _malformed(f"torch.Size({values!r}) is not a sequence")
+        raise _malformed(f"torch.Size({short_repr(values)}) is not a sequence")
     return tuple(values)
 
 
 def _torch_device(kind: Any, index: Any = None) -> str:
     if not isinstance(kind, str):
-        raise _malformed(f"torch.device({kind!r}) is not a device name")
+        raise _malformed(f"torch.device({short_repr(kind)}) is not a device name")
     return kind if index is None else f"{kind}:{index}"
 
 
@@ -400,14 +432,22 @@ def _pairs(items: Any) -> list[tuple[Any, Any]]:
     if isinstance(items, dict):
         return list(items.items())
     if isinstance(items, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in items):
+        # The keys are hashed by the OrderedDict/Counter built from them: check them first.
+        _check_hashable([p[0] for p in items])
         return [tuple(p) for p in items]
     raise _malformed("a mapping is built from something that is not key/value pairs")
 
 
 def _materialised(value: Any) -> Any:
-    if isinstance(value, (list, tuple, set, frozenset, dict, str, bytes)):
+    # pickle writes set(x) and frozenset(x) with a list; text (set("abc")) never
+    # occurs, and a memoised megabyte of it would cost a megabyte of work per call.
+    if isinstance(value, (set, frozenset, dict)):
         return value
-    raise _malformed(f"a container is built from {value!r}")
+    if isinstance(value, (list, tuple)):
+        # set(value) hashes every item: a tuple nested a million deep would crash the interpreter.
+        _check_hashable(value)
+        return value
+    raise _malformed(f"a container is built from {type(value).__name__}")
 
 
 def _set(items: Any = ()) -> set[Any]:
@@ -438,7 +478,7 @@ def _codecs_encode(text: Any, encoding: Any = "utf-8", *_: Any) -> bytes:
     if not isinstance(text, str) or not isinstance(encoding, str):
         raise _malformed("_codecs.encode is given something other than text")
     if encoding.lower().replace("_", "-") not in ("latin1", "latin-1", "iso-8859-1", "utf-8", "utf8", "ascii"):
-        raise _malformed(f"_codecs.encode asks for encoding {encoding!r}")
+        raise _malformed(f"_codecs.encode asks for encoding {short_repr(encoding)}")
     try:
         return text.encode(encoding)
     except UnicodeEncodeError as error:
@@ -460,6 +500,9 @@ def _newobj(cls: Any, *args: Any) -> Any:
 
 
 def _newobj_ex(cls: Any, args: Any, kwargs: Any) -> Any:
+    # dict(kwargs) of key/value pairs would hash unchecked keys: accept what pickle writes only.
+    if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
+        raise _malformed("copyreg.__newobj_ex__ is given something other than a tuple and a dict")
     return _instantiate(cls, tuple(args), dict(kwargs))
 
 
@@ -481,7 +524,7 @@ def _numpy_reconstruct(subtype: Any, shape: Any, dtype: Any) -> NumpyArray:
 
 def _numpy_dtype(descr: Any, align: Any = False, copy: Any = False) -> NumpyDType:
     if not isinstance(descr, str):
-        raise _malformed(f"numpy dtype {descr!r} is not a type string")
+        raise _malformed(f"numpy dtype {short_repr(descr)} is not a type string")
     return NumpyDType(descr)
 
 
@@ -623,7 +666,7 @@ def _instantiate(cls: Any, args: tuple[Any, ...], kwargs: Optional[dict[Any, Any
         return _SAFE_CLASSES[cls.qualname](*args)
     if isinstance(cls, SafeCallable):
         return ForeignObject(ForeignGlobal(*cls.qualname.rsplit(".", 1)), args, kwargs)
-    raise _malformed(f"the pickle instantiates {cls!r}, which is not a class")
+    raise _malformed(f"the pickle instantiates {short_repr(cls)}, which is not a class")
 
 
 def _call(function: Any, args: tuple[Any, ...]) -> Any:
@@ -635,7 +678,7 @@ def _call(function: Any, args: tuple[Any, ...]) -> Any:
         return function.function(*args)
     if isinstance(function, StorageType):
         raise _malformed("a storage class is called directly")
-    raise _malformed(f"the pickle calls {function!r}, which is not callable")
+    raise _malformed(f"the pickle calls {short_repr(function)}, which is not callable")
 
 
 # ---------------------------------------------------------------------------------------
@@ -647,6 +690,7 @@ class PickleTruncatedError(MalformedCheckpointError):
 
 
 _SCALAR_KEYS = frozenset({str, int, float, bytes, bool, type(None)})
+_CONTAINERS = (list, tuple, dict, set, frozenset)
 _MAX_KEY_DEPTH = 64
 
 
@@ -658,6 +702,23 @@ def _check_key_depth(key: Any) -> None:
             if depth >= _MAX_KEY_DEPTH:
                 raise _malformed(f"a dict key is nested more than {_MAX_KEY_DEPTH} levels deep")
             pending.extend((item, depth + 1) for item in value)
+
+
+def _check_hashable(items: Iterable[Any]) -> None:
+    """Raise MalformedCheckpointError unless every item can be hashed safely.
+
+    Hashing a tuple recurses in C without a recursion limit (CPython 3.11), so
+    a key nested a million deep would crash the interpreter: look at its depth
+    before hashing it. Every path that hashes pickle data must come through here.
+    """
+    for item in items:
+        if type(item) in _SCALAR_KEYS:
+            continue
+        _check_key_depth(item)
+        try:
+            hash(item)
+        except TypeError:
+            raise _malformed("a set or dict key is not hashable") from None
 
 
 class Unpickler:
@@ -691,6 +752,8 @@ class Unpickler:
         self.source = source
         self.max_items = max_items
         self.items_built = 0
+        self.max_bytes = len(self.data) + _EXTRA_BYTES
+        self.bytes_built = 0
         self.foreign_globals: Counter[str] = Counter()
         self._globals_cache: dict[tuple[str, str], Any] = {}
 
@@ -726,6 +789,15 @@ class Unpickler:
             raise MalformedCheckpointError(
                 f"{self.source or 'the pickle'} builds more than {self.max_items:,} objects; "
                 "refusing to exhaust memory on what looks like a hostile file",
+                path=self.source or None,
+            )
+
+    def _count_bytes(self, n: int) -> None:
+        self.bytes_built += n
+        if self.bytes_built > self.max_bytes:
+            raise MalformedCheckpointError(
+                f"{self.source or 'the pickle'} builds more than {self.max_bytes:,} bytes of data from "
+                f"{len(self.data):,} bytes of pickle; refusing to exhaust memory on what looks like a hostile file",
                 path=self.source or None,
             )
 
@@ -794,11 +866,18 @@ class Unpickler:
                 raise _malformed("pickle stack underflow")
             return stack.pop()
 
+        opcodes = memo_counted = 0
+        next_check = _OPCODE_BATCH
         while True:
             if self.pos >= size:
                 raise self._truncated()
             op = data[self.pos]
             self.pos += 1
+            opcodes += 1
+            if opcodes >= next_check:  # every opcode and memo entry counts as one object
+                self._count(_OPCODE_BATCH + len(memo) - memo_counted)
+                memo_counted = len(memo)
+                next_check += _OPCODE_BATCH
 
             # ---- the most frequent opcodes in torch pickles first
             if op == 0x71:  # BINPUT
@@ -918,6 +997,7 @@ class Unpickler:
             elif op == 0x7D:  # EMPTY_DICT
                 stack.append({})
             elif op == 0x8F:  # EMPTY_SET
+                self._count(3)  # an empty set is ~4 times the size of other objects
                 stack.append(set())
             elif op == 0x85:  # TUPLE1
                 stack.append((pop(),))
@@ -1097,16 +1177,7 @@ class Unpickler:
 
     @staticmethod
     def _hashable_all(items: list[Any]) -> list[Any]:
-        for item in items:
-            if type(item) in _SCALAR_KEYS:
-                continue
-            # Hashing a tuple recurses in C: a key nested a million deep would
-            # crash the interpreter, so look at its depth before hashing it.
-            _check_key_depth(item)
-            try:
-                hash(item)
-            except TypeError:
-                raise _malformed("a set or dict key is not hashable") from None
+        _check_hashable(items)
         return items
 
     def _set_items(self, target: Any, items: list[Any]) -> None:
@@ -1138,10 +1209,29 @@ class Unpickler:
         return value
 
     def _called(self, function: Any, args: tuple[Any, ...]) -> Any:
-        return self._record_foreign(_call(function, args))
+        self._count_arguments(args)
+        return self._charged(self._record_foreign(_call(function, args)))
 
     def _new(self, cls: Any, args: tuple[Any, ...], kwargs: Optional[dict[Any, Any]]) -> Any:
-        return self._record_foreign(_instantiate(cls, args, kwargs))
+        self._count_arguments(args)
+        return self._charged(self._record_foreign(_instantiate(cls, args, kwargs)))
+
+    def _count_arguments(self, args: tuple[Any, ...]) -> None:
+        # A known callable walks its container arguments (set(items), OrderedDict(pairs)):
+        # a memoised million-item list passed again and again must cost each time.
+        self._count(sum(len(arg) for arg in args if isinstance(arg, _CONTAINERS)))
+
+    def _charged(self, result: Any) -> Any:
+        """Count what a call built: its items, or the bytes it copied."""
+        if isinstance(result, _CONTAINERS):
+            self._count(len(result))
+        elif isinstance(result, (bytes, bytearray)):
+            self._count_bytes(len(result))
+        elif isinstance(result, ForeignObject):
+            self._count(3 + len(result.items) + len(result.list_items))
+        elif isinstance(result, NumpyArray) and result.tensor is not None:
+            self._count_bytes(result.tensor.storage.nbytes)
+        return result
 
     def _build(self, target: Any, state: Any) -> None:
         if isinstance(target, ForeignObject):
@@ -1153,6 +1243,8 @@ class Unpickler:
                 target.state = state
         elif isinstance(target, NumpyArray):
             _fill_numpy_array(target, state)
+            if target.tensor is not None:
+                self._count_bytes(target.tensor.storage.nbytes)
         elif isinstance(target, NumpyDType):
             # (version, byteorder, subdescr, names, fields, elsize, alignment, flags)
             if isinstance(state, tuple) and len(state) >= 2 and isinstance(state[1], str):

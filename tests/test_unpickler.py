@@ -257,3 +257,31 @@ def test_item_limit_stops_runaway_pickles() -> None:
 def test_nonsense_pickles_are_clear_errors(data: bytes) -> None:
     with pytest.raises(MalformedCheckpointError):
         ours(data)
+
+
+_DEEP_TUPLE = b")" + b"\x85" * 300_000  # ((((...),),),) nested 300,000 deep
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        # builtins.set([deep]) and frozenset([deep]) hash the item inside set()/frozenset()
+        b"\x80\x02cbuiltins\nset\n(" + _DEEP_TUPLE + b"l\x85R.",
+        b"\x80\x02cbuiltins\nfrozenset\n(" + _DEEP_TUPLE + b"l\x85R.",
+        # OrderedDict([(deep, None)]) and Counter hash the keys of their pairs
+        b"\x80\x02ccollections\nOrderedDict\n((" + _DEEP_TUPLE + b"Ntl\x85R.",
+        b"\x80\x02ccollections\nCounter\n((" + _DEEP_TUPLE + b"Ntl\x85R.",
+    ],
+    ids=["set", "frozenset", "OrderedDict", "Counter"],
+)
+def test_deep_keys_reached_through_known_callables_are_refused(data: bytes) -> None:
+    # Regression: these crashed the interpreter (SIGSEGV) by hashing the nested tuple in C.
+    with pytest.raises(MalformedCheckpointError, match="nested more than 64 levels"):
+        ours(data)
+
+
+def test_error_messages_quote_hostile_values_briefly() -> None:
+    huge = b"\x80\x02ctorch._utils\n_rebuild_tensor\n(" + b"(" + b"N" * 100_000 + b"l" * 1 + b"K\x00))t" + b"R."
+    with pytest.raises(MalformedCheckpointError) as raised:
+        ours(huge)
+    assert len(str(raised.value)) < 300

@@ -143,6 +143,10 @@ def detect(path: str) -> str:
         )
     if head[0] in _OLD_PICKLE_STARTS:
         return raw_pickle.FORMAT  # protocol 0/1; the reader says so if it is not a pickle after all
+    if head[8:9] == b"{" and b"\x00" in head[:8]:
+        # A safetensors file whose header length is wrong (cut short, or 2**63):
+        # its reader says which, instead of "not a format ckptconv knows".
+        return safetensors.FORMAT
     raise UnsupportedFormatError(
         f"{path!r} is not a checkpoint format ckptconv knows (it starts with bytes {head[:8].hex(' ')}); "
         "expected a torch.save file, a pickle or safetensors",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 from ..errors import MalformedCheckpointError
+from ..unpickler import short_repr
 
 __all__ = ["Deferred", "MetadataValue", "ReadResult", "file_size", "resolve"]
 
@@ -70,7 +71,7 @@ def pickle_location(value: Any, source: str) -> str:
         value = value.decode("ascii", "replace")
     if not isinstance(value, str) or len(value) > 64:
         raise MalformedCheckpointError(
-            f"{source!r} names a storage location {value!r} that is not a device; the file is damaged",
+            f"{source!r} names a storage location {short_repr(value)} that is not a device; the file is damaged",
             path=source,
         )
     return value

@@ -21,8 +21,10 @@ from typing import Any, Callable, Literal, Optional
 
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..tensor import FileRegion, Storage, read_exactly
-from ..unpickler import DEFAULT_MAX_ITEMS, ForeignGlobal, PickleTruncatedError, StorageType, TypedStorage, Unpickler
+from ..unpickler import (DEFAULT_MAX_ITEMS, ForeignGlobal, PickleTruncatedError, StorageType, TypedStorage, Unpickler,
+                         short_repr)
 from ._base import ReadResult, pickle_location
+from .torch_zip import MAX_PICKLE_BYTES
 
 __all__ = ["MAGIC_NUMBER", "looks_legacy", "read"]
 
@@ -71,7 +73,11 @@ def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
             except PickleTruncatedError:
                 if buffer_size >= size:
                     raise
-                buffer_size = min(size, buffer_size * 8)
+                if buffer_size >= MAX_PICKLE_BYTES:
+                    # torch writes small pickles before the storages; one that runs on
+                    # for gigabytes would otherwise pull the whole file into memory.
+                    raise _damaged(path, f"its pickles run past the first {MAX_PICKLE_BYTES} bytes (the limit)") from None
+                buffer_size = min(size, buffer_size * 8, MAX_PICKLE_BYTES)
 
 
 def _read_from(path: str, head: bytes, fd: int, size: int, max_items: Optional[int]) -> ReadResult:
@@ -98,16 +104,16 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: Optional[i
 
     def persistent_load(pid: Any) -> Any:
         if not isinstance(pid, tuple) or not pid:
-            raise _damaged(path, f"it refers to {str(pid)[:80]!r}")
+            raise _damaged(path, f"it refers to {short_repr(pid)}")
         kind = pid[0].decode("ascii", "replace") if isinstance(pid[0], bytes) else pid[0]
         if kind == "module" and len(pid) == 4:
             # ('module', class, source file, source): the class the object needs.
             return pid[1] if isinstance(pid[1], ForeignGlobal) else ForeignGlobal("unknown", "module")
         if kind != "storage" or len(pid) != 6:
-            raise _damaged(path, f"it refers to {str(pid)[:80]!r} instead of a storage")
+            raise _damaged(path, f"it refers to {short_repr(pid)} instead of a storage")
         _, storage_type, root_key, location, numel, view_metadata = pid
         if not isinstance(storage_type, StorageType) or not isinstance(root_key, str):
-            raise _damaged(path, f"storage reference {str(pid)[:80]!r} is malformed")
+            raise _damaged(path, f"storage reference {short_repr(pid)} is malformed")
         if type(numel) is not int or numel < 0:
             raise _damaged(path, f"storage {root_key!r} has size {numel!r}")
         dtype = storage_type.dtype
@@ -121,10 +127,10 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: Optional[i
         offset = 0
         if view_metadata is not None:
             if not (isinstance(view_metadata, tuple) and len(view_metadata) == 3):
-                raise _damaged(path, f"storage view {view_metadata!r} is malformed")
+                raise _damaged(path, f"storage view {short_repr(view_metadata)} is malformed")
             _view_key, offset, _view_size = view_metadata
             if type(offset) is not int or offset < 0:
-                raise _damaged(path, f"storage view offset {offset!r} is invalid")
+                raise _damaged(path, f"storage view offset {short_repr(offset)} is invalid")
         return TypedStorage(storage, dtype, offset)
 
     tree, unpickler = next_pickle(unpickler.end, persistent_load=persistent_load)

@@ -35,7 +35,7 @@ from typing import Any, BinaryIO, Callable, Optional
 from ..dtypes import DType
 from ..errors import LoadError, MalformedCheckpointError, UnsupportedFormatError
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
-from ..unpickler import DEFAULT_MAX_ITEMS, StorageType, TypedStorage, Unpickler
+from ..unpickler import DEFAULT_MAX_ITEMS, StorageType, TypedStorage, Unpickler, short_repr
 from ._base import MetadataValue, ReadResult, pickle_location, resolve
 
 __all__ = ["read", "write"]
@@ -45,8 +45,12 @@ FORMAT = "torch-zip"
 # data.pkl holds structure, not tensor bytes; a larger one is not a checkpoint.
 MAX_PICKLE_BYTES = 2 << 30
 
+# Deflate cannot expand data more than 1032:1 (RFC 1951: 258 bytes per 2-bit
+# code at best); a record that claims more is lying about its size, or a zip bomb.
+MAX_DEFLATE_RATIO = 1032
+
 _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, struct.error, EOFError, OverflowError,
-               NotImplementedError, KeyError, IndexError)
+               NotImplementedError, KeyError, IndexError, zlib.error)
 
 
 def _damaged(path: str, detail: str) -> MalformedCheckpointError:
@@ -82,6 +86,35 @@ def find_root(names: Iterable[str], path: str) -> str:
             path=path,
         )
     return root
+
+
+def check_compression(info: zipfile.ZipInfo, path: str) -> None:
+    """Refuse a member before decompressing it if its claimed size cannot be true.
+
+    torch.save stores records uncompressed; archives repacked by other tools may
+    deflate them. Nothing else is accepted (torch.load reads neither bzip2 nor
+    LZMA), and a deflated member may not claim to expand beyond what deflate can
+    produce, so a few kilobytes can never announce gigabytes.
+    """
+    if info.flag_bits & 0x1:
+        # zipfile would raise RuntimeError("password required"); torch.load cannot read it either.
+        raise UnsupportedFormatError(
+            f"{path!r} has an encrypted member {info.filename!r}; decrypt the archive first", path=path
+        )
+    if info.compress_type == zipfile.ZIP_STORED:
+        return
+    if info.compress_type != zipfile.ZIP_DEFLATED:
+        raise UnsupportedFormatError(
+            f"{path!r} compresses {info.filename!r} with zip method {info.compress_type}, which torch.load "
+            "cannot read either; re-save the checkpoint with torch.save",
+            path=path,
+        )
+    if info.file_size > MAX_DEFLATE_RATIO * info.compress_size + 1024:
+        raise _damaged(
+            path,
+            f"{info.filename!r} claims {info.file_size} bytes from {info.compress_size} compressed bytes, "
+            "more than deflate can produce (a zip bomb?)",
+        )
 
 
 def record_data_offset(file: BinaryIO, info: zipfile.ZipInfo, path: str) -> int:
@@ -160,27 +193,30 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
     root = find_root(infos, path)
     pickle_info = infos[f"{root}data.pkl"]
     if pickle_info.file_size > MAX_PICKLE_BYTES:
-        raise _damaged(path, f"data.pkl claims {pickle_info.file_size} bytes")
+        raise _damaged(path, f"data.pkl claims {pickle_info.file_size} bytes (the limit is {MAX_PICKLE_BYTES})")
+    check_compression(pickle_info, path)
     try:
         data = archive.read(pickle_info)
         byteorder_info = infos.get(f"{root}byteorder")
+        if byteorder_info:
+            check_compression(byteorder_info, path)
         byteorder = archive.read(byteorder_info).decode("ascii", "replace") if byteorder_info else "little"
     except _ZIP_ERRORS as error:
         raise _damaged(path, f"data.pkl cannot be read ({error})") from None
     if byteorder not in ("little", "big"):
-        raise _damaged(path, f"its byteorder record says {byteorder!r}")
+        raise _damaged(path, f"its byteorder record says {short_repr(byteorder)}")
 
     storages: dict[str, Storage] = {}
     devices: set[str] = set()
 
     def persistent_load(pid: Any) -> TypedStorage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
-            raise _damaged(path, f"data.pkl refers to {str(pid)[:80]!r} instead of a storage")
+            raise _damaged(path, f"data.pkl refers to {short_repr(pid)} instead of a storage")
         _, storage_type, key, location, numel = pid
         if not isinstance(storage_type, StorageType):
-            raise _damaged(path, f"a storage has type {storage_type!r}")
+            raise _damaged(path, f"a storage has type {short_repr(storage_type)}")
         if not isinstance(key, str) or type(numel) is not int or numel < 0:
-            raise _damaged(path, f"storage reference {str(pid)[:80]!r} is malformed")
+            raise _damaged(path, f"storage reference {short_repr(pid)} is malformed")
         dtype = storage_type.dtype
         storage = storages.get(key)
         if storage is None:
@@ -193,6 +229,7 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
                 raise _damaged(
                     path, f"record {name!r} holds {info.file_size} bytes but data.pkl expects {nbytes}"
                 )
+            check_compression(info, path)
             if info.compress_type == zipfile.ZIP_STORED:
                 offset = record_data_offset(file, info, path)
                 if offset + nbytes > size:

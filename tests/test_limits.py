@@ -1,0 +1,256 @@
+"""Resource exhaustion: hostile sizes fail fast, in bounded memory and time, with one clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+import tracemalloc
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ckptconv
+from ckptconv.errors import LoadError, MalformedCheckpointError
+from ckptconv.formats import torch_legacy, torch_zip
+from ckptconv.unpickler import Unpickler
+
+from .hostile import legacy_pickles
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def bounded(seconds: float = 2.0, megabytes: float = 16.0) -> Iterator[None]:
+    """The block allocates at most ``megabytes`` (Python allocations) and takes at most ``seconds``."""
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        elapsed = time.perf_counter() - started
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert elapsed < seconds, f"took {elapsed:.2f} s"
+    assert peak < megabytes * 2**20, f"allocated {peak / 2**20:.1f} MiB"
+
+
+def _safetensors(header: dict[str, object], data: bytes = b"", *, length: int | None = None) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+def test_header_length_of_2_63_does_not_allocate(tmp_path: Path) -> None:
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(_safetensors({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4,
+                                  length=2**63))
+    with bounded(), pytest.raises(MalformedCheckpointError, match="header claims 9223372036854775808 bytes"):
+        ckptconv.open(path)
+
+
+def test_header_over_100_mb_is_refused_unread(tmp_path: Path) -> None:
+    path = tmp_path / "big_header.safetensors"
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", 100_000_001) + b"{")
+        file.truncate(8 + 100_000_001 + 16)  # sparse: costs no disk
+    with bounded(), pytest.raises(MalformedCheckpointError, match=r"claims 100000001 bytes \(the limit is 100000000\)"):
+        ckptconv.open(path)
+
+
+@pytest.mark.parametrize(
+    "shape, offsets, message",
+    [
+        ([2**62, 2**62, 2**62], [0, 16], "has data_offsets"),  # the product overflows any int64
+        ([2**31, 2**31], [0, 2**64], "is truncated"),  # consistent, but far beyond the file
+        ([4], [0, 2**63], "has data_offsets"),
+        ([-1, 4], [0, 16], "has shape"),
+        ([1.5], [0, 4], "has shape"),
+    ],
+)
+def test_shapes_that_overflow_or_exceed_the_file(shape: list[object], offsets: list[int], message: str,
+                                                 tmp_path: Path) -> None:
+    path = tmp_path / "shape.safetensors"
+    path.write_bytes(_safetensors({"w": {"dtype": "F32", "shape": shape, "data_offsets": offsets}}, b"\0" * 16))
+    with bounded(), pytest.raises(MalformedCheckpointError, match=message):
+        ckptconv.open(path)
+
+
+def _patch_sizes(data: bytes, name: str, *, file_size: int) -> bytes:
+    """Rewrite a member's uncompressed size in its local header and central directory entry."""
+    raw = bytearray(data)
+    encoded = name.encode()
+    # signature, offset of the name length, of the name, of the uncompressed size
+    for signature, length_at, name_at, size_at in ((b"PK\x03\x04", 26, 30, 22), (b"PK\x01\x02", 28, 46, 24)):
+        index = raw.find(signature)
+        while index >= 0:
+            length = struct.unpack_from("<H", raw, index + length_at)[0]
+            if raw[index + name_at : index + name_at + length] == encoded:
+                struct.pack_into("<I", raw, index + size_at, file_size)
+            index = raw.find(signature, index + 1)
+    return bytes(raw)
+
+
+def _deflated_checkpoint(tmp_path: Path, state: dict[str, torch.Tensor],
+                         mutate_pickle: Callable[[bytes], bytes] = lambda data: data) -> tuple[Path, str]:
+    stored = tmp_path / "stored.pt"
+    torch.save(state, stored)
+    path = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(stored) as old, zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as new:
+        for info in old.infolist():
+            data = old.read(info)
+            new.writestr(info.filename, mutate_pickle(data) if info.filename.endswith("data.pkl") else data)
+        record = next(name for name in old.namelist() if "/data/" in name)
+    stored.unlink()
+    return path, record
+
+
+def test_a_record_claiming_gigabytes_from_kilobytes_is_refused_before_inflating(tmp_path: Path) -> None:
+    # A zip bomb: 4 KB of deflated zeros that claim 4 GiB, and a pickle that agrees.
+    def claim_a_billion(data: bytes) -> bytes:
+        assert b"M\xe8\x03t" in data  # numel 1000 as BININT2
+        return data.replace(b"M\xe8\x03t", b"J" + struct.pack("<i", 2**30 - 1) + b"t", 1)
+
+    path, record = _deflated_checkpoint(tmp_path, {"w": torch.zeros(1000)}, claim_a_billion)
+    path.write_bytes(_patch_sizes(path.read_bytes(), record, file_size=4 * (2**30 - 1)))
+    with bounded(), pytest.raises(MalformedCheckpointError, match="more than deflate can produce"):
+        ckptconv.open(path)
+
+
+def test_data_pkl_claiming_more_than_the_limit_is_refused_unread(tmp_path: Path) -> None:
+    path, _ = _deflated_checkpoint(tmp_path, {"w": torch.zeros(3)})
+    with zipfile.ZipFile(path) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+    path.write_bytes(_patch_sizes(path.read_bytes(), name, file_size=torch_zip.MAX_PICKLE_BYTES + 1))
+    with bounded(), pytest.raises(MalformedCheckpointError, match="data.pkl claims"):
+        ckptconv.open(path)
+
+
+def test_other_compression_methods_are_refused(tmp_path: Path) -> None:
+    stored = tmp_path / "stored.pt"
+    torch.save({"w": torch.zeros(3)}, stored)
+    path = tmp_path / "bzip2.pt"
+    with zipfile.ZipFile(stored) as old, zipfile.ZipFile(path, "w", zipfile.ZIP_BZIP2) as new:
+        for info in old.infolist():
+            new.writestr(info.filename, old.read(info))
+    with pytest.raises(LoadError, match="with zip method 12, which torch.load cannot read either"):
+        ckptconv.open(path)
+
+
+def test_compressed_records_are_inflated_once_not_once_per_chunk(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Regression: every 16 MiB chunk reopened the member and inflated it from the start.
+    state = {"w": torch.arange(1 << 18, dtype=torch.float32)}
+    path, _ = _deflated_checkpoint(tmp_path, state)
+    ref = ckptconv.open(path).select().weights["w"]
+    opened = []
+    original = zipfile.ZipFile.open
+
+    def counting_open(self: zipfile.ZipFile, name: object, *args: object, **kwargs: object) -> object:
+        opened.append(name)
+        return original(self, name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(zipfile.ZipFile, "open", counting_open)
+    chunks = b"".join(bytes(chunk) for chunk in ref.iter_bytes(chunk_bytes=4096))  # 256 chunks
+    assert chunks == state["w"].numpy().tobytes()
+    assert len(opened) == 1
+    opened.clear()
+    cast = ref.cast(ckptconv.Cast("bf16").target)
+    assert sum(len(chunk) for chunk in cast.iter_bytes(chunk_bytes=4096)) == 2 * (1 << 18)
+    assert len(opened) == 1
+
+
+def test_a_storage_larger_than_the_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": torch.zeros(4)}, path, _use_new_zipfile_serialization=False)
+    data = path.read_bytes()
+    start, end = legacy_pickles(data)[3]
+    # numel 4 -> 2**40 in the persistent id; the element count before the bytes stays 4.
+    grown = data[start:end].replace(b"K\x04N", b"\x8a\x06" + (2**40).to_bytes(6, "little") + b"N", 1)
+    assert grown != data[start:end]
+    path.write_bytes(data[:start] + grown + data[end:])
+    with bounded(), pytest.raises(MalformedCheckpointError, match="holds 4 elements, the pickle says otherwise"):
+        ckptconv.open(path)
+
+
+def test_legacy_pickles_may_not_run_on_for_gigabytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": torch.zeros(4)}, path, _use_new_zipfile_serialization=False)
+    data = path.read_bytes()
+    start, _ = legacy_pickles(data)[3]
+    # The object pickle claims a 2**40-byte string: the reader would grow its buffer to the whole file.
+    path.write_bytes(data[:start] + b"\x80\x02\x8e" + (2**40).to_bytes(8, "little") + b"\0" * (1 << 16))
+    monkeypatch.setattr(torch_legacy, "MAX_PICKLE_BYTES", 4096)
+    monkeypatch.setattr(torch_legacy, "_FIRST_READ", 1024)
+    with pytest.raises(MalformedCheckpointError, match="its pickles run past the first 4096 bytes"):
+        ckptconv.open(path)
+
+
+_PATTERNS = {
+    "empty sets": b"\x8f" * 30_000_000,
+    "empty dicts": b"}" * 30_000_000,
+    "marks": b"(" * 30_000_000,
+    "tuples": b"N" + b"\x85" * 30_000_000,
+    "memo entries": b"N" + b"\x94" * 30_000_000,
+    "stand-ins": b"cfoo\nBar\n\x94" + b"h\x00)\x81" * 8_000_000,
+    "set() of a memoised list": b"(" + b"N" * 1_000_000 + b"l\x94cbuiltins\nset\n\x94" + b"h\x01h\x00\x85R0" * 1_000_000,
+    "bytearray() of a memoised 10 MB": b"B" + (10 << 20).to_bytes(4, "little") + b"\0" * (10 << 20)
+    + b"\x94cbuiltins\nbytearray\n\x94" + b"h\x01h\x00\x85R0" * 1_000_000,
+}
+_MEASURE = """
+import resource, sys, time
+from ckptconv.errors import MalformedCheckpointError
+from ckptconv.unpickler import Unpickler
+data = sys.stdin.buffer.read()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+started = time.perf_counter()
+try:
+    Unpickler(data, max_items=1_000_000).load()
+    print("loaded")
+except MalformedCheckpointError as error:
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print(f"{grown * 1024} {time.perf_counter() - started} {error}")
+"""
+
+
+@pytest.mark.parametrize("pattern", _PATTERNS)
+def test_runaway_pickles_stop_within_their_budget(pattern: str) -> None:
+    """Measured in a fresh process: peak memory grows <= 80 bytes per budget unit, time <= 2 us per unit.
+
+    With the default budget (20 million) that is <= 1.6 GB and ~40 s for the worst
+    pattern; here the budget is 1 million to keep the test quick.
+    """
+    data = b"\x80\x04" + _PATTERNS[pattern] + b"N."
+    result = subprocess.run([sys.executable, "-c", _MEASURE], input=data, capture_output=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    grown, elapsed, message = result.stdout.decode().split(" ", 2)
+    assert "refusing to exhaust memory" in message
+    assert int(grown) <= 80 * 1_000_000 + (32 << 20), f"{int(grown) >> 20} MiB"
+    assert float(elapsed) <= 2e-6 * 1_000_000 * 2
+
+
+def test_deeply_nested_containers_do_not_crash_select_or_inspect(tmp_path: Path) -> None:
+    depth = 100_000
+    path = tmp_path / "deep.pkl"
+    path.write_bytes(b"\x80\x02" + (b"}X\x01\x00\x00\x00a") * depth + b"N" + b"s" * depth + b".")
+    with pytest.raises(ckptconv.SelectionError):
+        ckptconv.open(path).select()
+    assert ckptconv.inspect(path).selection_error
+    path.write_bytes(b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b".")
+    assert ckptconv.inspect(path).total_tensors == 0
+
+
+def test_numpy_arrays_cannot_claim_more_bytes_than_they_hold() -> None:
+    header = b"\x80\x02cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85C\x01b\x87R"
+    state = b"(K\x01J\x00\x00\x00\x40\x85cnumpy\ndtype\nX\x02\x00\x00\x00f4\x89\x88\x87R\x89C\x08" + b"\0" * 8 + b"tb."
+    with pytest.raises(MalformedCheckpointError, match="holds 8 bytes"):
+        Unpickler(header + state).load()
+    assert np.dtype("f4").itemsize == 4
