@@ -9,7 +9,9 @@ The data flows one way, one module per stage::
     verification.py  verify()          compare an output with its source, bit for bit
 
 ``conversion.convert()`` runs them all; ``inspection.inspect()`` describes a
-file. Format details live in ``formats/``; the pickle machine that never runs
+file. ``batching.batch()`` converts a whole folder: ``discovery.py`` finds the
+items and names their outputs, ``executors.py`` converts them in workers,
+``manifest.py`` records each result, ``report.py`` sums them up. Format details live in ``formats/``; the pickle machine that never runs
 code is ``unpickler.py``.
 
 The public names below are imported on first use, so ``ckptconv --help`` and
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 if TYPE_CHECKING:
+    from .batching import batch
     from .conversion import ConversionReport, convert
     from .errors import (
         CastOverflowError,
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
     )
     from .inspection import CheckpointInfo, TensorInfo, inspect
     from .loading import Checkpoint, load, open
+    from .report import BatchReport, ItemResult
     from .selection import Selection
     from .tensor import TensorRef
     from .transforms import AddPrefix, Cast, Drop, Keep, Pipeline, Rename, StepReport, StripPrefix
@@ -50,6 +54,8 @@ if TYPE_CHECKING:
     from .writing import WriteReport, save
 
 _HOMES = {
+    ".batching": ["batch"],
+    ".report": ["BatchReport", "ItemResult"],
     ".conversion": ["ConversionReport", "convert"],
     ".errors": [
         "CastOverflowError",
