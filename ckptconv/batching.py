@@ -106,7 +106,7 @@ def batch(
     *,
     select: Optional[str] = None,
     transforms: Union[Pipeline, Sequence[Transform]] = (),
-    to: str = "safetensors",
+    to: Optional[str] = "safetensors",
     glob: Union[str, Sequence[str], None] = None,
     jobs: int = 1,
     executor: str = "local",
@@ -136,7 +136,7 @@ def batch(
             becomes ``a/b/model.safetensors`` there.
         select: where the weights are in each file (as for :func:`ckptconv.convert`).
         transforms: steps applied to every item.
-        to: ``"safetensors"`` or ``"pt"``.
+        to: ``"safetensors"`` (also for None) or ``"pt"``.
         glob: only items whose relative path matches (``"**/*.pth"``); several allowed.
         jobs: items converted at once: 1 converts in this process, more start
             that many worker processes (for ``executor="dask"`` without a
@@ -186,7 +186,7 @@ def batch(
         raise ValueError(f"jobs must be at least 1, not {jobs}")
     pipeline = transforms if isinstance(transforms, Pipeline) else Pipeline.of(transforms)
     options = Options(
-        format=output_format("", to),
+        format=output_format("", to or "safetensors"),
         transforms=pipeline,
         select=select,
         overwrite=overwrite,

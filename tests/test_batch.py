@@ -22,11 +22,13 @@ import pytest
 import torch
 import torch.nn as nn
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 
 import ckptconv
 from ckptconv.cli import cli
-from ckptconv.discovery import discover, plan_outputs
+from ckptconv.discovery import Item, discover, plan_outputs
 from ckptconv.executors import Job, Options, run_job, run_local
 from ckptconv.manifest import MANIFEST_NAME, Manifest, read_records
 from ckptconv.transforms import Pipeline, StripPrefix
@@ -259,6 +261,34 @@ def test_output_collisions_are_deterministic_and_never_silent(tmp_path: Path) ->
     assert [r.error_type for r in report.failed] == ["WriteError", "WriteError"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         MANIFEST_NAME, "x.pth.safetensors", "y.safetensors", "z.safetensors"]
+
+
+_NAMES = st.lists(
+    st.builds(
+        lambda folder, stem, suffix: f"{folder}{stem}{suffix}",
+        st.sampled_from(["", "a/", "a/b/", "b/"]),
+        st.sampled_from(["x", "x.pt", "x.pth", "model", "model.safetensors"]),
+        st.sampled_from(["", ".pt", ".pth", ".bin", ".safetensors", ".pth.tar", ".tar", ".ckpt"]),
+    ),
+    unique=True,
+    max_size=12,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(names=_NAMES, format=st.sampled_from(["safetensors", "pt"]), seed=st.randoms())
+def test_output_plans_never_share_a_path_and_ignore_order(names: list[str], format: str, seed: Any) -> None:
+    items = [Item(name, f"/zoo/{name}", "file", 0, 0) for name in names]
+    planned = plan_outputs(items, format)
+    assert [p.item for p in planned] == items
+    good = [p.output for p in planned if not p.problem]
+    assert len(good) == len(set(good))
+    assert all(p.output.endswith(".safetensors" if format == "safetensors" else ".pt") for p in planned)
+    assert all(p.output.rsplit("/", 1)[0] == p.item.name.rsplit("/", 1)[0] for p in planned if "/" in p.item.name)
+    shuffled = list(items)
+    seed.shuffle(shuffled)
+    assert {p.item.name: (p.output, bool(p.problem)) for p in plan_outputs(shuffled, format)} == {
+        p.item.name: (p.output, bool(p.problem)) for p in planned}
 
 
 # ---------------------------------------------------------------------------------------
