@@ -10,7 +10,9 @@ The data flows one way, one module per stage::
     verification.py  verify(), diff()  compare an output with its source, bit for bit
 
 ``conversion.convert()`` runs them all; ``inspection.inspect()`` describes a
-file. Format details live in ``formats/``; the pickle machine that never runs
+file. ``batching.batch()`` converts a whole folder: ``discovery.py`` finds the
+items and names their outputs, ``executors.py`` converts them in workers,
+``manifest.py`` records each result, ``report.py`` sums them up. Format details live in ``formats/``; the pickle machine that never runs
 code is ``unpickler.py``.
 
 The public names below are imported on first use, so ``ckptconv --help`` and
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 if TYPE_CHECKING:
+    from .batching import batch
     from .conversion import ConversionReport, convert
     from .errors import (
         CastOverflowError,
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
     from .fitting import FitReport, Reference, fit, load_into
     from .inspection import CheckpointInfo, TensorInfo, inspect
     from .loading import Checkpoint, load, open
+    from .report import BatchReport, ItemResult
     from .selection import Selection
     from .tensor import TensorRef
     from .transforms import (
@@ -64,6 +68,8 @@ if TYPE_CHECKING:
     from .writing import WriteReport, save
 
 _HOMES = {
+    ".batching": ["batch"],
+    ".report": ["BatchReport", "ItemResult"],
     ".conversion": ["ConversionReport", "convert"],
     ".errors": [
         "CastOverflowError",

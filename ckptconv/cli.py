@@ -31,7 +31,8 @@ Exit codes:
   0  success
   1  the operation failed (bad input, unsafe file, cannot write, ...)
   2  usage error (unknown option, invalid regular expression, ...)
-  3  finished with a negative result (verify/diff found differences, fit found no plan)"""
+  3  finished with a negative result (verify/diff found differences,
+     fit found no plan, batch items failed)"""
 
 
 # ---------------------------------------------------------------------------------------
@@ -199,6 +200,26 @@ output_options = _compose(
     click.option("--no-fsync", is_flag=True, help="Do not wait for the output to reach the disk before "
                  "renaming it into place (faster; a power cut may then lose it)."),
     click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors."),
+)
+
+
+batch_options = _compose(
+    click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+                 help="Items converted at once, each in its own worker process (1: in this process)."),
+    click.option("--glob", "globs", multiple=True, metavar="PATTERN",
+                 help="Only items whose path under SRC matches, e.g. '**/*.pth' ('**/' spans folders). "
+                 "Repeatable."),
+    click.option("--resume", is_flag=True, help="Skip items the manifest records as converted with the same "
+                 "options from an unchanged source; convert the rest again."),
+    click.option("--fail-fast", is_flag=True, help="Stop starting items after the first failure."),
+    click.option("--executor", type=click.Choice(["local", "dask"]), default="local", show_default=True,
+                 help="Where items are converted: local processes, or a Dask cluster (pip install "
+                 "'ckptconv[dask]')."),
+    click.option("--scheduler", metavar="ADDRESS", help="With --executor dask: the scheduler, e.g. "
+                 "tcp://host:8786 (the workers must see SRC and DST at the same paths). Without it, a "
+                 "local cluster of --jobs processes is started."),
+    click.option("--no-checksums", is_flag=True, help="Do not record the sha256 of inputs and outputs in "
+                 "the manifest (saves reading every file once more)."),
 )
 
 
@@ -537,6 +558,90 @@ def inspect(
             click.echo(f"  {tensor.key:<{key_width}}  {tensor.dtype:<9}  {list(tensor.shape)}{extra}")
     if limit is not None and len(info.tensors) > limit:
         click.echo(f"  ... and {len(info.tensors) - limit} more")
+
+
+@cli.command()
+@click.argument("src", type=click.Path(file_okay=False))
+@click.argument("dst", type=click.Path(file_okay=False))
+@selection_options
+@transform_options
+@output_options
+@batch_options
+def batch(src: str, dst: str, **options: Any) -> None:
+    """Convert every checkpoint under a folder, in parallel, with a manifest.
+
+    Checkpoints are found by content and name, recursively; a sharded
+    checkpoint (an index and its shards) or a DCP folder counts as one item.
+    Outputs mirror the tree under DST with the suffix of --to (safetensors
+    unless --to pt): SRC/a/model.pth becomes DST/a/model.safetensors. When two
+    inputs would share an output (x.pt and x.pth), both keep their full name
+    (x.pt.safetensors, x.pth.safetensors). The transform options work as for
+    convert. Failed items never stop the batch (unless --fail-fast); they are
+    listed at the end, and the exit code is 3. Every finished item is recorded
+    at once in DST/ckptconv-manifest.jsonl, so --resume can carry on after an
+    interruption.
+
+    \b
+    Example:
+      ckptconv batch zoo/ out/ --to safetensors --dtype bf16 --jobs 4
+      ckptconv batch zoo/ out/ --glob '**/*.pth' --resume
+      ckptconv batch zoo/ out/ --executor dask --scheduler tcp://host:8786
+    """
+    from .batching import batch as run_batch
+
+    quiet = options["quiet"]
+    if options["scheduler"] and options["executor"] != "dask":
+        raise click.UsageError("--scheduler needs --executor dask")
+    if options["max_shard_size"] is not None or options["to"] == "dcp":
+        raise click.UsageError("batch writes one file per item; --max-shard-size and --to dcp are for convert")
+    try:
+        report = run_batch(
+            src,
+            dst,
+            select=options["select"],
+            transforms=_pipeline([], options),
+            to=options["to"] or "safetensors",
+            glob=options["globs"],
+            jobs=options["jobs"],
+            executor=options["executor"],
+            scheduler=options["scheduler"],
+            resume=options["resume"],
+            fail_fast=options["fail_fast"],
+            overwrite=options["overwrite"],
+            trust=options["trust"],
+            verify=options["verify"],
+            dry_run=options["dry_run"],
+            checksums=not options["no_checksums"],
+            fsync=not options["no_fsync"],
+            keep_meta=options["keep_meta"],
+            source_hash=not options["no_source_hash"],
+            progress=not quiet and sys.stderr.isatty(),
+        )
+    except KeyboardInterrupt:
+        if os.environ.get("CKPTCONV_DEBUG"):
+            raise
+        # Not the generic message: finished items are recorded, and --resume carries on.
+        click.echo(f"ckptconv: interrupted; finished items are recorded in the manifest under {dst!r}; "
+                   "run again with --resume to carry on", err=True)
+        click.get_current_context().exit(130)
+    if not report.results:
+        _say(quiet, f"found no checkpoints under {src!r}" + (" matching --glob" if options["globs"] else ""))
+        return
+    if report.dry_run:
+        for result in report.results:
+            if result.status == "planned":
+                click.echo(f"{result.source} -> {result.output}")
+            elif result.status == "skipped":
+                click.echo(f"{result.source}: converted already, skipped")
+            else:
+                click.echo(f"{result.source}: cannot convert: {result.error}")
+    for result in report.failed:  # errors: shown even with -q
+        click.echo(f"failed: {result.source}: {result.error}", err=True)
+    if report.cancelled:
+        _say(quiet, f"stopped after the first failure (--fail-fast); {len(report.cancelled)} items were not started")
+    manifest = f"; manifest: {report.manifest}" if report.manifest else "; nothing was written"
+    _say(quiet, report.summary() + manifest)
+    click.get_current_context().exit(report.exit_code)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -1,0 +1,319 @@
+"""Batch: convert every checkpoint under a folder the same way, with a manifest.
+
+:func:`batch` is the whole flow in one call, and what ``ckptconv batch`` runs::
+
+    discovery.py   discover() / plan_outputs()   the items, and where each output goes
+    manifest.py    Manifest                      what is done already (resume); append each result
+    executors.py   run_local() / run_dask()      convert items in workers that never raise
+    report.py      BatchReport                   per-item results and the exit code
+
+It prints nothing; progress is a parameter, and the report says what happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, Optional, Union
+
+from ._version import __version__
+from .discovery import FILE, Planned, discover, plan_outputs
+from .errors import WriteError
+from .executors import Job, Options, run_dask, run_local, sha256_file
+from .manifest import MANIFEST_NAME, Manifest, latest_conversions, now
+from .report import CANCELLED, FAILED, PLANNED, SKIPPED, BatchReport, ItemResult
+from .transforms import Pipeline, Transform
+from .writing import output_format
+
+__all__ = ["batch"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+BatchProgress = Union[bool, Callable[[ItemResult], None]]
+
+EXECUTORS = ("local", "dask")
+
+
+def _fingerprint(options: Options) -> str:
+    """What decides an output's bytes: a resumed item must have been made with the same."""
+    described = {
+        "select": options.select,
+        "transforms": options.transforms.describe(),
+        "format": options.format,
+        "trust": options.trust,
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _still_done(plan: Planned, record: Optional[dict[str, Any]], output_dir: str, fingerprint: str) -> bool:
+    """True if ``record`` vouches for this item's current output (see :func:`batch`, ``resume``)."""
+    item = plan.item
+    if record is None or record.get("options") != fingerprint or record.get("output") != plan.output:
+        return False
+    if record.get("source_size") != item.size:
+        return False
+    if record.get("source_mtime_ns") != item.mtime_ns:
+        # Touched or copied: the same bytes still count, if we know them.
+        recorded = record.get("source_sha256")
+        if not recorded or item.kind != FILE:
+            return False
+        try:
+            if sha256_file(item.path) != recorded:
+                return False
+        except OSError:
+            return False
+    outputs = record.get("outputs") or []
+    if not outputs:
+        return False
+    for output in outputs:
+        try:
+            if os.stat(os.path.join(output_dir, str(output["path"]))).st_size != output["size"]:
+                return False
+        except (OSError, KeyError, TypeError):
+            return False
+    return True
+
+
+def _progress(progress: BatchProgress, total_bytes: int, total_items: int) -> tuple[Callable[[ItemResult], None], Callable[[], None]]:
+    if callable(progress):
+        return progress, lambda: None
+    if not progress:
+        return (lambda result: None), (lambda: None)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="ckptconv batch",
+               dynamic_ncols=True, file=sys.stderr, smoothing=0.05)
+    counts = {"done": 0, "failed": 0}
+    bar.set_postfix_str(f"0/{total_items} items", refresh=False)
+
+    def update(result: ItemResult) -> None:
+        counts["done"] += 1
+        counts["failed"] += result.status == FAILED
+        failed = f", {counts['failed']} failed" if counts["failed"] else ""
+        bar.set_postfix_str(f"{counts['done']}/{total_items} items{failed}", refresh=False)
+        bar.update(result.source_size)
+
+    return update, bar.close
+
+
+def batch(
+    source_dir: PathLike,
+    output_dir: PathLike,
+    *,
+    select: Optional[str] = None,
+    transforms: Union[Pipeline, Sequence[Transform]] = (),
+    to: Optional[str] = "safetensors",
+    glob: Union[str, Sequence[str], None] = None,
+    jobs: int = 1,
+    executor: str = "local",
+    scheduler: Optional[str] = None,
+    resume: bool = False,
+    fail_fast: bool = False,
+    overwrite: bool = False,
+    trust: bool = False,
+    verify: bool = False,
+    dry_run: bool = False,
+    checksums: bool = True,
+    fsync: bool = True,
+    keep_meta: bool = False,
+    source_hash: bool = True,
+    progress: BatchProgress = False,
+) -> BatchReport:
+    """Convert every checkpoint under ``source_dir`` into ``output_dir``, mirroring the tree.
+
+    Items are found by content and name (see :mod:`ckptconv.discovery`); a
+    sharded checkpoint (index and shards) or a DCP folder is one item. Each
+    item is converted as :func:`ckptconv.convert` would, in a worker that gets
+    its paths, never tensors, and returns a result instead of raising: a bad
+    file never stops the batch (unless ``fail_fast``). Each result is appended
+    to ``output_dir/ckptconv-manifest.jsonl`` as soon as the item finishes.
+
+    Args:
+        source_dir: the folder to search, recursively.
+        output_dir: where outputs go (created if missing); ``a/b/model.pth``
+            becomes ``a/b/model.safetensors`` there.
+        select: where the weights are in each file (as for :func:`ckptconv.convert`).
+        transforms: steps applied to every item.
+        to: ``"safetensors"`` (also for None) or ``"pt"``.
+        glob: only items whose relative path matches (``"**/*.pth"``); several allowed.
+        jobs: items converted at once: 1 converts in this process, more start
+            that many worker processes (for ``executor="dask"`` without a
+            scheduler, the local cluster's size).
+        executor: ``"local"`` or ``"dask"`` (needs ``pip install 'ckptconv[dask]'``).
+        scheduler: with ``executor="dask"``, the scheduler's address
+            (``"tcp://host:8786"``); None starts a local cluster.
+        resume: skip items whose latest manifest record says they were converted
+            with the same options from a source of the same size and mtime (or,
+            if the mtime changed, the same sha256) into an output that still
+            exists with the recorded size. Other items are converted again,
+            replacing an output no record vouches for (a killed run may have
+            written it without recording it).
+        fail_fast: stop starting items after the first failure; items never
+            started are reported as cancelled.
+        overwrite: replace existing outputs.
+        trust: see :func:`ckptconv.open`. Dangerous: runs code from every file.
+        verify: re-read each output and compare it bit for bit before keeping it.
+        dry_run: find and plan, convert and write nothing (not even the manifest).
+        checksums: record the sha256 of every input and output (one more read of each).
+        fsync: make each output durable before it appears (the manifest always is).
+        keep_meta: ``.pt`` outputs keep the checkpoint's plain data beside the
+            weights (see :func:`ckptconv.convert`).
+        source_hash: record each source's sha256 in its output's provenance.
+        progress: True for one progress bar on stderr (items, bytes, rate, ETA),
+            or a callable given each :class:`ItemResult` as it finishes.
+
+    Returns:
+        A :class:`BatchReport`; its ``exit_code`` is 0 when every item was
+        converted (now or before) and 3 when any failed.
+
+    Raises:
+        LoadError: ``source_dir`` is missing or not a folder.
+        WriteError: ``output_dir`` cannot be created, is ``source_dir``, or is in
+            use by another batch; the manifest cannot be written.
+        CkptconvError: the dask executor is asked for but not installed or reachable.
+        ValueError: invalid ``jobs``, ``executor`` or ``scheduler``.
+
+    Example:
+        >>> report = ckptconv.batch("zoo", "out", transforms=[ckptconv.Cast("bf16")], jobs=4)  # doctest: +SKIP
+        >>> report.exit_code, [r.error for r in report.failed]                                 # doctest: +SKIP
+        (3, ["'broken.pt' is truncated ..."])
+    """
+    started = time.perf_counter()
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, not {executor!r}")
+    if scheduler is not None and executor != "dask":
+        raise ValueError("a scheduler address needs executor='dask'")
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, not {jobs}")
+    if (to or "").lower() == "dcp":
+        raise ValueError("batch writes one file per item; convert DCP outputs one by one with ckptconv convert")
+    pipeline = transforms if isinstance(transforms, Pipeline) else Pipeline.of(transforms)
+    options = Options(
+        format=output_format("", to or "safetensors"),
+        transforms=pipeline,
+        select=select,
+        overwrite=overwrite,
+        trust=trust,
+        verify=verify,
+        fsync=fsync,
+        checksums=checksums,
+        keep_meta=keep_meta,
+        source_hash=source_hash,
+    )
+    source = os.path.abspath(os.fspath(source_dir))
+    output = os.path.abspath(os.fspath(output_dir))
+    if output == source:
+        raise WriteError(f"the output folder {os.fspath(output_dir)!r} is the source folder; choose another one",
+                         path=output)
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise WriteError(f"{os.fspath(output_dir)!r} is a file; the output must be a folder", path=output)
+
+    globs = [glob] if isinstance(glob, str) else list(glob or ())
+    planned = plan_outputs(discover(source, globs=globs, exclude=[output]), options.format)
+    manifest_path = os.path.join(output, MANIFEST_NAME)
+    fingerprint = _fingerprint(options)
+    done = latest_conversions(manifest_path) if resume else {}
+
+    results: dict[str, ItemResult] = {}
+    refused: list[ItemResult] = []
+    todo: list[Job] = []
+    for plan in planned:
+        item = plan.item
+        if plan.problem:
+            refused.append(ItemResult(source=item.name, status=FAILED, kind=item.kind, output=plan.output,
+                                      source_size=item.size, source_mtime_ns=item.mtime_ns,
+                                      format=options.format, error=plan.problem, error_type="WriteError"))
+        elif resume and _still_done(plan, done.get(item.name), output, fingerprint):
+            previous = ItemResult.from_record(done[item.name])
+            results[item.name] = dataclasses.replace(previous, status=SKIPPED, duration_s=0.0)
+        else:
+            todo.append(Job(item, os.path.join(output, *plan.output.split("/")), plan.output, options,
+                            replace=resume))
+    results.update((result.source, result) for result in refused)
+
+    if dry_run:
+        for job in todo:
+            results[job.item.name] = ItemResult(source=job.item.name, status=PLANNED, kind=job.item.kind,
+                                                output=job.output_name, source_size=job.item.size,
+                                                source_mtime_ns=job.item.mtime_ns, format=options.format)
+        return _report(source, output, "", planned, results, started, dry_run=True)
+
+    try:
+        os.makedirs(output, exist_ok=True)
+    except OSError as error:
+        raise WriteError(f"cannot create the output folder {output!r}: {error.strerror or error}",
+                         path=output) from None
+    run = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + os.urandom(3).hex()
+    with Manifest(manifest_path, run=run, fingerprint=fingerprint) as manifest:
+        manifest.append("run", {
+            "started_at": now(),
+            "ckptconv_version": __version__,
+            "source_dir": source,
+            "output_dir": output,
+            "options": {
+                "fingerprint": fingerprint,
+                "select": select,
+                "transforms": pipeline.describe(),
+                "format": options.format,
+                "trust": trust,
+                "verify": verify,
+                "overwrite": overwrite,
+                "resume": resume,
+                "fail_fast": fail_fast,
+                "glob": globs,
+                "checksums": checksums,
+            },
+            "executor": executor,
+            "scheduler": scheduler,
+            "jobs": jobs,
+            "items": len(planned),
+            "to_convert": len(todo),
+        })
+        for result in refused:
+            manifest.item(result)
+        stopped = fail_fast and bool(refused)
+        update, close = _progress(progress, sum(job.item.size for job in todo), len(todo))
+        try:
+            for result in _execute(todo, executor=executor, scheduler=scheduler, jobs=jobs, stop=lambda: stopped):
+                manifest.item(result)
+                results[result.source] = result
+                update(result)
+                if fail_fast and result.status == FAILED:
+                    stopped = True
+        finally:
+            close()
+        for job in todo:
+            if job.item.name not in results:
+                results[job.item.name] = ItemResult(source=job.item.name, status=CANCELLED, kind=job.item.kind,
+                                                    output=job.output_name, source_size=job.item.size,
+                                                    source_mtime_ns=job.item.mtime_ns, format=options.format)
+        report = _report(source, output, manifest_path, planned, results, started)
+        manifest.append("end", {
+            "finished_at": now(),
+            "converted": len(report.converted),
+            "skipped": len(report.skipped),
+            "failed": len(report.failed),
+            "cancelled": len(report.cancelled),
+            "duration_s": round(report.duration_s, 3),
+        })
+    return report
+
+
+def _execute(todo: Sequence[Job], *, executor: str, scheduler: Optional[str], jobs: int,
+             stop: Callable[[], bool]) -> Iterator[ItemResult]:
+    if not todo:
+        return iter(())
+    if executor == "dask":
+        return run_dask(todo, scheduler=scheduler, workers=jobs, stop=stop)
+    return run_local(todo, workers=jobs, stop=stop)
+
+
+def _report(source: str, output: str, manifest: str, planned: Sequence[Planned], results: dict[str, ItemResult],
+            started: float, *, dry_run: bool = False) -> BatchReport:
+    ordered = tuple(results[plan.item.name] for plan in planned if plan.item.name in results)
+    return BatchReport(source_dir=source, output_dir=output, manifest=manifest, results=ordered,
+                       duration_s=time.perf_counter() - started, dry_run=dry_run)

@@ -1,0 +1,332 @@
+"""Discover: find the checkpoints under a folder and name their outputs.
+
+This is the pure *planning* half of :func:`ckptconv.batch` (no tensor is read,
+no torch is imported): :func:`discover` walks a folder and returns one
+:class:`Item` per checkpoint, and :func:`plan_outputs` gives each item its
+output path, mirroring the input tree.
+
+What counts as one item:
+
+* a file whose **name** ends in a checkpoint suffix (``.pt``, ``.pth``,
+  ``.bin``, ``.pkl``, ``.pickle``, ``.ckpt``, ``.safetensors``, ``.pth.tar``,
+  ``.pt.tar``), whatever its content, so that a broken ``model.pt`` is reported
+  rather than silently passed over;
+* any other file whose **content** is a torch zip checkpoint, a legacy torch
+  file or safetensors (plain pickles are only taken by suffix: too many other
+  things are pickles);
+* a **sharded checkpoint**: a ``*.index.json`` with a ``weight_map`` and the
+  shards it names count as one item, the shards are never items of their own;
+* a **DCP folder** (``torch.distributed.checkpoint``: ``.metadata`` and
+  ``*.distcp``) is one item.
+
+Hidden files and folders (``.git``, the ``.partial`` files of unfinished
+writes) and everything else (``config.json``, ``README.md``) are left alone.
+With ``globs``, only items whose relative path matches one of them are kept.
+
+Output names: the item's relative path, minus its checkpoint suffix, plus the
+suffix of the output format (``a/b/model.pth`` -> ``a/b/model.safetensors``,
+``hf/model.safetensors.index.json`` -> ``hf/model.safetensors``,
+``run/dcp/`` -> ``run/dcp.safetensors``). When two items would get the same
+output (``x.pt`` and ``x.pth``), *all* of them keep their full name instead
+(``x.pt.safetensors``, ``x.pth.safetensors``), so the rule never depends on
+which one is seen first; items that still collide are not converted and say so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zipfile
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from .errors import LoadError
+
+__all__ = ["Item", "Planned", "discover", "output_name", "plan_outputs"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+FILE = "file"
+SHARDED = "sharded"
+DCP = "dcp"
+
+# Longest first, so "x.pth.tar" loses ".pth.tar", not ".tar".
+CHECKPOINT_SUFFIXES = (".pth.tar", ".pt.tar", ".safetensors", ".pickle", ".ckpt", ".pth", ".pkl", ".bin", ".pt")
+_STRIPPED_SUFFIXES = (*CHECKPOINT_SUFFIXES, ".tar")
+_OUTPUT_SUFFIX = {"safetensors": ".safetensors", "pt": ".pt"}
+_INDEX_SUFFIX = ".index.json"
+_DCP_MARKER = ".metadata"
+
+
+@dataclass(frozen=True)
+class Item:
+    """One checkpoint to convert.
+
+    Attributes:
+        name: its path relative to the source folder, ``/``-separated: the file,
+            the ``*.index.json`` of a sharded checkpoint, or the DCP folder.
+        path: the absolute path of the same.
+        kind: ``"file"``, ``"sharded"`` or ``"dcp"``.
+        size: bytes, summed over every file of the item.
+        mtime_ns: the latest modification time among its files.
+        members: for sharded and DCP items, every file it consists of (relative
+            paths, the index first); empty for a single file.
+    """
+
+    name: str
+    path: str
+    kind: str
+    size: int
+    mtime_ns: int
+    members: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Planned:
+    """An item and where its output goes.
+
+    Attributes:
+        item: the input.
+        output: the output path relative to the output folder (``/``-separated).
+        problem: why it cannot be converted (an output name collision), else ``""``.
+    """
+
+    item: Item
+    output: str
+    problem: str = ""
+
+
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    """A path glob: ``**/`` spans folders (or none), ``*`` and ``?`` stay within one."""
+    out = []
+    index = 0
+    pattern = pattern.replace(os.sep, "/").lstrip("/")
+    while index < len(pattern):
+        char = pattern[index]
+        if pattern.startswith("**/", index):
+            out.append("(?:.*/)?")
+            index += 3
+            continue
+        if pattern.startswith("**", index):
+            out.append(".*")
+            index += 2
+            continue
+        if char == "*":
+            out.append("[^/]*")
+        elif char == "?":
+            out.append("[^/]")
+        elif char == "[":
+            end = pattern.find("]", index + 2 if pattern[index + 1 : index + 2] in ("!", "]") else index + 1)
+            if end == -1:
+                out.append(re.escape(char))
+            else:
+                body = pattern[index + 1 : end]
+                if body.startswith("!"):
+                    body = "^" + body[1:]
+                out.append(f"[{body.replace(chr(92), chr(92) * 2)}]")
+                index = end
+        else:
+            out.append(re.escape(char))
+        index += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def _stat(path: str) -> tuple[int, int]:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return 0, 0  # a dangling link; converting it reports why
+    return info.st_size, info.st_mtime_ns
+
+
+def _head(path: str, count: int = 512) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            return file.read(count)
+    except OSError:
+        return b""
+
+
+def _is_checkpoint(path: str, name: str) -> bool:
+    """True for files named like checkpoints, and for files whose content is one."""
+    from .formats import safetensors, torch_legacy, torch_zip
+
+    if name.lower().endswith(CHECKPOINT_SUFFIXES):
+        return True
+    head = _head(path)
+    size, _ = _stat(path)
+    if safetensors.looks_safetensors(head, size) or torch_legacy.looks_legacy(head):
+        return True
+    if torch_zip.is_zip(head):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                return any(member.endswith("/data.pkl") or member == "data.pkl" for member in archive.namelist())
+        except (OSError, zipfile.BadZipFile, ValueError):
+            return False
+    return False
+
+
+def _index_shards(path: str) -> Optional[list[str]]:
+    """The shard file names a ``*.index.json`` names; None if it is not a readable index."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            index = json.load(file)
+    except (OSError, ValueError):
+        return None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        return None
+    return sorted({str(shard) for shard in weight_map.values()})
+
+
+def _relative(root: str, path: str) -> str:
+    relative = os.path.relpath(path, root)
+    return "" if relative == "." else relative.replace(os.sep, "/")
+
+
+def _join(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
+
+
+def _group(root: str, folder: str, rel_folder: str, name: str, kind: str, members: Sequence[str]) -> Item:
+    sizes = [_stat(os.path.join(folder, member)) for member in members]
+    path = os.path.join(folder, name) if kind == SHARDED else folder
+    if kind == DCP:
+        rel = rel_folder or os.path.basename(root)
+    else:
+        rel = _join(rel_folder, name)
+    return Item(
+        name=rel,
+        path=path,
+        kind=kind,
+        size=sum(size for size, _ in sizes),
+        mtime_ns=max((mtime for _, mtime in sizes), default=0),
+        members=tuple(_join(rel_folder, member) for member in members),
+    )
+
+
+def discover(
+    source_dir: PathLike,
+    *,
+    globs: Iterable[str] = (),
+    exclude: Iterable[PathLike] = (),
+) -> list[Item]:
+    """Every checkpoint under ``source_dir``, sorted by relative path.
+
+    Args:
+        source_dir: the folder to walk (recursively; links to folders are not followed).
+        globs: keep only items whose relative path, or one of whose files,
+            matches one of these (``"**/*.pth"``, ``"runs/*/last.ckpt"``).
+        exclude: folders to leave out (the output folder, when it is inside).
+
+    Returns:
+        One :class:`Item` per checkpoint.
+
+    Raises:
+        LoadError: ``source_dir`` is missing or not a folder.
+
+    Example:
+        >>> [item.name for item in discover("zoo")]  # doctest: +SKIP
+        ['a/model.pth', 'hf/model.safetensors.index.json', 'run1/dcp']
+    """
+    root = os.path.abspath(os.fspath(source_dir))
+    if not os.path.exists(root):
+        raise LoadError(f"{os.fspath(source_dir)!r} does not exist; check the path", path=root)
+    if not os.path.isdir(root):
+        raise LoadError(f"{os.fspath(source_dir)!r} is not a folder; use `ckptconv convert` for one file", path=root)
+    excluded = {os.path.abspath(os.fspath(path)) for path in exclude}
+    patterns = [_glob_regex(pattern) for pattern in globs]
+    items: list[Item] = []
+    for folder, subfolders, filenames in os.walk(root):
+        subfolders[:] = sorted(
+            name for name in subfolders
+            if not name.startswith(".") and os.path.join(folder, name) not in excluded
+        )
+        rel_folder = _relative(root, folder)
+        names = sorted(filenames)
+        taken: set[str] = set()
+        found: list[Item] = []
+        if _DCP_MARKER in names and any(name.endswith(".distcp") for name in names):
+            # torch.distributed.checkpoint writes one folder per checkpoint.
+            members = [_DCP_MARKER] + [name for name in names if name != _DCP_MARKER]
+            found.append(_group(root, folder, rel_folder, "", DCP, members))
+            taken.update(names)
+        for name in names:
+            if name in taken or not name.endswith(_INDEX_SUFFIX) or name.startswith("."):
+                continue
+            shards = _index_shards(os.path.join(folder, name))
+            if shards is None:
+                continue  # some other *.index.json; not a checkpoint
+            present = [shard for shard in shards if shard in filenames]
+            found.append(_group(root, folder, rel_folder, name, SHARDED, [name, *present]))
+            taken.update([name, *present])
+        for name in names:
+            if name in taken or name.startswith("."):
+                continue
+            path = os.path.join(folder, name)
+            if _is_checkpoint(path, name):
+                size, mtime = _stat(path)
+                found.append(Item(_join(rel_folder, name), path, FILE, size, mtime))
+        for item in found:
+            if not patterns or any(p.match(name) for p in patterns for name in (item.name, *item.members)):
+                items.append(item)
+    return sorted(items, key=lambda item: item.name)
+
+
+def output_name(item: Item, format: str, *, full: bool = False) -> str:  # noqa: A002
+    """The output's path relative to the output folder (see the module docstring).
+
+    Args:
+        item: the input.
+        format: ``"safetensors"`` or ``"pt"``.
+        full: keep the item's whole name and add the suffix (the collision rule).
+    """
+    base = item.name
+    if item.kind == SHARDED and base.endswith(_INDEX_SUFFIX):
+        base = base[: -len(_INDEX_SUFFIX)]
+    if not full:
+        lowered = base.lower()
+        for suffix in _STRIPPED_SUFFIXES:
+            if lowered.endswith(suffix) and len(base) > len(suffix) and base[-len(suffix) - 1] != "/":
+                base = base[: -len(suffix)]
+                break
+    return base + _OUTPUT_SUFFIX[format]
+
+
+def plan_outputs(items: Sequence[Item], format: str) -> list[Planned]:  # noqa: A002
+    """Give every item its output path, resolving collisions deterministically.
+
+    Args:
+        items: from :func:`discover`.
+        format: ``"safetensors"`` or ``"pt"``.
+
+    Returns:
+        One :class:`Planned` per item, in the same order.
+
+    Example:
+        >>> [p.output for p in plan_outputs(discover("zoo"), "safetensors")]  # doctest: +SKIP
+        ['a/x.pt.safetensors', 'a/x.pth.safetensors', 'b/model.safetensors']
+    """
+    names = [output_name(item, format) for item in items]
+    by_name: dict[str, list[int]] = defaultdict(list)
+    for index, name in enumerate(names):
+        by_name[name].append(index)
+    for indices in by_name.values():
+        if len(indices) > 1:
+            for index in indices:
+                names[index] = output_name(items[index], format, full=True)
+    final: dict[str, list[int]] = defaultdict(list)
+    for index, name in enumerate(names):
+        final[name].append(index)
+    planned = []
+    for index, (item, name) in enumerate(zip(items, names)):
+        problem = ""
+        clash = [items[other].name for other in final[name] if other != index]
+        if clash:
+            problem = (f"{item.name!r} and {', '.join(repr(c) for c in clash)} would all be written to {name!r}; "
+                       "rename one of them, or leave it out with --glob")
+        planned.append(Planned(item, name, problem))
+    return planned
