@@ -32,6 +32,8 @@ HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
 CKPTCONV = [PYTHON, "-m", "ckptconv"]
 TIME = shutil.which("time") if os.path.exists("/usr/bin/time") else None
+# Like cp and the torch scripts: no fsync, and no provenance hash of the whole source.
+FAST = " --no-fsync --no-source-hash"
 
 
 # ---------------------------------------------------------------------------------------
@@ -188,20 +190,22 @@ def cases_for(paths: dict[str, Path], out: Path, quick: bool) -> list[Case]:
         Case("cp", ["cp", str(pt), str(out / "copy.pt")], pt, out / "copy.pt"),
         Case("cp + fsync", ["sh", "-c", f"cp {pt} {out / 'copy_sync.pt'} && sync {out / 'copy_sync.pt'}"], pt,
              out / "copy_sync.pt"),
-        Case("ckptconv convert x.pt x.safetensors --no-fsync", [*CKPTCONV, "convert", str(pt), str(out / "a.safetensors"),
-             "--no-fsync", "-q"], pt, out / "a.safetensors"),
-        Case("ckptconv convert x.pt x.safetensors (fsync)", [*CKPTCONV, "convert", str(pt), str(out / "b.safetensors"),
-             "-q"], pt, out / "b.safetensors"),
-        Case("ckptconv strip-module x.pt y.pt --no-fsync", [*CKPTCONV, "strip-module", str(pt), str(out / "c.pt"),
-             "--no-fsync", "-q"], pt, out / "c.pt"),
-        Case("ckptconv convert x.pt x.safetensors --dtype bf16 --no-fsync", [*CKPTCONV, "convert", str(pt),
-             str(out / "d.safetensors"), "--dtype", "bf16", "--no-fsync", "-q"], pt, out / "d.safetensors"),
-        Case("ckptconv strip-module x.pt y.pt --dtype fp16 --no-fsync", [*CKPTCONV, "strip-module", str(pt),
-             str(out / "e.pt"), "--dtype", "fp16", "--no-fsync", "-q"], pt, out / "e.pt"),
-        Case("ckptconv strip-module legacy.pt y.pt --no-fsync", [*CKPTCONV, "strip-module", str(legacy),
-             str(out / "f.pt"), "--no-fsync", "-q"], legacy, out / "f.pt"),
-        Case("ckptconv convert x.safetensors y.pt --no-fsync", [*CKPTCONV, "convert", str(st), str(out / "g.pt"),
-             "--no-fsync", "-q"], st, out / "g.pt"),
+        Case("ckptconv convert x.pt x.safetensors (defaults: fsync, source sha256)", [*CKPTCONV, "convert",
+             str(pt), str(out / "b.safetensors"), "-q"], pt, out / "b.safetensors"),
+        Case("ckptconv convert x.pt x.safetensors --no-fsync", [*CKPTCONV, "convert", str(pt),
+             str(out / "h.safetensors"), "--no-fsync", "-q"], pt, out / "h.safetensors"),
+        Case("ckptconv convert x.pt x.safetensors" + FAST, [*CKPTCONV, "convert", str(pt),
+             str(out / "a.safetensors"), *FAST.split(), "-q"], pt, out / "a.safetensors"),
+        Case("ckptconv strip-module x.pt y.pt" + FAST, [*CKPTCONV, "strip-module", str(pt), str(out / "c.pt"),
+             *FAST.split(), "-q"], pt, out / "c.pt"),
+        Case("ckptconv convert x.pt x.safetensors --dtype bf16" + FAST, [*CKPTCONV, "convert", str(pt),
+             str(out / "d.safetensors"), "--dtype", "bf16", *FAST.split(), "-q"], pt, out / "d.safetensors"),
+        Case("ckptconv strip-module x.pt y.pt --dtype fp16" + FAST, [*CKPTCONV, "strip-module", str(pt),
+             str(out / "e.pt"), "--dtype", "fp16", *FAST.split(), "-q"], pt, out / "e.pt"),
+        Case("ckptconv strip-module legacy.pt y.pt" + FAST, [*CKPTCONV, "strip-module", str(legacy),
+             str(out / "f.pt"), *FAST.split(), "-q"], legacy, out / "f.pt"),
+        Case("ckptconv convert x.safetensors y.pt" + FAST, [*CKPTCONV, "convert", str(st), str(out / "g.pt"),
+             *FAST.split(), "-q"], st, out / "g.pt"),
         Case("ckptconv inspect x.pt", [*CKPTCONV, "inspect", str(pt)], pt, None),
         Case("ckptconv --help", [*CKPTCONV, "--help"], pt, None),
     ]
@@ -211,8 +215,8 @@ def cases_for(paths: dict[str, Path], out: Path, quick: bool) -> list[Case]:
             argv = [PYTHON, "-c", script, str(pt), str(target)]
             cases.append(Case(name, argv, pt, None if "import torch" in name else target))
         cases.append(Case("cp (cold cache)", ["cp", str(pt), str(out / "copy.pt")], pt, out / "copy.pt", cold=True))
-        cases.append(Case("ckptconv strip-module (cold cache) --no-fsync", [*CKPTCONV, "strip-module", str(pt),
-                          str(out / "c.pt"), "--no-fsync", "-q"], pt, out / "c.pt", cold=True))
+        cases.append(Case("ckptconv strip-module (cold cache)" + FAST, [*CKPTCONV, "strip-module", str(pt),
+                          str(out / "c.pt"), *FAST.split(), "-q"], pt, out / "c.pt", cold=True))
     return cases
 
 

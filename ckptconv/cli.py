@@ -223,6 +223,16 @@ batch_options = _compose(
 )
 
 
+# Everything a conversion command takes: SRC, DST and the three option sets.
+conversion_arguments = _compose(
+    click.argument("src", type=click.Path(dir_okay=True)),
+    click.argument("dst", type=click.Path(dir_okay=True)),
+    selection_options,
+    transform_options,
+    output_options,
+)
+
+
 def _pipeline(leading: Sequence[Any], options: dict[str, Any]) -> Any:
     from .transforms import AddPrefix, Canonicalize, Cast, Drop, Keep, Pipeline, Rename, StripPrefix
 
@@ -312,11 +322,7 @@ def cli() -> None:
 
 
 @cli.command()
-@click.argument("src", type=click.Path(dir_okay=True))
-@click.argument("dst", type=click.Path(dir_okay=True))
-@selection_options
-@transform_options
-@output_options
+@conversion_arguments
 def convert(src: str, dst: str, **options: Any) -> None:
     """Convert a checkpoint to .pt or safetensors, with optional transforms.
 
@@ -334,11 +340,7 @@ def convert(src: str, dst: str, **options: Any) -> None:
 
 
 @cli.command("strip-module")
-@click.argument("src", type=click.Path(dir_okay=True))
-@click.argument("dst", type=click.Path(dir_okay=True))
-@selection_options
-@transform_options
-@output_options
+@conversion_arguments
 def strip_module(src: str, dst: str, **options: Any) -> None:
     """Remove the 'module.' prefix DataParallel and DDP add to every key.
 
@@ -355,11 +357,7 @@ def strip_module(src: str, dst: str, **options: Any) -> None:
 
 
 @cli.command("add-module")
-@click.argument("src", type=click.Path(dir_okay=True))
-@click.argument("dst", type=click.Path(dir_okay=True))
-@selection_options
-@transform_options
-@output_options
+@conversion_arguments
 def add_module(src: str, dst: str, **options: Any) -> None:
     """Add the 'module.' prefix, to load into a DataParallel or DDP model.
 
@@ -373,14 +371,10 @@ def add_module(src: str, dst: str, **options: Any) -> None:
 
 
 @cli.command()
-@click.argument("src", type=click.Path(dir_okay=True))
-@click.argument("dst", type=click.Path(dir_okay=True))
+@conversion_arguments
 @click.option("--like", "reference", required=True, metavar="REF",
               help="What the keys must match: another checkpoint, a text file of key names, or "
                    "'package.module:factory' that builds your nn.Module (this imports your code).")
-@selection_options
-@transform_options
-@output_options
 def fit(src: str, dst: str, reference: str, **options: Any) -> None:
     """Rename a checkpoint's keys to match a reference model, then write it.
 

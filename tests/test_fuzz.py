@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from ckptconv.cli import cli
 
-from .fuzz.harness import CORPUS, exercise, exercise_pickle
+from .fuzz.harness import CORPUS, exercise, exercise_path, exercise_pickle
 from .hostile import CANARY
 
 SEEDS = sorted(CORPUS.iterdir())
@@ -101,5 +101,31 @@ def test_random_pickles_only_raise_ckptconv_errors(program: list[tuple[int, byte
     exercise_pickle(b"\x80\x02" + b"".join(bytes([op]) + argument for op, argument in program) + b".")
 
 
+# Folder formats: a DCP .metadata pickle and a sharded index, mutated in a copy of a real checkpoint.
+FOLDER_SETTINGS = settings(FUZZ_SETTINGS, max_examples=max(EXAMPLES // 10, 50))
+_GPU = Path(__file__).resolve().parent.parent / "fixtures" / "gpu"
 
 
+@FOLDER_SETTINGS
+@given(st.lists(mutation, min_size=1, max_size=4))
+def test_mutated_dcp_metadata_only_raises_ckptconv_errors(steps: list[tuple[object, ...]]) -> None:
+    import shutil
+
+    folder = _FOLDER / "dcp"
+    if not folder.exists():
+        shutil.copytree(_GPU / "fsdp2_dcp", folder)
+    (folder / ".metadata").write_bytes(mutate((_GPU / "fsdp2_dcp" / ".metadata").read_bytes(), steps))
+    exercise_path(folder, _FOLDER)
+
+
+@FOLDER_SETTINGS
+@given(st.lists(mutation, min_size=1, max_size=4))
+def test_mutated_shard_index_only_raises_ckptconv_errors(steps: list[tuple[object, ...]]) -> None:
+    import shutil
+
+    folder = _FOLDER / "sharded"
+    if not folder.exists():
+        shutil.copytree(_GPU / "hf_sharded_safetensors", folder)
+    index = "model.safetensors.index.json"
+    (folder / index).write_bytes(mutate((_GPU / "hf_sharded_safetensors" / index).read_bytes(), steps))
+    exercise_path(folder, _FOLDER)

@@ -238,3 +238,29 @@ def test_safetensors_input(tmp_path: Path) -> None:
     assert sorted(loaded) == sorted(state)
     for key in state:
         assert_same_tensor(loaded[key], state[key], key)
+
+
+def test_trust_hands_the_file_to_torch_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--trust is the one way to get real objects: torch.load(weights_only=False) unpickles the file."""
+    module_dir = tmp_path / "code"
+    module_dir.mkdir()
+    (module_dir / "trusted_nets.py").write_text(
+        "import torch.nn as nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = nn.Linear(3, 2)\n"
+    )
+    monkeypatch.syspath_prepend(str(module_dir))
+    import importlib
+
+    net = importlib.import_module("trusted_nets").Net()
+    path = tmp_path / "whole.pt"
+    torch.save({"model": net, "epoch": 2}, path)
+    checkpoint = ckptconv.open(path, trust=True)
+    assert checkpoint.trusted and checkpoint.foreign_globals == {}
+    assert checkpoint.tree["epoch"] == 2
+    assert_same_state(ckptconv.load(path, trust=True), net.state_dict())
+    # Without trust the same file opens too, through stand-ins, and gives the same weights.
+    assert "trusted_nets.Net" in ckptconv.open(path).foreign_globals
+    assert_same_state(ckptconv.load(path), net.state_dict())

@@ -110,18 +110,19 @@ def read(folder: str, *, max_items: Optional[int] = None) -> ReadResult:
         return path, start, length
 
     flat: dict[str, Any] = {}
+    devices: set[str] = set()
     for fqn, entry in tensors.items():
         if not isinstance(fqn, str):
             raise _damaged(folder, f"it names an entry {fqn!r}")
         record = _fields(entry, folder, f"entry {fqn!r}")
         if "chunks" in record:
-            flat[fqn] = _tensor(folder, fqn, record, region, max_items)
+            flat[fqn] = _tensor(folder, fqn, record, region, max_items, devices)
         else:
             path, start, length = region(fqn, ())
             flat[fqn] = torch_zip.read(path, region=(start, length), max_items=max_items).tree
     tree = _nest(flat, metadata.get("planner_data"))
     foreign = {name: count for name, count in unpickler.foreign_globals.items() if not name.startswith(_DCP_CLASSES)}
-    return ReadResult(FORMAT, tree, foreign_globals=foreign)  # type: ignore[arg-type]
+    return ReadResult(FORMAT, tree, foreign_globals=foreign, saved_devices=frozenset(devices))  # type: ignore[arg-type]
 
 
 def _tensor(
@@ -130,6 +131,7 @@ def _tensor(
     record: dict[str, Any],
     region: Callable[[str, tuple[int, ...]], tuple[str, int, int]],
     max_items: Optional[int],
+    devices: set[str],
 ) -> TensorRef:
     size = record.get("size")
     chunks = record.get("chunks")
@@ -149,7 +151,9 @@ def _tensor(
                     for o, n, d in zip(offsets, sizes, shape)):
             raise _damaged(folder, f"{fqn!r} has a chunk at {offsets!r} of size {sizes!r}")
         path, start, length = region(fqn, tuple(offsets))
-        piece = torch_zip.read(path, region=(start, length), max_items=max_items).tree
+        result = torch_zip.read(path, region=(start, length), max_items=max_items)
+        devices |= result.saved_devices
+        piece = result.tree
         if not isinstance(piece, TensorRef) or piece.shape != tuple(sizes):
             raise _damaged(folder, f"the chunk of {fqn!r} at {list(offsets)} is not a tensor of size {list(sizes)}")
         pieces.append((tuple(offsets), piece))

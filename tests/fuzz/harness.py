@@ -23,6 +23,11 @@ def exercise(data: bytes, folder: Path) -> None:
     """
     path = folder / "input"
     path.write_bytes(data)
+    exercise_path(path, folder)
+
+
+def exercise_path(path: Path, folder: Path) -> None:
+    """The same for a checkpoint already on disk (a file, or a sharded or DCP folder)."""
     try:
         checkpoint = ckptconv.open(path)
         total = 0
