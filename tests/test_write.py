@@ -233,3 +233,31 @@ def test_streaming_in_many_chunks_is_exact(
         with zipfile.ZipFile(output) as archive:
             assert archive.testzip() is None
         assert_same_state(torch.load(output, weights_only=True, mmap=True), expected, ordered=False)
+
+
+def test_pt_output_loads_when_torch_computes_record_offsets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch can compute record offsets instead of reading them (calculate_storage_offsets); with
+    TORCH_SERIALIZATION_DEBUG=1 it checks every computed offset, including page-phase-padded records."""
+    import subprocess
+    import sys
+
+    import ckptconv.formats.torch_zip
+
+    monkeypatch.setattr(ckptconv.formats.torch_zip, "PHASE_MATCH_BYTES", 1)
+    source = tmp_path / "in.pt"
+    torch.save({"module.a": torch.randn(1000), "module.b": torch.randn(300, 7), "module.c": torch.arange(10)}, source)
+    output = tmp_path / "out.pt"
+    ckptconv.convert(source, output, transforms=[ckptconv.StripPrefix("module")])
+    script = (
+        "import sys, torch\n"
+        "from torch.utils.serialization import config\n"
+        "config.load.calculate_storage_offsets = True\n"
+        "ref = torch.load(sys.argv[1])\n"
+        "for mmap in (False, True):\n"
+        "    got = torch.load(sys.argv[2], mmap=mmap)\n"
+        "    assert all(torch.equal(got[k[7:]], v) for k, v in ref.items())\n"
+    )
+    if not hasattr(__import__("torch.utils.serialization", fromlist=["config"]), "config"):
+        pytest.skip("this torch cannot compute record offsets")
+    subprocess.run([sys.executable, "-c", script, str(source), str(output)], check=True,
+                   env={**os.environ, "TORCH_SERIALIZATION_DEBUG": "1"})
