@@ -26,26 +26,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import errors as _errors
 from ._version import __version__
+from .errors import *  # noqa: F403 - the error classes are small, so they load eagerly
 
 if TYPE_CHECKING:
     from .batching import batch
     from .conversion import ConversionReport, convert
-    from .errors import (
-        CastOverflowError,
-        CkptconvError,
-        FitError,
-        KeyCollisionError,
-        LoadError,
-        MalformedCheckpointError,
-        OutputExistsError,
-        SelectionError,
-        TransformError,
-        UnsafeCheckpointError,
-        UnsupportedFormatError,
-        VerifyError,
-        WriteError,
-    )
     from .fitting import FitReport, Reference, fit, load_into
     from .inspection import CheckpointInfo, TensorInfo, inspect
     from .loading import Checkpoint, load, open
@@ -71,21 +58,6 @@ _HOMES = {
     ".batching": ["batch"],
     ".report": ["BatchReport", "ItemResult"],
     ".conversion": ["ConversionReport", "convert"],
-    ".errors": [
-        "CastOverflowError",
-        "CkptconvError",
-        "FitError",
-        "KeyCollisionError",
-        "LoadError",
-        "MalformedCheckpointError",
-        "OutputExistsError",
-        "SelectionError",
-        "TransformError",
-        "UnsafeCheckpointError",
-        "UnsupportedFormatError",
-        "VerifyError",
-        "WriteError",
-    ],
     ".fitting": ["FitReport", "Reference", "fit", "load_into"],
     ".inspection": ["CheckpointInfo", "TensorInfo", "inspect"],
     ".loading": ["Checkpoint", "load", "open"],
@@ -108,7 +80,7 @@ _HOMES = {
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
-__all__ = sorted([*_HOME_OF, "__version__"])
+__all__ = sorted([*_HOME_OF, *_errors.__all__, "__version__"])
 
 
 def __getattr__(name: str) -> Any:

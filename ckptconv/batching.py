@@ -24,7 +24,8 @@ from typing import Any, Callable, Optional, Union
 from ._version import __version__
 from .discovery import FILE, Planned, discover, plan_outputs
 from .errors import WriteError
-from .executors import Job, Options, run_dask, run_local, sha256_file
+from .executors import Job, Options, run_dask, run_local
+from .metadata import file_sha256
 from .manifest import MANIFEST_NAME, Manifest, latest_conversions, now
 from .report import CANCELLED, FAILED, PLANNED, SKIPPED, BatchReport, ItemResult
 from .transforms import Pipeline, Transform
@@ -45,6 +46,8 @@ def _fingerprint(options: Options) -> str:
         "transforms": options.transforms.describe(),
         "format": options.format,
         "trust": options.trust,
+        "keep_meta": options.keep_meta,
+        "source_hash": options.source_hash,
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -62,7 +65,7 @@ def _still_done(plan: Planned, record: Optional[dict[str, Any]], output_dir: str
         if not recorded or item.kind != FILE:
             return False
         try:
-            if sha256_file(item.path) != recorded:
+            if file_sha256(item.path) != recorded:
                 return False
         except OSError:
             return False

@@ -53,6 +53,8 @@ class ConversionReport:
         verified: True when the output was verified, None when not asked.
         renames: the first ``(old, new)`` key pairs, for ``--dry-run``.
         files: every file written (one, or the shards and the index of a folder).
+        source_sha256: the source's sha256 recorded in the provenance (None with
+            ``source_hash=False``; for folders, see :func:`ckptconv.metadata.source_sha256`).
     """
 
     source: str
@@ -70,6 +72,7 @@ class ConversionReport:
     verified: Optional[bool] = None
     renames: tuple[tuple[str, str], ...] = ()
     files: tuple[str, ...] = ()
+    source_sha256: Optional[str] = None
 
 
 def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> list[str]:
@@ -80,7 +83,7 @@ def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> l
         return [f"removed wrappers: {removed}"]
     if not isinstance(step, StripPrefix) or not report.unchanged:
         return []
-    prefix = step.prefix.rstrip(".") + "."
+    prefix = step.component
     if report.changed == 0:
         starts = sorted({wrapper for wrapper in _KNOWN_WRAPPERS for key in keys if key.startswith(wrapper)})
         hint = f"; keys start with {', '.join(repr(s) for s in starts)}" if starts else ""
@@ -229,6 +232,7 @@ def convert(
             raise VerifyError(f"{result.summary()}; the output was not written")
 
     give_up = threading.Event()
+    digest: Optional[concurrent.futures.Future[str]] = None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as hasher:
         if source_hash:
             digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)
@@ -265,4 +269,5 @@ def convert(
         files=written.files,
         notes=tuple(notes),
         verified=True if verify else None,
+        source_sha256=digest.result() if digest is not None else None,
     )

@@ -34,7 +34,6 @@ which one is seen first; items that still collide are not converted and say so.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import zipfile
@@ -171,13 +170,12 @@ def _is_checkpoint(path: str, name: str) -> bool:
 
 def _index_shards(path: str) -> Optional[list[str]]:
     """The shard file names a ``*.index.json`` names; None if it is not a readable index."""
+    from .errors import CkptconvError
+    from .formats.sharded import read_index
+
     try:
-        with open(path, encoding="utf-8") as file:
-            index = json.load(file)
-    except (OSError, ValueError):
-        return None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
+        weight_map, _ = read_index(path)
+    except (CkptconvError, OSError):
         return None
     return sorted({str(shard) for shard in weight_map.values()})
 

@@ -22,7 +22,6 @@ draining what is already running.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib
 import multiprocessing
 import os
@@ -43,7 +42,7 @@ from .errors import CkptconvError, LoadError, WriteError
 from .report import CONVERTED, FAILED, ItemResult, OutputFile
 from .transforms import Pipeline
 
-__all__ = ["Job", "Options", "run_dask", "run_job", "run_local", "sha256_file"]
+__all__ = ["Job", "Options", "run_dask", "run_job", "run_local"]
 
 Stop = Callable[[], bool]
 
@@ -88,20 +87,6 @@ class Job:
 # ---------------------------------------------------------------------------------------
 # The worker: one item in, one result out, never an exception
 # ---------------------------------------------------------------------------------------
-
-
-def sha256_file(path: str) -> str:
-    """The hex sha256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    buffer = bytearray(1 << 20)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as file:
-        while True:
-            count = file.readinto(buffer)
-            if not count:
-                break
-            digest.update(view[:count])
-    return digest.hexdigest()
 
 
 def _failed(job: Job, error_type: str, message: str, trace: str = "") -> ItemResult:
@@ -165,7 +150,7 @@ def _snapshot(item: Item) -> tuple[int, int]:
 def _convert(job: Job) -> ItemResult:
     """Convert one item; sharded checkpoints and DCP folders are one item each, never split."""
     from .conversion import convert
-    from .metadata import source_sha256
+    from .metadata import file_sha256, source_sha256
 
     item, options = job.item, job.options
     _prepare_folder(job.output)
@@ -183,14 +168,15 @@ def _convert(job: Job) -> ItemResult:
         keep_meta=options.keep_meta,
         source_hash=options.source_hash,
     )
-    source_sha = source_sha256(item.path) if options.checksums else None
+    # The provenance hash convert() already took covers the source; hash only if it did not.
+    source_sha = (report.source_sha256 or source_sha256(item.path)) if options.checksums else None
     after = _snapshot(item)
     if before is None or after != before:
         os.unlink(job.output)
         raise LoadError(f"{item.name!r} changed while it was being converted; run the batch again with --resume",
                         path=item.path)
     output_size = os.stat(job.output).st_size
-    output_sha = sha256_file(job.output) if options.checksums else None
+    output_sha = file_sha256(job.output) if options.checksums else None
     return ItemResult(
         source=item.name,
         status=CONVERTED,

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from .errors import FitError, LoadError, UnsupportedFormatError
+from .errors import FitError, KeyCollisionError, LoadError, UnsupportedFormatError
 from .transforms import AddPrefix, Canonicalize, StripPrefix, Transform, canonical_keys
 
 if TYPE_CHECKING:
@@ -199,23 +199,15 @@ class _Plan:
 
 
 def _apply_plan(keys: Sequence[str], steps: Sequence[Transform]) -> Optional[dict[str, str]]:
-    """Where each key ends up under ``steps``, or None if two keys would collide."""
-    mapping = {key: key for key in keys}
-    for step in steps:
-        if isinstance(step, Canonicalize):
-            renamed, _ = canonical_keys(mapping.values())
-        elif isinstance(step, StripPrefix):
-            prefix = step.prefix.rstrip(".") + "."
-            renamed = {k: k[len(prefix):] if k.startswith(prefix) else k for k in mapping.values()}
-        elif isinstance(step, AddPrefix):
-            prefix = step.prefix.rstrip(".") + "."
-            renamed = {k: prefix + k for k in mapping.values()}
-        else:
-            raise AssertionError(step)
-        mapping = {key: renamed[current] for key, current in mapping.items()}
-        if len(set(mapping.values())) != len(mapping):
-            return None
-    return mapping
+    """Where each key ends up under ``steps`` (the transforms themselves, run on the names
+    alone), or None if two keys would collide."""
+    names: dict[str, Any] = {key: key for key in keys}  # new name -> original name
+    try:
+        for step in steps:
+            names, _ = step.apply(names)
+    except KeyCollisionError:
+        return None
+    return {original: name for name, original in names.items()}
 
 
 def _candidate_plans(keys: Sequence[str], target: set[str]) -> list[_Plan]:

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from . import formats
 from .errors import CkptconvError, LoadError, MalformedCheckpointError
 from .formats._base import ReadResult
-from .selection import Selection, select_weights
+from .selection import Selection, children, select_weights
 from .tensor import TensorRef
-from .unpickler import ForeignObject, NumpyArray
+from .unpickler import NumpyArray
 
 if TYPE_CHECKING:
     import torch
@@ -87,15 +87,7 @@ class Checkpoint:
             if id(value) in seen:
                 continue
             seen.add(id(value))
-            children: list[tuple[Any, Any]] = []
-            if isinstance(value, Mapping):
-                children = list(value.items())
-            elif isinstance(value, (list, tuple)):
-                children = list(enumerate(value))
-            elif isinstance(value, ForeignObject):
-                children = list(value.attributes().items()) + list(value.items.items())
-                children += list(enumerate(value.list_items))
-            for key, child in reversed(children):
+            for key, child in reversed(children(value)):
                 stack.append((f"{path}.{key}" if path else str(key), child))
 
 

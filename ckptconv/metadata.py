@@ -128,14 +128,6 @@ def source_sha256(path: str, stop: Optional[threading.Event] = None) -> str:
     return digest.hexdigest()
 
 
-def source_name(path: str) -> str:
-    return os.path.basename(path)
-
-
 def encode_entries(entries: Mapping[str, Any], prefix: str) -> dict[str, str]:
     """Metadata entries as strings (JSON), each under ``prefix + key``."""
     return {f"{prefix}{key}": json.dumps(value, ensure_ascii=False) for key, value in entries.items()}
-
-
-def decode_entry(text: Optional[str]) -> Any:
-    return None if text is None else json.loads(text)

@@ -214,17 +214,21 @@ def _as_candidate(value: Any, path: tuple[PathPart, ...]) -> Optional[_Candidate
     return None
 
 
-def _children(value: Any) -> list[tuple[PathPart, Any]]:
-    items = _mapping_items(value)
-    if items is not None:
-        return [(key, item) for key, item in items if isinstance(key, (str, int))]
+def children(value: Any) -> list[tuple[Any, Any]]:
+    """The entries one level inside ``value``: mapping items, sequence items, a stand-in's
+    attributes, dict items and list items. The one walker every tree traversal uses."""
+    if isinstance(value, Mapping):
+        return list(value.items())
     if isinstance(value, (list, tuple)):
         return list(enumerate(value))
     if isinstance(value, ForeignObject):
-        children: list[tuple[PathPart, Any]] = list(value.attributes().items())
-        children += list(enumerate(value.list_items))
-        return children
+        return [*value.attributes().items(), *value.items.items(), *enumerate(value.list_items)]
     return []
+
+
+def _children(value: Any) -> list[tuple[PathPart, Any]]:
+    """:func:`children` whose keys can be written in a ``--select`` path."""
+    return [(key, item) for key, item in children(value) if isinstance(key, (str, int))]
 
 
 def _candidates(root: Any, base: tuple[PathPart, ...]) -> list[_Candidate]:

@@ -40,6 +40,13 @@ __all__ = ["FileRegion", "InMemory", "Storage", "TensorRef", "ZipMember"]
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 
 
+# Every byte source has one interface: ``opened()`` yields a ``read_into(start, out)``
+# that fills a buffer from ``start`` (in the source's own numbering), keeping
+# whatever must stay open (a file, a decompressor) open for many reads; and
+# ``paths()`` names the files it reads, so a writer never overwrites them.
+ReadInto = Callable[[int, memoryview], None]
+
+
 @dataclass(frozen=True)
 class FileRegion:
     """Bytes stored uncompressed at ``offset`` in the file at ``path``.
@@ -52,13 +59,18 @@ class FileRegion:
     offset: int
     crc32: Optional[int] = None
 
-    def read(self, start: int, length: int) -> bytes:
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[ReadInto]:
         with open(self.path, "rb") as file:
-            return read_exactly(file.fileno(), self.offset + start, length, self.path)
+            fd = file.fileno()
 
-    def read_into(self, start: int, out: memoryview) -> None:
-        with open(self.path, "rb") as file:
-            read_exactly_into(file.fileno(), self.offset + start, out, self.path)
+            def read_into(start: int, out: memoryview) -> None:
+                read_exactly_into(fd, self.offset + start, out, self.path)
+
+            yield read_into
+
+    def paths(self) -> frozenset[str]:
+        return frozenset({self.path})
 
 
 # What zipfile raises on a damaged compressed member: a corrupt deflate stream
@@ -74,42 +86,35 @@ class ZipMember:
     path: str
     name: str
 
-    def read(self, start: int, length: int) -> bytes:
-        with self.opened() as read:
-            return read(start, length)
-
-    def read_into(self, start: int, out: memoryview) -> None:
-        out[:] = self.read(start, len(out))
-
     @contextlib.contextmanager
-    def opened(self) -> Iterator[Callable[[int, int], bytes]]:
-        """A ``read(start, length)`` over one open member.
-
-        Reading chunk after chunk through it decompresses the member once;
-        reopening it per chunk made a large record cost quadratic time.
-        """
+    def opened(self) -> Iterator[ReadInto]:
+        """Reads over one open member: chunk after chunk decompresses the member once
+        (reopening it per chunk made a large record cost quadratic time)."""
         try:
             archive = zipfile.ZipFile(self.path)
             member = archive.open(self.name)
         except _DECOMPRESS_ERRORS as error:
             raise self._damaged(error) from None
 
-        def read(start: int, length: int) -> bytes:
+        def read_into(start: int, out: memoryview) -> None:
             try:
                 if member.tell() != start:
                     member.seek(start)
-                data = member.read(length)
+                data = member.read(out.nbytes)
             except _DECOMPRESS_ERRORS as error:
                 raise self._damaged(error) from None
-            if len(data) != length:
+            if len(data) != out.nbytes:
                 raise MalformedCheckpointError(
                     f"{self.path!r} is truncated: record {self.name!r} ends early; the file is damaged",
                     path=self.path,
                 )
-            return data
+            out.cast("B")[:] = data
 
         with archive, member:
-            yield read
+            yield read_into
+
+    def paths(self) -> frozenset[str]:
+        return frozenset({self.path})
 
     def _damaged(self, error: BaseException) -> MalformedCheckpointError:
         return MalformedCheckpointError(
@@ -124,11 +129,15 @@ class InMemory:
 
     data: Union[bytes, bytearray, memoryview]
 
-    def read(self, start: int, length: int) -> bytes:
-        return bytes(memoryview(self.data)[start : start + length])
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[ReadInto]:
+        def read_into(start: int, out: memoryview) -> None:
+            out.cast("B")[:] = memoryview(self.data).cast("B")[start : start + out.nbytes]
 
-    def read_into(self, start: int, out: memoryview) -> None:
-        out[:] = memoryview(self.data).cast("B")[start : start + len(out)]
+        yield read_into
+
+    def paths(self) -> frozenset[str]:
+        return frozenset()
 
 
 @dataclass(frozen=True, eq=False)
@@ -169,25 +178,26 @@ class Assembled:
             expected = last
         return rows if expected == math.prod(self.shape) * self.itemsize else None
 
-    def read(self, start: int, length: int) -> bytes:
-        out = bytearray(length)
-        self.read_into(start, memoryview(out))
-        return bytes(out)
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[ReadInto]:
+        def read_into(start: int, out: memoryview) -> None:
+            out = out.cast("B")
+            rows = self._rows
+            if rows is None:
+                out[:] = _assembled_bytes(self)[start : start + len(out)]
+                return
+            end = start + len(out)
+            for first, last, chunk in rows:
+                if last <= start or first >= end:
+                    continue
+                piece_start, piece_end = max(first, start), min(last, end)
+                chunk_start = chunk.byte_span[0] + piece_start - first
+                chunk.storage.read_into(chunk_start, out[piece_start - start : piece_end - start])
 
-    def read_into(self, start: int, out: memoryview) -> None:
-        out = out.cast("B")
-        rows = self._rows
-        if rows is None:
-            out[:] = _assembled_bytes(self)[start : start + len(out)]
-            return
-        position, end = start, start + len(out)
-        for first, last, chunk in rows:
-            if last <= position or first >= end:
-                continue
-            piece_start, piece_end = max(first, position), min(last, end)
-            chunk_start = chunk.byte_span[0] + piece_start - first
-            chunk.storage.read_into(chunk_start, out[piece_start - start : piece_end - start])
-            position = piece_end
+        yield read_into
+
+    def paths(self) -> frozenset[str]:
+        return frozenset().union(*(chunk.storage.source.paths() for _, chunk in self.chunks))
 
 
 _assembled_cache: dict[int, tuple[Assembled, bytes]] = {}
@@ -214,31 +224,13 @@ def _assembled_bytes(source: Assembled) -> bytes:
 ByteSource = Union[FileRegion, ZipMember, InMemory, Assembled]
 
 
-def read_exactly(fd: int, offset: int, length: int, path: str) -> bytes:
-    """``length`` bytes at ``offset`` of ``fd``; a short read means a truncated file."""
-    parts = []
-    remaining = length
-    while remaining > 0:
-        chunk = os.pread(fd, min(remaining, 1 << 30), offset)
-        if not chunk:
-            raise MalformedCheckpointError(
-                f"{path!r} is truncated: {remaining} bytes missing at offset {offset}; "
-                "the file is damaged or still being written",
-                path=path,
-            )
-        parts.append(chunk)
-        offset += len(chunk)
-        remaining -= len(chunk)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
 def _bytes_view(array: np.ndarray) -> memoryview:
     """A contiguous array's bytes, without a copy."""
     return array.data.cast("B")
 
 
 def read_exactly_into(fd: int, offset: int, out: memoryview, path: str) -> None:
-    """Fill ``out`` from ``fd`` at ``offset`` without an intermediate copy."""
+    """Fill ``out`` from ``fd`` at ``offset`` without an intermediate copy; a short read means a truncated file."""
     out = out.cast("B")
     filled = 0
     while filled < len(out):
@@ -277,49 +269,35 @@ class Storage:
     def __repr__(self) -> str:
         return f"<Storage {self.name or '?'} {self.nbytes} bytes from {self.location}>"
 
-    def read(self, start: int = 0, length: Optional[int] = None) -> bytes:
-        """Raw bytes ``[start, start + length)`` of the record, as stored."""
-        if length is None:
-            length = self.nbytes - start
+    def _check(self, start: int, length: int) -> None:
         if start < 0 or length < 0 or start + length > self.nbytes:
             raise ValueError(f"byte range {start}+{length} outside storage of {self.nbytes} bytes")
-        if length == 0:
-            return b""
-        return self.source.read(start, length)
 
     @contextlib.contextmanager
-    def reader(self) -> Iterator[Callable[[int, memoryview], None]]:
-        """A ``read_into(start, out)`` that keeps one file open for many reads."""
-        source = self.source
-        if isinstance(source, ZipMember):
-            with source.opened() as read:
+    def reader(self) -> Iterator[ReadInto]:
+        """A ``read_into(start, out)`` that keeps the source open for many reads."""
+        with self.source.opened() as read_into:
 
-                def read_member_into(start: int, out: memoryview) -> None:
-                    if start < 0 or start + out.nbytes > self.nbytes:
-                        raise ValueError(f"byte range {start}+{out.nbytes} outside storage of {self.nbytes} bytes")
-                    out.cast("B")[:] = read(start, out.nbytes)
+            def checked(start: int, out: memoryview) -> None:
+                self._check(start, out.nbytes)
+                if out.nbytes:
+                    read_into(start, out)
 
-                yield read_member_into
-            return
-        if not isinstance(source, FileRegion):
-            yield self.read_into
-            return
-        with open(source.path, "rb") as file:
-            fd = file.fileno()
-
-            def read_into(start: int, out: memoryview) -> None:
-                if start < 0 or start + out.nbytes > self.nbytes:
-                    raise ValueError(f"byte range {start}+{out.nbytes} outside storage of {self.nbytes} bytes")
-                read_exactly_into(fd, source.offset + start, out, source.path)
-
-            yield read_into
+            yield checked
 
     def read_into(self, start: int, out: memoryview) -> None:
         """Fill ``out`` with the record's bytes from ``start`` (no intermediate copy for files)."""
-        if start < 0 or start + out.nbytes > self.nbytes:
-            raise ValueError(f"byte range {start}+{out.nbytes} outside storage of {self.nbytes} bytes")
-        if out.nbytes:
-            self.source.read_into(start, out)
+        with self.reader() as read_into:
+            read_into(start, out)
+
+    def read(self, start: int = 0, length: Optional[int] = None) -> bytearray:
+        """Raw bytes ``[start, start + length)`` of the record, as stored."""
+        if length is None:
+            length = self.nbytes - start
+        self._check(start, length)
+        out = bytearray(length)
+        self.read_into(start, memoryview(out))
+        return out
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -438,6 +416,20 @@ class TensorRef:
         """True when this tensor is contiguous and covers its storage exactly."""
         return self.is_contiguous and self.byte_span == (0, self.storage.nbytes)
 
+    @property
+    def verbatim_region(self) -> Optional[tuple[FileRegion, int, int]]:
+        """``(region, start, length)`` when the bytes this tensor writes are a run of its file as stored.
+
+        That is, a file-backed, contiguous, little-endian tensor with no cast:
+        writers move those bytes in the kernel instead of through Python.
+        """
+        source = self.storage.source
+        if isinstance(source, FileRegion) and self.cast_to is None and self.is_contiguous \
+                and self.storage.byteorder == "little":
+            start, stop = self.byte_span
+            return source, start, stop - start
+        return None
+
     def cast(self, dtype: DType, *, allow_overflow: bool = False) -> TensorRef:
         """This tensor, to be converted to ``dtype`` when its bytes are read."""
         if dtype == self.dtype:
@@ -471,10 +463,6 @@ class TensorRef:
         narrow = cast_array(cast_array(values, self.dtype.name, self.cast_to.name), self.cast_to.name, "float64")
         offending = np.flatnonzero(np.isfinite(wide) & np.isinf(narrow))
         return repr(float(wide[offending[0]])) if len(offending) else "?"
-
-    def with_view(self, *, offset: int) -> TensorRef:
-        """The same tensor rebased to ``offset`` (used when storages are compacted)."""
-        return dataclasses.replace(self, offset=offset)
 
     # -- reading ---------------------------------------------------------------------
 

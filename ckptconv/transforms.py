@@ -110,12 +110,17 @@ class StripPrefix:
 
     prefix: str
 
+    @property
+    def component(self) -> str:
+        """The prefix as whole components, with its trailing dot (``"module."``)."""
+        return _components(self.prefix)
+
     def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
-        prefix = _components(self.prefix)
+        prefix = self.component
         return _rekey(state, lambda key: key[len(prefix) :] if key.startswith(prefix) else key, self.describe())
 
     def describe(self) -> str:
-        return f"strip prefix {_components(self.prefix)!r}"
+        return f"strip prefix {self.component!r}"
 
 
 @dataclass(frozen=True)
@@ -124,12 +129,17 @@ class AddPrefix:
 
     prefix: str
 
+    @property
+    def component(self) -> str:
+        """The prefix as whole components, with its trailing dot (``"module."``)."""
+        return _components(self.prefix)
+
     def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
-        prefix = _components(self.prefix)
+        prefix = self.component
         return _rekey(state, lambda key: prefix + key, self.describe())
 
     def describe(self) -> str:
-        return f"add prefix {_components(self.prefix)!r}"
+        return f"add prefix {self.component!r}"
 
 
 # Wrapper attributes that PyTorch and friends put between a model and its parameters.
@@ -141,7 +151,7 @@ LEADING_WRAPPERS = ("_orig_mod", "_forward_module", "module")
 # activation checkpointing (`_checkpoint_wrapped_module`), FairScale/FSDP flat
 # parameter wrappers (`_fpw_module`), and torch.compile applied to a submodule.
 INTERIOR_WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_fpw_module", "_orig_mod"})
-_UNAMBIGUOUS_LEADING = frozenset({"_orig_mod", "_forward_module"})
+_UNAMBIGUOUS_LEADING = frozenset(LEADING_WRAPPERS) - {"module"}
 
 
 def canonical_keys(keys: Iterable[str]) -> tuple[dict[str, str], dict[str, int]]:

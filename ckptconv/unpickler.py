@@ -29,11 +29,11 @@ import codecs
 import reprlib
 import struct
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .dtypes import DTYPES, DType, dtype_by_name, dtype_by_storage_class
+from .dtypes import DType, dtype_by_name, dtype_by_storage_class
 from .errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from .tensor import InMemory, Storage, TensorRef, contiguous_strides
 

@@ -26,7 +26,7 @@ from .errors import CastOverflowError, OutputExistsError, WriteError
 from .formats import dcp, safetensors, sharded, torch_zip
 from .formats._base import MetadataValue, resolve
 from .formats.torch_zip import PlannedStorage
-from .tensor import FileRegion, TensorRef, ZipMember
+from .tensor import FileRegion, TensorRef
 
 __all__ = ["WriteReport", "output_format", "save"]
 
@@ -88,11 +88,10 @@ def output_format(path: PathLike, to: Optional[str] = None, *, folder: bool = Fa
 
 
 def _source_paths(entries: Iterable[tuple[str, TensorRef]]) -> set[str]:
-    paths = set()
+    """Every file the tensors are read from (a DCP tensor's chunks included)."""
+    paths: set[str] = set()
     for _, ref in entries:
-        source = ref.storage.source
-        if isinstance(source, (FileRegion, ZipMember)):
-            paths.add(source.path)
+        paths |= ref.storage.source.paths()
     return paths
 
 
@@ -202,48 +201,45 @@ def _write_error(error: OSError, path: str) -> WriteError:
 
 def _copy_file_region(source: FileRegion, start: int, length: int, file: BinaryIO) -> Iterator[int]:
     """Copy bytes file to file in the kernel where possible (no trip through Python)."""
+    with open(source.path, "rb") as src:
+        yield from _copy_range(src.fileno(), source.offset + start, length, file, source.path)
+
+
+def _copy_range(src: int, offset: int, length: int, file: BinaryIO, path: str) -> Iterator[int]:
     file.flush()
     out = file.fileno()
-    with open(source.path, "rb") as src:
-        offset = source.offset + start
-        remaining = length
-        copy_range = getattr(os, "copy_file_range", None)
-        while remaining > 0 and copy_range is not None:
-            try:
-                copied = copy_range(src.fileno(), out, min(remaining, _COPY_CHUNK), offset)
-            except OSError as error:
-                if error.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF):
-                    break  # this pair of file systems cannot; fall back to read/write
-                raise
-            if copied == 0:
-                break
-            offset += copied
-            remaining -= copied
-            yield copied
-        while remaining > 0:
-            chunk = os.pread(src.fileno(), min(remaining, _COPY_CHUNK), offset)
-            if not chunk:
-                raise WriteError(f"{source.path!r} ended while being copied; was it modified meanwhile?")
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(out, view) :]
-            offset += len(chunk)
-            remaining -= len(chunk)
-            yield len(chunk)
+    remaining = length
+    copy_range = getattr(os, "copy_file_range", None)
+    while remaining > 0 and copy_range is not None:
+        try:
+            copied = copy_range(src, out, min(remaining, _COPY_CHUNK), offset)
+        except OSError as error:
+            if error.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF):
+                break  # this pair of file systems cannot; fall back to read/write
+            raise
+        if copied == 0:
+            break
+        offset += copied
+        remaining -= copied
+        yield copied
+    while remaining > 0:
+        chunk = os.pread(src, min(remaining, _COPY_CHUNK), offset)
+        if not chunk:
+            raise WriteError(f"{path!r} ended while being copied; was it modified meanwhile?")
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(out, view) :]
+        offset += len(chunk)
+        remaining -= len(chunk)
+        yield len(chunk)
     file.seek(0, os.SEEK_END)  # the raw descriptor moved; resynchronise the buffered file
 
 
 def _write_tensor(ref: TensorRef, file: BinaryIO) -> Iterator[int]:
     """Write one tensor's contiguous bytes; a plain copy when nothing needs converting."""
-    source = ref.storage.source
-    if (
-        isinstance(source, FileRegion)
-        and ref.cast_to is None
-        and ref.is_contiguous
-        and ref.storage.byteorder == "little"
-    ):
-        start, stop = ref.byte_span
-        yield from _copy_file_region(source, start, stop - start, file)
+    region = ref.verbatim_region
+    if region is not None:
+        yield from _copy_file_region(*region, file)
         return
     for chunk in ref.iter_bytes():
         file.write(chunk)
@@ -254,24 +250,19 @@ def _write_planned_storage(storage: PlannedStorage, file: BinaryIO, update: Call
     """Write one output storage record and return its CRC-32.
 
     A whole zip record copied unchanged keeps the CRC its source recorded and
-    moves in the kernel; anything else is streamed in chunks and checksummed.
+    moves in the kernel; other runs of a file also move in the kernel while a
+    second core checksums them; anything else is streamed in chunks and checksummed.
     """
     ref = storage.tensor
-    source = ref.storage.source
-    if (
-        isinstance(source, FileRegion)
-        and source.crc32 is not None
-        and ref.cast_to is None
-        and ref.is_whole_storage
-        and ref.storage.byteorder == "little"
-    ):
-        for count in _copy_file_region(source, 0, ref.storage.nbytes, file):
+    region = ref.verbatim_region
+    if region is None:
+        return _write_with_crc(ref.iter_bytes(), file, update)
+    source, start, length = region
+    if source.crc32 is not None and ref.is_whole_storage:
+        for count in _copy_file_region(source, start, length, file):
             update(count)
         return source.crc32
-    if isinstance(source, FileRegion) and ref.cast_to is None and ref.is_contiguous and ref.storage.byteorder == "little":
-        start, stop = ref.byte_span
-        return _copy_file_region_with_crc(source, start, stop - start, file, update)
-    return _write_with_crc(ref.iter_bytes(), file, update)
+    return _copy_file_region_with_crc(source, start, length, file, update)
 
 
 def _copy_file_region_with_crc(
@@ -294,7 +285,7 @@ def _copy_file_region_with_crc(
             try:
                 view = memoryview(mapped)[position - aligned :]
                 pending = pool.submit(zlib.crc32, view, crc)
-                for count in _copy_file_region(source, position - source.offset, window, file):
+                for count in _copy_range(src.fileno(), position, window, file, source.path):
                     update(count)
                 crc = pending.result()
                 view.release()

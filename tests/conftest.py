@@ -160,3 +160,13 @@ def gpu_fixture_files() -> list[Path]:
 def reference_load(path: os.PathLike[str] | str) -> Any:
     """torch.load as people use it on trusted files: the reference ckptconv must equal."""
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    """Run ``ckptconv ARGS`` in-process: exit code, stdout, stderr (kept apart)."""
+    from click.testing import CliRunner
+
+    from ckptconv.cli import cli
+
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr

@@ -21,20 +21,25 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
 import ckptconv
-from ckptconv.cli import cli
 from ckptconv.discovery import Item, discover, plan_outputs
 from ckptconv.executors import Job, Options, run_job, run_local
 from ckptconv.manifest import MANIFEST_NAME, Manifest, read_records
 from ckptconv.transforms import Pipeline, StripPrefix
 
 from .batch_helpers import Explode, KillWorker
-from .conftest import FIXTURES, assert_same_state, tiny_state_dict, training_checkpoint, views_state
+from .conftest import (
+    FIXTURES,
+    assert_same_state,
+    tiny_state_dict,
+    training_checkpoint,
+    views_state,
+)
+from .conftest import run_cli as run
 from .test_errors import _malicious_legacy, _malicious_zip, _truncated
 from .test_gpu_fixtures import importable_fixture_code  # noqa: F401 - a fixture the zoo test uses
 
@@ -330,11 +335,6 @@ def test_output_plans_never_share_a_path_and_ignore_order(names: list[str], form
 # ---------------------------------------------------------------------------------------
 # The command line
 # ---------------------------------------------------------------------------------------
-
-
-def run(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
-    return result.exit_code, result.stdout, result.stderr
 
 
 @pytest.fixture

@@ -11,19 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 import ckptconv
 from ckptconv.cli import cli
 
 from .conftest import FIXTURES, assert_same_state, tiny_state_dict, training_checkpoint
+from .conftest import run_cli as run
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-
-
-def run(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
-    return result.exit_code, result.stdout, result.stderr
 
 
 def test_strip_module_then_add_module_round_trips(tmp_path: Path) -> None:

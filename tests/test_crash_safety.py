@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from ckptconv.cli import cli
+from .conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,8 +23,8 @@ def _sha(path: Path) -> str:
 
 
 def _run(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
-    return result.exit_code, result.stderr
+    code, _, stderr = run_cli(*args)
+    return code, stderr
 
 
 @pytest.fixture

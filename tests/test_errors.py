@@ -12,11 +12,9 @@ from typing import Callable
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
-
-from ckptconv.cli import cli
 
 from .conftest import FIXTURES, tiny_state_dict
+from .conftest import run_cli as _run
 
 Maker = Callable[[Path], Path]
 
@@ -127,11 +125,6 @@ BAD_INPUTS: dict[str, tuple[Maker, str]] = {
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
-
-
-def _run(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
-    return result.exit_code, result.stdout, result.stderr
 
 
 @pytest.mark.parametrize("command", ["convert", "strip-module", "inspect"])

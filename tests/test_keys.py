@@ -10,18 +10,23 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
 import ckptconv
-from ckptconv.cli import cli
 from ckptconv.fitting import Reference
 from ckptconv.tensor import InMemory, Storage, TensorRef
 from ckptconv.transforms import canonical_keys
 
-from .conftest import FIXTURES, assert_same_state, assert_same_tensor, training_checkpoint
+from .conftest import (
+    FIXTURES,
+    assert_same_state,
+    assert_same_tensor,
+    reference_load,
+    training_checkpoint,
+)
+from .conftest import run_cli as run
 
 GPU = FIXTURES / "gpu"
 
@@ -33,11 +38,6 @@ def fixture_models(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     yield ckptconv_fixture_models
     sys.modules.pop("ckptconv_fixture_models", None)
-
-
-def run(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
-    return result.exit_code, result.stdout, result.stderr
 
 
 def refs(keys: list[str]) -> dict[str, TensorRef]:
@@ -138,6 +138,7 @@ def test_gpu_checkpoints_load_into_a_plain_model(name: str, fixture_models: Any)
 def test_fsdp_full_state_dicts_load_into_a_plain_model(name: str, vocab: int, fixture_models: Any) -> None:
     model = fixture_models.TinyLM(vocab_size=vocab, tie_weights=False)
     assert ckptconv.load_into(model, GPU / name).ok
+    assert_same_state(model.state_dict(), reference_load(GPU / name), ordered=False)
 
 
 @pytest.mark.parametrize("name", ["fsdp1_ac_named_parameters.pt", "activation_checkpoint_named_parameters.pt"])
@@ -148,6 +149,13 @@ def test_fsdp_and_checkpointing_wrapper_names_fit(name: str, fixture_models: Any
     assert raised.value.report.missing == ("position_ids",)
     report = ckptconv.load_into(model, GPU / name, strict=False)
     assert report.matched == 17 and not report.unexpected
+    # Every parameter now holds the file's bytes under its canonical name.
+    saved = {key: value for key, value in ckptconv.canonicalize(ckptconv.open(GPU / name).select().weights)[0].items()}
+    from ckptconv._torch import to_torch
+
+    loaded = model.state_dict()
+    for key, tensor in to_torch(saved).items():
+        assert_same_tensor(loaded[key], tensor, key)
 
 
 def test_plain_checkpoint_loads_into_dataparallel_and_compiled(fixture_models: Any) -> None:
@@ -155,6 +163,9 @@ def test_plain_checkpoint_loads_into_dataparallel_and_compiled(fixture_models: A
         model = wrap(fixture_models.TinyCNN())
         report = ckptconv.load_into(model, GPU / "cuda0_state_dict.pt")
         assert report.ok, report.summary()
+        inner = getattr(model, "_orig_mod", model)
+        inner = getattr(inner, "module", inner)
+        assert_same_state(inner.state_dict(), reference_load(GPU / "cuda0_state_dict.pt"))
 
 
 # -- LitEma ---------------------------------------------------------------------------

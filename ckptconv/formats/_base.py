@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
@@ -10,7 +9,7 @@ from typing import Any, Callable, Union
 from ..errors import MalformedCheckpointError
 from ..unpickler import short_repr
 
-__all__ = ["Deferred", "MetadataValue", "ReadResult", "file_size", "resolve"]
+__all__ = ["Deferred", "MetadataValue", "ReadResult", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -59,10 +58,6 @@ def resolve(value: MetadataValue) -> str:
             raise AssertionError(f"deferred metadata resolved to {text!r}, not {value.length} ASCII characters")
         return text
     return value
-
-
-def file_size(path: str) -> int:
-    return os.stat(path).st_size
 
 
 def pickle_location(value: Any, source: str) -> str:

@@ -54,10 +54,12 @@ def shard_path(index_path: str, name: Any) -> str:
     return target
 
 
-def read(index_path: str, *, max_items: int | None = None) -> ReadResult:
-    """Read an index and its shards lazily, merged into one state dict in ``weight_map`` order."""
-    from . import READERS, detect
+def read_index(index_path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An index's ``weight_map`` (names to shard files, not yet checked) and its ``metadata``.
 
+    Raises:
+        MalformedCheckpointError: the file is too large, not JSON, or has no weight_map.
+    """
     if os.path.getsize(index_path) > MAX_INDEX_BYTES:
         raise _damaged(index_path, f"it is larger than {MAX_INDEX_BYTES} bytes")
     try:
@@ -68,14 +70,22 @@ def read(index_path: str, *, max_items: int | None = None) -> ReadResult:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(key, str) for key in weight_map):
         raise _damaged(index_path, "it has no weight_map of names to shard files")
+    metadata = index.get("metadata")
+    return weight_map, metadata if isinstance(metadata, dict) else {}
+
+
+def read(index_path: str, *, max_items: int | None = None) -> ReadResult:
+    """Read an index and its shards lazily, merged into one state dict in ``weight_map`` order."""
+    from ..selection import select_weights
+    from . import READERS, detect
+
+    weight_map, metadata = read_index(index_path)
     shards: dict[str, dict[str, Any]] = {}
     foreign: dict[str, int] = {}
     devices: set[str] = set()
     for name in dict.fromkeys(weight_map.values()):
         path = shard_path(index_path, name)
         result = READERS[detect(path)](path)
-        from ..selection import select_weights
-
         shards[name] = select_weights(result.tree, source=repr(path)).weights
         for global_name, count in result.foreign_globals.items():
             foreign[global_name] = foreign.get(global_name, 0) + count
@@ -94,7 +104,6 @@ def read(index_path: str, *, max_items: int | None = None) -> ReadResult:
         for key, tensor in weights.items():
             if key not in tree:
                 tree[key] = tensor
-    metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
     text_metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
     return ReadResult(FORMAT, tree, foreign, frozenset(devices), text_metadata)  # type: ignore[arg-type]
 

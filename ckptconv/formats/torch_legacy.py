@@ -20,7 +20,7 @@ import os
 from typing import Any, Callable, Literal, Optional
 
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
-from ..tensor import FileRegion, Storage, read_exactly
+from ..tensor import FileRegion, Storage, read_exactly_into
 from ..unpickler import (DEFAULT_MAX_ITEMS, ForeignGlobal, PickleTruncatedError, StorageType, TypedStorage, Unpickler,
                          short_repr)
 from ._base import ReadResult, pickle_location
@@ -38,10 +38,13 @@ _FIRST_READ = 1 << 20
 
 
 class _PendingRegion:
-    """Placeholder source until the storage key list tells where the bytes are."""
+    """Placeholder source until the storage key list tells where the bytes are (never read)."""
 
-    def read(self, start: int, length: int) -> bytes:
+    def opened(self) -> Any:
         raise MalformedCheckpointError("storage bytes were never located; the legacy file is damaged")
+
+    def paths(self) -> frozenset[str]:
+        return frozenset()
 
 
 def looks_legacy(head: bytes) -> bool:
@@ -144,11 +147,12 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: Optional[i
         storage = storages.get(key)
         if storage is None:
             raise _damaged(path, f"storage {key!r} is listed but never used")
-        header = read_exactly(fd, offset, 8, path) if offset + 8 <= size else b""
-        if len(header) != 8:
+        if offset + 8 > size:
             raise MalformedCheckpointError(
                 f"{path!r} is truncated: storage {key!r} is missing; the file is incomplete", path=path
             )
+        header = bytearray(8)
+        read_exactly_into(fd, offset, memoryview(header), path)
         count = int.from_bytes(header, byteorder, signed=True)
         if count != storage.nbytes // itemsizes[key]:
             raise _damaged(path, f"storage {key!r} holds {count} elements, the pickle says otherwise")

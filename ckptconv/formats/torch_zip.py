@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Optional
 
 from ..dtypes import DType
-from ..errors import LoadError, MalformedCheckpointError, UnsupportedFormatError
+from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
 from ..unpickler import DEFAULT_MAX_ITEMS, StorageType, TypedStorage, Unpickler, short_repr
 from ._base import MetadataValue, ReadResult, pickle_location, resolve
@@ -653,15 +653,10 @@ def write(
 
 def source_phase(ref: TensorRef) -> Optional[int]:
     """Where a tensor's first byte sits within a page of its source file, if it is copied as is."""
-    source = ref.storage.source
-    if not isinstance(source, FileRegion) or ref.cast_to is not None or not ref.is_contiguous:
-        return None
-    return (source.offset + ref.byte_span[0]) % PAGE
+    region = ref.verbatim_region
+    return None if region is None else (region[0].offset + region[1]) % PAGE
 
 
 def is_zip(head: bytes) -> bool:
     return head[:4] in (b"PK\x03\x04", b"PK\x05\x06")
 
-
-def read_error(path: str, error: Exception) -> LoadError:
-    return _damaged(path, str(error))
