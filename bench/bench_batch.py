@@ -88,8 +88,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=48, help="checkpoints in the throughput zoo")
     parser.add_argument("--size-mb", type=float, default=8.0, help="MiB per checkpoint")
-    parser.add_argument("--tiny", type=int, nargs=2, default=(25, 250), metavar=("FEW", "MANY"),
-                        help="sizes of the two tiny-file zoos")
+    parser.add_argument(
+        "--tiny", type=int, nargs=2, default=(25, 250), metavar=("FEW", "MANY"), help="sizes of the two tiny-file zoos"
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--extra", default="", help="more batch options, e.g. '--dtype bf16 --no-checksums'")
@@ -102,8 +103,15 @@ def main() -> None:
     extra = args.extra.split()
 
     work = Path(tempfile.mkdtemp(prefix="ckptconv-bench-", dir=args.workdir))
-    figures: dict[str, Any] = {"cpus": os.cpu_count(), "items": args.items, "size_mb": args.size_mb,
-                               "runs": args.runs, "extra": extra, "jobs": {}, "tiny": {}}
+    figures: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "items": args.items,
+        "size_mb": args.size_mb,
+        "runs": args.runs,
+        "extra": extra,
+        "jobs": {},
+        "tiny": {},
+    }
     try:
         zoo = work / "zoo"
         total = build_zoo(zoo, args.items, args.size_mb)
@@ -138,8 +146,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(figures, indent=2))
         return
-    print(f"zoo: {args.items} checkpoints, {figures['zoo_mb']} MiB, {figures['cpus']} CPUs, "
-          f"median of {args.runs} runs, options: --strip-prefix module {' '.join(extra)}")
+    print(
+        f"zoo: {args.items} checkpoints, {figures['zoo_mb']} MiB, {figures['cpus']} CPUs, "
+        f"median of {args.runs} runs, options: --strip-prefix module {' '.join(extra)}"
+    )
     print(f"{'jobs':>4}  {'seconds':>8}  {'items/s':>8}  {'MiB/s':>8}")
     for jobs, row in figures["jobs"].items():
         print(f"{jobs:>4}  {row['seconds']:>8.2f}  {row['items_per_s']:>8.1f}  {row['mb_per_s']:>8.1f}")
@@ -147,8 +157,10 @@ def main() -> None:
         print(f"speed-up --jobs {args.jobs[-1]} over --jobs {args.jobs[0]}: {figures['speedup']:.2f}x")
     print(f"tiny files ({few} vs {many} items):")
     for jobs in figures["tiny"]["per_item_ms"]:
-        print(f"  --jobs {jobs}: {figures['tiny']['per_item_ms'][jobs]:.2f} ms per item, "
-              f"{figures['tiny']['fixed_s'][jobs]:.2f} s fixed per run (start-up)")
+        print(
+            f"  --jobs {jobs}: {figures['tiny']['per_item_ms'][jobs]:.2f} ms per item, "
+            f"{figures['tiny']['fixed_s'][jobs]:.2f} s fixed per run (start-up)"
+        )
 
 
 if __name__ == "__main__":

@@ -84,8 +84,9 @@ def build(folder: Path, gib: float) -> dict[str, Path]:
     paths = {"pt": Path(f"{stem}.pt"), "legacy": Path(f"{stem}.legacy.pt"), "safetensors": Path(f"{stem}.safetensors")}
     if not all(p.exists() for p in paths.values()):
         print(f"building {gib:g} GiB checkpoints in {folder} ...", file=sys.stderr)
-        out = subprocess.run([PYTHON, "-c", BUILD_SCRIPT, str(gib), str(stem)], check=True, capture_output=True,
-                             text=True)
+        out = subprocess.run(
+            [PYTHON, "-c", BUILD_SCRIPT, str(gib), str(stem)], check=True, capture_output=True, text=True
+        )
         print(f"  {out.stdout.strip()} (tensors, bytes)", file=sys.stderr)
     return paths
 
@@ -188,24 +189,60 @@ def cases_for(paths: dict[str, Path], out: Path, quick: bool) -> list[Case]:
     pt, legacy, st = paths["pt"], paths["legacy"], paths["safetensors"]
     cases = [
         Case("cp", ["cp", str(pt), str(out / "copy.pt")], pt, out / "copy.pt"),
-        Case("cp + fsync", ["sh", "-c", f"cp {pt} {out / 'copy_sync.pt'} && sync {out / 'copy_sync.pt'}"], pt,
-             out / "copy_sync.pt"),
-        Case("ckptconv convert x.pt x.safetensors (defaults: fsync, source sha256)", [*CKPTCONV, "convert",
-             str(pt), str(out / "b.safetensors"), "-q"], pt, out / "b.safetensors"),
-        Case("ckptconv convert x.pt x.safetensors --no-fsync", [*CKPTCONV, "convert", str(pt),
-             str(out / "h.safetensors"), "--no-fsync", "-q"], pt, out / "h.safetensors"),
-        Case("ckptconv convert x.pt x.safetensors" + FAST, [*CKPTCONV, "convert", str(pt),
-             str(out / "a.safetensors"), *FAST.split(), "-q"], pt, out / "a.safetensors"),
-        Case("ckptconv strip-module x.pt y.pt" + FAST, [*CKPTCONV, "strip-module", str(pt), str(out / "c.pt"),
-             *FAST.split(), "-q"], pt, out / "c.pt"),
-        Case("ckptconv convert x.pt x.safetensors --dtype bf16" + FAST, [*CKPTCONV, "convert", str(pt),
-             str(out / "d.safetensors"), "--dtype", "bf16", *FAST.split(), "-q"], pt, out / "d.safetensors"),
-        Case("ckptconv strip-module x.pt y.pt --dtype fp16" + FAST, [*CKPTCONV, "strip-module", str(pt),
-             str(out / "e.pt"), "--dtype", "fp16", *FAST.split(), "-q"], pt, out / "e.pt"),
-        Case("ckptconv strip-module legacy.pt y.pt" + FAST, [*CKPTCONV, "strip-module", str(legacy),
-             str(out / "f.pt"), *FAST.split(), "-q"], legacy, out / "f.pt"),
-        Case("ckptconv convert x.safetensors y.pt" + FAST, [*CKPTCONV, "convert", str(st), str(out / "g.pt"),
-             *FAST.split(), "-q"], st, out / "g.pt"),
+        Case(
+            "cp + fsync",
+            ["sh", "-c", f"cp {pt} {out / 'copy_sync.pt'} && sync {out / 'copy_sync.pt'}"],
+            pt,
+            out / "copy_sync.pt",
+        ),
+        Case(
+            "ckptconv convert x.pt x.safetensors (defaults: fsync, source sha256)",
+            [*CKPTCONV, "convert", str(pt), str(out / "b.safetensors"), "-q"],
+            pt,
+            out / "b.safetensors",
+        ),
+        Case(
+            "ckptconv convert x.pt x.safetensors --no-fsync",
+            [*CKPTCONV, "convert", str(pt), str(out / "h.safetensors"), "--no-fsync", "-q"],
+            pt,
+            out / "h.safetensors",
+        ),
+        Case(
+            "ckptconv convert x.pt x.safetensors" + FAST,
+            [*CKPTCONV, "convert", str(pt), str(out / "a.safetensors"), *FAST.split(), "-q"],
+            pt,
+            out / "a.safetensors",
+        ),
+        Case(
+            "ckptconv strip-module x.pt y.pt" + FAST,
+            [*CKPTCONV, "strip-module", str(pt), str(out / "c.pt"), *FAST.split(), "-q"],
+            pt,
+            out / "c.pt",
+        ),
+        Case(
+            "ckptconv convert x.pt x.safetensors --dtype bf16" + FAST,
+            [*CKPTCONV, "convert", str(pt), str(out / "d.safetensors"), "--dtype", "bf16", *FAST.split(), "-q"],
+            pt,
+            out / "d.safetensors",
+        ),
+        Case(
+            "ckptconv strip-module x.pt y.pt --dtype fp16" + FAST,
+            [*CKPTCONV, "strip-module", str(pt), str(out / "e.pt"), "--dtype", "fp16", *FAST.split(), "-q"],
+            pt,
+            out / "e.pt",
+        ),
+        Case(
+            "ckptconv strip-module legacy.pt y.pt" + FAST,
+            [*CKPTCONV, "strip-module", str(legacy), str(out / "f.pt"), *FAST.split(), "-q"],
+            legacy,
+            out / "f.pt",
+        ),
+        Case(
+            "ckptconv convert x.safetensors y.pt" + FAST,
+            [*CKPTCONV, "convert", str(st), str(out / "g.pt"), *FAST.split(), "-q"],
+            st,
+            out / "g.pt",
+        ),
         Case("ckptconv inspect x.pt", [*CKPTCONV, "inspect", str(pt)], pt, None),
         Case("ckptconv --help", [*CKPTCONV, "--help"], pt, None),
     ]
@@ -215,8 +252,15 @@ def cases_for(paths: dict[str, Path], out: Path, quick: bool) -> list[Case]:
             argv = [PYTHON, "-c", script, str(pt), str(target)]
             cases.append(Case(name, argv, pt, None if "import torch" in name else target))
         cases.append(Case("cp (cold cache)", ["cp", str(pt), str(out / "copy.pt")], pt, out / "copy.pt", cold=True))
-        cases.append(Case("ckptconv strip-module (cold cache)" + FAST, [*CKPTCONV, "strip-module", str(pt),
-                          str(out / "c.pt"), *FAST.split(), "-q"], pt, out / "c.pt", cold=True))
+        cases.append(
+            Case(
+                "ckptconv strip-module (cold cache)" + FAST,
+                [*CKPTCONV, "strip-module", str(pt), str(out / "c.pt"), *FAST.split(), "-q"],
+                pt,
+                out / "c.pt",
+                cold=True,
+            )
+        )
     return cases
 
 
@@ -247,8 +291,9 @@ def verify_outputs(cases: list[Case]) -> None:
         if not case.name.startswith("ckptconv") or case.output is None or not case.output.exists():
             continue
         cast = "bf16" if "bf16" in case.name else "fp16" if "fp16" in case.name else ""
-        result = subprocess.run([PYTHON, "-c", VERIFY_SCRIPT, str(case.source), str(case.output), cast],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [PYTHON, "-c", VERIFY_SCRIPT, str(case.source), str(case.output), cast], capture_output=True, text=True
+        )
         status = result.stdout.strip() or result.stderr.strip()[-300:]
         print(f"  verified {case.name}: {status}", file=sys.stderr)
         if result.returncode:
@@ -259,7 +304,9 @@ def report(size: float, cases: list[Case], source_bytes: int) -> list[dict[str, 
     cp = statistics.median(next(c for c in cases if c.name == "cp").walls)
     cp_cold = next((statistics.median(c.walls) for c in cases if c.name == "cp (cold cache)"), None)
     rows = []
-    print(f"\n### {size:g} GiB checkpoint ({source_bytes / 2**30:.2f} GiB on disk), median of {len(cases[0].walls)} runs\n")
+    print(
+        f"\n### {size:g} GiB checkpoint ({source_bytes / 2**30:.2f} GiB on disk), median of {len(cases[0].walls)} runs\n"
+    )
     print("| approach | wall (s) | x cp | peak RSS (MiB) |")
     print("|---|---:|---:|---:|")
     for case in cases:
@@ -267,8 +314,16 @@ def report(size: float, cases: list[Case], source_bytes: int) -> list[dict[str, 
         base = cp_cold if case.cold and cp_cold else cp
         rss = max(case.rss) / 2**20
         print(f"| {case.name} | {wall:.2f} | {wall / base:.2f} | {rss:.0f} |")
-        rows.append({"size_gib": size, "approach": case.name, "wall_s": wall, "ratio_to_cp": wall / base,
-                     "peak_rss_mib": rss, "walls": case.walls})
+        rows.append(
+            {
+                "size_gib": size,
+                "approach": case.name,
+                "wall_s": wall,
+                "ratio_to_cp": wall / base,
+                "peak_rss_mib": rss,
+                "walls": case.walls,
+            }
+        )
     return rows
 
 

@@ -45,14 +45,10 @@ BUILD = textwrap.dedent(
 
 LOADERS = {
     "ckptconv.load(x.pt, device='cuda:0')": "import ckptconv; state = ckptconv.load(PATH + '.pt', device='cuda:0')",
-    "ckptconv.load(x.safetensors, device='cuda:0')":
-        "import ckptconv; state = ckptconv.load(PATH + '.safetensors', device='cuda:0')",
-    "torch.load(x.pt, map_location='cuda:0')":
-        "state = torch.load(PATH + '.pt', map_location='cuda:0', weights_only=True)",
-    "torch.load(x.pt, map_location='cuda:0', mmap=True)":
-        "state = torch.load(PATH + '.pt', map_location='cuda:0', weights_only=True, mmap=True)",
-    "safetensors.torch.load_file(x.safetensors, device='cuda:0')":
-        "from safetensors.torch import load_file; state = load_file(PATH + '.safetensors', device='cuda:0')",
+    "ckptconv.load(x.safetensors, device='cuda:0')": "import ckptconv; state = ckptconv.load(PATH + '.safetensors', device='cuda:0')",
+    "torch.load(x.pt, map_location='cuda:0')": "state = torch.load(PATH + '.pt', map_location='cuda:0', weights_only=True)",
+    "torch.load(x.pt, map_location='cuda:0', mmap=True)": "state = torch.load(PATH + '.pt', map_location='cuda:0', weights_only=True, mmap=True)",
+    "safetensors.torch.load_file(x.safetensors, device='cuda:0')": "from safetensors.torch import load_file; state = load_file(PATH + '.safetensors', device='cuda:0')",
 }
 
 CHILD = textwrap.dedent(
@@ -114,8 +110,11 @@ def main() -> None:
             rss[name] = max(rss.get(name, 0), result["rss"])
             nbytes = result["bytes"]
         print(f"round {round_number + 1}/{args.runs} done", file=sys.stderr, flush=True)
-    bandwidth = json.loads(subprocess.run([sys.executable, "-c", BANDWIDTH, str(nbytes / 2**30)],
-                                          capture_output=True, text=True, check=True).stdout)
+    bandwidth = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", BANDWIDTH, str(nbytes / 2**30)], capture_output=True, text=True, check=True
+        ).stdout
+    )
 
     base = statistics.median(walls["ckptconv.load(x.pt, device='cuda:0')"])
     print(f"\n{nbytes / 2**30:.2f} GiB of tensors, median of {args.runs} runs (page cache warm)\n")
@@ -126,10 +125,14 @@ def main() -> None:
             continue
         wall = statistics.median(values)
         print(f"| {name} | {wall:.2f} | {wall / base:.2f} | {nbytes / wall / 1e9:.2f} | {rss[name] / 2**20:.0f} |")
-    print(f"| host-to-device copy, pinned (physical limit) | {nbytes / bandwidth['pinned'] / 1e9:.2f} | | "
-          f"{bandwidth['pinned']:.2f} | |")
-    print(f"| host-to-device copy, pageable | {nbytes / bandwidth['pageable'] / 1e9:.2f} | | "
-          f"{bandwidth['pageable']:.2f} | |")
+    print(
+        f"| host-to-device copy, pinned (physical limit) | {nbytes / bandwidth['pinned'] / 1e9:.2f} | | "
+        f"{bandwidth['pinned']:.2f} | |"
+    )
+    print(
+        f"| host-to-device copy, pageable | {nbytes / bandwidth['pageable'] / 1e9:.2f} | | "
+        f"{bandwidth['pageable']:.2f} | |"
+    )
     for suffix in (".pt", ".safetensors"):
         Path(stem + suffix).unlink()
 

@@ -20,7 +20,7 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_convert import CKPTCONV, PYTHON, Case, run_once  # noqa: E402
+from bench_convert import CKPTCONV, PYTHON, Case, run_once
 
 BUILD = textwrap.dedent(
     """
@@ -68,19 +68,52 @@ def main() -> None:
 
     out = args.dir / "out"
     cases = [
-        Case("cp -r shards/", ["cp", "-r", str(shards), str(out / "copy")], shards / "model.safetensors.index.json",
-             None),
-        Case("merge: shards/ -> one .safetensors", [*CKPTCONV, "convert", str(shards), str(out / "m.safetensors"),
-             "--no-fsync", "-q"], shards / "model.safetensors.index.json", out / "m.safetensors"),
-        Case("reshard: one file -> 512 MB shards", [*CKPTCONV, "convert", str(merged), str(out / "r"),
-             "--max-shard-size", "512MB", "--no-fsync", "-q"], merged, None),
-        Case("shards/ -> .bin shards with --dtype bf16", [*CKPTCONV, "convert", str(shards), str(out / "b"),
-             "--to", "pt", "--max-shard-size", "1GB", "--dtype", "bf16", "--no-fsync", "-q"],
-             shards / "model.safetensors.index.json", None),
-        Case("shards/ -> DCP folder", [*CKPTCONV, "convert", str(shards), str(out / "d"), "--to", "dcp",
-             "--no-fsync", "-q"], shards / "model.safetensors.index.json", None),
-        Case("DCP folder -> one .safetensors", [*CKPTCONV, "convert", str(dcp_in), str(out / "fromdcp.safetensors"),
-             "--no-fsync", "-q"], dcp_in / ".metadata", out / "fromdcp.safetensors"),
+        Case(
+            "cp -r shards/", ["cp", "-r", str(shards), str(out / "copy")], shards / "model.safetensors.index.json", None
+        ),
+        Case(
+            "merge: shards/ -> one .safetensors",
+            [*CKPTCONV, "convert", str(shards), str(out / "m.safetensors"), "--no-fsync", "-q"],
+            shards / "model.safetensors.index.json",
+            out / "m.safetensors",
+        ),
+        Case(
+            "reshard: one file -> 512 MB shards",
+            [*CKPTCONV, "convert", str(merged), str(out / "r"), "--max-shard-size", "512MB", "--no-fsync", "-q"],
+            merged,
+            None,
+        ),
+        Case(
+            "shards/ -> .bin shards with --dtype bf16",
+            [
+                *CKPTCONV,
+                "convert",
+                str(shards),
+                str(out / "b"),
+                "--to",
+                "pt",
+                "--max-shard-size",
+                "1GB",
+                "--dtype",
+                "bf16",
+                "--no-fsync",
+                "-q",
+            ],
+            shards / "model.safetensors.index.json",
+            None,
+        ),
+        Case(
+            "shards/ -> DCP folder",
+            [*CKPTCONV, "convert", str(shards), str(out / "d"), "--to", "dcp", "--no-fsync", "-q"],
+            shards / "model.safetensors.index.json",
+            None,
+        ),
+        Case(
+            "DCP folder -> one .safetensors",
+            [*CKPTCONV, "convert", str(dcp_in), str(out / "fromdcp.safetensors"), "--no-fsync", "-q"],
+            dcp_in / ".metadata",
+            out / "fromdcp.safetensors",
+        ),
     ]
     for round_number in range(args.runs):
         shutil.rmtree(out, ignore_errors=True)
@@ -90,17 +123,21 @@ def main() -> None:
                 shutil.rmtree(out / leftover, ignore_errors=True)
             run_once(case)
             if round_number == 0 and case.name.startswith(("merge", "reshard", "shards/ -> DCP", "DCP")):
-                target = {"merge": out / "m.safetensors", "reshard": out / "r", "shards/ -> DCP": out / "d",
-                          "DCP": out / "fromdcp.safetensors"}[next(k for k in ("merge", "reshard", "shards/ -> DCP",
-                                                                                "DCP") if case.name.startswith(k))]
-                result = subprocess.run([PYTHON, "-c", CHECK, str(shards), str(target)], capture_output=True,
-                                        text=True)
+                target = {
+                    "merge": out / "m.safetensors",
+                    "reshard": out / "r",
+                    "shards/ -> DCP": out / "d",
+                    "DCP": out / "fromdcp.safetensors",
+                }[next(k for k in ("merge", "reshard", "shards/ -> DCP", "DCP") if case.name.startswith(k))]
+                result = subprocess.run([PYTHON, "-c", CHECK, str(shards), str(target)], capture_output=True, text=True)
                 print(f"  verified {case.name}: {result.stdout.strip() or result.stderr[-300:]}", file=sys.stderr)
         print(f"round {round_number + 1}/{args.runs}", file=sys.stderr)
 
     copy = statistics.median(cases[0].walls)
-    print(f"\n### sharded model, {size / 2**30:.2f} GiB in {len(list(shards.glob('*.safetensors')))} shards, "
-          f"median of {args.runs} runs\n")
+    print(
+        f"\n### sharded model, {size / 2**30:.2f} GiB in {len(list(shards.glob('*.safetensors')))} shards, "
+        f"median of {args.runs} runs\n"
+    )
     print("| command | wall (s) | x cp -r | peak RSS (MiB) | RSS / model size |")
     print("|---|---:|---:|---:|---:|")
     for case in cases:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import errors as _errors
 from ._version import __version__
-from .errors import *  # noqa: F403 - the error classes are small, so they load eagerly
+from .errors import *
 
 if TYPE_CHECKING:
     from .batching import batch

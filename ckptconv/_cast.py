@@ -55,8 +55,8 @@ stay in cache and the result does not depend on how a caller chunks its input.
 from __future__ import annotations
 
 import sys
-from functools import lru_cache
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from functools import cache, lru_cache
+from typing import Any, Callable
 
 import numpy as np
 
@@ -75,7 +75,7 @@ __all__ = [
 #: traffic and 2**14 as much to numpy's per-call overhead.
 BLOCK_ELEMENTS = 1 << 17
 
-_STORAGE: Dict[str, np.dtype[Any]] = {
+_STORAGE: dict[str, np.dtype[Any]] = {
     "float64": np.dtype(np.float64),
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
@@ -85,7 +85,7 @@ _STORAGE: Dict[str, np.dtype[Any]] = {
 }
 
 # The unsigned integer type of the same width, to work on bit patterns.
-_UINT: Dict[int, np.dtype[Any]] = {
+_UINT: dict[int, np.dtype[Any]] = {
     1: np.dtype(np.uint8),
     2: np.dtype(np.uint16),
     4: np.dtype(np.uint32),
@@ -132,10 +132,10 @@ class _Scratch:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._u32: Optional[np.ndarray] = None
-        self._f32: Optional[np.ndarray] = None
-        self._mid: Optional[np.ndarray] = None
-        self._mask: Optional[np.ndarray] = None
+        self._u32: np.ndarray | None = None
+        self._f32: np.ndarray | None = None
+        self._mid: np.ndarray | None = None
+        self._mask: np.ndarray | None = None
 
     def u32(self, n: int) -> np.ndarray:
         if self._u32 is None:
@@ -163,7 +163,7 @@ class _Scratch:
 _Kernel = Callable[[np.ndarray, np.ndarray, _Scratch], None]
 
 
-def _nan_positions(values: np.ndarray, scratch: _Scratch) -> Optional[np.ndarray]:
+def _nan_positions(values: np.ndarray, scratch: _Scratch) -> np.ndarray | None:
     """Indices of the NaNs in a float32 block, or None when there are none (the common case).
 
     One max-reduction pass answers "any NaN?" (max propagates NaN), so a
@@ -360,7 +360,7 @@ def _e5m2_to_f32_table() -> np.ndarray:
     return out.view(np.uint32)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _float8_table(source: str, target: str) -> np.ndarray:
     """Result of casting every float8 pattern, in ``target``'s storage dtype.
 
@@ -390,7 +390,7 @@ def _table_kernel(source: str, target: str) -> _Kernel:
     return kernel
 
 
-_KERNELS: Dict[Tuple[str, str], _Kernel] = {
+_KERNELS: dict[tuple[str, str], _Kernel] = {
     ("float64", "float32"): _k_numpy,
     ("float64", "float16"): _k_f64_f16,
     ("float64", "bfloat16"): _k_f64_bf16,
@@ -431,7 +431,7 @@ def _as_storage(values: np.ndarray, source: str) -> np.ndarray:
     return np.ascontiguousarray(values).view(dtype)
 
 
-def cast_array(values: np.ndarray, source: str, target: str, *, out: Optional[np.ndarray] = None) -> np.ndarray:
+def cast_array(values: np.ndarray, source: str, target: str, *, out: np.ndarray | None = None) -> np.ndarray:
     """Cast an array in ``source``'s storage representation to ``target``'s, bit-exact with torch CPU.
 
     ``values`` may be any array of ``source``'s width (a uint16 view of
@@ -465,8 +465,8 @@ def cast_array(values: np.ndarray, source: str, target: str, *, out: Optional[np
     return result.reshape(values.shape) if out is None else out
 
 
-@lru_cache(maxsize=None)
-def _overflow_threshold(source: str, target: str) -> Optional[int]:
+@cache
+def _overflow_threshold(source: str, target: str) -> int | None:
     """Smallest magnitude bit pattern of ``source`` whose cast to ``target`` is inf, or None.
 
     Found by bisection through :func:`cast_array` itself (rounding is
@@ -528,7 +528,7 @@ def count_overflows(values: np.ndarray, source: str, target: str) -> int:
     return total
 
 
-def cast_bytes(data: Union[bytes, bytearray, memoryview], source: str, target: str) -> np.ndarray:
+def cast_bytes(data: bytes | bytearray | memoryview, source: str, target: str) -> np.ndarray:
     """Cast raw little-endian ``source`` bytes to a little-endian ``target`` array.
 
     Each element is cast on its own, so splitting ``data`` anywhere on an

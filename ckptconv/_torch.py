@@ -11,7 +11,7 @@ import collections
 import concurrent.futures
 import itertools
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from .dtypes import DType, dtype_by_name
 from .errors import CkptconvError
@@ -71,9 +71,10 @@ def to_torch(refs: Mapping[str, TensorRef], *, device: DeviceSpec = None) -> dic
             start, stop = ref.byte_span
             known = spans.get(ref.storage)
             where = known[2] if known is not None else device_of(key)
-            spans[ref.storage] = (start, stop, where) if known is None else (
-                min(known[0], start), max(known[1], stop), where)
-    uploader: Optional[_Uploader] = None
+            spans[ref.storage] = (
+                (start, stop, where) if known is None else (min(known[0], start), max(known[1], stop), where)
+            )
+    uploader: _Uploader | None = None
     buffers: dict[Storage, tuple[torch.Tensor, int]] = {}
     for storage, (start, stop, where) in spans.items():
         start -= start % _SPAN_ALIGNMENT
@@ -179,7 +180,7 @@ def _from_numpy(ref: TensorRef) -> torch.Tensor:
     return tensor.view(out) if tensor.dtype != out else tensor
 
 
-def from_torch(tensor: Any, cache: Optional[dict[Any, Storage]] = None) -> TensorRef:
+def from_torch(tensor: Any, cache: dict[Any, Storage] | None = None) -> TensorRef:
     """A lazy tensor over a torch tensor's CPU bytes, without copying them.
 
     Tensors handed in with one ``cache`` that share a storage get one
@@ -205,6 +206,4 @@ def from_torch(tensor: Any, cache: Optional[dict[Any, Storage]] = None) -> Tenso
         storage = Storage(cpu.nbytes(), InMemory(as_bytes.detach().numpy().data))
         if cache is not None:
             cache[key] = storage
-    return TensorRef.checked(
-        storage, dtype, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset())
-    )
+    return TensorRef.checked(storage, dtype, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))

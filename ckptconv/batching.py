@@ -19,14 +19,14 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 from ._version import __version__
 from .discovery import FILE, Planned, discover, plan_outputs
 from .errors import WriteError
 from .executors import Job, Options, run_dask, run_local
-from .metadata import file_sha256
 from .manifest import MANIFEST_NAME, Manifest, latest_conversions, now
+from .metadata import file_sha256
 from .report import CANCELLED, FAILED, PLANNED, SKIPPED, BatchReport, ItemResult
 from .transforms import Pipeline, Transform
 from .writing import output_format
@@ -52,7 +52,7 @@ def _fingerprint(options: Options) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _still_done(plan: Planned, record: Optional[dict[str, Any]], output_dir: str, fingerprint: str) -> bool:
+def _still_done(plan: Planned, record: dict[str, Any] | None, output_dir: str, fingerprint: str) -> bool:
     """True if ``record`` vouches for this item's current output (see :func:`batch`, ``resume``)."""
     item = plan.item
     if record is None or record.get("options") != fingerprint or record.get("output") != plan.output:
@@ -81,15 +81,25 @@ def _still_done(plan: Planned, record: Optional[dict[str, Any]], output_dir: str
     return True
 
 
-def _progress(progress: BatchProgress, total_bytes: int, total_items: int) -> tuple[Callable[[ItemResult], None], Callable[[], None]]:
+def _progress(
+    progress: BatchProgress, total_bytes: int, total_items: int
+) -> tuple[Callable[[ItemResult], None], Callable[[], None]]:
     if callable(progress):
         return progress, lambda: None
     if not progress:
         return (lambda result: None), (lambda: None)
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="ckptconv batch",
-               dynamic_ncols=True, file=sys.stderr, smoothing=0.05)
+    bar = tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="ckptconv batch",
+        dynamic_ncols=True,
+        file=sys.stderr,
+        smoothing=0.05,
+    )
     counts = {"done": 0, "failed": 0}
     bar.set_postfix_str(f"0/{total_items} items", refresh=False)
 
@@ -107,13 +117,13 @@ def batch(
     source_dir: PathLike,
     output_dir: PathLike,
     *,
-    select: Optional[str] = None,
-    transforms: Union[Pipeline, Sequence[Transform]] = (),
-    to: Optional[str] = "safetensors",
-    glob: Union[str, Sequence[str], None] = None,
+    select: str | None = None,
+    transforms: Pipeline | Sequence[Transform] = (),
+    to: str | None = "safetensors",
+    glob: str | Sequence[str] | None = None,
     jobs: int = 1,
     executor: str = "local",
-    scheduler: Optional[str] = None,
+    scheduler: str | None = None,
     resume: bool = False,
     fail_fast: bool = False,
     overwrite: bool = False,
@@ -210,8 +220,9 @@ def batch(
     source = os.path.abspath(os.fspath(source_dir))
     output = os.path.abspath(os.fspath(output_dir))
     if output == source:
-        raise WriteError(f"the output folder {os.fspath(output_dir)!r} is the source folder; choose another one",
-                         path=output)
+        raise WriteError(
+            f"the output folder {os.fspath(output_dir)!r} is the source folder; choose another one", path=output
+        )
     if os.path.exists(output) and not os.path.isdir(output):
         raise WriteError(f"{os.fspath(output_dir)!r} is a file; the output must be a folder", path=output)
 
@@ -227,55 +238,74 @@ def batch(
     for plan in planned:
         item = plan.item
         if plan.problem:
-            refused.append(ItemResult(source=item.name, status=FAILED, kind=item.kind, output=plan.output,
-                                      source_size=item.size, source_mtime_ns=item.mtime_ns,
-                                      format=options.format, error=plan.problem, error_type="WriteError"))
+            refused.append(
+                ItemResult(
+                    source=item.name,
+                    status=FAILED,
+                    kind=item.kind,
+                    output=plan.output,
+                    source_size=item.size,
+                    source_mtime_ns=item.mtime_ns,
+                    format=options.format,
+                    error=plan.problem,
+                    error_type="WriteError",
+                )
+            )
         elif resume and _still_done(plan, done.get(item.name), output, fingerprint):
             previous = ItemResult.from_record(done[item.name])
             results[item.name] = dataclasses.replace(previous, status=SKIPPED, duration_s=0.0)
         else:
-            todo.append(Job(item, os.path.join(output, *plan.output.split("/")), plan.output, options,
-                            replace=resume))
+            todo.append(Job(item, os.path.join(output, *plan.output.split("/")), plan.output, options, replace=resume))
     results.update((result.source, result) for result in refused)
 
     if dry_run:
         for job in todo:
-            results[job.item.name] = ItemResult(source=job.item.name, status=PLANNED, kind=job.item.kind,
-                                                output=job.output_name, source_size=job.item.size,
-                                                source_mtime_ns=job.item.mtime_ns, format=options.format)
+            results[job.item.name] = ItemResult(
+                source=job.item.name,
+                status=PLANNED,
+                kind=job.item.kind,
+                output=job.output_name,
+                source_size=job.item.size,
+                source_mtime_ns=job.item.mtime_ns,
+                format=options.format,
+            )
         return _report(source, output, "", planned, results, started, dry_run=True)
 
     try:
         os.makedirs(output, exist_ok=True)
     except OSError as error:
-        raise WriteError(f"cannot create the output folder {output!r}: {error.strerror or error}",
-                         path=output) from None
+        raise WriteError(
+            f"cannot create the output folder {output!r}: {error.strerror or error}", path=output
+        ) from None
     run = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + os.urandom(3).hex()
     with Manifest(manifest_path, run=run, fingerprint=fingerprint) as manifest:
-        manifest.append("run", {
-            "started_at": now(),
-            "ckptconv_version": __version__,
-            "source_dir": source,
-            "output_dir": output,
-            "options": {
-                "fingerprint": fingerprint,
-                "select": select,
-                "transforms": pipeline.describe(),
-                "format": options.format,
-                "trust": trust,
-                "verify": verify,
-                "overwrite": overwrite,
-                "resume": resume,
-                "fail_fast": fail_fast,
-                "glob": globs,
-                "checksums": checksums,
+        manifest.append(
+            "run",
+            {
+                "started_at": now(),
+                "ckptconv_version": __version__,
+                "source_dir": source,
+                "output_dir": output,
+                "options": {
+                    "fingerprint": fingerprint,
+                    "select": select,
+                    "transforms": pipeline.describe(),
+                    "format": options.format,
+                    "trust": trust,
+                    "verify": verify,
+                    "overwrite": overwrite,
+                    "resume": resume,
+                    "fail_fast": fail_fast,
+                    "glob": globs,
+                    "checksums": checksums,
+                },
+                "executor": executor,
+                "scheduler": scheduler,
+                "jobs": jobs,
+                "items": len(planned),
+                "to_convert": len(todo),
             },
-            "executor": executor,
-            "scheduler": scheduler,
-            "jobs": jobs,
-            "items": len(planned),
-            "to_convert": len(todo),
-        })
+        )
         for result in refused:
             manifest.item(result)
         stopped = fail_fast and bool(refused)
@@ -291,23 +321,33 @@ def batch(
             close()
         for job in todo:
             if job.item.name not in results:
-                results[job.item.name] = ItemResult(source=job.item.name, status=CANCELLED, kind=job.item.kind,
-                                                    output=job.output_name, source_size=job.item.size,
-                                                    source_mtime_ns=job.item.mtime_ns, format=options.format)
+                results[job.item.name] = ItemResult(
+                    source=job.item.name,
+                    status=CANCELLED,
+                    kind=job.item.kind,
+                    output=job.output_name,
+                    source_size=job.item.size,
+                    source_mtime_ns=job.item.mtime_ns,
+                    format=options.format,
+                )
         report = _report(source, output, manifest_path, planned, results, started)
-        manifest.append("end", {
-            "finished_at": now(),
-            "converted": len(report.converted),
-            "skipped": len(report.skipped),
-            "failed": len(report.failed),
-            "cancelled": len(report.cancelled),
-            "duration_s": round(report.duration_s, 3),
-        })
+        manifest.append(
+            "end",
+            {
+                "finished_at": now(),
+                "converted": len(report.converted),
+                "skipped": len(report.skipped),
+                "failed": len(report.failed),
+                "cancelled": len(report.cancelled),
+                "duration_s": round(report.duration_s, 3),
+            },
+        )
     return report
 
 
-def _execute(todo: Sequence[Job], *, executor: str, scheduler: Optional[str], jobs: int,
-             stop: Callable[[], bool]) -> Iterator[ItemResult]:
+def _execute(
+    todo: Sequence[Job], *, executor: str, scheduler: str | None, jobs: int, stop: Callable[[], bool]
+) -> Iterator[ItemResult]:
     if not todo:
         return iter(())
     if executor == "dask":
@@ -315,8 +355,22 @@ def _execute(todo: Sequence[Job], *, executor: str, scheduler: Optional[str], jo
     return run_local(todo, workers=jobs, stop=stop)
 
 
-def _report(source: str, output: str, manifest: str, planned: Sequence[Planned], results: dict[str, ItemResult],
-            started: float, *, dry_run: bool = False) -> BatchReport:
+def _report(
+    source: str,
+    output: str,
+    manifest: str,
+    planned: Sequence[Planned],
+    results: dict[str, ItemResult],
+    started: float,
+    *,
+    dry_run: bool = False,
+) -> BatchReport:
     ordered = tuple(results[plan.item.name] for plan in planned if plan.item.name in results)
-    return BatchReport(source_dir=source, output_dir=output, manifest=manifest, results=ordered,
-                       duration_s=time.perf_counter() - started, dry_run=dry_run)
+    return BatchReport(
+        source_dir=source,
+        output_dir=output,
+        manifest=manifest,
+        results=ordered,
+        duration_s=time.perf_counter() - started,
+        dry_run=dry_run,
+    )

@@ -13,7 +13,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, TypeVar
 
 import click
 
@@ -71,7 +71,7 @@ class _Group(click.Group):
 class _Regex(click.ParamType):  # type: ignore[type-arg]
     name = "REGEX"
 
-    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         try:
             re.compile(value)
         except re.error as error:
@@ -82,7 +82,7 @@ class _Regex(click.ParamType):  # type: ignore[type-arg]
 class _RenameRule(click.ParamType):  # type: ignore[type-arg]
     name = "REGEX=REPL"
 
-    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> tuple[str, str]:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, str]:
         if isinstance(value, tuple):
             return value
         match = re.match(r"^((?:[^=\\]|\\.)*)=(.*)$", value, re.S)
@@ -95,7 +95,11 @@ class _RenameRule(click.ParamType):  # type: ignore[type-arg]
             self.fail(f"{pattern!r} is not a valid regular expression: {error}", param, ctx)
         for group in re.findall(r"\\(\d+)|\\g<(\w+)>", replacement):
             number, name = group
-            known = int(number) <= regex.groups if number else (name.isdigit() and int(name) <= regex.groups) or name in regex.groupindex
+            known = (
+                int(number) <= regex.groups
+                if number
+                else (name.isdigit() and int(name) <= regex.groups) or name in regex.groupindex
+            )
             if not known:
                 self.fail(f"replacement {replacement!r} refers to a group {pattern!r} does not have", param, ctx)
         return pattern, replacement
@@ -104,7 +108,7 @@ class _RenameRule(click.ParamType):  # type: ignore[type-arg]
 class _CastTarget(click.ParamType):  # type: ignore[type-arg]
     name = "fp16|bf16|fp32"
 
-    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         from .dtypes import parse_cast_target
 
         try:
@@ -115,10 +119,20 @@ class _CastTarget(click.ParamType):  # type: ignore[type-arg]
 
 class _Size(click.ParamType):  # type: ignore[type-arg]
     name = "SIZE"
-    _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    _UNITS = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
 
-    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> int:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
@@ -131,7 +145,7 @@ class _Size(click.ParamType):  # type: ignore[type-arg]
 class _Prefix(click.ParamType):  # type: ignore[type-arg]
     name = "PREFIX"
 
-    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> str:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         if not str(value).strip(". "):
             self.fail("a prefix must name at least one component, e.g. 'module'", param, ctx)
         return str(value)
@@ -152,74 +166,157 @@ def _compose(*decorators: Callable[[F], F]) -> Callable[[F], F]:
 
 
 selection_options = _compose(
-    click.option("--select", metavar="PATH", help="Where the weights are in a training checkpoint, e.g. "
-                 "'state_dict_ema' or 'model.state_dict'; 'ema' picks the EMA copy. Searched when omitted."),
-    click.option("--trust", is_flag=True, help="DANGEROUS: unpickle with torch.load(weights_only=False), "
-                 "running any code in the file. Only for files you made yourself."),
+    click.option(
+        "--select",
+        metavar="PATH",
+        help="Where the weights are in a training checkpoint, e.g. "
+        "'state_dict_ema' or 'model.state_dict'; 'ema' picks the EMA copy. Searched when omitted.",
+    ),
+    click.option(
+        "--trust",
+        is_flag=True,
+        help="DANGEROUS: unpickle with torch.load(weights_only=False), "
+        "running any code in the file. Only for files you made yourself.",
+    ),
 )
 
 transform_options = _compose(
-    click.option("--canonical", is_flag=True, help="Remove every wrapper prefix, stacked in any order: "
-                 "module. (DataParallel/DDP), _orig_mod. (torch.compile), _forward_module. (Lightning), "
-                 "_fsdp_wrapped_module. / _checkpoint_wrapped_module. / _fpw_module. (FSDP, checkpointing)."),
-    click.option("--strip-prefix", "strip_prefixes", multiple=True, type=_Prefix(),
-                 help="Remove this leading prefix (whole components) from every key that has it. Repeatable."),
-    click.option("--rename", "renames", multiple=True, type=_RenameRule(),
-                 help="Rewrite keys with re.sub(REGEX, REPL, key). Repeatable; applied in order."),
-    click.option("--add-prefix", "add_prefixes", multiple=True, type=_Prefix(),
-                 help="Put this prefix in front of every key. Repeatable."),
-    click.option("--keep", "keeps", multiple=True, type=_Regex(),
-                 help="Keep only keys matching REGEX (after renaming). Repeatable."),
-    click.option("--drop", "drops", multiple=True, type=_Regex(),
-                 help="Drop keys matching REGEX (after renaming). Repeatable."),
-    click.option("--dtype", type=_CastTarget(), help="Cast floating-point tensors; integer and bool "
-                 "tensors keep their dtype."),
-    click.option("--keep-dtype", "keep_dtypes", multiple=True, type=_Regex(),
-                 help="With --dtype: keys matching REGEX keep their dtype (e.g. 'norm'). Repeatable."),
-    click.option("--allow-overflow", is_flag=True,
-                 help="With --dtype fp16/bf16: let values beyond the range become inf instead of failing."),
+    click.option(
+        "--canonical",
+        is_flag=True,
+        help="Remove every wrapper prefix, stacked in any order: "
+        "module. (DataParallel/DDP), _orig_mod. (torch.compile), _forward_module. (Lightning), "
+        "_fsdp_wrapped_module. / _checkpoint_wrapped_module. / _fpw_module. (FSDP, checkpointing).",
+    ),
+    click.option(
+        "--strip-prefix",
+        "strip_prefixes",
+        multiple=True,
+        type=_Prefix(),
+        help="Remove this leading prefix (whole components) from every key that has it. Repeatable.",
+    ),
+    click.option(
+        "--rename",
+        "renames",
+        multiple=True,
+        type=_RenameRule(),
+        help="Rewrite keys with re.sub(REGEX, REPL, key). Repeatable; applied in order.",
+    ),
+    click.option(
+        "--add-prefix",
+        "add_prefixes",
+        multiple=True,
+        type=_Prefix(),
+        help="Put this prefix in front of every key. Repeatable.",
+    ),
+    click.option(
+        "--keep",
+        "keeps",
+        multiple=True,
+        type=_Regex(),
+        help="Keep only keys matching REGEX (after renaming). Repeatable.",
+    ),
+    click.option(
+        "--drop", "drops", multiple=True, type=_Regex(), help="Drop keys matching REGEX (after renaming). Repeatable."
+    ),
+    click.option(
+        "--dtype", type=_CastTarget(), help="Cast floating-point tensors; integer and bool tensors keep their dtype."
+    ),
+    click.option(
+        "--keep-dtype",
+        "keep_dtypes",
+        multiple=True,
+        type=_Regex(),
+        help="With --dtype: keys matching REGEX keep their dtype (e.g. 'norm'). Repeatable.",
+    ),
+    click.option(
+        "--allow-overflow",
+        is_flag=True,
+        help="With --dtype fp16/bf16: let values beyond the range become inf instead of failing.",
+    ),
 )
 
 output_options = _compose(
-    click.option("--to", "to", type=click.Choice(["pt", "safetensors", "dcp"]),
-                 help="Output format; by default it follows DST's suffix (.safetensors, or .pt/.pth/.bin/.pkl). "
-                      "A folder DST gets shards (safetensors by default); 'dcp' writes a "
-                      "torch.distributed.checkpoint folder."),
-    click.option("--max-shard-size", type=_Size(), help="Write DST as a folder of shards of at most SIZE "
-                 "(5GB, 500MB, 2GiB) with a Hugging Face index."),
+    click.option(
+        "--to",
+        "to",
+        type=click.Choice(["pt", "safetensors", "dcp"]),
+        help="Output format; by default it follows DST's suffix (.safetensors, or .pt/.pth/.bin/.pkl). "
+        "A folder DST gets shards (safetensors by default); 'dcp' writes a "
+        "torch.distributed.checkpoint folder.",
+    ),
+    click.option(
+        "--max-shard-size",
+        type=_Size(),
+        help="Write DST as a folder of shards of at most SIZE (5GB, 500MB, 2GiB) with a Hugging Face index.",
+    ),
     click.option("--overwrite", is_flag=True, help="Replace DST if it exists."),
-    click.option("--verify", is_flag=True, help="Re-read the output and compare every tensor before "
-                 "keeping it."),
-    click.option("--dry-run", is_flag=True, help="Show what would change (first 20 key renames) and "
-                 "write nothing."),
-    click.option("--keep-meta", is_flag=True, help="For .pt output: keep the checkpoint's plain data "
-                 "(epoch, step, hyperparameters, args) beside the weights, which then sit under 'state_dict'. "
-                 "safetensors output always keeps it as JSON metadata."),
-    click.option("--no-source-hash", is_flag=True, help="Do not record the source's sha256 in the output "
-                 "(saves hashing the whole source file)."),
-    click.option("--no-fsync", is_flag=True, help="Do not wait for the output to reach the disk before "
-                 "renaming it into place (faster; a power cut may then lose it)."),
+    click.option("--verify", is_flag=True, help="Re-read the output and compare every tensor before keeping it."),
+    click.option("--dry-run", is_flag=True, help="Show what would change (first 20 key renames) and write nothing."),
+    click.option(
+        "--keep-meta",
+        is_flag=True,
+        help="For .pt output: keep the checkpoint's plain data "
+        "(epoch, step, hyperparameters, args) beside the weights, which then sit under 'state_dict'. "
+        "safetensors output always keeps it as JSON metadata.",
+    ),
+    click.option(
+        "--no-source-hash",
+        is_flag=True,
+        help="Do not record the source's sha256 in the output (saves hashing the whole source file).",
+    ),
+    click.option(
+        "--no-fsync",
+        is_flag=True,
+        help="Do not wait for the output to reach the disk before "
+        "renaming it into place (faster; a power cut may then lose it).",
+    ),
     click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors."),
 )
 
 
 batch_options = _compose(
-    click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
-                 help="Items converted at once, each in its own worker process (1: in this process)."),
-    click.option("--glob", "globs", multiple=True, metavar="PATTERN",
-                 help="Only items whose path under SRC matches, e.g. '**/*.pth' ('**/' spans folders). "
-                 "Repeatable."),
-    click.option("--resume", is_flag=True, help="Skip items the manifest records as converted with the same "
-                 "options from an unchanged source; convert the rest again."),
+    click.option(
+        "-j",
+        "--jobs",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        help="Items converted at once, each in its own worker process (1: in this process).",
+    ),
+    click.option(
+        "--glob",
+        "globs",
+        multiple=True,
+        metavar="PATTERN",
+        help="Only items whose path under SRC matches, e.g. '**/*.pth' ('**/' spans folders). Repeatable.",
+    ),
+    click.option(
+        "--resume",
+        is_flag=True,
+        help="Skip items the manifest records as converted with the same "
+        "options from an unchanged source; convert the rest again.",
+    ),
     click.option("--fail-fast", is_flag=True, help="Stop starting items after the first failure."),
-    click.option("--executor", type=click.Choice(["local", "dask"]), default="local", show_default=True,
-                 help="Where items are converted: local processes, or a Dask cluster (pip install "
-                 "'ckptconv[dask]')."),
-    click.option("--scheduler", metavar="ADDRESS", help="With --executor dask: the scheduler, e.g. "
-                 "tcp://host:8786 (the workers must see SRC and DST at the same paths). Without it, a "
-                 "local cluster of --jobs processes is started."),
-    click.option("--no-checksums", is_flag=True, help="Do not record the sha256 of inputs and outputs in "
-                 "the manifest (saves reading every file once more)."),
+    click.option(
+        "--executor",
+        type=click.Choice(["local", "dask"]),
+        default="local",
+        show_default=True,
+        help="Where items are converted: local processes, or a Dask cluster (pip install 'ckptconv[dask]').",
+    ),
+    click.option(
+        "--scheduler",
+        metavar="ADDRESS",
+        help="With --executor dask: the scheduler, e.g. "
+        "tcp://host:8786 (the workers must see SRC and DST at the same paths). Without it, a "
+        "local cluster of --jobs processes is started.",
+    ),
+    click.option(
+        "--no-checksums",
+        is_flag=True,
+        help="Do not record the sha256 of inputs and outputs in the manifest (saves reading every file once more).",
+    ),
 )
 
 
@@ -264,7 +361,7 @@ def _human_bytes(count: float) -> str:
 
 
 def _run_conversion(
-    src: str, dst: str, leading: Sequence[Any], options: dict[str, Any], fit_to: Optional[str] = None
+    src: str, dst: str, leading: Sequence[Any], options: dict[str, Any], fit_to: str | None = None
 ) -> None:
     from .conversion import convert
 
@@ -296,12 +393,18 @@ def _run_conversion(
             click.echo(f"{old} -> {new}")
         if len(report.renames) > 20:
             click.echo(f"... and {len(report.renames) - 20} more")
-        _say(quiet, f"dry run: would write {report.tensors} tensors ({_human_bytes(report.bytes)}) "
-                    f"as {report.format}; nothing was written")
+        _say(
+            quiet,
+            f"dry run: would write {report.tensors} tensors ({_human_bytes(report.bytes)}) "
+            f"as {report.format}; nothing was written",
+        )
         return
     verified = ", verified bit for bit" if report.verified else ""
-    _say(quiet, f"wrote {report.destination} ({report.format}, {report.tensors} tensors, "
-                f"{_human_bytes(report.bytes)}{verified})")
+    _say(
+        quiet,
+        f"wrote {report.destination} ({report.format}, {report.tensors} tensors, "
+        f"{_human_bytes(report.bytes)}{verified})",
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -372,9 +475,14 @@ def add_module(src: str, dst: str, **options: Any) -> None:
 
 @cli.command()
 @conversion_arguments
-@click.option("--like", "reference", required=True, metavar="REF",
-              help="What the keys must match: another checkpoint, a text file of key names, or "
-                   "'package.module:factory' that builds your nn.Module (this imports your code).")
+@click.option(
+    "--like",
+    "reference",
+    required=True,
+    metavar="REF",
+    help="What the keys must match: another checkpoint, a text file of key names, or "
+    "'package.module:factory' that builds your nn.Module (this imports your code).",
+)
 def fit(src: str, dst: str, reference: str, **options: Any) -> None:
     """Rename a checkpoint's keys to match a reference model, then write it.
 
@@ -397,7 +505,7 @@ def fit(src: str, dst: str, reference: str, **options: Any) -> None:
 @click.argument("dst", type=click.Path(dir_okay=True))
 @selection_options
 @transform_options
-def verify(src: str, dst: str, select: Optional[str], trust: bool, **options: Any) -> None:
+def verify(src: str, dst: str, select: str | None, trust: bool, **options: Any) -> None:
     """Prove DST holds SRC's weights after the given transforms, bit for bit.
 
     Pass the transform options the conversion used. Compares keys, dtypes,
@@ -430,7 +538,7 @@ def verify(src: str, dst: str, select: Optional[str], trust: bool, **options: An
 @click.option("--select-b", metavar="PATH", help="Where the weights are in B (searched when omitted).")
 @click.option("--trust", is_flag=True, help="DANGEROUS: unpickle with torch.load(weights_only=False).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
-def diff(a: str, b: str, select_a: Optional[str], select_b: Optional[str], trust: bool, as_json: bool) -> None:
+def diff(a: str, b: str, select_a: str | None, select_b: str | None, trust: bool, as_json: bool) -> None:
     """Compare the weights of two checkpoints.
 
     Lists keys only in A or only in B, dtype and shape mismatches, and the
@@ -458,8 +566,10 @@ def diff(a: str, b: str, select_a: Optional[str], select_b: Optional[str], trust
             else:
                 click.echo(f"{item.reason} differs: {item.key}: {item.a} vs {item.b}")
         verdict = "identical" if result.identical else "different"
-        click.echo(f"{verdict}: {result.same} tensors identical, {len(result.differences)} differ, "
-                   f"{len(result.only_in_a)} only in A, {len(result.only_in_b)} only in B")
+        click.echo(
+            f"{verdict}: {result.same} tensors identical, {len(result.differences)} differ, "
+            f"{len(result.only_in_a)} only in A, {len(result.only_in_b)} only in B"
+        )
     if not result.identical:
         sys.exit(EXIT_NEGATIVE)
 
@@ -475,21 +585,31 @@ def _print_devices(as_json: bool) -> None:
         click.echo("no GPU is visible to this process (torch.cuda.is_available() is False); loads go to the CPU")
         return
     for device in devices:
-        click.echo(f"{device.name}  physical {device.physical}  {device.model}  "
-                   f"{_human_bytes(device.free_bytes)} free of {_human_bytes(device.total_bytes)}"
-                   + (f"  pci {device.pci_bus_id}" if device.pci_bus_id else ""))
+        click.echo(
+            f"{device.name}  physical {device.physical}  {device.model}  "
+            f"{_human_bytes(device.free_bytes)} free of {_human_bytes(device.total_bytes)}"
+            + (f"  pci {device.pci_bus_id}" if device.pci_bus_id else "")
+        )
 
 
 @cli.command()
 @click.argument("src", type=click.Path(dir_okay=True), required=False)
 @selection_options
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
-@click.option("--limit", type=click.IntRange(min=0), default=None,
-              help="Show at most this many tensors in the table (default: all).")
-@click.option("--devices", "show_devices", is_flag=True,
-              help="List the GPUs this process sees (logical and physical numbers, free memory) instead.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Show at most this many tensors in the table (default: all).",
+)
+@click.option(
+    "--devices",
+    "show_devices",
+    is_flag=True,
+    help="List the GPUs this process sees (logical and physical numbers, free memory) instead.",
+)
 def inspect(
-    src: Optional[str], select: Optional[str], trust: bool, as_json: bool, limit: Optional[int], show_devices: bool
+    src: str | None, select: str | None, trust: bool, as_json: bool, limit: int | None, show_devices: bool
 ) -> None:
     """Describe a checkpoint without reading its tensor data.
 
@@ -535,8 +655,10 @@ def inspect(
         return
     where = repr(info.selected) if info.selected else "the whole file"
     dtypes = ", ".join(f"{name}: {count}" for name, count in info.dtypes.items())
-    click.echo(f"weights: {where}: {len(info.tensors)} tensors, {info.parameters:,} elements, "
-               f"{_human_bytes(info.tensor_bytes)} ({dtypes})")
+    click.echo(
+        f"weights: {where}: {len(info.tensors)} tensors, {info.parameters:,} elements, "
+        f"{_human_bytes(info.tensor_bytes)} ({dtypes})"
+    )
     if info.selection_note:
         click.echo(f"note: {info.selection_note}")
     shown = info.tensors if limit is None else info.tensors[:limit]
@@ -615,8 +737,11 @@ def batch(src: str, dst: str, **options: Any) -> None:
         if os.environ.get("CKPTCONV_DEBUG"):
             raise
         # Not the generic message: finished items are recorded, and --resume carries on.
-        click.echo(f"ckptconv: interrupted; finished items are recorded in the manifest under {dst!r}; "
-                   "run again with --resume to carry on", err=True)
+        click.echo(
+            f"ckptconv: interrupted; finished items are recorded in the manifest under {dst!r}; "
+            "run again with --resume to carry on",
+            err=True,
+        )
         click.get_current_context().exit(130)
     if not report.results:
         _say(quiet, f"found no checkpoints under {src!r}" + (" matching --glob" if options["globs"] else ""))
@@ -638,7 +763,6 @@ def batch(src: str, dst: str, **options: Any) -> None:
     click.get_current_context().exit(report.exit_code)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``ckptconv`` console script and ``python -m ckptconv``."""
     cli.main(args=list(argv) if argv is not None else None, prog_name="ckptconv")
-

@@ -14,13 +14,13 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 from ._version import __version__
 from .errors import FitError, VerifyError
 from .formats._base import Deferred, MetadataValue
-from .metadata import checkpoint_metadata, encode_entries, source_sha256
 from .loading import open as open_checkpoint
+from .metadata import checkpoint_metadata, encode_entries, source_sha256
 from .transforms import Canonicalize, Pipeline, StepReport, StripPrefix, Transform
 from .writing import Progress, is_folder_destination, output_format, save
 
@@ -29,8 +29,16 @@ __all__ = ["ConversionReport", "convert"]
 PathLike = Union[str, "os.PathLike[str]"]
 
 # Wrapper prefixes users meet, for hints when the one they asked for is absent.
-_KNOWN_WRAPPERS = ("module.", "_orig_mod.", "_forward_module.", "model.", "_fsdp_wrapped_module.",
-                   "_checkpoint_wrapped_module.", "backbone.", "net.")
+_KNOWN_WRAPPERS = (
+    "module.",
+    "_orig_mod.",
+    "_forward_module.",
+    "model.",
+    "_fsdp_wrapped_module.",
+    "_checkpoint_wrapped_module.",
+    "backbone.",
+    "net.",
+)
 
 
 @dataclass(frozen=True)
@@ -69,10 +77,10 @@ class ConversionReport:
     foreign_globals: Mapping[str, int] = field(default_factory=dict)
     saved_devices: frozenset[str] = frozenset()
     notes: tuple[str, ...] = ()
-    verified: Optional[bool] = None
+    verified: bool | None = None
     renames: tuple[tuple[str, str], ...] = ()
     files: tuple[str, ...] = ()
-    source_sha256: Optional[str] = None
+    source_sha256: str | None = None
 
 
 def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> list[str]:
@@ -88,16 +96,18 @@ def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> l
         starts = sorted({wrapper for wrapper in _KNOWN_WRAPPERS for key in keys if key.startswith(wrapper)})
         hint = f"; keys start with {', '.join(repr(s) for s in starts)}" if starts else ""
         return [f"no key starts with {prefix!r}, so none was renamed{hint}"]
-    return [f"{report.unchanged} of {report.changed + report.unchanged} keys had no {prefix!r} prefix and were left unchanged"]
+    return [
+        f"{report.unchanged} of {report.changed + report.unchanged} keys had no {prefix!r} prefix and were left unchanged"
+    ]
 
 
 def convert(
     source: PathLike,
-    destination: Optional[PathLike],
+    destination: PathLike | None,
     *,
-    select: Optional[str] = None,
-    transforms: Union[Pipeline, Sequence[Transform]] = (),
-    to: Optional[str] = None,
+    select: str | None = None,
+    transforms: Pipeline | Sequence[Transform] = (),
+    to: str | None = None,
     overwrite: bool = False,
     trust: bool = False,
     verify: bool = False,
@@ -107,7 +117,7 @@ def convert(
     keep_meta: bool = False,
     source_hash: bool = True,
     fit_to: Any = None,
-    max_shard_size: Optional[int] = None,
+    max_shard_size: int | None = None,
 ) -> ConversionReport:
     """Convert a checkpoint: pick its weights, transform them, write them, optionally verify.
 
@@ -188,9 +198,11 @@ def convert(
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         notes.append(f"{len(names)} classes from code that is not here became inert stand-ins ({shown}); none was run")
 
-    renames = tuple(
-        (old, new) for old, new in zip(selection.weights, state) if old != new
-    ) if len(state) == len(selection.weights) else ()
+    renames = (
+        tuple((old, new) for old, new in zip(selection.weights, state) if old != new)
+        if len(state) == len(selection.weights)
+        else ()
+    )
     folder_output = destination is not None and is_folder_destination(destination, to, max_shard_size)
     kind = output_format(destination, to, folder=folder_output) if destination is not None else (to or "pt")
     summary = ConversionReport(
@@ -212,16 +224,20 @@ def convert(
 
     metadata: dict[str, MetadataValue] = {}
     if checkpoint.format == "safetensors":
-        metadata.update({k: v for k, v in checkpoint.metadata.items() if not k.startswith("ckptconv.") and k != "format"})
+        metadata.update(
+            {k: v for k, v in checkpoint.metadata.items() if not k.startswith("ckptconv.") and k != "format"}
+        )
     entries = checkpoint_metadata(checkpoint.tree, selection)
     if kind == "safetensors":
         metadata.update(encode_entries(entries, "checkpoint."))
-    metadata.update({
-        "ckptconv.version": __version__,
-        "ckptconv.source": os.path.basename(checkpoint.path),
-        "ckptconv.selected": selection.where,
-        "ckptconv.transforms": json.dumps(pipeline.describe() + (list(fit_report.plan) if fit_report else [])),
-    })
+    metadata.update(
+        {
+            "ckptconv.version": __version__,
+            "ckptconv.source": os.path.basename(checkpoint.path),
+            "ckptconv.selected": selection.where,
+            "ckptconv.transforms": json.dumps(pipeline.describe() + (list(fit_report.plan) if fit_report else [])),
+        }
+    )
     extra = entries if kind == "pt" and keep_meta else None
 
     def check(written: str) -> None:
@@ -232,7 +248,7 @@ def convert(
             raise VerifyError(f"{result.summary()}; the output was not written")
 
     give_up = threading.Event()
-    digest: Optional[concurrent.futures.Future[str]] = None
+    digest: concurrent.futures.Future[str] | None = None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as hasher:
         if source_hash:
             digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)

@@ -52,8 +52,10 @@ def visible_devices() -> list[DeviceInfo]:
         properties: Any = torch.cuda.get_device_properties(index)
         bus = ""
         if hasattr(properties, "pci_bus_id"):
-            bus = f"{getattr(properties, 'pci_domain_id', 0):04x}:{properties.pci_bus_id:02x}:" \
-                  f"{getattr(properties, 'pci_device_id', 0):02x}"
+            bus = (
+                f"{getattr(properties, 'pci_domain_id', 0):04x}:{properties.pci_bus_id:02x}:"
+                f"{getattr(properties, 'pci_device_id', 0):02x}"
+            )
         physical = visible[index] if index < len(visible) else str(index)
         devices.append(DeviceInfo(f"cuda:{index}", physical, properties.name, int(free), int(total), bus))
     return devices

@@ -40,7 +40,7 @@ import zipfile
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Union
 
 from .errors import LoadError
 
@@ -168,7 +168,7 @@ def _is_checkpoint(path: str, name: str) -> bool:
     return False
 
 
-def _index_shards(path: str) -> Optional[list[str]]:
+def _index_shards(path: str) -> list[str] | None:
     """The shard file names a ``*.index.json`` names; None if it is not a readable index."""
     from .errors import CkptconvError
     from .formats.sharded import read_index
@@ -240,8 +240,7 @@ def discover(
     items: list[Item] = []
     for folder, subfolders, filenames in os.walk(root):
         subfolders[:] = sorted(
-            name for name in subfolders
-            if not name.startswith(".") and os.path.join(folder, name) not in excluded
+            name for name in subfolders if not name.startswith(".") and os.path.join(folder, name) not in excluded
         )
         rel_folder = _relative(root, folder)
         names = sorted(filenames)
@@ -274,7 +273,7 @@ def discover(
     return sorted(items, key=lambda item: item.name)
 
 
-def output_name(item: Item, format: str, *, full: bool = False) -> str:  # noqa: A002
+def output_name(item: Item, format: str, *, full: bool = False) -> str:
     """The output's path relative to the output folder (see the module docstring).
 
     Args:
@@ -294,7 +293,7 @@ def output_name(item: Item, format: str, *, full: bool = False) -> str:  # noqa:
     return base + _OUTPUT_SUFFIX[format]
 
 
-def plan_outputs(items: Sequence[Item], format: str) -> list[Planned]:  # noqa: A002
+def plan_outputs(items: Sequence[Item], format: str) -> list[Planned]:
     """Give every item its output path, resolving collisions deterministically.
 
     Args:
@@ -324,7 +323,9 @@ def plan_outputs(items: Sequence[Item], format: str) -> list[Planned]:  # noqa: 
         problem = ""
         clash = [items[other].name for other in final[name] if other != index]
         if clash:
-            problem = (f"{item.name!r} and {', '.join(repr(c) for c in clash)} would all be written to {name!r}; "
-                       "rename one of them, or leave it out with --glob")
+            problem = (
+                f"{item.name!r} and {', '.join(repr(c) for c in clash)} would all be written to {name!r}; "
+                "rename one of them, or leave it out with --glob"
+            )
         planned.append(Planned(item, name, problem))
     return planned

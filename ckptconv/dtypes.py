@@ -8,9 +8,8 @@ keeps its own small table and never needs torch to describe a tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
-__all__ = ["DType", "DTYPES", "dtype_by_name", "parse_cast_target"]
+__all__ = ["DTYPES", "DType", "dtype_by_name", "parse_cast_target"]
 
 
 @dataclass(frozen=True)
@@ -33,8 +32,8 @@ class DType:
     name: str
     itemsize: int
     kind: str
-    storage_class: Optional[str]
-    safetensors: Optional[str]
+    storage_class: str | None
+    safetensors: str | None
     numpy: str
 
     @property
@@ -93,17 +92,17 @@ _CAST_ALIASES = {
 }
 
 
-def dtype_by_name(name: str) -> Optional[DType]:
+def dtype_by_name(name: str) -> DType | None:
     """The dtype called ``name`` in torch (``"float32"`` or ``"torch.float32"``), else None."""
     return _BY_NAME.get(name[6:] if name.startswith("torch.") else name)
 
 
-def dtype_by_storage_class(name: str) -> Optional[DType]:
+def dtype_by_storage_class(name: str) -> DType | None:
     """The dtype of a legacy typed storage class (``"FloatStorage"``), else None."""
     return _BY_STORAGE_CLASS.get(name)
 
 
-def dtype_by_safetensors_code(code: str) -> Optional[DType]:
+def dtype_by_safetensors_code(code: str) -> DType | None:
     """The dtype of a safetensors header code (``"BF16"``), else None."""
     return _BY_SAFETENSORS.get(code)
 

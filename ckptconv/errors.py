@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 __all__ = [
     "CastOverflowError",
@@ -48,7 +48,7 @@ __all__ = [
 class CkptconvError(Exception):
     """Base class of every error ckptconv raises deliberately."""
 
-    def __init__(self, message: str, *, path: Optional[str | os.PathLike[str]] = None) -> None:
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.path = os.fspath(path) if path is not None else None
@@ -78,7 +78,7 @@ class UnsafeCheckpointError(LoadError):
     """
 
     def __init__(
-        self, message: str, *, path: Optional[str | os.PathLike[str]] = None, globals: Sequence[str] = ()
+        self, message: str, *, path: str | os.PathLike[str] | None = None, globals: Sequence[str] = ()
     ) -> None:
         super().__init__(message, path=path)
         self.globals = tuple(globals)
@@ -91,7 +91,7 @@ class SelectionError(CkptconvError, KeyError):
         self,
         message: str,
         *,
-        path: Optional[str | os.PathLike[str]] = None,
+        path: str | os.PathLike[str] | None = None,
         candidates: Sequence[str] = (),
     ) -> None:
         super().__init__(message, path=path)

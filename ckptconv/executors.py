@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from .discovery import DCP, FILE, Item
 from .errors import CkptconvError, LoadError, WriteError
@@ -53,7 +53,7 @@ class Options:
 
     format: str
     transforms: Pipeline = Pipeline()
-    select: Optional[str] = None
+    select: str | None = None
     overwrite: bool = False
     trust: bool = False
     verify: bool = False
@@ -173,8 +173,9 @@ def _convert(job: Job) -> ItemResult:
     after = _snapshot(item)
     if before is None or after != before:
         os.unlink(job.output)
-        raise LoadError(f"{item.name!r} changed while it was being converted; run the batch again with --resume",
-                        path=item.path)
+        raise LoadError(
+            f"{item.name!r} changed while it was being converted; run the batch again with --resume", path=item.path
+        )
     output_size = os.stat(job.output).st_size
     output_sha = file_sha256(job.output) if options.checksums else None
     return ItemResult(
@@ -200,8 +201,9 @@ def _prepare_folder(output: str) -> None:
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as error:
-        raise WriteError(f"cannot create the folder {folder!r}: {error.strerror or error}; nothing was written",
-                         path=output) from None
+        raise WriteError(
+            f"cannot create the folder {folder!r}: {error.strerror or error}; nothing was written", path=output
+        ) from None
     # writing.atomic_output writes to tempfile.mkstemp(prefix=".NAME.", suffix=".partial"): 8 random
     # characters. The batch holds the manifest's lock and gives each output to one job, so these are ours.
     stale = re.compile(rf"\.{re.escape(name)}\.[a-z0-9_]{{8}}\.partial\Z")
@@ -242,11 +244,13 @@ def _context() -> Any:
     return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
 
 
-_DIED = ("the worker process died while converting it (killed, out of memory, or a crash in native code); "
-         "nothing was written for it")
+_DIED = (
+    "the worker process died while converting it (killed, out of memory, or a crash in native code); "
+    "nothing was written for it"
+)
 
 
-def _outcome(future: Future[ItemResult], job: Job, alone: bool, suspects: deque[Job]) -> tuple[Optional[ItemResult], bool]:
+def _outcome(future: Future[ItemResult], job: Job, alone: bool, suspects: deque[Job]) -> tuple[ItemResult | None, bool]:
     """A finished future's result (None if its job must be retried), and whether the pool broke."""
     try:
         return future.result(), False
@@ -280,7 +284,7 @@ def run_local(jobs: Sequence[Job], *, workers: int = 1, stop: Stop = lambda: Fal
     queue = deque(jobs)
     suspects: deque[Job] = deque()  # submitted when a worker died; retried one at a time
     running: dict[Future[ItemResult], tuple[Job, bool]] = {}
-    pool: Optional[ProcessPoolExecutor] = None
+    pool: ProcessPoolExecutor | None = None
     context = _context()
     clean = False
     try:
@@ -331,7 +335,7 @@ def run_local(jobs: Sequence[Job], *, workers: int = 1, stop: Stop = lambda: Fal
 def run_dask(
     jobs: Sequence[Job],
     *,
-    scheduler: Optional[str] = None,
+    scheduler: str | None = None,
     workers: int = 1,
     stop: Stop = lambda: False,
 ) -> Iterator[ItemResult]:
@@ -357,8 +361,9 @@ def run_dask(
         ) from None
     cluster: Any = None
     if scheduler is None:
-        cluster = distributed.LocalCluster(n_workers=max(1, workers), threads_per_worker=1, processes=True,
-                               host="127.0.0.1", dashboard_address=None)
+        cluster = distributed.LocalCluster(
+            n_workers=max(1, workers), threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
+        )
         address = cluster.scheduler_address
     else:
         address = scheduler

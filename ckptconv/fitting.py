@@ -20,7 +20,7 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from .errors import FitError, KeyCollisionError, LoadError, UnsupportedFormatError
 from .transforms import AddPrefix, Canonicalize, StripPrefix, Transform, canonical_keys
@@ -85,10 +85,13 @@ class FitReport:
             problems.append(f"{len(self.unexpected)} unexpected (e.g. {self.unexpected[0]!r})")
         if self.shape_mismatches:
             key, got, want = self.shape_mismatches[0]
-            problems.append(f"{len(self.shape_mismatches)} of the wrong shape (e.g. {key!r}: {list(got)} "
-                            f"instead of {list(want)})")
-        return (f"no key transform makes the checkpoint fit {self.reference}: best plan ({plan}) matches "
-                f"{self.matched} keys, with {', '.join(problems)}")
+            problems.append(
+                f"{len(self.shape_mismatches)} of the wrong shape (e.g. {key!r}: {list(got)} instead of {list(want)})"
+            )
+        return (
+            f"no key transform makes the checkpoint fit {self.reference}: best plan ({plan}) matches "
+            f"{self.matched} keys, with {', '.join(problems)}"
+        )
 
     def details(self) -> list[str]:
         """Every mismatch, one per line (the first few of each kind)."""
@@ -103,7 +106,7 @@ class FitReport:
         return lines
 
 
-def _shape(value: Any) -> Optional[tuple[int, ...]]:
+def _shape(value: Any) -> tuple[int, ...] | None:
     shape = getattr(value, "shape", None)
     return tuple(int(s) for s in shape) if shape is not None else None
 
@@ -124,19 +127,26 @@ def reference_from(reference: Any) -> Reference:
         return reference
     if hasattr(reference, "state_dict") and callable(reference.state_dict):
         state = reference.state_dict()
-        return Reference(tuple(state), {k: s for k, v in state.items() if (s := _shape(v)) is not None},
-                         f"the {type(reference).__name__} model")
+        return Reference(
+            tuple(state),
+            {k: s for k, v in state.items() if (s := _shape(v)) is not None},
+            f"the {type(reference).__name__} model",
+        )
     if isinstance(reference, Mapping):
-        return Reference(tuple(reference), {k: s for k, v in reference.items() if (s := _shape(v)) is not None},
-                         "the reference state dict")
+        return Reference(
+            tuple(reference),
+            {k: s for k, v in reference.items() if (s := _shape(v)) is not None},
+            "the reference state dict",
+        )
     if isinstance(reference, (str, os.PathLike)):
         text = os.fspath(reference)
         if os.path.exists(text):
             return _reference_from_file(text)
-        if ":" in text and not os.path.sep in text.split(":", 1)[0]:
+        if ":" in text and os.path.sep not in text.split(":", 1)[0]:
             return _reference_from_factory(text)
-        raise LoadError(f"reference {text!r} is neither a file nor a 'package.module:factory'; check the path",
-                        path=text)
+        raise LoadError(
+            f"reference {text!r} is neither a file nor a 'package.module:factory'; check the path", path=text
+        )
     if isinstance(reference, Iterable):
         keys = tuple(reference)
         if all(isinstance(key, str) for key in keys):
@@ -157,7 +167,7 @@ def _reference_from_file(path: str) -> Reference:
     return Reference(tuple(weights), {k: ref.shape for k, ref in weights.items()}, f"the checkpoint {path!r}")
 
 
-def _key_list(path: str) -> Optional[tuple[str, ...]]:
+def _key_list(path: str) -> tuple[str, ...] | None:
     """Keys from a text file, one per line ('#' comments and blank lines ignored), or None."""
     try:
         with open(path, encoding="utf-8") as file:
@@ -198,7 +208,7 @@ class _Plan:
     mapping: dict[str, str]  # checkpoint key -> fitted key
 
 
-def _apply_plan(keys: Sequence[str], steps: Sequence[Transform]) -> Optional[dict[str, str]]:
+def _apply_plan(keys: Sequence[str], steps: Sequence[Transform]) -> dict[str, str] | None:
     """Where each key ends up under ``steps`` (the transforms themselves, run on the names
     alone), or None if two keys would collide."""
     names: dict[str, Any] = {key: key for key in keys}  # new name -> original name
@@ -217,8 +227,8 @@ def _candidate_plans(keys: Sequence[str], target: set[str]) -> list[_Plan]:
         if base_keys is None:
             continue
         current = list(base_keys.values())
-        strips: list[Optional[str]] = [None, *_leading_prefixes(current, everyone=False)]
-        adds: list[Optional[str]] = [None, *_leading_prefixes(sorted(target), everyone=True)]
+        strips: list[str | None] = [None, *_leading_prefixes(current, everyone=False)]
+        adds: list[str | None] = [None, *_leading_prefixes(sorted(target), everyone=True)]
         for strip in strips:
             for add in adds:
                 steps: tuple[Transform, ...] = base
@@ -233,8 +243,11 @@ def _candidate_plans(keys: Sequence[str], target: set[str]) -> list[_Plan]:
 
 
 def _describe_restore(canonical: Iterable[str], from_canonical: Mapping[str, str]) -> str:
-    prefixes = {from_canonical[c][: -len(c)] if from_canonical[c].endswith(c) else None
-                for c in canonical if c in from_canonical}
+    prefixes = {
+        from_canonical[c][: -len(c)] if from_canonical[c].endswith(c) else None
+        for c in canonical
+        if c in from_canonical
+    }
     if len(prefixes) == 1 and None not in prefixes:
         return f"add prefix {prefixes.pop()!r}"
     return "use the reference's wrapper names (FSDP / checkpointing components)"
@@ -274,7 +287,7 @@ def fit(state: Mapping[str, Any], reference: Any, *, partial: bool = False) -> t
     target = set(from_canonical)
     keys = list(state)
 
-    best: Optional[tuple[tuple[int, int], _Plan]] = None
+    best: tuple[tuple[int, int], _Plan] | None = None
     for plan in _candidate_plans(keys, target):
         matched = sum(1 for fitted in plan.mapping.values() if fitted in target)
         score = (matched, -len(plan.steps))
@@ -318,7 +331,7 @@ def load_into(
     path: PathLike,
     *,
     strict: bool = True,
-    select: Optional[str] = None,
+    select: str | None = None,
     trust: bool = False,
     device: Any = None,
 ) -> FitReport:

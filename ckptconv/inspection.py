@@ -12,7 +12,7 @@ import os
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 from .errors import SelectionError
 from .loading import open as open_checkpoint
@@ -74,7 +74,7 @@ class CheckpointInfo:
     foreign_globals: Mapping[str, int]
     metadata: Mapping[str, str]
     outline: tuple[tuple[str, str], ...]
-    selected: Optional[str]
+    selected: str | None
     selection_note: str
     selection_error: str
     alternatives: tuple[str, ...]
@@ -89,8 +89,7 @@ class CheckpointInfo:
         data = asdict(self)
         data["outline"] = [{"key": key, "value": text} for key, text in self.outline]
         data["tensors"] = [
-            {**asdict(info), "shape": list(info.shape), "shares_with": list(info.shares_with)}
-            for info in self.tensors
+            {**asdict(info), "shape": list(info.shape), "shares_with": list(info.shares_with)} for info in self.tensors
         ]
         data["saved_devices"] = list(self.saved_devices)
         data["alternatives"] = list(self.alternatives)
@@ -135,7 +134,7 @@ def _outline(tree: Any) -> tuple[tuple[str, str], ...]:
     return (("", describe_value(tree)),)
 
 
-def inspect(path: PathLike, *, select: Optional[str] = None, trust: bool = False) -> CheckpointInfo:
+def inspect(path: PathLike, *, select: str | None = None, trust: bool = False) -> CheckpointInfo:
     """Describe a checkpoint: format, devices, stand-ins, where the weights are, every tensor.
 
     Reads no tensor data. Never fails because the weights are ambiguous: the
@@ -155,7 +154,7 @@ def inspect(path: PathLike, *, select: Optional[str] = None, trust: bool = False
         ('state_dict', 11689512)
     """
     checkpoint = open_checkpoint(path, trust=trust)
-    selected: Optional[str] = None
+    selected: str | None = None
     note = error = ""
     alternatives: tuple[str, ...] = ()
     weights: dict[str, TensorRef] = {}
@@ -165,7 +164,12 @@ def inspect(path: PathLike, *, select: Optional[str] = None, trust: bool = False
         error = str(failure)
         alternatives = failure.candidates
     else:
-        selected, note, alternatives, weights = selection.where, selection.note, selection.alternatives, selection.weights
+        selected, note, alternatives, weights = (
+            selection.where,
+            selection.note,
+            selection.alternatives,
+            selection.weights,
+        )
 
     by_storage: dict[int, list[str]] = {}
     for key, ref in weights.items():

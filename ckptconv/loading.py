@@ -17,7 +17,7 @@ import zipfile
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from . import formats
 from .errors import CkptconvError, LoadError, MalformedCheckpointError
@@ -35,8 +35,21 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 # What parsing a hostile file can raise from the standard library's zip, json
 # and struct code; each becomes a MalformedCheckpointError.
-_PARSE_FAILURES = (ValueError, TypeError, IndexError, KeyError, AttributeError, struct.error, OverflowError,
-                   RecursionError, MemoryError, UnicodeError, EOFError, zipfile.BadZipFile, NotImplementedError)
+_PARSE_FAILURES = (
+    ValueError,
+    TypeError,
+    IndexError,
+    KeyError,
+    AttributeError,
+    struct.error,
+    OverflowError,
+    RecursionError,
+    MemoryError,
+    UnicodeError,
+    EOFError,
+    zipfile.BadZipFile,
+    NotImplementedError,
+)
 
 
 @dataclass(frozen=True)
@@ -67,7 +80,7 @@ class Checkpoint:
     size: int = 0
     trusted: bool = False
 
-    def select(self, select: Optional[str] = None) -> Selection:
+    def select(self, select: str | None = None) -> Selection:
         """The model weights in this checkpoint; see :func:`ckptconv.selection.select_weights`."""
         return select_weights(self.tree, select, source=repr(self.path))
 
@@ -91,7 +104,7 @@ class Checkpoint:
                 stack.append((f"{path}.{key}" if path else str(key), child))
 
 
-def open(path: PathLike, *, trust: bool = False) -> Checkpoint:  # noqa: A001 - mirrors tarfile.open
+def open(path: PathLike, *, trust: bool = False) -> Checkpoint:
     """Open a checkpoint lazily and safely, whatever device it was saved on.
 
     Args:
@@ -150,15 +163,18 @@ def _size(path: str, kind: str) -> int:
         return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
     if kind == "sharded":
         folder = os.path.dirname(os.path.abspath(path))
-        return sum(entry.stat().st_size for entry in os.scandir(folder)
-                   if entry.is_file() and entry.name.endswith((".safetensors", ".bin", ".pt", ".json")))
+        return sum(
+            entry.stat().st_size
+            for entry in os.scandir(folder)
+            if entry.is_file() and entry.name.endswith((".safetensors", ".bin", ".pt", ".json"))
+        )
     return os.stat(path).st_size
 
 
 def load(
     path: PathLike,
     *,
-    select: Optional[str] = None,
+    select: str | None = None,
     trust: bool = False,
     device: Any = None,
 ) -> dict[str, torch.Tensor]:
@@ -227,4 +243,3 @@ def _read_trusted(path: str, kind: str) -> ReadResult:
         return value
 
     return ReadResult(kind, convert(obj), Counter(), frozenset())
-

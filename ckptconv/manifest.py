@@ -31,13 +31,13 @@ import datetime
 import json
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any, BinaryIO, Optional
+from typing import Any, BinaryIO
 
 from ._version import __version__
 from .errors import WriteError
 from .report import CONVERTED, ItemResult
 
-__all__ = ["MANIFEST_NAME", "Manifest", "read_records", "latest_conversions"]
+__all__ = ["MANIFEST_NAME", "Manifest", "latest_conversions", "read_records"]
 
 MANIFEST_NAME = "ckptconv-manifest.jsonl"
 SCHEMA = 1
@@ -88,14 +88,15 @@ class Manifest:
         self.path = path
         self.run = run
         self.fingerprint = fingerprint
-        self._file: Optional[BinaryIO] = None
+        self._file: BinaryIO | None = None
 
     def __enter__(self) -> Manifest:
         try:
             file = open(self.path, "ab")
         except OSError as error:
-            raise WriteError(f"cannot write the manifest {self.path!r}: {error.strerror or error}",
-                             path=self.path) from None
+            raise WriteError(
+                f"cannot write the manifest {self.path!r}: {error.strerror or error}", path=self.path
+            ) from None
         try:
             _lock(file, self.path)
             # A run that was killed mid-line leaves a torn last line; start on a fresh one.
@@ -128,8 +129,9 @@ class Manifest:
             self._file.flush()
             os.fsync(self._file.fileno())
         except OSError as error:
-            raise WriteError(f"cannot write the manifest {self.path!r}: {error.strerror or error}",
-                             path=self.path) from None
+            raise WriteError(
+                f"cannot write the manifest {self.path!r}: {error.strerror or error}", path=self.path
+            ) from None
 
     def item(self, result: ItemResult) -> None:
         """Record one finished item."""

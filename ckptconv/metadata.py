@@ -15,7 +15,7 @@ import math
 import os
 import threading
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
 from .selection import Selection, as_tensor
 from .unpickler import ForeignGlobal, ForeignObject, NumpyArray
@@ -26,9 +26,27 @@ __all__ = ["checkpoint_metadata", "file_sha256"]
 MAX_ENTRY_BYTES = 64 * 1024
 _MAX_DEPTH = 12
 _SKIPPED = frozenset(
-    {"optimizer", "optimizers", "optimizer_states", "optimizer_state_dict", "scheduler", "schedulers",
-     "lr_scheduler", "lr_schedulers", "scaler", "grad_scaler", "rng", "rng_state", "rng_states", "numpy_rng",
-     "torch_rng", "cuda_rng", "random_state", "loops", "callbacks"}
+    {
+        "optimizer",
+        "optimizers",
+        "optimizer_states",
+        "optimizer_state_dict",
+        "scheduler",
+        "schedulers",
+        "lr_scheduler",
+        "lr_schedulers",
+        "scaler",
+        "grad_scaler",
+        "rng",
+        "rng_state",
+        "rng_states",
+        "numpy_rng",
+        "torch_rng",
+        "cuda_rng",
+        "random_state",
+        "loops",
+        "callbacks",
+    }
 )
 
 
@@ -51,8 +69,9 @@ def _plain(value: Any, depth: int = 0) -> Any:
     if isinstance(value, (list, tuple, set, frozenset)):
         return [_plain(item, depth + 1) for item in value]
     if isinstance(value, Mapping):
-        return {str(key): _plain(item, depth + 1) for key, item in value.items()
-                if isinstance(key, (str, int, float, bool))}
+        return {
+            str(key): _plain(item, depth + 1) for key, item in value.items() if isinstance(key, (str, int, float, bool))
+        }
     if isinstance(value, ForeignObject):
         # argparse.Namespace, SimpleNamespace, dataclasses, omegaconf containers...
         fields = value.attributes() or {str(k): v for k, v in value.items.items()}
@@ -91,7 +110,7 @@ def checkpoint_metadata(tree: Any, selection: Selection) -> dict[str, Any]:
     return result
 
 
-def file_sha256(path: str, chunk_bytes: int = 8 << 20, stop: Optional[threading.Event] = None) -> str:
+def file_sha256(path: str, chunk_bytes: int = 8 << 20, stop: threading.Event | None = None) -> str:
     """The sha256 of a file, read in chunks (hashlib releases the GIL, so a thread can do it).
 
     Returns "" if ``stop`` is set before the end (the caller gave up).
@@ -110,7 +129,7 @@ def file_sha256(path: str, chunk_bytes: int = 8 << 20, stop: Optional[threading.
     return digest.hexdigest()
 
 
-def source_sha256(path: str, stop: Optional[threading.Event] = None) -> str:
+def source_sha256(path: str, stop: threading.Event | None = None) -> str:
     """The sha256 identifying a checkpoint: of the file, or for a sharded or DCP
     checkpoint, of its files' names and sha256s (sorted), so every shard counts."""
     if os.path.isfile(path) and not path.endswith(".index.json"):
@@ -119,8 +138,9 @@ def source_sha256(path: str, stop: Optional[threading.Event] = None) -> str:
     digest = hashlib.sha256()
     for name in sorted(os.listdir(folder)):
         member = os.path.join(folder, name)
-        if os.path.isfile(member) and (name == ".metadata" or name.endswith((".distcp", ".index.json",
-                                                                              ".safetensors", ".bin", ".pt"))):
+        if os.path.isfile(member) and (
+            name == ".metadata" or name.endswith((".distcp", ".index.json", ".safetensors", ".bin", ".pt"))
+        ):
             value = file_sha256(member, stop=stop)
             if not value:
                 return ""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["BatchReport", "ItemResult", "OutputFile"]
 
@@ -37,7 +37,7 @@ class OutputFile:
 
     path: str
     size: int
-    sha256: Optional[str] = None
+    sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class ItemResult:
     output: str = ""
     source_size: int = 0
     source_mtime_ns: int = 0
-    source_sha256: Optional[str] = None
+    source_sha256: str | None = None
     source_format: str = ""
     format: str = ""
     outputs: tuple[OutputFile, ...] = ()

@@ -29,7 +29,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 from .errors import SelectionError
 from .tensor import TensorRef
@@ -37,12 +37,37 @@ from .unpickler import ForeignObject, NumpyArray
 
 __all__ = ["Selection", "as_state_dict", "module_state_dict", "select_weights"]
 
-PRIMARY_KEYS = ("state_dict", "model_state_dict", "model_state", "model", "module", "net", "network", "weights",
-                "params")
+PRIMARY_KEYS = (
+    "state_dict",
+    "model_state_dict",
+    "model_state",
+    "model",
+    "module",
+    "net",
+    "network",
+    "weights",
+    "params",
+)
 _EMA_TOKENS = frozenset({"ema", "shadow", "swa", "averaged", "avg"})
 _SKIPPED_TOKENS = frozenset(
-    {"optimizer", "optimizers", "optim", "optimizer_states", "scheduler", "schedulers", "lr_scheduler",
-     "lr_schedulers", "scaler", "grad_scaler", "amp", "rng", "rng_state", "rng_states", "random_state", "loops"}
+    {
+        "optimizer",
+        "optimizers",
+        "optim",
+        "optimizer_states",
+        "scheduler",
+        "schedulers",
+        "lr_scheduler",
+        "lr_schedulers",
+        "scaler",
+        "grad_scaler",
+        "amp",
+        "rng",
+        "rng_state",
+        "rng_states",
+        "random_state",
+        "loops",
+    }
 )
 _MAX_DEPTH = 5
 _MAX_MODULE_DEPTH = 256
@@ -81,7 +106,7 @@ def format_path(path: tuple[PathPart, ...]) -> str:
     return ".".join(str(part) for part in path)
 
 
-def as_tensor(value: Any) -> Optional[TensorRef]:
+def as_tensor(value: Any) -> TensorRef | None:
     """``value`` as a lazy tensor if it is one (a tensor or a numeric numpy array)."""
     if isinstance(value, TensorRef):
         return value
@@ -90,7 +115,7 @@ def as_tensor(value: Any) -> Optional[TensorRef]:
     return None
 
 
-def _mapping_items(value: Any) -> Optional[list[tuple[Any, Any]]]:
+def _mapping_items(value: Any) -> list[tuple[Any, Any]] | None:
     if isinstance(value, Mapping):
         return list(value.items())
     if isinstance(value, ForeignObject) and value.items and not value.list_items:
@@ -98,7 +123,7 @@ def _mapping_items(value: Any) -> Optional[list[tuple[Any, Any]]]:
     return None
 
 
-def as_state_dict(value: Any) -> Optional[tuple[dict[str, TensorRef], tuple[str, ...]]]:
+def as_state_dict(value: Any) -> tuple[dict[str, TensorRef], tuple[str, ...]] | None:
     """``(weights, skipped keys)`` if ``value`` is a state dict, else None.
 
     A state dict maps string keys to tensors. ``None`` values and
@@ -155,7 +180,11 @@ def module_state_dict(module: ForeignObject) -> tuple[dict[str, TensorRef], tupl
             for name, value in entries.items():
                 if not isinstance(name, str) or value is None:
                     continue
-                if group == "_buffers" and isinstance(non_persistent, (set, frozenset, list)) and name in non_persistent:
+                if (
+                    group == "_buffers"
+                    and isinstance(non_persistent, (set, frozenset, list))
+                    and name in non_persistent
+                ):
                     continue
                 tensor = as_tensor(value)
                 if tensor is None:
@@ -203,7 +232,7 @@ def _is_skipped_name(name: str) -> bool:
     return lowered in _SKIPPED_TOKENS or lowered.startswith(("optimizer", "optim_"))
 
 
-def _as_candidate(value: Any, path: tuple[PathPart, ...]) -> Optional[_Candidate]:
+def _as_candidate(value: Any, path: tuple[PathPart, ...]) -> _Candidate | None:
     found = as_state_dict(value)
     if found is not None:
         return _Candidate(path, found[0], found[1], "state_dict")
@@ -253,7 +282,7 @@ def _candidates(root: Any, base: tuple[PathPart, ...]) -> list[_Candidate]:
     return found
 
 
-def _primary_rank(candidate: _Candidate, base: int) -> Optional[int]:
+def _primary_rank(candidate: _Candidate, base: int) -> int | None:
     if len(candidate.path) <= base:
         return None
     first = candidate.path[base]
@@ -282,10 +311,13 @@ def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: st
         )
     ordinary = [c for c in candidates if not c.is_ema]
     averaged = [c for c in candidates if c.is_ema]
-    chosen: Optional[_Candidate] = None
+    chosen: _Candidate | None = None
     if ordinary:
-        ranked = [(rank, len(c.path), i, c) for i, c in enumerate(ordinary)
-                  if (rank := _primary_rank(c, len(base))) is not None]
+        ranked = [
+            (rank, len(c.path), i, c)
+            for i, c in enumerate(ordinary)
+            if (rank := _primary_rank(c, len(base))) is not None
+        ]
         if ranked:
             ranked.sort(key=lambda item: item[:3])
             best = ranked[0]
@@ -332,7 +364,7 @@ def _resolve(tree: Any, path_text: str, source: str) -> tuple[Any, tuple[PathPar
             items = list(node.attributes().items())
         matched = False
         if items is not None:
-            keys = {key: value for key, value in items}
+            keys = dict(items)
             for length in range(len(parts), 0, -1):
                 candidate = ".".join(parts[:length])
                 if candidate in keys:
@@ -354,7 +386,8 @@ def _resolve(tree: Any, path_text: str, source: str) -> tuple[Any, tuple[PathPar
             where = format_path(tuple(path))
             available = ", ".join(repr(str(k)) for k, _ in (_children(node) or [])[:12])
             raise SelectionError(
-                f"{source} has no {parts[0]!r}" + (f" under {where!r}" if where else "")
+                f"{source} has no {parts[0]!r}"
+                + (f" under {where!r}" if where else "")
                 + (f"; it has {available}" if available else ""),
                 candidates=[str(k) for k, _ in _children(node)],
             )
@@ -378,13 +411,13 @@ def lit_ema_weights(weights: dict[str, TensorRef], source: str = "the checkpoint
     Raises:
         SelectionError: two model keys squash to the same EMA name.
     """
-    ema = {key[len(_LIT_EMA_PREFIX):]: ref for key, ref in weights.items() if key.startswith(_LIT_EMA_PREFIX)}
+    ema = {key[len(_LIT_EMA_PREFIX) :]: ref for key, ref in weights.items() if key.startswith(_LIT_EMA_PREFIX)}
     result: dict[str, TensorRef] = {}
     claimed: dict[str, str] = {}
     for key, ref in weights.items():
         if key.startswith(_LIT_EMA_PREFIX):
             continue
-        squashed = key[len("model."):].replace(".", "") if key.startswith("model.") else None
+        squashed = key[len("model.") :].replace(".", "") if key.startswith("model.") else None
         if squashed is not None and squashed in ema:
             if squashed in claimed:
                 raise SelectionError(
@@ -400,7 +433,7 @@ def lit_ema_weights(weights: dict[str, TensorRef], source: str = "the checkpoint
     return result
 
 
-def select_weights(tree: Any, select: Optional[str] = None, *, source: str = "the checkpoint") -> Selection:
+def select_weights(tree: Any, select: str | None = None, *, source: str = "the checkpoint") -> Selection:
     """Find the model weights in a loaded checkpoint's object tree.
 
     Args:

@@ -25,7 +25,7 @@ import zipfile
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Union
 
 from .dtypes import DType
 from .errors import CastOverflowError, MalformedCheckpointError
@@ -57,7 +57,7 @@ class FileRegion:
 
     path: str
     offset: int
-    crc32: Optional[int] = None
+    crc32: int | None = None
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[ReadInto]:
@@ -75,8 +75,7 @@ class FileRegion:
 
 # What zipfile raises on a damaged compressed member: a corrupt deflate stream
 # (zlib.error), a stream that ends early (EOFError), a wrong CRC-32 (BadZipFile).
-_DECOMPRESS_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, KeyError, ValueError,
-                      RuntimeError)
+_DECOMPRESS_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, KeyError, ValueError, RuntimeError)
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ class ZipMember:
 class InMemory:
     """Bytes already in memory (numpy arrays inside a pickle, tensors handed to ``save``)."""
 
-    data: Union[bytes, bytearray, memoryview]
+    data: bytes | bytearray | memoryview
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[ReadInto]:
@@ -160,7 +159,7 @@ class Assembled:
     itemsize: int
 
     @functools.cached_property
-    def _rows(self) -> Optional[list[tuple[int, int, TensorRef]]]:
+    def _rows(self) -> list[tuple[int, int, TensorRef]] | None:
         """``(first byte, last byte, chunk)`` when every chunk is a contiguous block of whole rows."""
         if not self.shape:
             return None
@@ -290,7 +289,7 @@ class Storage:
         with self.reader() as read_into:
             read_into(start, out)
 
-    def read(self, start: int = 0, length: Optional[int] = None) -> bytearray:
+    def read(self, start: int = 0, length: int | None = None) -> bytearray:
         """Raw bytes ``[start, start + length)`` of the record, as stored."""
         if length is None:
             length = self.nbytes - start
@@ -332,7 +331,7 @@ class TensorRef:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int = 0
-    cast_to: Optional[DType] = None
+    cast_to: DType | None = None
     origin: str = "torch"
     allow_overflow: bool = False
 
@@ -356,8 +355,7 @@ class TensorRef:
         ints_ok = all(type(v) is int and v >= 0 for v in (*shape, *stride, offset))
         if not ints_ok or len(shape) != len(stride) or len(shape) > 64:
             raise MalformedCheckpointError(
-                f"tensor view (size {shape}, stride {stride}, offset {offset}) is invalid; "
-                "the checkpoint is damaged"
+                f"tensor view (size {shape}, stride {stride}, offset {offset}) is invalid; the checkpoint is damaged"
             )
         ref = cls(storage, dtype, tuple(shape), tuple(stride), offset, origin=origin)
         start, end = ref.byte_span
@@ -417,15 +415,19 @@ class TensorRef:
         return self.is_contiguous and self.byte_span == (0, self.storage.nbytes)
 
     @property
-    def verbatim_region(self) -> Optional[tuple[FileRegion, int, int]]:
+    def verbatim_region(self) -> tuple[FileRegion, int, int] | None:
         """``(region, start, length)`` when the bytes this tensor writes are a run of its file as stored.
 
         That is, a file-backed, contiguous, little-endian tensor with no cast:
         writers move those bytes in the kernel instead of through Python.
         """
         source = self.storage.source
-        if isinstance(source, FileRegion) and self.cast_to is None and self.is_contiguous \
-                and self.storage.byteorder == "little":
+        if (
+            isinstance(source, FileRegion)
+            and self.cast_to is None
+            and self.is_contiguous
+            and self.storage.byteorder == "little"
+        ):
             start, stop = self.byte_span
             return source, start, stop - start
         return None
@@ -436,7 +438,7 @@ class TensorRef:
             return dataclasses.replace(self, cast_to=None, allow_overflow=False)
         return dataclasses.replace(self, cast_to=dtype, allow_overflow=allow_overflow)
 
-    def _cast(self, values: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+    def _cast(self, values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         from ._cast import cast_array, count_overflows
 
         assert self.cast_to is not None
@@ -499,7 +501,7 @@ class TensorRef:
         """The tensor's bytes as a writer stores them: contiguous, little-endian, ``out_dtype``."""
         return self.numpy().tobytes()
 
-    def iter_bytes(self, chunk_bytes: Optional[int] = None) -> Iterator[memoryview]:
+    def iter_bytes(self, chunk_bytes: int | None = None) -> Iterator[memoryview]:
         """The bytes of :meth:`tobytes` in pieces of about ``chunk_bytes``.
 
         Contiguous little-endian tensors are streamed through a few reused
@@ -556,13 +558,16 @@ class TensorRef:
         itemsize = self.dtype.itemsize
         in_flight = 2
         # One spare buffer pair beyond those in flight: the one the caller is consuming.
-        free = [(np.empty(chunk, dtype=np.uint8), np.empty(chunk // itemsize, dtype=target_dtype))
-                for _ in range(in_flight + 1)]
+        free = [
+            (np.empty(chunk, dtype=np.uint8), np.empty(chunk // itemsize, dtype=target_dtype))
+            for _ in range(in_flight + 1)
+        ]
         positions = iter(range(start, end, chunk))
-        with self.storage.reader() as read_into, \
-                concurrent.futures.ThreadPoolExecutor(max_workers=in_flight) as pool:
+        with self.storage.reader() as read_into, concurrent.futures.ThreadPoolExecutor(max_workers=in_flight) as pool:
 
-            def work(position: int, buffers: tuple[np.ndarray, np.ndarray]) -> tuple[memoryview, tuple[np.ndarray, np.ndarray]]:
+            def work(
+                position: int, buffers: tuple[np.ndarray, np.ndarray]
+            ) -> tuple[memoryview, tuple[np.ndarray, np.ndarray]]:
                 raw, out = buffers
                 length = min(chunk, end - position)
                 read_into(position, raw[:length].data)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Union
+from typing import Callable, Protocol
 
 from .dtypes import DType, parse_cast_target
 from .errors import KeyCollisionError, TransformError
@@ -73,7 +73,7 @@ class Transform(Protocol):
     def describe(self) -> str: ...
 
 
-def _rekey(state: Mapping[str, TensorRef], rename: Callable[[str], Optional[str]], step: str) -> tuple[State, StepReport]:
+def _rekey(state: Mapping[str, TensorRef], rename: Callable[[str], str | None], step: str) -> tuple[State, StepReport]:
     """Apply ``rename`` to every key; None drops the key. Refuses to merge two keys."""
     result: State = {}
     origin: dict[str, str] = {}
@@ -285,7 +285,7 @@ class Cast:
             :class:`~ckptconv.errors.CastOverflowError`.
     """
 
-    dtype: Union[DType, str]
+    dtype: DType | str
     keep: tuple[str, ...] = ()
     allow_overflow: bool = False
 

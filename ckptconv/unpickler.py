@@ -31,7 +31,7 @@ import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from .dtypes import DType, dtype_by_name, dtype_by_storage_class
 from .errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
@@ -101,9 +101,9 @@ class ForeignObject:
         list_items: items from ``APPENDS`` (list subclasses).
     """
 
-    __slots__ = ("cls", "args", "kwargs", "state", "items", "list_items")
+    __slots__ = ("args", "cls", "items", "kwargs", "list_items", "state")
 
-    def __init__(self, cls: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[Any, Any]] = None) -> None:
+    def __init__(self, cls: Any, args: tuple[Any, ...] = (), kwargs: dict[Any, Any] | None = None) -> None:
         self.cls = cls
         self.args = args
         self.kwargs = kwargs or {}
@@ -119,8 +119,10 @@ class ForeignObject:
         """The object's attributes as pickled: the ``__dict__`` plus any ``__slots__`` state."""
         state = self.state
         merged: dict[str, Any] = {}
-        if isinstance(state, tuple) and len(state) == 2 and all(
-            part is None or isinstance(part, dict) for part in state
+        if (
+            isinstance(state, tuple)
+            and len(state) == 2
+            and all(part is None or isinstance(part, dict) for part in state)
         ):
             for part in state:
                 if part:
@@ -155,7 +157,7 @@ class TypedStorage:
 class NumpyDType:
     """A numpy dtype rebuilt from its pickle (``numpy.dtype`` REDUCE + BUILD)."""
 
-    __slots__ = ("descr", "byteorder")
+    __slots__ = ("byteorder", "descr")
 
     def __init__(self, descr: str) -> None:
         self.descr = descr
@@ -175,14 +177,14 @@ class NumpyDType:
 class NumpyArray:
     """A numpy array rebuilt from its pickle; its bytes are kept as a lazy tensor."""
 
-    __slots__ = ("shape", "dtype", "fortran", "data", "tensor")
+    __slots__ = ("data", "dtype", "fortran", "shape", "tensor")
 
     def __init__(self) -> None:
         self.shape: tuple[int, ...] = ()
-        self.dtype: Optional[NumpyDType] = None
+        self.dtype: NumpyDType | None = None
         self.fortran = False
         self.data: Any = None
-        self.tensor: Optional[TensorRef] = None
+        self.tensor: TensorRef | None = None
 
     def __repr__(self) -> str:
         dtype = self.dtype.descr if self.dtype else "?"
@@ -207,51 +209,217 @@ class NumpyArray:
 # Modules whose every member exists to run code, spawn processes, load more
 # pickles or reach the network. Matched on the module and its submodules.
 _DANGEROUS_MODULES = frozenset(
-    """
-    os posix nt posixpath ntpath subprocess _posixsubprocess _winapi sys importlib imp pkgutil
-    zipimport runpy ctypes _ctypes cffi pickle _pickle cPickle pickletools dill cloudpickle
-    joblib marshal shelve code codeop pdb bdb pty tty socket _socket ssl select selectors
-    http urllib urllib2 urllib3 requests httpx aiohttp ftplib smtplib telnetlib poplib imaplib
-    webbrowser shutil multiprocessing concurrent threading _thread asyncio signal resource
-    commands popen2 timeit cProfile profile trace doctest site sysconfig distutils setuptools
-    pip ensurepip venv idlelib lib2to3 IPython gc inspect linecache tempfile glob fileinput
-    mmap yaml jinja2 xmlrpc logging.config tkinter turtle
-    numpy.f2py numpy.distutils numpy.ctypeslib numpy.testing torch.hub torch.jit torch.package
-    torch.utils.cpp_extension torch.ops torch._ops torch.distributed.rpc torch.serialization.load
-    torch._dynamo torch._inductor torch.compiler torch.fx
-    pydoc _osx_support _aix_support _pyrepl cgitb test.support torch.utils.collect_env torch.utils.bottleneck
-    torch.utils.data.datapipes
-    """.split()
+    [
+        "os",
+        "posix",
+        "nt",
+        "posixpath",
+        "ntpath",
+        "subprocess",
+        "_posixsubprocess",
+        "_winapi",
+        "sys",
+        "importlib",
+        "imp",
+        "pkgutil",
+        "zipimport",
+        "runpy",
+        "ctypes",
+        "_ctypes",
+        "cffi",
+        "pickle",
+        "_pickle",
+        "cPickle",
+        "pickletools",
+        "dill",
+        "cloudpickle",
+        "joblib",
+        "marshal",
+        "shelve",
+        "code",
+        "codeop",
+        "pdb",
+        "bdb",
+        "pty",
+        "tty",
+        "socket",
+        "_socket",
+        "ssl",
+        "select",
+        "selectors",
+        "http",
+        "urllib",
+        "urllib2",
+        "urllib3",
+        "requests",
+        "httpx",
+        "aiohttp",
+        "ftplib",
+        "smtplib",
+        "telnetlib",
+        "poplib",
+        "imaplib",
+        "webbrowser",
+        "shutil",
+        "multiprocessing",
+        "concurrent",
+        "threading",
+        "_thread",
+        "asyncio",
+        "signal",
+        "resource",
+        "commands",
+        "popen2",
+        "timeit",
+        "cProfile",
+        "profile",
+        "trace",
+        "doctest",
+        "site",
+        "sysconfig",
+        "distutils",
+        "setuptools",
+        "pip",
+        "ensurepip",
+        "venv",
+        "idlelib",
+        "lib2to3",
+        "IPython",
+        "gc",
+        "inspect",
+        "linecache",
+        "tempfile",
+        "glob",
+        "fileinput",
+        "mmap",
+        "yaml",
+        "jinja2",
+        "xmlrpc",
+        "logging.config",
+        "tkinter",
+        "turtle",
+        "numpy.f2py",
+        "numpy.distutils",
+        "numpy.ctypeslib",
+        "numpy.testing",
+        "torch.hub",
+        "torch.jit",
+        "torch.package",
+        "torch.utils.cpp_extension",
+        "torch.ops",
+        "torch._ops",
+        "torch.distributed.rpc",
+        "torch.serialization.load",
+        "torch._dynamo",
+        "torch._inductor",
+        "torch.compiler",
+        "torch.fx",
+        "pydoc",
+        "_osx_support",
+        "_aix_support",
+        "_pyrepl",
+        "cgitb",
+        "test.support",
+        "torch.utils.collect_env",
+        "torch.utils.bottleneck",
+        "torch.utils.data.datapipes",
+    ]
 )
 
 # Individual callables that run code, read files or resolve attributes by name.
 _DANGEROUS_NAMES = frozenset(
-    """
-    builtins.eval builtins.exec builtins.execfile builtins.compile builtins.open builtins.input
-    builtins.raw_input builtins.__import__ builtins.getattr builtins.setattr builtins.delattr
-    builtins.globals builtins.locals builtins.vars builtins.breakpoint builtins.help
-    builtins.exit builtins.quit builtins.reload builtins.file builtins.apply
-    io.open io.open_code io.FileIO _io.open _io.open_code _io.FileIO
-    types.FunctionType types.LambdaType types.CodeType types.MethodType types.ModuleType
-    operator.attrgetter operator.methodcaller functools.reduce
-    torch.load torch.save torch.serialization.load torch.serialization._load
-    torch.serialization._legacy_load torch.classes torch.from_file torch.UntypedStorage.from_file
-    numpy.load numpy.save numpy.fromfile numpy.memmap numpy.loadtxt numpy.genfromtxt
-    numpy.lib.npyio.load numpy.lib._npyio_impl.load numpy.testing._private.utils.runstring
-    numpy.lib.utils.safe_eval numpy.lib._utils_impl.safe_eval
-    pandas.read_pickle pandas.io.pickle.read_pickle
-    uuid._get_command_stdout platform._syscmd_file platform._syscmd_ver
-    """.split()
+    [
+        "builtins.eval",
+        "builtins.exec",
+        "builtins.execfile",
+        "builtins.compile",
+        "builtins.open",
+        "builtins.input",
+        "builtins.raw_input",
+        "builtins.__import__",
+        "builtins.getattr",
+        "builtins.setattr",
+        "builtins.delattr",
+        "builtins.globals",
+        "builtins.locals",
+        "builtins.vars",
+        "builtins.breakpoint",
+        "builtins.help",
+        "builtins.exit",
+        "builtins.quit",
+        "builtins.reload",
+        "builtins.file",
+        "builtins.apply",
+        "io.open",
+        "io.open_code",
+        "io.FileIO",
+        "_io.open",
+        "_io.open_code",
+        "_io.FileIO",
+        "types.FunctionType",
+        "types.LambdaType",
+        "types.CodeType",
+        "types.MethodType",
+        "types.ModuleType",
+        "operator.attrgetter",
+        "operator.methodcaller",
+        "functools.reduce",
+        "torch.load",
+        "torch.save",
+        "torch.serialization.load",
+        "torch.serialization._load",
+        "torch.serialization._legacy_load",
+        "torch.classes",
+        "torch.from_file",
+        "torch.UntypedStorage.from_file",
+        "numpy.load",
+        "numpy.save",
+        "numpy.fromfile",
+        "numpy.memmap",
+        "numpy.loadtxt",
+        "numpy.genfromtxt",
+        "numpy.lib.npyio.load",
+        "numpy.lib._npyio_impl.load",
+        "numpy.testing._private.utils.runstring",
+        "numpy.lib.utils.safe_eval",
+        "numpy.lib._utils_impl.safe_eval",
+        "pandas.read_pickle",
+        "pandas.io.pickle.read_pickle",
+        "uuid._get_command_stdout",
+        "platform._syscmd_file",
+        "platform._syscmd_ver",
+    ]
 )
 
 # Method names that, reached through a qualified global such as
 # ``pathlib.Path.write_text``, do something no checkpoint needs.
 _DANGEROUS_METHODS = frozenset(
-    """
-    system popen spawn spawnv spawnl eval exec compile unlink remove rmtree rmdir write_text
-    write_bytes extractall import_module load loads check_output check_call getoutput
-    startfile fork kill
-    """.split()
+    [
+        "system",
+        "popen",
+        "spawn",
+        "spawnv",
+        "spawnl",
+        "eval",
+        "exec",
+        "compile",
+        "unlink",
+        "remove",
+        "rmtree",
+        "rmdir",
+        "write_text",
+        "write_bytes",
+        "extractall",
+        "import_module",
+        "load",
+        "loads",
+        "check_output",
+        "check_call",
+        "getoutput",
+        "startfile",
+        "fork",
+        "kill",
+    ]
 )
 
 # Dunder names a legitimate pickle uses; every other ``__x__`` component in a
@@ -566,9 +734,23 @@ def _fill_numpy_array(array: NumpyArray, state: Any) -> None:
     if array.dtype is None or not isinstance(data, (bytes, bytearray)):
         return  # object arrays and exotic dtypes stay opaque
     descr = array.dtype.descr
-    kind_size = {"f2": "float16", "f4": "float32", "f8": "float64", "i1": "int8", "i2": "int16",
-                 "i4": "int32", "i8": "int64", "u1": "uint8", "u2": "uint16", "u4": "uint32",
-                 "u8": "uint64", "b1": "bool", "?": "bool", "c8": "complex64", "c16": "complex128"}
+    kind_size = {
+        "f2": "float16",
+        "f4": "float32",
+        "f8": "float64",
+        "i1": "int8",
+        "i2": "int16",
+        "i4": "int32",
+        "i8": "int64",
+        "u1": "uint8",
+        "u2": "uint16",
+        "u4": "uint32",
+        "u8": "uint64",
+        "b1": "bool",
+        "?": "bool",
+        "c8": "complex64",
+        "c16": "complex128",
+    }
     name = kind_size.get(descr)
     if name is None:
         return
@@ -634,8 +816,15 @@ _SAFE_CLASSES: dict[str, Callable[..., Any]] = {
 }
 
 _DTYPE_ALIASES = {
-    "float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32",
-    "short": "int16", "cfloat": "complex64", "cdouble": "complex128", "chalf": "complex32",
+    "float": "float32",
+    "double": "float64",
+    "half": "float16",
+    "long": "int64",
+    "int": "int32",
+    "short": "int16",
+    "cfloat": "complex64",
+    "cdouble": "complex128",
+    "chalf": "complex32",
 }
 
 
@@ -659,7 +848,7 @@ def _known_torch_value(module: str, name: str) -> Any:
     return None
 
 
-def _instantiate(cls: Any, args: tuple[Any, ...], kwargs: Optional[dict[Any, Any]]) -> Any:
+def _instantiate(cls: Any, args: tuple[Any, ...], kwargs: dict[Any, Any] | None) -> Any:
     if isinstance(cls, ForeignGlobal):
         return ForeignObject(cls, args, kwargs)
     if isinstance(cls, SafeCallable) and cls.qualname in _SAFE_CLASSES:
@@ -684,6 +873,7 @@ def _call(function: Any, args: tuple[Any, ...]) -> Any:
 # ---------------------------------------------------------------------------------------
 # The machine
 # ---------------------------------------------------------------------------------------
+
 
 class PickleTruncatedError(MalformedCheckpointError):
     """The pickle ran past the end of the bytes it was given."""
@@ -741,7 +931,7 @@ class Unpickler:
         data: bytes,
         *,
         start: int = 0,
-        persistent_load: Optional[Callable[[Any], Any]] = None,
+        persistent_load: Callable[[Any], Any] | None = None,
         source: str = "",
         max_items: int = DEFAULT_MAX_ITEMS,
     ) -> None:
@@ -1212,7 +1402,7 @@ class Unpickler:
         self._count_arguments(args)
         return self._charged(self._record_foreign(_call(function, args)))
 
-    def _new(self, cls: Any, args: tuple[Any, ...], kwargs: Optional[dict[Any, Any]]) -> Any:
+    def _new(self, cls: Any, args: tuple[Any, ...], kwargs: dict[Any, Any] | None) -> Any:
         self._count_arguments(args)
         return self._charged(self._record_foreign(_instantiate(cls, args, kwargs)))
 
@@ -1271,4 +1461,3 @@ class Unpickler:
         if self.persistent_load is None:
             raise _malformed("a plain pickle refers to external storage (persistent id)")
         return self.persistent_load(pid)
-

@@ -11,7 +11,7 @@ import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Union
 
 from .tensor import TensorRef
 from .transforms import Pipeline, Transform
@@ -89,8 +89,8 @@ def verify(
     source: PathLike,
     output: PathLike,
     *,
-    select: Optional[str] = None,
-    transforms: Union[Pipeline, Sequence[Transform]] = (),
+    select: str | None = None,
+    transforms: Pipeline | Sequence[Transform] = (),
     trust: bool = False,
 ) -> VerifyReport:
     """Check that ``output`` is ``source``'s weights after ``transforms``, bit for bit.
@@ -212,8 +212,8 @@ def diff(
     a: PathLike,
     b: PathLike,
     *,
-    select_a: Optional[str] = None,
-    select_b: Optional[str] = None,
+    select_a: str | None = None,
+    select_b: str | None = None,
     trust: bool = False,
 ) -> DiffReport:
     """Compare the weights of two checkpoints: keys on one side only, dtype/shape mismatches, value differences.

@@ -20,7 +20,7 @@ import tempfile
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable, Optional, Union
+from typing import Any, BinaryIO, Callable, Union
 
 from .errors import CastOverflowError, OutputExistsError, WriteError
 from .formats import dcp, safetensors, sharded, torch_zip
@@ -34,8 +34,15 @@ PathLike = Union[str, "os.PathLike[str]"]
 Progress = Union[bool, Callable[[int], None]]
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".tar", ".pth.tar", ".pt.tar")
-_FORMAT_NAMES = {"pt": "pt", "torch": "pt", "pth": "pt", "bin": "pt", "safetensors": "safetensors",
-                 "st": "safetensors", "dcp": "dcp"}
+_FORMAT_NAMES = {
+    "pt": "pt",
+    "torch": "pt",
+    "pth": "pt",
+    "bin": "pt",
+    "safetensors": "safetensors",
+    "st": "safetensors",
+    "dcp": "dcp",
+}
 _COPY_CHUNK = 32 << 20
 
 
@@ -60,7 +67,7 @@ class WriteReport:
     files: tuple[str, ...] = ()
 
 
-def output_format(path: PathLike, to: Optional[str] = None, *, folder: bool = False) -> str:
+def output_format(path: PathLike, to: str | None = None, *, folder: bool = False) -> str:
     """``"pt"``, ``"safetensors"`` or ``"dcp"``: ``to`` if given, else from the destination's suffix.
 
     Folder outputs default to safetensors, as Hugging Face checkpoints are.
@@ -102,9 +109,7 @@ def _check_not_an_input(path: str, inputs: Iterable[str]) -> None:
             with contextlib.suppress(OSError):
                 same = os.path.samefile(source, path)
         if same:
-            raise WriteError(
-                f"refusing to write {path!r} onto its own input; choose another output path", path=path
-            )
+            raise WriteError(f"refusing to write {path!r} onto its own input; choose another output path", path=path)
 
 
 def _umask() -> int:
@@ -139,9 +144,7 @@ def atomic_output(path: PathLike, *, overwrite: bool = False, fsync: bool = True
     if not os.path.isdir(folder):
         raise WriteError(f"folder {folder!r} does not exist; create it first", path=target)
     if os.path.lexists(target) and not overwrite:
-        raise OutputExistsError(
-            f"{os.fspath(path)!r} already exists; pass --overwrite to replace it", path=target
-        )
+        raise OutputExistsError(f"{os.fspath(path)!r} already exists; pass --overwrite to replace it", path=target)
     try:
         fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".partial", dir=folder)
     except OSError as error:
@@ -323,8 +326,15 @@ def _progress_callback(progress: Progress, total: int, path: str) -> tuple[Calla
         return (lambda n: None), (lambda: None)
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=os.path.basename(path),
-               leave=False, dynamic_ncols=True)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=os.path.basename(path),
+        leave=False,
+        dynamic_ncols=True,
+    )
 
     def update(count: int) -> None:
         bar.update(count)
@@ -336,14 +346,14 @@ def save(
     state: Mapping[str, Any],
     path: PathLike,
     *,
-    format: Optional[str] = None,  # noqa: A002 - the natural name for users
+    format: str | None = None,
     overwrite: bool = False,
-    metadata: Optional[Mapping[str, MetadataValue]] = None,
-    extra: Optional[Mapping[str, Any]] = None,
-    max_shard_size: Optional[int] = None,
+    metadata: Mapping[str, MetadataValue] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    max_shard_size: int | None = None,
     progress: Progress = False,
     inputs: Iterable[str] = (),
-    check: Optional[Callable[[str], None]] = None,
+    check: Callable[[str], None] | None = None,
     fsync: bool = True,
 ) -> WriteReport:
     """Write a state dict to ``.pt``, safetensors, shards or a DCP folder, streaming, atomically.
@@ -396,21 +406,44 @@ def save(
     update, close = _progress_callback(progress, total, target)
     try:
         if folder_output:
-            return _save_folder(entries, target, kind, overwrite=overwrite, metadata=metadata, extra=extra,
-                                max_shard_size=max_shard_size, update=update, inputs=inputs, check=check,
-                                fsync=fsync)
+            return _save_folder(
+                entries,
+                target,
+                kind,
+                overwrite=overwrite,
+                metadata=metadata,
+                extra=extra,
+                max_shard_size=max_shard_size,
+                update=update,
+                inputs=inputs,
+                check=check,
+                fsync=fsync,
+            )
         _check_not_an_input(target, inputs)
-        return _save_file(entries, target, kind, overwrite=overwrite, metadata=metadata, extra=extra,
-                          update=update, check=check, fsync=fsync)
+        return _save_file(
+            entries,
+            target,
+            kind,
+            overwrite=overwrite,
+            metadata=metadata,
+            extra=extra,
+            update=update,
+            check=check,
+            fsync=fsync,
+        )
     finally:
         close()
 
 
-def is_folder_destination(path: PathLike, format: Optional[str], max_shard_size: Optional[int]) -> bool:  # noqa: A002
+def is_folder_destination(path: PathLike, format: str | None, max_shard_size: int | None) -> bool:
     """True when ``save`` writes a folder layout to ``path``."""
     text = os.fspath(path)
-    return (os.path.isdir(text) or text.endswith(("/", os.sep)) or max_shard_size is not None
-            or (format or "").lower() == "dcp")
+    return (
+        os.path.isdir(text)
+        or text.endswith(("/", os.sep))
+        or max_shard_size is not None
+        or (format or "").lower() == "dcp"
+    )
 
 
 def _save_file(
@@ -419,15 +452,16 @@ def _save_file(
     kind: str,
     *,
     overwrite: bool,
-    metadata: Optional[Mapping[str, MetadataValue]],
-    extra: Optional[Mapping[str, Any]],
+    metadata: Mapping[str, MetadataValue] | None,
+    extra: Mapping[str, Any] | None,
     update: Callable[[int], None],
-    check: Optional[Callable[[str], None]],
+    check: Callable[[str], None] | None,
     fsync: bool,
 ) -> WriteReport:
     aliases: dict[str, str] = {}
     with atomic_output(target, overwrite=overwrite, fsync=fsync) as file:
         if kind == "safetensors":
+
             def write_tensor(ref: TensorRef, out: BinaryIO) -> Iterator[int]:
                 for count in _with_key(entries, ref, _write_tensor(ref, out)):
                     update(count)
@@ -455,12 +489,12 @@ def _save_folder(
     kind: str,
     *,
     overwrite: bool,
-    metadata: Optional[Mapping[str, MetadataValue]],
-    extra: Optional[Mapping[str, Any]],
-    max_shard_size: Optional[int],
+    metadata: Mapping[str, MetadataValue] | None,
+    extra: Mapping[str, Any] | None,
+    max_shard_size: int | None,
     update: Callable[[int], None],
     inputs: set[str],
-    check: Optional[Callable[[str], None]],
+    check: Callable[[str], None] | None,
     fsync: bool,
 ) -> WriteReport:
     """Write a sharded or DCP folder: each file atomically, the index last, stale shards only with overwrite."""
@@ -484,7 +518,8 @@ def _save_folder(
     if (clashes or stale) and not overwrite:
         described = ", ".join((clashes + stale)[:4]) + (" ..." if len(clashes + stale) > 4 else "")
         raise OutputExistsError(
-            f"{folder!r} already holds {described}" + (" (left by an earlier run)" if stale and not clashes else "")
+            f"{folder!r} already holds {described}"
+            + (" (left by an earlier run)" if stale and not clashes else "")
             + "; pass --overwrite to replace them",
             path=folder,
         )
@@ -497,6 +532,7 @@ def _save_folder(
     aliases: dict[str, str] = {}
     try:
         if plan is None:
+
             def open_output(name: str) -> Any:
                 written_files.append(os.path.join(folder, name))
                 return atomic_output(os.path.join(folder, name), overwrite=True, fsync=fsync)
@@ -507,8 +543,17 @@ def _save_folder(
             weight_map: dict[str, str] = {}
             for shard, name in zip(plan.shards, shard_files):
                 # Shards are plain state dicts (what transformers loads); `extra` is for single files.
-                report = _save_file(list(shard), os.path.join(folder, name), kind, overwrite=True,
-                                    metadata=metadata, extra=None, update=update, check=None, fsync=fsync)
+                report = _save_file(
+                    list(shard),
+                    os.path.join(folder, name),
+                    kind,
+                    overwrite=True,
+                    metadata=metadata,
+                    extra=None,
+                    update=update,
+                    check=None,
+                    fsync=fsync,
+                )
                 written_files.append(report.path)
                 total += report.bytes
                 aliases.update(report.aliases)

@@ -70,7 +70,7 @@ def reference_model(fixture: str, device: str) -> nn.Module:
     factory, where, prefix = CASES[fixture]
     obj = torch.load(FIXTURES / "gpu" / fixture, map_location="cpu", weights_only=False)
     state = obj[where] if where else obj
-    state = {k[len(prefix):] if prefix and k.startswith(prefix) else k: v for k, v in state.items()}
+    state = {k[len(prefix) :] if prefix and k.startswith(prefix) else k: v for k, v in state.items()}
     model = factory()
     model.load_state_dict(state, strict=True)
     return model.to(device).eval()
@@ -129,8 +129,11 @@ def single_and_dataparallel(folder: Path) -> None:
             report = ckptconv.load_into(direct, FIXTURES / "gpu" / fixture, select=CASES[fixture][1])
             with torch.no_grad():
                 ok, detail = same_outputs(direct(x), expected)
-            check(f"{fixture} (original file) -> single GPU ({'; '.join(report.plan) or 'no change'})",
-                  report.ok and ok, detail)
+            check(
+                f"{fixture} (original file) -> single GPU ({'; '.join(report.plan) or 'no change'})",
+                report.ok and ok,
+                detail,
+            )
         except Exception:
             check(f"{fixture}", False, traceback.format_exc(limit=3).replace("\n", " | "))
 
@@ -176,9 +179,13 @@ def distributed(folder: Path) -> None:
             torch.save(expected.cpu(), expected_path)
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "WORLD_SIZE": "2"}
             processes = [
-                subprocess.Popen([sys.executable, str(worker), str(ROOT), str(FIXTURES), str(path), kind,
-                                  str(expected_path)], env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                subprocess.Popen(
+                    [sys.executable, str(worker), str(ROOT), str(FIXTURES), str(path), kind, str(expected_path)],
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
                 for rank in range(2)
             ]
             outputs = [p.communicate(timeout=240) for p in processes]
@@ -194,25 +201,38 @@ def devices(folder: Path) -> None:
     path = converted("fsdp2_full_state_dict.pt", folder)
     cpu = ckptconv.load(path)
     on1 = ckptconv.load(path, device="cuda:1")
-    check("load(device='cuda:1') puts every tensor on cuda:1",
-          all(t.device == torch.device("cuda:1") for t in on1.values()))
-    check("load(device='cuda:1') equals the CPU load bit for bit",
-          all(torch.equal(on1[k].cpu(), cpu[k]) for k in cpu))
+    check(
+        "load(device='cuda:1') puts every tensor on cuda:1",
+        all(t.device == torch.device("cuda:1") for t in on1.values()),
+    )
+    check("load(device='cuda:1') equals the CPU load bit for bit", all(torch.equal(on1[k].cpu(), cpu[k]) for k in cpu))
     hog = torch.empty(int(20e9), dtype=torch.uint8, device="cuda:0")  # make cuda:1 the emptier GPU
     auto = ckptconv.load(path, device="auto")
-    check("device='auto' picks the GPU with the most free memory (cuda:1 while cuda:0 holds 20 GB)",
-          {str(t.device) for t in auto.values()} == {"cuda:1"})
+    check(
+        "device='auto' picks the GPU with the most free memory (cuda:1 while cuda:0 holds 20 GB)",
+        {str(t.device) for t in auto.values()} == {"cuda:1"},
+    )
     del hog
     torch.cuda.empty_cache()
-    listing = subprocess.run([sys.executable, "-m", "ckptconv", "inspect", "--devices"], capture_output=True,
-                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    listing = subprocess.run(
+        [sys.executable, "-m", "ckptconv", "inspect", "--devices"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     print(listing.stdout.rstrip())
     check("ckptconv inspect --devices lists two GPUs", listing.stdout.count("cuda:") == 2)
-    hidden = subprocess.run([sys.executable, "-m", "ckptconv", "inspect", "--devices"], capture_output=True,
-                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "1"})
+    hidden = subprocess.run(
+        [sys.executable, "-m", "ckptconv", "inspect", "--devices"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "1"},
+    )
     print(hidden.stdout.rstrip())
-    check("with CUDA_VISIBLE_DEVICES=1 the one visible GPU is cuda:0 = physical 1",
-          hidden.stdout.startswith("cuda:0  physical 1"))
+    check(
+        "with CUDA_VISIBLE_DEVICES=1 the one visible GPU is cuda:0 = physical 1",
+        hidden.stdout.startswith("cuda:0  physical 1"),
+    )
     out = folder / "roundtrip.pt"
     ckptconv.save(on1, out)
     loaded = torch.load(out, weights_only=True)

@@ -132,16 +132,23 @@ def dcp_checks(scratch: Path) -> None:
             ckptconv.convert(source, out, to="dcp", verify=True)
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29611 + index), "WORLD_SIZE": "2"}
             processes = [
-                subprocess.Popen([sys.executable, str(worker), str(ROOT), str(FIXTURES), str(out), str(reference)],
-                                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                subprocess.Popen(
+                    [sys.executable, str(worker), str(ROOT), str(FIXTURES), str(out), str(reference)],
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
                 for rank in range(2)
             ]
             outputs = [p.communicate(timeout=300) for p in processes]
             line = next((l for l in outputs[0][0].splitlines() if l.startswith("FSDPRESULT")), "")
             ok = line.split()[1:2] == ["2"] and all(p.returncode == 0 for p in processes)
-            detail = (f"{line.split()[2]} DTensor parameters loaded on 2 ranks, outputs equal" if ok
-                      else (outputs[0][1] + outputs[1][1])[-600:].replace("\n", " | "))
+            detail = (
+                f"{line.split()[2]} DTensor parameters loaded on 2 ranks, outputs equal"
+                if ok
+                else (outputs[0][1] + outputs[1][1])[-600:].replace("\n", " | ")
+            )
             check(f"torch.distributed.checkpoint.load into FSDP2 on 2 GPUs: {name}", ok, detail)
         except Exception:
             check(name, False, traceback.format_exc(limit=4).replace("\n", " | "))

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 

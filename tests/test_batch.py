@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
+from torch import nn
 
 import ckptconv
 from ckptconv.discovery import Item, discover, plan_outputs
@@ -74,8 +74,7 @@ def build_zoo(root: Path) -> Path:
         for index in (FIXTURES / "gpu" / folder).glob("*.json"):
             shutil.copy(index, zoo / "gpu" / folder / index.name)
     (zoo / "gpu" / "fsdp2_dcp" / ".metadata").write_bytes((FIXTURES / "gpu" / "fsdp2_dcp" / ".metadata").read_bytes())
-    for name in ("plain", "legacy", "st", "pickles", "nested/deep/er", "collide", "noext", "broken", "evil",
-                 ".hidden"):
+    for name in ("plain", "legacy", "st", "pickles", "nested/deep/er", "collide", "noext", "broken", "evil", ".hidden"):
         (zoo / name).mkdir(parents=True, exist_ok=True)
     for seed in range(10):
         state = tiny_state_dict(seed)
@@ -142,8 +141,11 @@ def _library_reference(path: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for name in dict.fromkeys(index["weight_map"].values()):
         shard = path.parent / name
-        state.update(load_file(shard) if name.endswith(".safetensors")
-                     else torch.load(shard, map_location="cpu", weights_only=True))
+        state.update(
+            load_file(shard)
+            if name.endswith(".safetensors")
+            else torch.load(shard, map_location="cpu", weights_only=True)
+        )
     return state
 
 
@@ -154,8 +156,11 @@ def source_digest(path: Path) -> str:
     folder = path if path.is_dir() else path.parent
     digest = hashlib.sha256()
     for member in sorted(folder.iterdir()):
-        if member.is_file() and (member.name == ".metadata" or member.suffix in (".distcp", ".safetensors", ".bin",
-                                                                                  ".pt") or member.name.endswith(".index.json")):
+        if member.is_file() and (
+            member.name == ".metadata"
+            or member.suffix in (".distcp", ".safetensors", ".bin", ".pt")
+            or member.name.endswith(".index.json")
+        ):
             digest.update(f"{member.name}\0{sha256(member)}\n".encode())
     return digest.hexdigest()
 
@@ -163,8 +168,10 @@ def source_digest(path: Path) -> str:
 def expected_weights(path: Path, strip: str = "") -> dict[str, torch.Tensor]:
     """What a conversion of ``path`` must hold: torch.load's tensors where ckptconv found the weights."""
     if path.is_dir() or path.name.endswith(".index.json"):
-        return {key[len(strip):] if strip and key.startswith(strip) else key: tensor
-                for key, tensor in _library_reference(path).items()}
+        return {
+            key[len(strip) :] if strip and key.startswith(strip) else key: tensor
+            for key, tensor in _library_reference(path).items()
+        }
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -183,7 +190,7 @@ def expected_weights(path: Path, strip: str = "") -> dict[str, torch.Tensor]:
             tensor = torch.from_numpy(tensor)
         if isinstance(tensor, torch.Tensor):
             if strip and key.startswith(strip):
-                key = key[len(strip):]
+                key = key[len(strip) :]
             result[key] = tensor
     return result
 
@@ -214,8 +221,9 @@ def items_of(manifest: Path) -> list[dict[str, Any]]:
 def test_zoo_converts_the_good_and_records_the_bad(zoo: Path, tmp_path: Path, importable_fixture_code: None) -> None:
     out = tmp_path / "out"
     seen: list[str] = []
-    report = ckptconv.batch(zoo, out, transforms=[StripPrefix("module")], jobs=2,
-                            progress=lambda result: seen.append(result.source))
+    report = ckptconv.batch(
+        zoo, out, transforms=[StripPrefix("module")], jobs=2, progress=lambda result: seen.append(result.source)
+    )
 
     names = [result.source for result in report.results]
     assert len(names) >= 50
@@ -234,7 +242,9 @@ def test_zoo_converts_the_good_and_records_the_bad(zoo: Path, tmp_path: Path, im
         assert ignored not in names
     # The collision rule: both keep their full name.
     assert {r.source: r.output for r in report.results if r.source.startswith("collide/")} == {
-        "collide/x.pt": "collide/x.pt.safetensors", "collide/x.pth": "collide/x.pth.safetensors"}
+        "collide/x.pt": "collide/x.pt.safetensors",
+        "collide/x.pth": "collide/x.pth.safetensors",
+    }
 
     for result in report.converted:
         output = out / result.output
@@ -294,14 +304,20 @@ def test_output_collisions_are_deterministic_and_never_silent(tmp_path: Path) ->
     assert planned["x.pth"] == ("x.pth.safetensors", "")
     assert planned["y.safetensors"] == ("y.safetensors", "")
     assert planned["z.bin"] == ("z.safetensors", "")
-    assert planned["x.pt"][1] == ("'x.pt' and 'x.pt.safetensors' would all be written to 'x.pt.safetensors'; "
-                                  "rename one of them, or leave it out with --glob")
+    assert planned["x.pt"][1] == (
+        "'x.pt' and 'x.pt.safetensors' would all be written to 'x.pt.safetensors'; "
+        "rename one of them, or leave it out with --glob"
+    )
     assert "'x.pt.safetensors' and 'x.pt'" in planned["x.pt.safetensors"][1]
     report = ckptconv.batch(tmp_path, tmp_path / "out")
     assert [r.source for r in report.failed] == ["x.pt", "x.pt.safetensors"]
     assert [r.error_type for r in report.failed] == ["WriteError", "WriteError"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        MANIFEST_NAME, "x.pth.safetensors", "y.safetensors", "z.safetensors"]
+        MANIFEST_NAME,
+        "x.pth.safetensors",
+        "y.safetensors",
+        "z.safetensors",
+    ]
 
 
 _NAMES = st.lists(
@@ -329,7 +345,8 @@ def test_output_plans_never_share_a_path_and_ignore_order(names: list[str], form
     shuffled = list(items)
     seed.shuffle(shuffled)
     assert {p.item.name: (p.output, bool(p.problem)) for p in plan_outputs(shuffled, format)} == {
-        p.item.name: (p.output, bool(p.problem)) for p in planned}
+        p.item.name: (p.output, bool(p.problem)) for p in planned
+    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -349,15 +366,21 @@ def small_zoo(tmp_path: Path) -> Path:
 
 def test_cli_batch_casts_and_mirrors_the_tree(small_zoo: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    code, stdout, stderr = run("batch", str(small_zoo), str(out), "--dtype", "bf16", "--strip-prefix", "module",
-                               "--jobs", "2")
+    code, stdout, stderr = run(
+        "batch", str(small_zoo), str(out), "--dtype", "bf16", "--strip-prefix", "module", "--jobs", "2"
+    )
     assert (code, stdout) == (0, ""), stderr
     assert stderr.startswith("converted 3, skipped 0, failed 0 of 3 items (")
     assert stderr.endswith(f"; manifest: {out / MANIFEST_NAME}\n")
-    for source, output in [("a/b/model.pth", "a/b/model.safetensors"), ("a/train.pt", "a/train.safetensors"),
-                           ("c.safetensors", "c.safetensors")]:
-        expected = {key: value.to(torch.bfloat16) if value.is_floating_point() else value
-                    for key, value in expected_weights(small_zoo / source, "module.").items()}
+    for source, output in [
+        ("a/b/model.pth", "a/b/model.safetensors"),
+        ("a/train.pt", "a/train.safetensors"),
+        ("c.safetensors", "c.safetensors"),
+    ]:
+        expected = {
+            key: value.to(torch.bfloat16) if value.is_floating_point() else value
+            for key, value in expected_weights(small_zoo / source, "module.").items()
+        }
         assert_same_state(ckptconv.load(out / output), expected, ordered=False)
 
 
@@ -367,18 +390,27 @@ def test_cli_batch_lists_failures_and_exits_3(small_zoo: Path, tmp_path: Path) -
     code, stdout, stderr = run("batch", str(small_zoo), str(out), "--to", "pt")
     assert code == 3 and stdout == ""
     lines = stderr.splitlines()
-    assert lines[0] == f"failed: a/empty.pt: {str(small_zoo / 'a' / 'empty.pt')!r} is empty (0 bytes); the download or save did not finish"
+    assert (
+        lines[0]
+        == f"failed: a/empty.pt: {str(small_zoo / 'a' / 'empty.pt')!r} is empty (0 bytes); the download or save did not finish"
+    )
     assert lines[1].startswith("converted 3, skipped 0, failed 1 of 4 items")
     assert len(lines) == 2
-    assert_same_state(torch.load(out / "a" / "b" / "model.pt", weights_only=True),
-                      expected_weights(small_zoo / "a" / "b" / "model.pth"), ordered=False)
+    assert_same_state(
+        torch.load(out / "a" / "b" / "model.pt", weights_only=True),
+        expected_weights(small_zoo / "a" / "b" / "model.pth"),
+        ordered=False,
+    )
 
 
 def test_cli_dry_run_writes_nothing(small_zoo: Path, tmp_path: Path) -> None:
     code, stdout, stderr = run("batch", str(small_zoo), str(tmp_path / "out"), "--dry-run")
     assert code == 0
-    assert stdout.splitlines() == ["a/b/model.pth -> a/b/model.safetensors", "a/train.pt -> a/train.safetensors",
-                                   "c.safetensors -> c.safetensors"]
+    assert stdout.splitlines() == [
+        "a/b/model.pth -> a/b/model.safetensors",
+        "a/train.pt -> a/train.safetensors",
+        "c.safetensors -> c.safetensors",
+    ]
     assert stderr == "would convert 3, skipped 0, failed 0 of 3 items; nothing was written\n"
     assert not (tmp_path / "out").exists()
 
@@ -403,7 +435,8 @@ def test_fail_fast_with_workers_cancels_what_has_not_started(tmp_path: Path) -> 
     recorded = [r["source"] for r in items_of(tmp_path / "out" / MANIFEST_NAME)]
     assert sorted(recorded) == sorted(r.source for r in report.results if r.status != "cancelled")
     assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == sorted(
-        r.output for r in report.converted)
+        r.output for r in report.converted
+    )
 
 
 @pytest.mark.parametrize(
@@ -422,13 +455,22 @@ def test_cli_usage_errors(args: list[str], code: int, message: str, small_zoo: P
 
 def test_cli_errors_before_starting_are_one_line(small_zoo: Path, tmp_path: Path) -> None:
     assert run("batch", str(tmp_path / "nope"), str(tmp_path / "out")) == (
-        1, "", f"ckptconv: error: {str(tmp_path / 'nope')!r} does not exist; check the path\n")
+        1,
+        "",
+        f"ckptconv: error: {str(tmp_path / 'nope')!r} does not exist; check the path\n",
+    )
     assert run("batch", str(small_zoo), str(small_zoo)) == (
-        1, "", f"ckptconv: error: the output folder {str(small_zoo)!r} is the source folder; choose another one\n")
+        1,
+        "",
+        f"ckptconv: error: the output folder {str(small_zoo)!r} is the source folder; choose another one\n",
+    )
     assert run("batch", str(tmp_path / "empty_dir_missing"), str(tmp_path / "out"))[0] == 1
     (tmp_path / "nothing").mkdir()
     assert run("batch", str(tmp_path / "nothing"), str(tmp_path / "out")) == (
-        0, "", f"found no checkpoints under {str(tmp_path / 'nothing')!r}\n")
+        0,
+        "",
+        f"found no checkpoints under {str(tmp_path / 'nothing')!r}\n",
+    )
 
 
 def test_output_folder_inside_the_source_is_not_searched(small_zoo: Path) -> None:
@@ -462,7 +504,10 @@ def test_resume_skips_what_is_done_and_redoes_what_changed(small_zoo: Path, tmp_
     (out / "a" / "b" / "model.safetensors").unlink()
     third = ckptconv.batch(small_zoo, out, resume=True)
     assert {r.source: r.status for r in third.results} == {
-        "a/b/model.pth": "converted", "a/train.pt": "converted", "c.safetensors": "skipped"}
+        "a/b/model.pth": "converted",
+        "a/train.pt": "converted",
+        "c.safetensors": "skipped",
+    }
     assert_output_matches(small_zoo / "a" / "train.pt", out / "a" / "train.safetensors")
 
     # Other options make other bytes: nothing counts as done, and outputs are replaced.
@@ -474,7 +519,8 @@ def test_resume_skips_what_is_done_and_redoes_what_changed(small_zoo: Path, tmp_
     fifth = ckptconv.batch(small_zoo, out)
     assert [r.error for r in fifth.failed] == [
         f"{str(out / p)!r} already exists; pass --overwrite to replace it"
-        for p in ("a/b/model.safetensors", "a/train.safetensors", "c.safetensors")]
+        for p in ("a/b/model.safetensors", "a/train.safetensors", "c.safetensors")
+    ]
     assert len(ckptconv.batch(small_zoo, out, overwrite=True).converted) == 3
 
 
@@ -485,7 +531,10 @@ def test_a_torn_manifest_line_is_ignored_and_repaired(small_zoo: Path, tmp_path:
         file.write(b'{"record":"item","source":"c.safetensors","status":"conv')  # killed mid-write
     report = ckptconv.batch(small_zoo, out, resume=True)
     assert {r.source: r.status for r in report.results} == {
-        "a/b/model.pth": "skipped", "a/train.pt": "skipped", "c.safetensors": "converted"}
+        "a/b/model.pth": "skipped",
+        "a/train.pt": "skipped",
+        "c.safetensors": "converted",
+    }
     lines = (out / MANIFEST_NAME).read_bytes().splitlines()
     assert lines[-1].startswith(b'{"record":"end"') and sum(1 for line in lines if b"conv" in line[-5:]) == 1
     assert [r["source"] for r in items_of(out / MANIFEST_NAME)] == ["a/b/model.pth", "a/train.pt", "c.safetensors"]
@@ -503,7 +552,10 @@ def test_resume_replaces_what_a_killed_run_wrote_but_did_not_record(small_zoo: P
     (out / ".c.safetensors.keep.me").write_bytes(b"not ours")
     report = ckptconv.batch(small_zoo, out, resume=True)
     assert {r.source: r.status for r in report.results} == {
-        "a/b/model.pth": "skipped", "a/train.pt": "skipped", "c.safetensors": "converted"}
+        "a/b/model.pth": "skipped",
+        "a/train.pt": "skipped",
+        "c.safetensors": "converted",
+    }
     assert_output_matches(small_zoo / "c.safetensors", out / "c.safetensors")
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".c.safetensors.keep.me"]
     assert [r["source"] for r in items_of(out / MANIFEST_NAME)] == ["a/b/model.pth", "a/train.pt", "c.safetensors"]
@@ -581,16 +633,29 @@ def test_progress_bar_goes_to_stderr(small_zoo: Path, tmp_path: Path, capsys: py
 def test_dask_local_cluster_runs_the_batch(small_zoo: Path, tmp_path: Path) -> None:
     distributed = pytest.importorskip("distributed")
     (small_zoo / "bad.pt").write_bytes(b"\x80\x02cos\nsystem\nq\x00.")
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                                  dashboard_address=None) as cluster:
+    with distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
+    ) as cluster:
         assert cluster.scheduler_address.startswith("tcp://127.0.0.1:")
-        code, _, stderr = run("batch", str(small_zoo), str(tmp_path / "out"), "--executor", "dask",
-                              "--scheduler", cluster.scheduler_address, "--strip-prefix", "module")
+        code, _, stderr = run(
+            "batch",
+            str(small_zoo),
+            str(tmp_path / "out"),
+            "--executor",
+            "dask",
+            "--scheduler",
+            cluster.scheduler_address,
+            "--strip-prefix",
+            "module",
+        )
     assert code == 3, stderr
     assert "failed: bad.pt:" in stderr and "calls os.system, which can run code" in stderr
     assert "converted 3, skipped 0, failed 1 of 4 items" in stderr
-    for source, output in [("a/b/model.pth", "a/b/model.safetensors"), ("a/train.pt", "a/train.safetensors"),
-                           ("c.safetensors", "c.safetensors")]:
+    for source, output in [
+        ("a/b/model.pth", "a/b/model.safetensors"),
+        ("a/train.pt", "a/train.safetensors"),
+        ("c.safetensors", "c.safetensors"),
+    ]:
         assert_output_matches(small_zoo / source, tmp_path / "out" / output, strip="module.")
     assert len(items_of(tmp_path / "out" / MANIFEST_NAME)) == 4
 
@@ -598,8 +663,11 @@ def test_dask_local_cluster_runs_the_batch(small_zoo: Path, tmp_path: Path) -> N
 def test_dask_missing_is_a_clear_error(small_zoo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "distributed", None)
     code, _, stderr = run("batch", str(small_zoo), str(tmp_path / "out"), "--executor", "dask")
-    assert (code, stderr) == (1, "ckptconv: error: the dask executor needs the 'distributed' package; "
-                                 "install it with: pip install 'ckptconv[dask]'\n")
+    assert (code, stderr) == (
+        1,
+        "ckptconv: error: the dask executor needs the 'distributed' package; "
+        "install it with: pip install 'ckptconv[dask]'\n",
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -631,12 +699,24 @@ def test_sigkill_then_resume_converts_every_item_exactly_once(tmp_path: Path) ->
         folder = zoo / f"run{index % 4}"
         folder.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(index)
-        torch.save({"module.w": torch.randn(768, 1024), "module.n": torch.arange(index + 1)},
-                   folder / f"ckpt_{index}.pt")
+        torch.save(
+            {"module.w": torch.randn(768, 1024), "module.n": torch.arange(index + 1)}, folder / f"ckpt_{index}.pt"
+        )
     out = tmp_path / "out"
     manifest = out / MANIFEST_NAME
-    command = [sys.executable, "-m", "ckptconv", "batch", str(zoo), str(out), "--jobs", "2", "--verify",
-               "--strip-prefix", "module"]
+    command = [
+        sys.executable,
+        "-m",
+        "ckptconv",
+        "batch",
+        str(zoo),
+        str(out),
+        "--jobs",
+        "2",
+        "--verify",
+        "--strip-prefix",
+        "module",
+    ]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, cwd=ROOT)
     deadline = time.monotonic() + 60
     workers: set[int] = set()
@@ -646,8 +726,10 @@ def test_sigkill_then_resume_converts_every_item_exactly_once(tmp_path: Path) ->
     process.send_signal(signal.SIGKILL)
     process.wait()
     done_before = len(items_of(manifest))
-    print(f"killed after {done_before} of 24 items; in the folder:",
-          sorted(p.name for p in out.rglob("*") if p.is_file() and p.name != MANIFEST_NAME))
+    print(
+        f"killed after {done_before} of 24 items; in the folder:",
+        sorted(p.name for p in out.rglob("*") if p.is_file() and p.name != MANIFEST_NAME),
+    )
     assert 4 <= done_before < 24, "the batch was not killed part-way; make its items bigger"
     assert not [r for r in read_records(str(manifest)) if r["record"] == "end"]
     # Its workers notice and exit (they would otherwise finish items nobody records).
@@ -655,8 +737,11 @@ def test_sigkill_then_resume_converts_every_item_exactly_once(tmp_path: Path) ->
     while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in workers):
         time.sleep(0.05)
     if Path(f"/proc/self/task/{os.getpid()}/children").exists():  # CONFIG_PROC_CHILDREN
-        assert workers and not [pid for pid in workers if Path(f"/proc/{pid}/status").exists()
-                                and "zombie" not in Path(f"/proc/{pid}/status").read_text()]
+        assert workers and not [
+            pid
+            for pid in workers
+            if Path(f"/proc/{pid}/status").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+        ]
 
     resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr
@@ -667,17 +752,26 @@ def test_sigkill_then_resume_converts_every_item_exactly_once(tmp_path: Path) ->
     assert all(r["status"] == "converted" for r in records)
     for record in records:
         output = out / record["output"]
-        assert record["outputs"] == [{"path": record["output"], "size": output.stat().st_size, "sha256": sha256(output)}]
+        assert record["outputs"] == [
+            {"path": record["output"], "size": output.stat().st_size, "sha256": sha256(output)}
+        ]
         assert record["source_sha256"] == sha256(zoo / record["source"])
         assert_output_matches(zoo / record["source"], output, strip="module.")
-    leftovers = [p.name for p in out.rglob("*") if p.is_file() and p.name != MANIFEST_NAME and p.suffix != ".safetensors"]
+    leftovers = [
+        p.name for p in out.rglob("*") if p.is_file() and p.name != MANIFEST_NAME and p.suffix != ".safetensors"
+    ]
     assert leftovers == []
     assert len(list(out.rglob("*.safetensors"))) == 24
 
 
 def test_bench_script_runs(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_batch.py"), "--smoke", "--json"],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_batch.py"), "--smoke", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout)
     assert figures["jobs"]["1"]["items_per_s"] > 0 and figures["tiny"]["per_item_ms"]["1"] > 0

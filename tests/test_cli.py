@@ -78,8 +78,21 @@ def test_transform_options_apply_in_the_documented_order(tmp_path: Path) -> None
     source = FIXTURES / "gpu" / "lightning.ckpt"
     output = tmp_path / "out.safetensors"
     code, _, stderr = run(
-        "convert", str(source), str(output), "--strip-prefix", "model", "--rename", r"^bn\.=norm.",
-        "--add-prefix", "backbone", "--drop", "num_batches_tracked", "--dtype", "bf16", "--keep-dtype", "norm",
+        "convert",
+        str(source),
+        str(output),
+        "--strip-prefix",
+        "model",
+        "--rename",
+        r"^bn\.=norm.",
+        "--add-prefix",
+        "backbone",
+        "--drop",
+        "num_batches_tracked",
+        "--dtype",
+        "bf16",
+        "--keep-dtype",
+        "norm",
     )
     assert code == 0, stderr
     weights = ckptconv.open(output).select().weights
@@ -122,8 +135,10 @@ def test_version_and_module_entry_point() -> None:
 
 
 def test_help_does_not_import_torch() -> None:
-    code = "import sys; from ckptconv.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n" \
-           "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'torch imported'"
+    code = (
+        "import sys; from ckptconv.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env={**os.environ})
 
 

@@ -109,8 +109,10 @@ def test_sigkill_during_a_write_never_leaves_a_torn_output(suffix: str, previous
     output = tmp_path / f"out{suffix}"
     if previous:
         output.write_bytes(b"the previous complete output")
-    process = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, "convert", str(source), str(output),
-                                "--overwrite", "-q"], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CONVERT, "convert", str(source), str(output), "--overwrite", "-q"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     deadline = time.monotonic() + 60
     partial: list[Path] = []
     while time.monotonic() < deadline and process.poll() is None:
@@ -147,10 +149,16 @@ def test_a_full_disk_gives_one_line_and_no_file(suffix: str, tmp_path: Path) -> 
     torch.save({"w": torch.randn(1 << 20)}, source)  # 4 MiB: over the 1 MiB file size limit
     before = _sha(source)
     output = tmp_path / f"out{suffix}"
-    result = subprocess.run([sys.executable, "-c", _LIMITED, "convert", str(source), str(output)],
-                            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        [sys.executable, "-c", _LIMITED, "convert", str(source), str(output)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert result.returncode == 1, result.stderr
-    assert result.stderr == (f"ckptconv: error: cannot write {str(output)!r}: the file would exceed the allowed "
-                             "size; nothing was written\n")
+    assert result.stderr == (
+        f"ckptconv: error: cannot write {str(output)!r}: the file would exceed the allowed size; nothing was written\n"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt"]
     assert _sha(source) == before

@@ -101,7 +101,10 @@ BAD_INPUTS: dict[str, tuple[Maker, str]] = {
     "empty": (_write("empty.pt", b""), "is empty (0 bytes); the download or save did not finish"),
     "one byte": (_write("placeholder.pt", b"\n"), "is only 1 byte long: a placeholder, not a checkpoint"),
     "random bytes": (
-        _write("random.pt", bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)) .replace(b"\x80", b"\x81", 1)),
+        _write(
+            "random.pt",
+            bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)).replace(b"\x80", b"\x81", 1),
+        ),
         "is not a checkpoint format ckptconv knows",
     ),
     "git lfs pointer": (
@@ -111,7 +114,10 @@ BAD_INPUTS: dict[str, tuple[Maker, str]] = {
     "html page": (_write("page.pt", b"<!DOCTYPE html><html><body>Not found</body></html>"), "is an HTML/XML page"),
     "gzip": (_write("model.pt.gz", gzip.compress(b"x" * 100)), "is gzip-compressed; decompress it first"),
     "numpy npz": (_zip_with("arrays.npz", {"a.npy": b"\x93NUMPY"}), "is a numpy .npz archive"),
-    "zip without data.pkl": (_zip_with("other.zip", {"hello.txt": b"hi"}), "is a zip archive but not a PyTorch checkpoint"),
+    "zip without data.pkl": (
+        _zip_with("other.zip", {"hello.txt": b"hi"}),
+        "is a zip archive but not a PyTorch checkpoint",
+    ),
     "torchscript": (lambda folder: FIXTURES / "gpu" / "torchscript_model.pt", "is a TorchScript archive"),
     "truncated zip": (_truncated({}, 0.6), "damaged zip checkpoint"),
     "truncated legacy": (_truncated({"_use_new_zipfile_serialization": False}, 0.8), "is truncated"),
@@ -206,8 +212,9 @@ def test_ambiguous_weights_list_the_candidates(tmp_path: Path) -> None:
     torch.save({"G": tiny_state_dict(0), "D": tiny_state_dict(1)}, source)
     code, _, stderr = _run("convert", str(source), str(tmp_path / "out.pt"))
     assert code == 1
-    assert stderr == (f"ckptconv: error: {str(source)!r} holds several sets of weights ('G', 'D'); "
-                      "pick one with --select\n")
+    assert stderr == (
+        f"ckptconv: error: {str(source)!r} holds several sets of weights ('G', 'D'); pick one with --select\n"
+    )
     assert _run("convert", str(source), str(tmp_path / "out.pt"), "--select", "D", "-q")[0] == 0
 
 
@@ -247,5 +254,7 @@ def test_key_collisions_name_both_keys(tmp_path: Path) -> None:
     torch.save({"module.w": torch.ones(1), "w": torch.zeros(1)}, source)
     code, _, stderr = _run("strip-module", str(source), str(tmp_path / "out.pt"))
     assert code == 1
-    assert stderr == ("ckptconv: error: strip prefix 'module.' maps both 'module.w' and 'w' to 'w'; "
-                      "drop one of them first (--drop) or choose another rule\n")
+    assert stderr == (
+        "ckptconv: error: strip prefix 'module.' maps both 'module.w' and 'w' to 'w'; "
+        "drop one of them first (--drop) or choose another rule\n"
+    )

@@ -25,17 +25,26 @@ from .hostile import CANARY
 
 SEEDS = sorted(CORPUS.iterdir())
 EXAMPLES = int(os.environ.get("CKPTCONV_FUZZ_EXAMPLES", "5000"))
-FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize="CKPTCONV_FUZZ_RANDOM" not in os.environ,
-                         database=None, suppress_health_check=list(HealthCheck))
+FUZZ_SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize="CKPTCONV_FUZZ_RANDOM" not in os.environ,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=[p.name for p in SEEDS])
 def test_every_corpus_file_through_the_cli(seed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     digest = hashlib.sha256(seed.read_bytes()).hexdigest()
-    result = CliRunner().invoke(cli, ["convert", str(seed), "out.safetensors", "--select", "ema"]
-                                if seed.name == "zip_training.pth" else ["convert", str(seed), "out.safetensors"],
-                                catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli,
+        ["convert", str(seed), "out.safetensors", "--select", "ema"]
+        if seed.name == "zip_training.pth"
+        else ["convert", str(seed), "out.safetensors"],
+        catch_exceptions=False,
+    )
     if seed.name.startswith(("hostile_", "limit_", "crash_")):
         assert result.exit_code == 1, result.output
         assert result.stderr.count("\n") == 1 and result.stderr.startswith("ckptconv: error: ")
@@ -64,7 +73,7 @@ def mutate(data: bytes, steps: list[tuple[object, ...]]) -> bytes:
         if kind == "flip" and position < len(raw):
             raw[position] ^= int(step[2])  # type: ignore[call-overload]
         elif kind == "truncate":
-            del raw[max(position, 1):]
+            del raw[max(position, 1) :]
         elif kind == "insert":
             raw[position:position] = step[2]  # type: ignore[index]
         elif kind == "delete":
@@ -88,11 +97,29 @@ def test_mutated_files_only_raise_ckptconv_errors(seed: Path, steps: list[tuple[
     exercise(mutate(seed.read_bytes(), steps), _FOLDER)
 
 
-_OPCODES = sorted(set(b"(.0125FGIJKLMNPQRSTUVXabcdeghijlmopqrstu}])\x80\x81\x82\x85\x86\x87\x88\x89\x8a\x8c\x8d\x8e"
-                      b"\x8f\x90\x91\x92\x93\x94\x95\x96"))
-_ARGUMENTS = [b"", b"\x00", b"\x01\x00\x00\x00", b"\xff\xff\xff\xff", b"0\n", b"os\nsystem\n", b"torch\nFloatStorage\n",
-              b"collections\nOrderedDict\n", b"torch._utils\n_rebuild_tensor_v2\n", b"argparse\nNamespace\n",
-              b"builtins\nset\n", b"'a'\n", b"\x05hello", b"\x02\x00", b"\x08" + b"\x00" * 7]
+_OPCODES = sorted(
+    set(
+        b"(.0125FGIJKLMNPQRSTUVXabcdeghijlmopqrstu}])\x80\x81\x82\x85\x86\x87\x88\x89\x8a\x8c\x8d\x8e"
+        b"\x8f\x90\x91\x92\x93\x94\x95\x96"
+    )
+)
+_ARGUMENTS = [
+    b"",
+    b"\x00",
+    b"\x01\x00\x00\x00",
+    b"\xff\xff\xff\xff",
+    b"0\n",
+    b"os\nsystem\n",
+    b"torch\nFloatStorage\n",
+    b"collections\nOrderedDict\n",
+    b"torch._utils\n_rebuild_tensor_v2\n",
+    b"argparse\nNamespace\n",
+    b"builtins\nset\n",
+    b"'a'\n",
+    b"\x05hello",
+    b"\x02\x00",
+    b"\x08" + b"\x00" * 7,
+]
 
 
 @FUZZ_SETTINGS

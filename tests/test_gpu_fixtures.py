@@ -26,7 +26,10 @@ GPU = FIXTURES / "gpu"
 PROVENANCE = json.loads((GPU / "PROVENANCE.json").read_text()) if (GPU / "PROVENANCE.json").exists() else {}
 
 CHECKPOINT_FILES = sorted(
-    p.name for p in GPU.glob("*") if p.is_file() and p.suffix in (".pt", ".pth", ".pkl", ".ckpt", ".tar", ".safetensors")
+    p.name
+    for p in GPU.glob("*")
+    if p.is_file()
+    and p.suffix in (".pt", ".pth", ".pkl", ".ckpt", ".tar", ".safetensors")
     and p.name != "torchscript_model.pt"
 )
 
@@ -48,7 +51,10 @@ def importable_fixture_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     """Make the classes whole-model fixtures reference importable, for the torch.load reference only."""
     monkeypatch.syspath_prepend(str(FIXTURES))
     generator = (FIXTURES / "make_gpu_fixtures.py").read_text()
-    source = re.search(r"models\.py\"\), \"w\"\) as f:\s+f\.write\(textwrap\.dedent\(\s+'''(.*?)'''", generator, re.S)
+    quote = "(?:'{3}|\"{3})"
+    source = re.search(
+        rf"models\.py\"\), \"w\"\) as f:\s+f\.write\(\s*textwrap\.dedent\(\s+{quote}(.*?){quote}", generator, re.S
+    )
     assert source, "the generator's private_research_code source moved; update this test"
     package = tmp_path / "private" / "private_research_code"
     package.mkdir(parents=True)
@@ -166,7 +172,7 @@ def test_converted_files_load_with_plain_tools(name: str, suffix: str, tmp_path:
     else:
         with safe_open(target, framework="pt") as handle:
             assert handle.metadata()["format"] == "pt"
-            stored = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+            stored = {key: handle.get_tensor(key) for key in handle.keys()}
         for key, tensor in stored.items():
             assert_same_tensor(tensor, expected[key], key)
         assert set(stored) | set(report.aliases) == set(expected)

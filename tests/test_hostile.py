@@ -38,8 +38,9 @@ def _write(tmp_path: Path, container: str, route: str) -> Path:
 
 @pytest.mark.parametrize("container", CONTAINERS)
 @pytest.mark.parametrize("route", ROUTES)
-def test_no_route_runs_code_in_any_container(route: str, container: str, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_route_runs_code_in_any_container(
+    route: str, container: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     source = _write(tmp_path, container, route)
     digest = hashlib.sha256(source.read_bytes()).hexdigest()
@@ -55,8 +56,14 @@ def test_no_route_runs_code_in_any_container(route: str, container: str, tmp_pat
 
 
 def _run_python(code: str, cwd: Path, timeout: float = 120) -> dict[str, bool]:
-    result = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
-                            timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -80,13 +87,16 @@ def run(name, load):
 
 
 def test_every_payload_is_live_under_pickle_loads(tmp_path: Path) -> None:
-    code = _LIVE_LOOP + """
+    code = (
+        _LIVE_LOOP
+        + """
 import pickle
 from tests.hostile import raw_pickle
 for index, (route, body) in enumerate(ROUTES.items()):
     run(str(index), lambda: pickle.loads(raw_pickle(body)))
 print(json.dumps({route: live[str(index)] for index, route in enumerate(ROUTES)}))
 """
+    )
     live = _run_python(code, tmp_path)
     dead = [route for route, ran in live.items() if not ran and route not in PLATFORM]
     assert dead == []
@@ -94,7 +104,9 @@ print(json.dumps({route: live[str(index)] for index, route in enumerate(ROUTES)}
 
 def test_every_payload_is_live_under_torch_load_in_every_container(tmp_path: Path) -> None:
     """torch.load(weights_only=False), the usual "fix" for torch 2.6's refusals, runs them all."""
-    code = _LIVE_LOOP + """
+    code = (
+        _LIVE_LOOP
+        + """
 import torch
 names = {}
 for c_index, (container, build) in enumerate(CONTAINERS.items()):
@@ -107,6 +119,7 @@ for c_index, (container, build) in enumerate(CONTAINERS.items()):
         run(name, lambda: torch.load(io.BytesIO(data), weights_only=False))
 print(json.dumps({names[name]: ran for name, ran in live.items()}))
 """
+    )
     live = _run_python(code, tmp_path, timeout=300)
     dead = [case for case, ran in live.items() if not ran and case.split(" / ")[1] not in PLATFORM]
     assert dead == []
@@ -129,19 +142,46 @@ print(json.dumps({{"ran": os.path.exists({CANARY!r})}}))
 
 SCANNER_BYPASSES = [
     # from picklescan / fickling bypass reports and torch weights_only advisories
-    ("pydoc", "pipepager"), ("pydoc", "locate"), ("uuid", "_get_command_stdout"), ("_osx_support", "_read_output"),
-    ("_aix_support", "_read_cmd_output"), ("torch.utils.collect_env", "run"), ("cProfile", "run"),
-    ("timeit", "timeit"), ("pty", "spawn"), ("code", "InteractiveInterpreter.runsource"), ("runpy", "_run_code"),
-    ("pip", "main"), ("pip._internal.cli.main", "main"), ("venv", "create"), ("ensurepip", "_run_pip"),
-    ("idlelib.pyshell", "ModifiedInterpreter.runcode"), ("lib2to3.pgen2.pgen", "ParserGenerator"),
-    ("trace", "Trace.run"), ("bdb", "Bdb.run"), ("doctest", "debug_script"), ("asyncio", "create_subprocess_shell"),
-    ("distutils.file_util", "write_file"), ("torch._inductor.codecache", "compile_file"),
+    ("pydoc", "pipepager"),
+    ("pydoc", "locate"),
+    ("uuid", "_get_command_stdout"),
+    ("_osx_support", "_read_output"),
+    ("_aix_support", "_read_cmd_output"),
+    ("torch.utils.collect_env", "run"),
+    ("cProfile", "run"),
+    ("timeit", "timeit"),
+    ("pty", "spawn"),
+    ("code", "InteractiveInterpreter.runsource"),
+    ("runpy", "_run_code"),
+    ("pip", "main"),
+    ("pip._internal.cli.main", "main"),
+    ("venv", "create"),
+    ("ensurepip", "_run_pip"),
+    ("idlelib.pyshell", "ModifiedInterpreter.runcode"),
+    ("lib2to3.pgen2.pgen", "ParserGenerator"),
+    ("trace", "Trace.run"),
+    ("bdb", "Bdb.run"),
+    ("doctest", "debug_script"),
+    ("asyncio", "create_subprocess_shell"),
+    ("distutils.file_util", "write_file"),
+    ("torch._inductor.codecache", "compile_file"),
     ("torch.fx.experimental.symbolic_shapes", "ShapeEnv.evaluate_guards_expression"),
-    ("torch.jit.unsupported_tensor_ops", "execWrapper"), ("torch.serialization", "load"),
-    ("torch.utils.data.datapipes.utils.decoder", "basichandlers"), ("torch.utils.bottleneck.__main__", "run_cprofile"),
-    ("_pickle", "Unpickler"), ("platform", "_syscmd_file"), ("webbrowser", "open"), ("numpy.f2py", "compile"),
-    ("builtins", "getattr"), ("builtins", "__import__"), ("operator", "methodcaller"), ("shutil", "copyfile"),
-    ("_io", "FileIO"), ("tempfile", "mktemp"), ("cgitb", "handler"), ("test.support.script_helper", "assert_python_ok"),
+    ("torch.jit.unsupported_tensor_ops", "execWrapper"),
+    ("torch.serialization", "load"),
+    ("torch.utils.data.datapipes.utils.decoder", "basichandlers"),
+    ("torch.utils.bottleneck.__main__", "run_cprofile"),
+    ("_pickle", "Unpickler"),
+    ("platform", "_syscmd_file"),
+    ("webbrowser", "open"),
+    ("numpy.f2py", "compile"),
+    ("builtins", "getattr"),
+    ("builtins", "__import__"),
+    ("operator", "methodcaller"),
+    ("shutil", "copyfile"),
+    ("_io", "FileIO"),
+    ("tempfile", "mktemp"),
+    ("cgitb", "handler"),
+    ("test.support.script_helper", "assert_python_ok"),
 ]
 
 

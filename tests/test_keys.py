@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -70,8 +71,9 @@ def test_canonical_names(keys: list[str], expected: list[str]) -> None:
     assert list(canonical_keys(keys)[0].values()) == expected
 
 
-names = st.sampled_from(["conv", "bn", "fc", "layers", "0", "1", "weight", "bias", "module_list", "modules",
-                         "norm", "attn", "embed", "mlp"])
+names = st.sampled_from(
+    ["conv", "bn", "fc", "layers", "0", "1", "weight", "bias", "module_list", "modules", "norm", "attn", "embed", "mlp"]
+)
 plain_keys = st.lists(names, min_size=2, max_size=5).map(".".join).filter(lambda k: not k.startswith("module."))
 wrappers = st.lists(st.sampled_from(["module", "_orig_mod", "_forward_module"]), max_size=4)
 
@@ -116,10 +118,19 @@ def test_fit_checks_shapes() -> None:
 
 # -- real GPU-made fixtures load into plain models with strict=True ---------------------
 
-PLAIN_CNN_SOURCES = ["dataparallel_state_dict.pkl", "ddp_rank0.pt", "compiled_state_dict.pt",
-                     "compiled_over_dataparallel.pt", "dataparallel_over_compiled.pt", "lightning.ckpt",
-                     "dataparallel_whole_model.pkl", "train_checkpoint.pth", "timm_style_ema.pth.tar",
-                     "cuda1_state_dict.pt", "legacy_format_cuda.pt"]
+PLAIN_CNN_SOURCES = [
+    "dataparallel_state_dict.pkl",
+    "ddp_rank0.pt",
+    "compiled_state_dict.pt",
+    "compiled_over_dataparallel.pt",
+    "dataparallel_over_compiled.pt",
+    "lightning.ckpt",
+    "dataparallel_whole_model.pkl",
+    "train_checkpoint.pth",
+    "timm_style_ema.pth.tar",
+    "cuda1_state_dict.pt",
+    "legacy_format_cuda.pt",
+]
 
 
 @pytest.mark.parametrize("name", PLAIN_CNN_SOURCES)
@@ -128,7 +139,7 @@ def test_gpu_checkpoints_load_into_a_plain_model(name: str, fixture_models: Any)
     report = ckptconv.load_into(model, GPU / name)
     assert report.ok
     expected = ckptconv.canonicalize(ckptconv.open(GPU / name).select().weights)[0]
-    expected = {k[len("model."):] if k.startswith("model.") else k: v for k, v in expected.items()}
+    expected = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in expected.items()}
     from ckptconv._torch import to_torch
 
     assert_same_state(model.state_dict(), to_torch(expected))
@@ -150,7 +161,7 @@ def test_fsdp_and_checkpointing_wrapper_names_fit(name: str, fixture_models: Any
     report = ckptconv.load_into(model, GPU / name, strict=False)
     assert report.matched == 17 and not report.unexpected
     # Every parameter now holds the file's bytes under its canonical name.
-    saved = {key: value for key, value in ckptconv.canonicalize(ckptconv.open(GPU / name).select().weights)[0].items()}
+    saved = dict(ckptconv.canonicalize(ckptconv.open(GPU / name).select().weights)[0].items())
     from ckptconv._torch import to_torch
 
     loaded = model.state_dict()
@@ -172,14 +183,16 @@ def test_plain_checkpoint_loads_into_dataparallel_and_compiled(fixture_models: A
 
 
 def test_lit_ema_weights_map_back_to_the_model(tmp_path: Path) -> None:
-    weights = {"model.diffusion_model.out.0.weight": torch.ones(2, 2),
-               "model.diffusion_model.out.0.bias": torch.ones(2),
-               "model.diffusion_model.counter": torch.tensor(3),  # a buffer: no EMA copy
-               "first_stage_model.decoder.w": torch.full((2,), 5.0),
-               "model_ema.decay": torch.tensor(0.9999),
-               "model_ema.num_updates": torch.tensor(100, dtype=torch.int32),
-               "model_ema.diffusion_modelout0weight": torch.full((2, 2), 7.0),
-               "model_ema.diffusion_modelout0bias": torch.full((2,), 8.0)}
+    weights = {
+        "model.diffusion_model.out.0.weight": torch.ones(2, 2),
+        "model.diffusion_model.out.0.bias": torch.ones(2),
+        "model.diffusion_model.counter": torch.tensor(3),  # a buffer: no EMA copy
+        "first_stage_model.decoder.w": torch.full((2,), 5.0),
+        "model_ema.decay": torch.tensor(0.9999),
+        "model_ema.num_updates": torch.tensor(100, dtype=torch.int32),
+        "model_ema.diffusion_modelout0weight": torch.full((2, 2), 7.0),
+        "model_ema.diffusion_modelout0bias": torch.full((2,), 8.0),
+    }
     path = tmp_path / "sd.ckpt"
     torch.save({"state_dict": weights, "global_step": 10}, path)
     assert "--select ema" in ckptconv.open(path).select().note
@@ -188,8 +201,12 @@ def test_lit_ema_weights_map_back_to_the_model(tmp_path: Path) -> None:
     from ckptconv._torch import to_torch
 
     loaded = to_torch(selection.weights)
-    assert list(loaded) == ["model.diffusion_model.out.0.weight", "model.diffusion_model.out.0.bias",
-                            "model.diffusion_model.counter", "first_stage_model.decoder.w"]
+    assert list(loaded) == [
+        "model.diffusion_model.out.0.weight",
+        "model.diffusion_model.out.0.bias",
+        "model.diffusion_model.counter",
+        "first_stage_model.decoder.w",
+    ]
     assert_same_tensor(loaded["model.diffusion_model.out.0.weight"], torch.full((2, 2), 7.0))
     assert_same_tensor(loaded["model.diffusion_model.counter"], torch.tensor(3))
 
@@ -250,8 +267,9 @@ def test_canonical_option_reports_what_it_removed(tmp_path: Path) -> None:
 
 
 def test_canonical_dry_run(tmp_path: Path) -> None:
-    code, stdout, _ = run("convert", str(GPU / "compiled_over_dataparallel.pt"), str(tmp_path / "o.pt"),
-                          "--canonical", "--dry-run")
+    code, stdout, _ = run(
+        "convert", str(GPU / "compiled_over_dataparallel.pt"), str(tmp_path / "o.pt"), "--canonical", "--dry-run"
+    )
     assert code == 0 and list(tmp_path.iterdir()) == []
     assert stdout.splitlines()[0] == "_orig_mod.module.conv.weight -> conv.weight"
 

@@ -50,8 +50,9 @@ def _safetensors(header: dict[str, object], data: bytes = b"", *, length: int | 
 
 def test_header_length_of_2_63_does_not_allocate(tmp_path: Path) -> None:
     path = tmp_path / "huge.safetensors"
-    path.write_bytes(_safetensors({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4,
-                                  length=2**63))
+    path.write_bytes(
+        _safetensors({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, length=2**63)
+    )
     with bounded(), pytest.raises(MalformedCheckpointError, match="header claims 9223372036854775808 bytes"):
         ckptconv.open(path)
 
@@ -75,8 +76,9 @@ def test_header_over_100_mb_is_refused_unread(tmp_path: Path) -> None:
         ([1.5], [0, 4], "has shape"),
     ],
 )
-def test_shapes_that_overflow_or_exceed_the_file(shape: list[object], offsets: list[int], message: str,
-                                                 tmp_path: Path) -> None:
+def test_shapes_that_overflow_or_exceed_the_file(
+    shape: list[object], offsets: list[int], message: str, tmp_path: Path
+) -> None:
     path = tmp_path / "shape.safetensors"
     path.write_bytes(_safetensors({"w": {"dtype": "F32", "shape": shape, "data_offsets": offsets}}, b"\0" * 16))
     with bounded(), pytest.raises(MalformedCheckpointError, match=message):
@@ -98,8 +100,9 @@ def _patch_sizes(data: bytes, name: str, *, file_size: int) -> bytes:
     return bytes(raw)
 
 
-def _deflated_checkpoint(tmp_path: Path, state: dict[str, torch.Tensor],
-                         mutate_pickle: Callable[[bytes], bytes] = lambda data: data) -> tuple[Path, str]:
+def _deflated_checkpoint(
+    tmp_path: Path, state: dict[str, torch.Tensor], mutate_pickle: Callable[[bytes], bytes] = lambda data: data
+) -> tuple[Path, str]:
     stored = tmp_path / "stored.pt"
     torch.save(state, stored)
     path = tmp_path / "deflated.pt"
@@ -144,8 +147,9 @@ def test_other_compression_methods_are_refused(tmp_path: Path) -> None:
         ckptconv.open(path)
 
 
-def test_compressed_records_are_inflated_once_not_once_per_chunk(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compressed_records_are_inflated_once_not_once_per_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Regression: every 16 MiB chunk reopened the member and inflated it from the start.
     state = {"w": torch.arange(1 << 18, dtype=torch.float32)}
     path, _ = _deflated_checkpoint(tmp_path, state)
@@ -200,9 +204,15 @@ _PATTERNS = {
     "tuples": b"N" + b"\x85" * 30_000_000,
     "memo entries": b"N" + b"\x94" * 30_000_000,
     "stand-ins": b"cfoo\nBar\n\x94" + b"h\x00)\x81" * 8_000_000,
-    "set() of a memoised list": b"(" + b"N" * 1_000_000 + b"l\x94cbuiltins\nset\n\x94" + b"h\x01h\x00\x85R0" * 1_000_000,
-    "bytearray() of a memoised 10 MB": b"B" + (10 << 20).to_bytes(4, "little") + b"\0" * (10 << 20)
-    + b"\x94cbuiltins\nbytearray\n\x94" + b"h\x01h\x00\x85R0" * 1_000_000,
+    "set() of a memoised list": b"("
+    + b"N" * 1_000_000
+    + b"l\x94cbuiltins\nset\n\x94"
+    + b"h\x01h\x00\x85R0" * 1_000_000,
+    "bytearray() of a memoised 10 MB": b"B"
+    + (10 << 20).to_bytes(4, "little")
+    + b"\0" * (10 << 20)
+    + b"\x94cbuiltins\nbytearray\n\x94"
+    + b"h\x01h\x00\x85R0" * 1_000_000,
 }
 _MEASURE = """
 import resource, sys, time
@@ -228,8 +238,13 @@ def test_runaway_pickles_stop_within_their_budget(pattern: str) -> None:
     pattern; here the budget is 1 million to keep the test quick.
     """
     data = b"\x80\x04" + _PATTERNS[pattern] + b"N."
-    result = subprocess.run([sys.executable, "-c", _MEASURE], input=data, capture_output=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        [sys.executable, "-c", _MEASURE],
+        input=data,
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     grown, elapsed, message = result.stdout.decode().split(" ", 2)
     assert "refusing to exhaust memory" in message

@@ -103,8 +103,11 @@ def test_numpy_arrays_and_scalars_are_read(save_torch: Callable[..., Path]) -> N
 
 @pytest.mark.parametrize("protocol", [0, 1, 2, 3, 4, 5])
 def test_plain_pickle_of_numpy_arrays(tmp_path: Path, protocol: int) -> None:
-    weights = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(3, dtype=np.int64),
-               "f": np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3))}
+    weights = {
+        "w": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "b": np.ones(3, dtype=np.int64),
+        "f": np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3)),
+    }
     path = tmp_path / "weights.pkl"
     path.write_bytes(pickle.dumps(weights, protocol=protocol))
     loaded = ckptconv.load(path)

@@ -33,8 +33,7 @@ def open_and_read(path: Path) -> None:
 
 def _torch_file(**kwargs: Any) -> bytes:
     buffer = io.BytesIO()
-    torch.save({"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(3, dtype=torch.float16)}, buffer,
-               **kwargs)
+    torch.save({"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(3, dtype=torch.float16)}, buffer, **kwargs)
     return buffer.getvalue()
 
 
@@ -85,8 +84,14 @@ def _safetensors(header: Any, data: bytes = b"", *, raw_header: bytes | None = N
 
 
 def test_safetensors_truncated_at_every_byte(tmp_path: Path) -> None:
-    data = _safetensors({"__metadata__": {"format": "pt"}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-                         "b": {"dtype": "I64", "shape": [1], "data_offsets": [8, 16]}}, b"\1" * 16)
+    data = _safetensors(
+        {
+            "__metadata__": {"format": "pt"},
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "b": {"dtype": "I64", "shape": [1], "data_offsets": [8, 16]},
+        },
+        b"\1" * 16,
+    )
     path = tmp_path / "cut.safetensors"
     for cut in range(1, len(data)):
         path.write_bytes(data[:cut])
@@ -107,10 +112,14 @@ BAD_SAFETENSORS = {
     "entry not an object": ({"a": [1, 2]}, "is not a tensor description"),
     "metadata value not a string": ({"__metadata__": {"format": 1}}, "is not a map of strings to strings"),
     "metadata not an object": ({"__metadata__": ["pt"]}, "is not a map of strings to strings"),
-    "aliases not JSON": ({"__metadata__": {"ckptconv.aliases": "{"}, "a": {**F32, "data_offsets": [0, 8]}},
-                         "metadata is not JSON"),
-    "alias to nothing": ({"__metadata__": {"ckptconv.aliases": '{"b": "zzz"}'}, "a": {**F32, "data_offsets": [0, 8]}},
-                         "does not match the tensors"),
+    "aliases not JSON": (
+        {"__metadata__": {"ckptconv.aliases": "{"}, "a": {**F32, "data_offsets": [0, 8]}},
+        "metadata is not JSON",
+    ),
+    "alias to nothing": (
+        {"__metadata__": {"ckptconv.aliases": '{"b": "zzz"}'}, "a": {**F32, "data_offsets": [0, 8]}},
+        "does not match the tensors",
+    ),
     "too many dimensions": ({"a": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}}, "has shape"),
 }
 
@@ -127,8 +136,11 @@ def test_inconsistent_safetensors_headers(case: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "raw, message",
     [
-        (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "a": {"dtype": "F32", "shape": [2], '
-         b'"data_offsets": [0, 8]}}', "duplicate key 'a'"),
+        (
+            b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "a": {"dtype": "F32", "shape": [2], '
+            b'"data_offsets": [0, 8]}}',
+            "duplicate key 'a'",
+        ),
         (b'{"\xff\xfe": 1}', "is not valid JSON"),
         (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "is not valid JSON"),
         (b"{" + b" " * 50, "is not valid JSON"),
@@ -143,7 +155,9 @@ def test_unparsable_safetensors_headers(raw: bytes, message: str, tmp_path: Path
         ckptconv.open(path)
 
 
-def _rezip(data: bytes, *, compression: int = zipfile.ZIP_STORED, drop: str = "", replace: dict[str, bytes] | None = None) -> bytes:
+def _rezip(
+    data: bytes, *, compression: int = zipfile.ZIP_STORED, drop: str = "", replace: dict[str, bytes] | None = None
+) -> bytes:
     out = io.BytesIO()
     with zipfile.ZipFile(io.BytesIO(data)) as old, zipfile.ZipFile(out, "w", compression) as new:
         for info in old.infolist():
@@ -179,14 +193,22 @@ BAD_ZIPS = {
     "missing data.pkl": (lambda d: _rezip(d, drop="data.pkl"), "has no <folder>/data.pkl"),
     "bad byteorder": (lambda d: _rezip(d, replace={"byteorder": b"middle"}), "byteorder record says 'middle'"),
     "record shorter than the pickle says": (lambda d: _rezip(d, replace={"data/0": b"\0" * 4}), "holds 4 bytes"),
-    "wrong CRC, deflated record": (lambda d: _set_crc(_rezip(d, compression=zipfile.ZIP_DEFLATED), "data/0"),
-                                   "Bad CRC-32"),
-    "corrupt deflate stream, record": (lambda d: _flip_in_record(_rezip(d, compression=zipfile.ZIP_DEFLATED), "data/0"),
-                                       "cannot be decompressed"),
-    "corrupt deflate stream, data.pkl": (lambda d: _flip_in_record(_rezip(d, compression=zipfile.ZIP_DEFLATED),
-                                                                   "data.pkl", 3), "data.pkl cannot be read"),
-    "wrong CRC, deflated data.pkl": (lambda d: _set_crc(_rezip(d, compression=zipfile.ZIP_DEFLATED), "data.pkl"),
-                                     "Bad CRC-32"),
+    "wrong CRC, deflated record": (
+        lambda d: _set_crc(_rezip(d, compression=zipfile.ZIP_DEFLATED), "data/0"),
+        "Bad CRC-32",
+    ),
+    "corrupt deflate stream, record": (
+        lambda d: _flip_in_record(_rezip(d, compression=zipfile.ZIP_DEFLATED), "data/0"),
+        "cannot be decompressed",
+    ),
+    "corrupt deflate stream, data.pkl": (
+        lambda d: _flip_in_record(_rezip(d, compression=zipfile.ZIP_DEFLATED), "data.pkl", 3),
+        "data.pkl cannot be read",
+    ),
+    "wrong CRC, deflated data.pkl": (
+        lambda d: _set_crc(_rezip(d, compression=zipfile.ZIP_DEFLATED), "data.pkl"),
+        "Bad CRC-32",
+    ),
     # Found by the fuzzer: a flipped general-purpose bit 0 made zipfile raise RuntimeError
     # (flipped flag bits also hid pickles from picklescan).
     "encrypted flag on data.pkl": (lambda d: _set_flag(d, "data.pkl"), "has an encrypted member"),
@@ -223,8 +245,9 @@ def test_damaged_zip_checkpoints(case: str, tmp_path: Path) -> None:
     source.write_bytes(make(_torch_file()))
     with pytest.raises(LoadError, match=message):
         open_and_read(source)
-    result = CliRunner().invoke(cli, ["convert", str(source), str(tmp_path / "out.safetensors")],
-                                catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli, ["convert", str(source), str(tmp_path / "out.safetensors")], catch_exceptions=False
+    )
     assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt"]
 
@@ -246,7 +269,7 @@ def test_errors_are_ckptconv_errors_for_random_garbage_after_valid_headers(tmp_p
     data = _torch_file()
     path = tmp_path / "garbage.pt"
     for offset in range(0, len(data), 97):
-        damaged = data[:offset] + bytes(range(256))[: 64] + data[offset + 64 :]
+        damaged = data[:offset] + bytes(range(256))[:64] + data[offset + 64 :]
         path.write_bytes(damaged)
         try:
             open_and_read(path)

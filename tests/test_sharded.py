@@ -118,8 +118,12 @@ def test_writing_into_a_folder_keeps_other_files_and_reports_stale_shards(tmp_pa
         ckptconv.convert(source, out, max_shard_size=1300)
     assert len(list(out.glob("model-*.safetensors"))) == 6  # nothing was touched
     ckptconv.convert(source, out, max_shard_size=1300, overwrite=True)  # three per shard
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-00001-of-00002.safetensors",
-                                                     "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
     assert (out / "config.json").read_text() == "{}"
 
 
@@ -146,7 +150,8 @@ def test_index_shard_symlinked_outside_is_refused(tmp_path: Path) -> None:
     folder.mkdir()
     (folder / "model-00001-of-00001.safetensors").symlink_to(outside)
     (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+        json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}})
+    )
     with pytest.raises(ckptconv.MalformedCheckpointError, match="leads outside the checkpoint folder"):
         ckptconv.open(folder)
 
@@ -193,8 +198,11 @@ def _refs(sizes: list[int], tied: list[int]) -> list[tuple[str, TensorRef]]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.lists(st.integers(0, 40), max_size=5),
-       st.integers(1, 8000))
+@given(
+    st.lists(st.integers(0, 5000), min_size=1, max_size=40),
+    st.lists(st.integers(0, 40), max_size=5),
+    st.integers(1, 8000),
+)
 def test_shard_plans_cover_every_key_once_and_respect_the_limit(sizes: list[int], tied: list[int], limit: int) -> None:
     entries = _refs(sizes, tied)
     plan = plan_shards(entries, limit)
@@ -215,9 +223,10 @@ def test_inspect_a_sharded_folder() -> None:
     info = ckptconv.inspect(GPU / "hf_sharded_safetensors")
     assert info.format == "sharded" and len(info.tensors) == 28
     assert info.metadata["total_size"] == "122368"
-    assert_same_tensor(ckptconv.load(GPU / "hf_sharded_safetensors")["transformer.wte.weight"],
-                       load_file(GPU / "hf_sharded_safetensors" / "model-00001-of-00008.safetensors")
-                       ["transformer.wte.weight"])
+    assert_same_tensor(
+        ckptconv.load(GPU / "hf_sharded_safetensors")["transformer.wte.weight"],
+        load_file(GPU / "hf_sharded_safetensors" / "model-00001-of-00008.safetensors")["transformer.wte.weight"],
+    )
 
 
 def test_safetensors_shards_have_pt_metadata(tmp_path: Path) -> None:

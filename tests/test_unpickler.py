@@ -82,7 +82,7 @@ def test_foreign_objects_become_inert_stand_ins(protocol: int) -> None:
 
 def _module_that_will_vanish(name: str) -> types.ModuleType:
     module = types.ModuleType(name)
-    exec(  # noqa: S102 - defines the test's own classes
+    exec(
         "class Config(dict):\n"
         "    pass\n"
         "class Slotted:\n"
@@ -152,9 +152,17 @@ def test_code_running_globals_are_classified_dangerous(module: str, name: str) -
 
 @pytest.mark.parametrize(
     "module, name",
-    [("argparse", "Namespace"), ("omegaconf.dictconfig", "DictConfig"), ("__main__", "MyModel"),
-     ("pathlib", "PosixPath"), ("types", "SimpleNamespace"), ("functools", "partial"),
-     ("torch.nn.modules.conv", "Conv2d"), ("ultralytics.nn.tasks", "DetectionModel"), ("datetime", "datetime")],
+    [
+        ("argparse", "Namespace"),
+        ("omegaconf.dictconfig", "DictConfig"),
+        ("__main__", "MyModel"),
+        ("pathlib", "PosixPath"),
+        ("types", "SimpleNamespace"),
+        ("functools", "partial"),
+        ("torch.nn.modules.conv", "Conv2d"),
+        ("ultralytics.nn.tasks", "DetectionModel"),
+        ("datetime", "datetime"),
+    ],
 )
 def test_ordinary_globals_are_foreign_not_dangerous(module: str, name: str) -> None:
     assert classify_global(module, name) == "foreign"
@@ -173,10 +181,15 @@ def _payloads(canary: Path) -> dict[str, bytes]:
         "STACK_GLOBAL": b"\x80\x04" + b"\x8c\x02os\x8c\x06system\x93" + arg + b"\x85R.",
         "INST": b"(" + b"S'" + command + b"'\n" + b"ios\nsystem\n.",
         "OBJ": b"(" + _global_opcode("os", "system") + b"S'" + command + b"'\no.",
-        "nested after tensors": b"\x80\x02}(X\x01\x00\x00\x00a]X\x01\x00\x00\x00b" + _global_opcode("os", "system")
-        + arg + b"\x85Ru.",
-        "builtins.exec": b"\x80\x02" + _global_opcode("builtins", "exec") + b"X"
-        + len(f"open('{canary}', 'w')".encode()).to_bytes(4, "little") + f"open('{canary}', 'w')".encode()
+        "nested after tensors": b"\x80\x02}(X\x01\x00\x00\x00a]X\x01\x00\x00\x00b"
+        + _global_opcode("os", "system")
+        + arg
+        + b"\x85Ru.",
+        "builtins.exec": b"\x80\x02"
+        + _global_opcode("builtins", "exec")
+        + b"X"
+        + len(f"open('{canary}', 'w')".encode()).to_bytes(4, "little")
+        + f"open('{canary}', 'w')".encode()
         + b"\x85R.",
         "popped global": b"\x80\x02" + _global_opcode("os", "system") + b"0N.",
     }
@@ -251,8 +264,15 @@ def test_item_limit_stops_runaway_pickles() -> None:
 
 @pytest.mark.parametrize(
     "data",
-    [b"\x80\x02h\x05.", b"\x80\x02R.", b"\x80\x02N)b.", b"\x80\x02\xff.", b"\x80\x02(u.", b"\x80\x02(N]u.",
-     b"\x80\x02" + _global_opcode("collections", "OrderedDict") + b"K\x01\x85R."],
+    [
+        b"\x80\x02h\x05.",
+        b"\x80\x02R.",
+        b"\x80\x02N)b.",
+        b"\x80\x02\xff.",
+        b"\x80\x02(u.",
+        b"\x80\x02(N]u.",
+        b"\x80\x02" + _global_opcode("collections", "OrderedDict") + b"K\x01\x85R.",
+    ],
 )
 def test_nonsense_pickles_are_clear_errors(data: bytes) -> None:
     with pytest.raises(MalformedCheckpointError):

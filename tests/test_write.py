@@ -19,9 +19,24 @@ from ckptconv.formats.torch_zip import plan_storages
 
 from .conftest import all_dtypes_state, assert_same_state, assert_same_tensor, tiny_state_dict, views_state
 
-SAFETENSORS_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                      torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
-                      torch.complex64, torch.uint16, torch.uint32, torch.uint64}
+SAFETENSORS_DTYPES = {
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.complex64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+}
 
 
 def _safetensors_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -29,7 +44,9 @@ def _safetensors_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 @pytest.mark.parametrize("builder", [tiny_state_dict, all_dtypes_state, views_state])
-def test_pt_output_loads_with_weights_only_and_mmap(builder: Callable[[], dict[str, torch.Tensor]], tmp_path: Path) -> None:
+def test_pt_output_loads_with_weights_only_and_mmap(
+    builder: Callable[[], dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
     state = builder()
     source = tmp_path / "in.pt"
     torch.save(state, source)
@@ -40,7 +57,9 @@ def test_pt_output_loads_with_weights_only_and_mmap(builder: Callable[[], dict[s
 
 
 @pytest.mark.parametrize("builder", [tiny_state_dict, all_dtypes_state, views_state])
-def test_safetensors_output_loads_with_safe_open(builder: Callable[[], dict[str, torch.Tensor]], tmp_path: Path) -> None:
+def test_safetensors_output_loads_with_safe_open(
+    builder: Callable[[], dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
     state = _safetensors_state(builder())
     source = tmp_path / "in.pt"
     torch.save(state, source)
@@ -48,7 +67,7 @@ def test_safetensors_output_loads_with_safe_open(builder: Callable[[], dict[str,
     report = ckptconv.convert(source, output)
     with safe_open(output, framework="pt") as handle:
         metadata = handle.metadata()
-        stored = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+        stored = {key: handle.get_tensor(key) for key in handle.keys()}
     assert metadata["format"] == "pt"
     assert metadata["ckptconv.source"] == "in.pt"
     assert json.loads(metadata["ckptconv.transforms"]) == []
@@ -95,8 +114,10 @@ def test_overlapping_views_keep_sharing_one_storage() -> None:
     import ckptconv._torch as bridge
 
     cache: dict[Any, Any] = {}
-    entries = [(k, bridge.from_torch(v, cache)) for k, v in
-               {"a": base[0:60], "b": base[50:100], "c": base[0:60], "d": torch.zeros(0)}.items()]
+    entries = [
+        (k, bridge.from_torch(v, cache))
+        for k, v in {"a": base[0:60], "b": base[50:100], "c": base[0:60], "d": torch.zeros(0)}.items()
+    ]
     storages, tensors = plan_storages(entries)
     indexes = {t.key: t.storage_index for t in tensors}
     assert indexes["a"] == indexes["b"] == indexes["c"] != indexes["d"]
@@ -215,8 +236,12 @@ def test_streaming_in_many_chunks_is_exact(
     monkeypatch.setattr(ckptconv.writing, "_COPY_CHUNK", 70_000)
     monkeypatch.setattr(ckptconv.formats.torch_zip, "PHASE_MATCH_BYTES", 1)  # page-phase padding everywhere
     torch.manual_seed(0)
-    state = {"big": torch.randn(300, 333), "half": torch.randn(5000).half(), "ids": torch.arange(9000),
-             "view": torch.randn(100, 100)[7:90]}
+    state = {
+        "big": torch.randn(300, 333),
+        "half": torch.randn(5000).half(),
+        "ids": torch.arange(9000),
+        "view": torch.randn(100, 100)[7:90],
+    }
     source = tmp_path / ("in.safetensors" if source_style == "safetensors" else "in.pt")
     if source_style == "safetensors":
         from safetensors.torch import save_file
@@ -258,5 +283,8 @@ def test_pt_output_loads_when_torch_computes_record_offsets(tmp_path: Path, monk
         "    got = torch.load(sys.argv[2], mmap=mmap)\n"
         "    assert all(torch.equal(got[k[7:]], v) for k, v in ref.items())\n"
     )
-    subprocess.run([sys.executable, "-c", script, str(source), str(output)], check=True,
-                   env={**os.environ, "TORCH_SERIALIZATION_DEBUG": "1"})
+    subprocess.run(
+        [sys.executable, "-c", script, str(source), str(output)],
+        check=True,
+        env={**os.environ, "TORCH_SERIALIZATION_DEBUG": "1"},
+    )

@@ -45,8 +45,11 @@ def resolve(path: str) -> tuple[str, str]:
         index = sharded.find_index(path)
         if index is not None:
             return sharded.FORMAT, index
-        candidates = sorted(name for name in os.listdir(path)
-                            if name.endswith(_SINGLE_FILE_SUFFIXES) and os.path.isfile(os.path.join(path, name)))
+        candidates = sorted(
+            name
+            for name in os.listdir(path)
+            if name.endswith(_SINGLE_FILE_SUFFIXES) and os.path.isfile(os.path.join(path, name))
+        )
         if len(candidates) == 1:
             single = os.path.join(path, candidates[0])
             return detect(single), single
@@ -58,6 +61,7 @@ def resolve(path: str) -> tuple[str, str]:
         )
     kind = detect(path)
     return kind, path
+
 
 _HEAD_BYTES = 512
 
@@ -94,9 +98,7 @@ def detect(path: str) -> str:
     except OSError as error:
         raise LoadError(f"{path!r} cannot be read: {error.strerror or error}", path=path) from None
     if stat.S_ISDIR(info.st_mode):
-        raise UnsupportedFormatError(
-            f"{path!r} is a folder; give the checkpoint file inside it", path=path
-        )
+        raise UnsupportedFormatError(f"{path!r} is a folder; give the checkpoint file inside it", path=path)
     if path.endswith(sharded.INDEX_SUFFIXES):
         return sharded.FORMAT
     if not stat.S_ISREG(info.st_mode):
@@ -110,9 +112,7 @@ def detect(path: str) -> str:
         raise LoadError(f"{path!r} cannot be read: {error.strerror or error}", path=path) from None
     size = info.st_size
     if size == 0:
-        raise UnsupportedFormatError(
-            f"{path!r} is empty (0 bytes); the download or save did not finish", path=path
-        )
+        raise UnsupportedFormatError(f"{path!r} is empty (0 bytes); the download or save did not finish", path=path)
     if torch_zip.is_zip(head):
         return torch_zip.FORMAT
     if safetensors.looks_safetensors(head, size):
@@ -130,9 +130,7 @@ def detect(path: str) -> str:
         )
     lowered = head[:64].lstrip().lower()
     if lowered.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head")):
-        raise UnsupportedFormatError(
-            f"{path!r} is an HTML/XML page, not a checkpoint (a failed download?)", path=path
-        )
+        raise UnsupportedFormatError(f"{path!r} is an HTML/XML page, not a checkpoint (a failed download?)", path=path)
     if head[0] == 0x80 and size >= 3 and 2 <= head[1] <= 5:
         return raw_pickle.FORMAT
     if size < 16:

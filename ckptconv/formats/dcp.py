@@ -26,7 +26,7 @@ import math
 import os
 import pickle
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..tensor import Assembled, Storage, TensorRef, contiguous_strides
@@ -71,7 +71,7 @@ def _chunk_file(folder: str, relative: Any) -> str:
     return target
 
 
-def read(folder: str, *, max_items: Optional[int] = None) -> ReadResult:
+def read(folder: str, *, max_items: int | None = None) -> ReadResult:
     """Read a DCP folder lazily: every tensor is a chunk of a data file, or several chunks read as one."""
     metadata_path = os.path.join(folder, METADATA_FILE)
     if os.path.getsize(metadata_path) > MAX_METADATA_BYTES:
@@ -130,7 +130,7 @@ def _tensor(
     fqn: str,
     record: dict[str, Any],
     region: Callable[[str, tuple[int, ...]], tuple[str, int, int]],
-    max_items: Optional[int],
+    max_items: int | None,
     devices: set[str],
 ) -> TensorRef:
     size = record.get("size")
@@ -145,10 +145,16 @@ def _tensor(
     for chunk in chunks:
         chunk_fields = _fields(chunk, folder, f"chunk of {fqn!r}")
         offsets, sizes = chunk_fields.get("offsets"), chunk_fields.get("sizes")
-        if not isinstance(offsets, (tuple, list)) or not isinstance(sizes, (tuple, list)) or \
-                len(offsets) != len(shape) or len(sizes) != len(shape) or \
-                any(type(o) is not int or type(n) is not int or o < 0 or n < 0 or o + n > d
-                    for o, n, d in zip(offsets, sizes, shape)):
+        if (
+            not isinstance(offsets, (tuple, list))
+            or not isinstance(sizes, (tuple, list))
+            or len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+            or any(
+                type(o) is not int or type(n) is not int or o < 0 or n < 0 or o + n > d
+                for o, n, d in zip(offsets, sizes, shape)
+            )
+        ):
             raise _damaged(folder, f"{fqn!r} has a chunk at {offsets!r} of size {sizes!r}")
         path, start, length = region(fqn, tuple(offsets))
         result = torch_zip.read(path, region=(start, length), max_items=max_items)
@@ -214,7 +220,8 @@ def write(
         The number of tensor bytes written.
     """
     import torch
-    from torch.distributed.checkpoint import filesystem, metadata as dcp
+    from torch.distributed.checkpoint import filesystem
+    from torch.distributed.checkpoint import metadata as dcp
 
     from .._torch import to_torch
 
@@ -236,11 +243,13 @@ def write(
             storage_data[dcp.MetadataIndex(key, origin, 0)] = filesystem._StorageInfo(DATA_FILE, start, length)
             total += ref.nbytes
             on_bytes(ref.nbytes)
-    fields: dict[str, Any] = {"state_dict_metadata": state_dict_metadata, "planner_data": {key: (key,) for key, _ in entries},
-              "storage_data": storage_data}
+    fields: dict[str, Any] = {
+        "state_dict_metadata": state_dict_metadata,
+        "planner_data": {key: (key,) for key, _ in entries},
+        "storage_data": storage_data,
+    }
     if "version" in dcp.Metadata.__dataclass_fields__:
         fields["version"] = getattr(filesystem, "CURRENT_DCP_VERSION", None)
     with open_output(METADATA_FILE) as metadata_file:
         pickle.dump(dcp.Metadata(**fields), metadata_file)
     return total
-

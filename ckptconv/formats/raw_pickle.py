@@ -7,8 +7,6 @@ arrays. The file is read into memory once; arrays become in-memory tensors.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
 from ._base import ReadResult
@@ -18,7 +16,7 @@ __all__ = ["read"]
 FORMAT = "pickle"
 
 
-def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
+def read(path: str, *, max_items: int | None = None) -> ReadResult:
     with open(path, "rb") as file:
         data = file.read()
     unpickler = Unpickler(data, source=path, max_items=max_items or DEFAULT_MAX_ITEMS)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, BinaryIO, Callable, Optional
+from typing import Any, BinaryIO, Callable
 
 from ..dtypes import dtype_by_safetensors_code
 from ..errors import MalformedCheckpointError, WriteError
@@ -169,7 +169,7 @@ def write(
     entries: Sequence[tuple[str, TensorRef]],
     file: BinaryIO,
     *,
-    metadata: Optional[Mapping[str, MetadataValue]] = None,
+    metadata: Mapping[str, MetadataValue] | None = None,
     write_tensor: Callable[[TensorRef, BinaryIO], Iterable[int]],
 ) -> int:
     """Write ``entries`` as one safetensors file; tied tensors are stored once.
@@ -209,8 +209,10 @@ def write(
 
     header: dict[str, Any] = {}
     deferred = {key: value for key, value in (metadata or {}).items() if isinstance(value, Deferred)}
-    all_metadata = {"format": "pt", **{k: v.placeholder if isinstance(v, Deferred) else v
-                                       for k, v in (metadata or {}).items()}}
+    all_metadata = {
+        "format": "pt",
+        **{k: v.placeholder if isinstance(v, Deferred) else v for k, v in (metadata or {}).items()},
+    }
     if aliases:
         all_metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
     header["__metadata__"] = all_metadata

@@ -40,8 +40,13 @@ def _damaged(path: str, detail: str) -> MalformedCheckpointError:
 def shard_path(index_path: str, name: Any) -> str:
     """The file a ``weight_map`` entry names; never anything outside the index's folder."""
     folder = os.path.dirname(os.path.abspath(index_path))
-    if not isinstance(name, str) or not name or os.path.isabs(name) or "\\" in name or \
-            any(part in ("", ".", "..") for part in name.split("/")):
+    if (
+        not isinstance(name, str)
+        or not name
+        or os.path.isabs(name)
+        or "\\" in name
+        or any(part in ("", ".", "..") for part in name.split("/"))
+    ):
         raise _damaged(index_path, f"its weight_map names {name!r}, which is not a file inside its folder")
     target = os.path.join(folder, name)
     real_folder = os.path.realpath(folder)
@@ -184,4 +189,3 @@ def family_pattern(kind: str) -> re.Pattern[str]:
 def index_document(weight_map: dict[str, str], total_size: int, metadata: dict[str, str]) -> bytes:
     document = {"metadata": {"total_size": total_size, **metadata}, "weight_map": dict(sorted(weight_map.items()))}
     return (json.dumps(document, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-

@@ -17,12 +17,19 @@ The even older tar format (torch < 0.4) is recognised and refused.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal
 
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..tensor import FileRegion, Storage, read_exactly_into
-from ..unpickler import (DEFAULT_MAX_ITEMS, ForeignGlobal, PickleTruncatedError, StorageType, TypedStorage, Unpickler,
-                         short_repr)
+from ..unpickler import (
+    DEFAULT_MAX_ITEMS,
+    ForeignGlobal,
+    PickleTruncatedError,
+    StorageType,
+    TypedStorage,
+    Unpickler,
+    short_repr,
+)
 from ._base import ReadResult, pickle_location
 from .torch_zip import MAX_PICKLE_BYTES
 
@@ -59,7 +66,7 @@ def looks_legacy(head: bytes) -> bool:
         return False
 
 
-def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
+def read(path: str, *, max_items: int | None = None) -> ReadResult:
     """Read a legacy torch checkpoint lazily.
 
     The pickles come first and are usually small, so they are parsed from a
@@ -79,14 +86,17 @@ def read(path: str, *, max_items: Optional[int] = None) -> ReadResult:
                 if buffer_size >= MAX_PICKLE_BYTES:
                     # torch writes small pickles before the storages; one that runs on
                     # for gigabytes would otherwise pull the whole file into memory.
-                    raise _damaged(path, f"its pickles run past the first {MAX_PICKLE_BYTES} bytes (the limit)") from None
+                    raise _damaged(
+                        path, f"its pickles run past the first {MAX_PICKLE_BYTES} bytes (the limit)"
+                    ) from None
                 buffer_size = min(size, buffer_size * 8, MAX_PICKLE_BYTES)
 
 
-def _read_from(path: str, head: bytes, fd: int, size: int, max_items: Optional[int]) -> ReadResult:
-    def next_pickle(start: int, persistent_load: Optional[Callable[[Any], Any]] = None) -> tuple[Any, Unpickler]:
-        unpickler = Unpickler(head, start=start, source=path, persistent_load=persistent_load,
-                              max_items=max_items or DEFAULT_MAX_ITEMS)
+def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None) -> ReadResult:
+    def next_pickle(start: int, persistent_load: Callable[[Any], Any] | None = None) -> tuple[Any, Unpickler]:
+        unpickler = Unpickler(
+            head, start=start, source=path, persistent_load=persistent_load, max_items=max_items or DEFAULT_MAX_ITEMS
+        )
         return unpickler.load(), unpickler
 
     magic, unpickler = next_pickle(0)

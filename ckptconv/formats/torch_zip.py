@@ -30,7 +30,7 @@ import zipfile
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Optional
+from typing import Any, BinaryIO, Callable
 
 from ..dtypes import DType
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
@@ -49,8 +49,18 @@ MAX_PICKLE_BYTES = 2 << 30
 # code at best); a record that claims more is lying about its size, or a zip bomb.
 MAX_DEFLATE_RATIO = 1032
 
-_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, struct.error, EOFError, OverflowError,
-               NotImplementedError, KeyError, IndexError, zlib.error)
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    ValueError,
+    struct.error,
+    EOFError,
+    OverflowError,
+    NotImplementedError,
+    KeyError,
+    IndexError,
+    zlib.error,
+)
 
 
 def _damaged(path: str, detail: str) -> MalformedCheckpointError:
@@ -163,7 +173,7 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
-def read(path: str, *, max_items: Optional[int] = None, region: Optional[tuple[int, int]] = None) -> ReadResult:
+def read(path: str, *, max_items: int | None = None, region: tuple[int, int] | None = None) -> ReadResult:
     """Read a torch zip checkpoint lazily.
 
     Args:
@@ -187,7 +197,7 @@ def read(path: str, *, max_items: Optional[int] = None, region: Optional[tuple[i
             return _read_archive(path, archive, source, base, max_items)
 
 
-def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max_items: Optional[int]) -> ReadResult:
+def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max_items: int | None) -> ReadResult:
     size = file.seek(0, io.SEEK_END)
     infos = {info.filename: info for info in archive.infolist()}
     root = find_root(infos, path)
@@ -226,9 +236,7 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
                 raise _damaged(path, f"storage record {name!r} is missing")
             nbytes = numel * dtype.itemsize
             if info.file_size != nbytes:
-                raise _damaged(
-                    path, f"record {name!r} holds {info.file_size} bytes but data.pkl expects {nbytes}"
-                )
+                raise _damaged(path, f"record {name!r} holds {info.file_size} bytes but data.pkl expects {nbytes}")
             check_compression(info, path)
             if info.compress_type == zipfile.ZIP_STORED:
                 offset = record_data_offset(file, info, path)
@@ -250,14 +258,13 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
             storages[key] = storage
         return TypedStorage(storage, dtype)
 
-    unpickler = Unpickler(data, persistent_load=persistent_load, source=path,
-                          max_items=max_items or DEFAULT_MAX_ITEMS)
+    unpickler = Unpickler(data, persistent_load=persistent_load, source=path, max_items=max_items or DEFAULT_MAX_ITEMS)
     tree = unpickler.load()
     metadata = _read_metadata(archive, infos.get(f"{root}{METADATA_RECORD}"))
     return ReadResult(FORMAT, tree, unpickler.foreign_globals, frozenset(devices), metadata)
 
 
-def _read_metadata(archive: zipfile.ZipFile, info: Optional[zipfile.ZipInfo]) -> dict[str, str]:
+def _read_metadata(archive: zipfile.ZipFile, info: zipfile.ZipInfo | None) -> dict[str, str]:
     """ckptconv's own metadata record, if present and well formed (it is informational only)."""
     if info is None or info.file_size > 16 << 20:
         return {}
@@ -334,7 +341,7 @@ def plan_storages(entries: Sequence[tuple[str, TensorRef]]) -> tuple[list[Planne
         groups.setdefault(group_key, []).append((index, key, ref))
 
     storages: list[PlannedStorage] = []
-    planned: list[Optional[PlannedTensor]] = [None] * len(entries)
+    planned: list[PlannedTensor | None] = [None] * len(entries)
 
     def add_range(members: list[tuple[int, str, TensorRef]]) -> None:
         first = members[0][2]
@@ -493,7 +500,7 @@ class _PickleWriter:
             self.out += b"u"  # SETITEMS
 
     def checkpoint(
-        self, tensors: Sequence[PlannedTensor], storages: Sequence[PlannedStorage], extra: Optional[Mapping[str, Any]]
+        self, tensors: Sequence[PlannedTensor], storages: Sequence[PlannedStorage], extra: Mapping[str, Any] | None
     ) -> bytes:
         """A state dict, or ``{"state_dict": ..., **extra}`` when there is plain data to keep beside it."""
         if extra:
@@ -517,7 +524,7 @@ class _ZipWriter:
         self.file = file
         self.entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, header offset
 
-    def _local_header(self, name: bytes, size: int, crc: int, offset: int, phase: Optional[int] = None) -> bytes:
+    def _local_header(self, name: bytes, size: int, crc: int, offset: int, phase: int | None = None) -> bytes:
         zip64 = size >= _ZIP64_LIMIT
         extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
         data_start = offset + 30 + len(name) + len(extra)
@@ -536,15 +543,14 @@ class _ZipWriter:
         field_size = _ZIP64_LIMIT if zip64 else size
         version = 45 if zip64 else 20
         return (
-            struct.pack("<IHHHHHIIIHH", 0x04034B50, version, 0, 0, 0, 0x21, crc, field_size, field_size,
-                        len(name), len(extra))
+            struct.pack(
+                "<IHHHHHIIIHH", 0x04034B50, version, 0, 0, 0, 0x21, crc, field_size, field_size, len(name), len(extra)
+            )
             + name
             + extra
         )
 
-    def write_record(
-        self, name: str, size: int, fill: Callable[[BinaryIO], int], *, phase: Optional[int] = None
-    ) -> None:
+    def write_record(self, name: str, size: int, fill: Callable[[BinaryIO], int], *, phase: int | None = None) -> None:
         """Write one stored record; ``fill`` writes exactly ``size`` bytes and returns their CRC-32.
 
         ``phase``, if given, is the data's preferred offset modulo the page size.
@@ -587,8 +593,26 @@ class _ZipWriter:
             field_size = _ZIP64_LIMIT if size >= _ZIP64_LIMIT else size
             field_offset = _ZIP64_LIMIT if offset >= _ZIP64_LIMIT else offset
             self.file.write(
-                struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if zip64 else 20, 45 if zip64 else 20, 0, 0,
-                            0, 0x21, crc, field_size, field_size, len(name), len(extra), 0, 0, 0, 0, field_offset)
+                struct.pack(
+                    "<IHHHHHHIIIHHHHHII",
+                    0x02014B50,
+                    45 if zip64 else 20,
+                    45 if zip64 else 20,
+                    0,
+                    0,
+                    0,
+                    0x21,
+                    crc,
+                    field_size,
+                    field_size,
+                    len(name),
+                    len(extra),
+                    0,
+                    0,
+                    0,
+                    0,
+                    field_offset,
+                )
                 + name
                 + extra
             )
@@ -597,12 +621,10 @@ class _ZipWriter:
         count = len(self.entries)
         if count >= 0xFFFF or directory_start >= _ZIP64_LIMIT or directory_size >= _ZIP64_LIMIT:
             self.file.write(
-                struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, directory_size,
-                            directory_start)
+                struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, directory_size, directory_start)
             )
             self.file.write(struct.pack("<IIQI", 0x07064B50, 0, directory_end, 1))
-            self.file.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _ZIP64_LIMIT,
-                                        _ZIP64_LIMIT, 0))
+            self.file.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _ZIP64_LIMIT, _ZIP64_LIMIT, 0))
         else:
             self.file.write(
                 struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, directory_size, directory_start, 0)
@@ -614,8 +636,8 @@ def write(
     file: BinaryIO,
     *,
     write_storage: Callable[[PlannedStorage, BinaryIO], int],
-    metadata: Optional[Mapping[str, MetadataValue]] = None,
-    extra: Optional[Mapping[str, Any]] = None,
+    metadata: Mapping[str, MetadataValue] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> int:
     """Write ``entries`` as a torch zip checkpoint that ``torch.load(weights_only=True)`` reads.
 
@@ -640,8 +662,9 @@ def write(
     writer.write_bytes(f"{ROOT}/byteorder", b"little")
     for index, storage in enumerate(storages):
         phase = source_phase(storage.tensor) if storage.nbytes >= PHASE_MATCH_BYTES else None
-        writer.write_record(f"{ROOT}/data/{index}", storage.nbytes, functools.partial(write_storage, storage),
-                            phase=phase)
+        writer.write_record(
+            f"{ROOT}/data/{index}", storage.nbytes, functools.partial(write_storage, storage), phase=phase
+        )
     writer.write_bytes(f"{ROOT}/version", b"3\n")
     if metadata:
         resolved = {key: resolve(value) for key, value in metadata.items()}
@@ -651,7 +674,7 @@ def write(
     return sum(storage.nbytes for storage in storages)
 
 
-def source_phase(ref: TensorRef) -> Optional[int]:
+def source_phase(ref: TensorRef) -> int | None:
     """Where a tensor's first byte sits within a page of its source file, if it is copied as is."""
     region = ref.verbatim_region
     return None if region is None else (region[0].offset + region[1]) % PAGE
@@ -659,4 +682,3 @@ def source_phase(ref: TensorRef) -> Optional[int]:
 
 def is_zip(head: bytes) -> bool:
     return head[:4] in (b"PK\x03\x04", b"PK\x05\x06")
-
