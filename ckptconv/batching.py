@@ -24,7 +24,7 @@ from typing import Any, Callable, Union
 from ._version import __version__
 from .discovery import FILE, Planned, discover, plan_outputs
 from .errors import WriteError
-from .executors import Job, Options, run_dask, run_local
+from .executors import Job, Options, check_sendable, run_dask, run_local
 from .manifest import MANIFEST_NAME, Manifest, latest_conversions, now
 from .metadata import file_sha256
 from .report import CANCELLED, FAILED, PLANNED, SKIPPED, BatchReport, ItemResult
@@ -270,6 +270,8 @@ def batch(
                 format=options.format,
             )
         return _report(source, output, "", planned, results, started, dry_run=True)
+    if executor == "local" and jobs > 1 and len(todo) > 1:
+        check_sendable(options)  # before the output folder and the manifest exist
 
     try:
         os.makedirs(output, exist_ok=True)

@@ -1,0 +1,111 @@
+"""What a new user trips over (issue 14): each case as a user meets it, through the CLI or the public API."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptconv
+
+from .conftest import assert_same_tensor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _zoo(root: Path, count: int = 4) -> Path:
+    zoo = root / "zoo"
+    zoo.mkdir()
+    for index in range(count):
+        torch.manual_seed(index)
+        torch.save({"module.w": torch.randn(3, 4), "module.steps": torch.arange(index + 1)}, zoo / f"m{index}.pt")
+    return zoo
+
+
+def _python(code: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, *args], input=code, capture_output=True, text=True, cwd=cwd, env=env, timeout=300
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# 1. batch() from a plain script, without `if __name__ == "__main__":`
+# ---------------------------------------------------------------------------------------
+
+SCRIPT = """\
+import ckptconv
+print("the script body ran")
+report = ckptconv.batch("zoo", "out", transforms=[ckptconv.Cast("bf16")], jobs=2, resume=True)
+print(report.exit_code, len(report.converted), [(r.source, r.error) for r in report.failed])
+"""
+
+
+@pytest.mark.parametrize("how", ["script", "-c", "stdin"])
+def test_batch_with_workers_from_an_unguarded_script(tmp_path: Path, how: str) -> None:
+    zoo = _zoo(tmp_path)
+    if how == "script":  # python convert_zoo.py
+        (tmp_path / "convert_zoo.py").write_text(SCRIPT)
+        result = _python("", tmp_path, "convert_zoo.py")
+    elif how == "-c":  # no __main__ file at all, as in a notebook cell
+        result = _python("", tmp_path, "-c", SCRIPT)
+    else:
+        result = _python(SCRIPT, tmp_path, "-")
+    assert result.returncode == 0, result.stderr
+    # The body ran once: workers never import the caller's main module.
+    assert result.stdout == "the script body ran\n0 4 []\n", result.stderr
+    assert "Traceback" not in result.stderr
+    for index in range(4):
+        written = load_file(tmp_path / "out" / f"m{index}.safetensors")
+        source = torch.load(zoo / f"m{index}.pt", weights_only=True)
+        assert_same_tensor(written["module.w"], source["module.w"].bfloat16(), "w")
+        assert_same_tensor(written["module.steps"], source["module.steps"], "steps")
+
+
+def test_a_transform_defined_in_the_script_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    _zoo(tmp_path)
+    script = textwrap.dedent(
+        """\
+        import ckptconv
+
+        class Upper:
+            def apply(self, state):
+                return {key.upper(): value for key, value in state.items()}
+
+            def describe(self):
+                return "upper-case keys"
+
+        try:
+            ckptconv.batch("zoo", "out", transforms=[Upper()], jobs=2)
+        except ckptconv.TransformError as error:
+            print(error)
+        """
+    )
+    (tmp_path / "up.py").write_text(script)
+    result = _python("", tmp_path, "up.py")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (
+        "Upper is defined in the script being run (__main__), which worker processes do not import; "
+        "move it into a module the script imports, or convert with jobs=1\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_worker_that_cannot_start_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    zoo = _zoo(tmp_path)
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named numpy' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(broken))
+    with pytest.raises(ckptconv.CkptconvError) as caught:
+        ckptconv.batch(zoo, tmp_path / "out", jobs=2)
+    assert str(caught.value) == (
+        f"a batch worker process could not start ({broken} -m ckptconv._worker, exit status 1: "
+        "ModuleNotFoundError: No module named numpy); convert with jobs=1, or fix the environment"
+    )
