@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import ckptconv
 
-from .conftest import assert_same_tensor
+from .conftest import assert_same_tensor, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,3 +109,73 @@ def test_a_worker_that_cannot_start_says_why(tmp_path: Path, monkeypatch: pytest
         f"a batch worker process could not start ({broken} -m ckptconv._worker, exit status 1: "
         "ModuleNotFoundError: No module named numpy); convert with jobs=1, or fix the environment"
     )
+
+
+# ---------------------------------------------------------------------------------------
+# 4. Contradictory destinations are usage errors that say what to write instead
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dst", "options", "message"),
+    [
+        (
+            "o.safetensors",
+            ["--to", "pt"],
+            "'o.safetensors' is named as a safetensors file but --to pt writes a torch file; "
+            "write 'o.pt' instead, or leave out --to",
+        ),
+        (
+            "o.pth",
+            ["--to", "safetensors"],
+            "'o.pth' is named as a torch file but --to safetensors writes a safetensors file; "
+            "write 'o.safetensors' instead, or leave out --to",
+        ),
+        (
+            "m5.safetensors",
+            ["--max-shard-size", "5GB"],
+            "'m5.safetensors' is named like a file, but --max-shard-size writes a folder of shards and an index; "
+            "write 'm5/' instead, or leave out --max-shard-size to write the one file 'm5.safetensors'",
+        ),
+        (
+            "m5.pt",
+            ["--to", "dcp"],
+            "'m5.pt' is named like a file, but --to dcp writes a folder; "
+            "write 'm5/' instead, or leave out --to dcp to write the one file 'm5.pt'",
+        ),
+    ],
+)
+def test_contradictory_destinations_are_usage_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dst: str, options: list[str], message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.ones(2)}, "model.pt")
+    code, stdout, stderr = run_cli("convert", "model.pt", dst, *options)
+    assert code == 2
+    assert stderr.splitlines()[0].endswith(" convert [OPTIONS] SRC DST")
+    assert stderr.splitlines()[-1] == f"Error: {message}"
+    assert sorted(os.listdir(tmp_path)) == ["model.pt"]
+    with pytest.raises(ckptconv.DestinationError, match="instead"):
+        ckptconv.convert(
+            "model.pt",
+            dst,
+            to=options[1] if options[0] == "--to" else None,
+            max_shard_size=(5 * 10**9 if options[0] == "--max-shard-size" else None),
+        )
+    assert sorted(os.listdir(tmp_path)) == ["model.pt"]
+
+
+@pytest.mark.parametrize(
+    ("dst", "options"), [("o.bin", ["--to", "pt"]), ("o", ["--to", "pt"]), ("m5/", ["--max-shard-size", "5GB"])]
+)
+def test_destinations_that_agree_with_the_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dst: str, options: list[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.arange(4.0)}, "model.pt")
+    code, _, stderr = run_cli("convert", "model.pt", dst, *options)
+    assert code == 0, stderr
+    if dst.endswith("/"):  # one shard suffices: the folder holds model.safetensors
+        assert_same_tensor(load_file(Path(dst) / "model.safetensors")["w"], torch.arange(4.0))
+    else:
+        assert_same_tensor(torch.load(dst, weights_only=True)["w"], torch.arange(4.0))
