@@ -179,3 +179,61 @@ def test_destinations_that_agree_with_the_options(
         assert_same_tensor(load_file(Path(dst) / "model.safetensors")["w"], torch.arange(4.0))
     else:
         assert_same_tensor(torch.load(dst, weights_only=True)["w"], torch.arange(4.0))
+
+
+# ---------------------------------------------------------------------------------------
+# 2. batch --resume with other options stops and says which differ; 9. re-running, empty batches
+# ---------------------------------------------------------------------------------------
+
+
+def test_resume_with_other_options_stops_and_says_which(tmp_path: Path) -> None:
+    zoo, out = _zoo(tmp_path), tmp_path / "out"
+    code, _, stderr = run_cli("batch", str(zoo), str(out), "--dtype", "bf16", "-q")
+    assert code == 0, stderr
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    # The README's second example after its first: no --dtype.
+    code, _, stderr = run_cli("batch", str(zoo), str(out), "--glob", "**/*.pt", "--resume")
+    assert code == 2
+    assert stderr.splitlines()[-1] == (
+        f"Error: cannot resume: 4 items in {str(out)!r} were converted with other options "
+        "(transforms: cast floating-point tensors to bfloat16 then, none now); resume with the same options, "
+        "choose another output folder, or pass --overwrite to convert them again with these options"
+    )
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before  # nothing touched
+    # The same options carry on; --overwrite converts again with the new ones.
+    code, _, stderr = run_cli("batch", str(zoo), str(out), "--dtype", "bf16", "--resume")
+    assert code == 0 and "converted 0, skipped 4, failed 0 of 4 items" in stderr
+    code, _, stderr = run_cli("batch", str(zoo), str(out), "--resume", "--overwrite")
+    assert code == 0 and "converted 4, skipped 0, failed 0 of 4 items" in stderr
+    assert_same_tensor(load_file(out / "m1.safetensors")["module.w"], torch.load(zoo / "m1.pt")["module.w"])
+
+
+def test_resume_names_every_option_that_differs(tmp_path: Path) -> None:
+    zoo, out = _zoo(tmp_path), tmp_path / "out"
+    ckptconv.batch(zoo, out, to="pt", transforms=[ckptconv.StripPrefix("module")])
+    with pytest.raises(ckptconv.DestinationError) as caught:
+        ckptconv.batch(zoo, out, to="pt", resume=True, keep_meta=True)
+    assert "(transforms: strip prefix 'module.' then, none now; --keep-meta: no then, yes now)" in str(caught.value)
+
+
+def test_running_a_batch_again_points_to_resume(tmp_path: Path) -> None:
+    zoo, out = _zoo(tmp_path, 2), tmp_path / "out"
+    assert run_cli("batch", str(zoo), str(out), "-q")[0] == 0
+    code, _, stderr = run_cli("batch", str(zoo), str(out))
+    assert code == 3
+    assert (
+        "failed: m0.pt: 'm0.safetensors' already exists in the output folder; pass --resume to skip what an "
+        "earlier batch converted, or --overwrite to convert it again"
+    ) in stderr.splitlines()
+
+
+def test_a_batch_that_matches_nothing_creates_nothing(tmp_path: Path) -> None:
+    zoo, out = _zoo(tmp_path, 1), tmp_path / "out"
+    code, _, stderr = run_cli("batch", str(zoo), str(out), "--glob", "**/*.pth")
+    assert code == 0
+    assert stderr == f"found no checkpoints under {str(zoo)!r} matching --glob\n"
+    assert not out.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    report = ckptconv.batch(empty, out)
+    assert report.results == () and not out.exists()
