@@ -29,8 +29,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from ..standins import ForeignObject
 from ..tensor import Assembled, Storage, TensorRef, contiguous_strides
-from ..unpickler import DEFAULT_MAX_ITEMS, ForeignObject, Unpickler
+from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
 from . import torch_zip
 from ._base import ReadResult
 

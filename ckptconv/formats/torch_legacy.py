@@ -20,16 +20,9 @@ import os
 from typing import Any, Callable, Literal
 
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from ..standins import ForeignGlobal, StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, read_exactly_into
-from ..unpickler import (
-    DEFAULT_MAX_ITEMS,
-    ForeignGlobal,
-    PickleTruncatedError,
-    StorageType,
-    TypedStorage,
-    Unpickler,
-    short_repr,
-)
+from ..unpickler import DEFAULT_MAX_ITEMS, PickleTruncatedError, Unpickler
 from ._base import ReadResult, pickle_location
 from .torch_zip import MAX_PICKLE_BYTES
 
