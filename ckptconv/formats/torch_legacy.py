@@ -127,7 +127,7 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
         if storage is None:
             location_tag = pickle_location(location, path)
             devices.add(location_tag)
-            storage = Storage(numel * dtype.itemsize, _PendingRegion(), location_tag, byteorder, root_key)  # type: ignore[arg-type]
+            storage = Storage(numel * dtype.itemsize, _PendingRegion(), location_tag, byteorder, root_key)
             storages[root_key] = storage
             itemsizes[root_key] = dtype.itemsize
         offset = 0
