@@ -41,7 +41,7 @@ EXECUTORS = ("local", "dask")
 
 def _output_options(options: Options) -> dict[str, Any]:
     """What decides an output's bytes: a resumed item must have been made with the same."""
-    return {
+    described = {
         "select": options.select,
         "transforms": options.transforms.describe(),
         "format": options.format,
@@ -49,6 +49,9 @@ def _output_options(options: Options) -> dict[str, Any]:
         "keep_meta": options.keep_meta,
         "source_hash": options.source_hash,
     }
+    if options.tied != "dedupe":  # only when not the default: manifests of earlier versions still resume
+        described["tied"] = options.tied
+    return described
 
 
 def _fingerprint(options: Options) -> str:
@@ -63,10 +66,13 @@ _FLAGS = {
     "trust": "--trust",
     "keep_meta": "--keep-meta",
     "source_hash": "--no-source-hash",
+    "tied": "--tied",
 }
 
 
 def _shown(name: str, value: Any) -> str:
+    if name == "tied":
+        return value or "dedupe"
     if name == "transforms":
         return "; ".join(value) if value else "none"
     if name == "source_hash":
@@ -106,8 +112,8 @@ def _check_same_options(
     if isinstance(recorded, dict):
         differ = [
             f"{_FLAGS[name]}: {_shown(name, recorded.get(name))} then, {_shown(name, value)} now"
-            for name, value in now_options.items()
-            if recorded.get(name) != value
+            for name in _FLAGS
+            if (value := now_options.get(name)) != recorded.get(name)
         ]
     else:
         differ = []
@@ -203,6 +209,7 @@ def batch(
     fsync: bool = True,
     keep_meta: bool = False,
     source_hash: bool = True,
+    tied: str = "dedupe",
     progress: BatchProgress = False,
 ) -> BatchReport:
     """Convert every checkpoint under ``source_dir`` into ``output_dir``, mirroring the tree.
@@ -245,6 +252,8 @@ def batch(
         keep_meta: ``.pt`` outputs keep the checkpoint's plain data beside the
             weights (see :func:`ckptconv.convert`).
         source_hash: record each source's sha256 in its output's provenance.
+        tied: safetensors outputs: ``"dedupe"`` stores tied tensors once,
+            ``"copy"`` under every name (see :func:`ckptconv.save`).
         progress: True for one progress bar on stderr (items, bytes, rate, ETA),
             or a callable given each :class:`ItemResult` as it finishes.
 
@@ -285,6 +294,7 @@ def batch(
         checksums=checksums,
         keep_meta=keep_meta,
         source_hash=source_hash,
+        tied=tied,
     )
     source = os.path.abspath(os.fspath(source_dir))
     output = os.path.abspath(os.fspath(output_dir))

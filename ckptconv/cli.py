@@ -257,6 +257,15 @@ output_options = _compose(
         type=_Size(),
         help="Write DST as a folder of shards of at most SIZE (5GB, 500MB, 2GiB) with a Hugging Face index.",
     ),
+    click.option(
+        "--tied",
+        type=click.Choice(["dedupe", "copy"]),
+        default="dedupe",
+        show_default=True,
+        help="safetensors output: store tied weights (one tensor under several names) once, listing the other "
+        "names in the metadata as Hugging Face does (load with safetensors.torch.load_model or ckptconv.load), "
+        "or write a copy under every name, which model.load_state_dict(load_file(DST), strict=True) accepts.",
+    ),
     click.option("--overwrite", is_flag=True, help="Replace DST if it exists."),
     click.option("--verify", is_flag=True, help="Re-read the output and compare every tensor before keeping it."),
     click.option("--dry-run", is_flag=True, help="Show what would change (first 20 key renames) and write nothing."),
@@ -390,6 +399,7 @@ def _run_conversion(
         source_hash=not options["no_source_hash"],
         fit_to=fit_to,
         max_shard_size=options["max_shard_size"],
+        tied=options["tied"],
     )
     for note in report.notes:
         _say(quiet, f"note: {note}")
@@ -738,6 +748,7 @@ def batch(src: str, dst: str, **options: Any) -> None:
             fsync=not options["no_fsync"],
             keep_meta=options["keep_meta"],
             source_hash=not options["no_source_hash"],
+            tied=options["tied"],
             progress=not quiet and sys.stderr.isatty(),
         )
     except KeyboardInterrupt:

@@ -101,6 +101,21 @@ def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> l
     ]
 
 
+def _tied_note(aliases: Mapping[str, str], path: str, sharded: bool) -> str:
+    """How to load a file whose tied tensors were stored once: the exact calls (issue 14)."""
+    count = len(aliases)
+    shown = ", ".join(f"{alias} = {kept}" for alias, kept in list(aliases.items())[:2])
+    shown += f" and {count - 2} more" if count > 2 else ""
+    if sharded:
+        how = "transformers' from_pretrained or ckptconv.load() restore them"
+    else:
+        how = f"load with safetensors.torch.load_model(model, {path!r}) or ckptconv.load({path!r}), which restore them"
+    return (
+        f"{count} tied tensor{'s are' if count != 1 else ' is'} stored once, as Hugging Face does ({shown}); {how}; "
+        "plain model.load_state_dict(safetensors.torch.load_file(...), strict=True) needs --tied copy"
+    )
+
+
 def convert(
     source: PathLike,
     destination: PathLike | None,
@@ -118,6 +133,7 @@ def convert(
     source_hash: bool = True,
     fit_to: Any = None,
     max_shard_size: int | None = None,
+    tied: str = "dedupe",
 ) -> ConversionReport:
     """Convert a checkpoint: pick its weights, transform them, write them, optionally verify.
 
@@ -148,6 +164,9 @@ def convert(
         source_hash: record the source file's sha256 in the output's provenance;
             it is computed on a second core while the tensors are copied, but a
             large training checkpoint may take longer to hash than to convert.
+        tied: safetensors output: ``"dedupe"`` stores tied tensors once (the
+            Hugging Face convention), ``"copy"`` under every name, for plain
+            ``load_state_dict(load_file(path), strict=True)``; see :func:`ckptconv.save`.
 
     Returns:
         A :class:`ConversionReport`.
@@ -266,15 +285,13 @@ def convert(
                 inputs=[checkpoint.path],
                 check=check if verify else None,
                 fsync=fsync,
+                tied=tied,
             )
         except BaseException:
             give_up.set()  # do not make a failed conversion wait for the hash
             raise
     if written.aliases:
-        notes.append(
-            f"{len(written.aliases)} tied tensors are stored once; their other names are kept in the "
-            "file's metadata (ckptconv restores them on load)"
-        )
+        notes.append(_tied_note(written.aliases, written.path, len(written.files) > 1))
     return dataclasses.replace(
         summary,
         destination=written.path,

@@ -66,6 +66,7 @@ class Options:
     checksums: bool = True
     keep_meta: bool = False
     source_hash: bool = True
+    tied: str = "dedupe"
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,7 @@ def _convert(job: Job) -> ItemResult:
         fsync=options.fsync,
         keep_meta=options.keep_meta,
         source_hash=options.source_hash,
+        tied=options.tied,
     )
     # The provenance hash convert() already took covers the source; hash only if it did not.
     source_sha = (report.source_sha256 or source_sha256(item.path)) if options.checksums else None

@@ -43,6 +43,8 @@ _FORMAT_NAMES = {
     "st": "safetensors",
     "dcp": "dcp",
 }
+# How safetensors outputs store tied tensors (see save()); the first is the default.
+TIED = ("dedupe", "copy")
 _FORMAT_TITLES = {"pt": "torch", "safetensors": "safetensors", "dcp": "DCP"}
 _COPY_CHUNK = 32 << 20
 
@@ -373,6 +375,7 @@ def save(
     inputs: Iterable[str] = (),
     check: Callable[[str], None] | None = None,
     fsync: bool = True,
+    tied: str = "dedupe",
 ) -> WriteReport:
     """Write a state dict to ``.pt``, safetensors, shards or a DCP folder, streaming, atomically.
 
@@ -402,6 +405,13 @@ def save(
             the folder once written); an exception from it leaves no output behind.
         fsync: flush the output to disk before it appears under its name
             (durable across power loss); False is faster for scratch files.
+        tied: for safetensors, keys that share one tensor (tied weights):
+            ``"dedupe"`` stores it once and lists the other names in the file's
+            ``ckptconv.aliases`` metadata, as Hugging Face files do (load with
+            ``safetensors.torch.load_model(model, path)`` or :func:`ckptconv.load`);
+            ``"copy"`` writes it under every name, so that
+            ``model.load_state_dict(safetensors.torch.load_file(path), strict=True)``
+            accepts the file. ``.pt`` files always keep tied tensors shared.
 
     Returns:
         A :class:`WriteReport`.
@@ -415,6 +425,8 @@ def save(
         >>> ckptconv.save(model.state_dict(), "model.safetensors")  # doctest: +SKIP
         >>> ckptconv.save(state, "out/", max_shard_size=5 * 10**9)   # doctest: +SKIP
     """
+    if tied not in TIED:
+        raise ValueError(f"tied must be one of {', '.join(TIED)}, not {tied!r}")
     entries = _entries(state)
     target = os.path.abspath(os.fspath(path))
     inputs = {*_source_paths(entries), *inputs}
@@ -436,6 +448,7 @@ def save(
                 inputs=inputs,
                 check=check,
                 fsync=fsync,
+                dedupe=tied == "dedupe",
             )
         _check_not_an_input(target, inputs)
         return _save_file(
@@ -448,6 +461,7 @@ def save(
             update=update,
             check=check,
             fsync=fsync,
+            dedupe=tied == "dedupe",
         )
     finally:
         close()
@@ -490,6 +504,7 @@ def _save_file(
     update: Callable[[int], None],
     check: Callable[[str], None] | None,
     fsync: bool,
+    dedupe: bool = True,
 ) -> WriteReport:
     aliases: dict[str, str] = {}
     with atomic_output(target, overwrite=overwrite, fsync=fsync) as file:
@@ -500,8 +515,8 @@ def _save_file(
                     update(count)
                     yield count
 
-            written = safetensors.write(entries, file, metadata=metadata, write_tensor=write_tensor)
-            aliases = _aliases(entries)
+            written = safetensors.write(entries, file, metadata=metadata, write_tensor=write_tensor, dedupe=dedupe)
+            aliases = _aliases(entries) if dedupe else {}
         else:
             written = torch_zip.write(
                 entries,
@@ -529,6 +544,7 @@ def _save_folder(
     inputs: set[str],
     check: Callable[[str], None] | None,
     fsync: bool,
+    dedupe: bool = True,
 ) -> WriteReport:
     """Write a sharded or DCP folder: each file atomically, the index last, stale shards only with overwrite."""
     if os.path.exists(folder) and not os.path.isdir(folder):
@@ -586,6 +602,7 @@ def _save_folder(
                     update=update,
                     check=None,
                     fsync=fsync,
+                    dedupe=dedupe,
                 )
                 written_files.append(report.path)
                 total += report.bytes

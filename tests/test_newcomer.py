@@ -237,3 +237,70 @@ def test_a_batch_that_matches_nothing_creates_nothing(tmp_path: Path) -> None:
     empty.mkdir()
     report = ckptconv.batch(empty, out)
     assert report.results == () and not out.exists()
+
+
+# ---------------------------------------------------------------------------------------
+# 3. Tied weights: the Hugging Face convention by default, --tied copy for plain load_state_dict
+# ---------------------------------------------------------------------------------------
+
+
+class TiedLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 6)
+        self.norm = torch.nn.LayerNorm(6)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight  # tied, as in GPT-2 and most language models
+
+
+def test_tied_weights_default_note_says_how_to_load_and_copy_loads_strictly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load_model
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    torch.save(TiedLM().state_dict(), "tied.pt")
+    source = torch.load("tied.pt", weights_only=True)
+
+    code, _, stderr = run_cli("convert", "tied.pt", "hf.safetensors")
+    assert code == 0, stderr
+    path = str(tmp_path / "hf.safetensors")
+    assert stderr.splitlines()[0] == (
+        "note: 1 tied tensor is stored once, as Hugging Face does (head.weight = embed.weight); load with "
+        f"safetensors.torch.load_model(model, {path!r}) or ckptconv.load({path!r}), which restore them; "
+        "plain model.load_state_dict(safetensors.torch.load_file(...), strict=True) needs --tied copy"
+    )
+    assert sorted(load_file("hf.safetensors")) == ["embed.weight", "norm.bias", "norm.weight"]
+    # What the note says works, strictly, and gives the source's values.
+    model = TiedLM()
+    assert load_model(model, "hf.safetensors", strict=True) == (set(), [])
+    for key, value in model.state_dict().items():
+        assert_same_tensor(value, source[key], key)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "head.weight"'):
+        TiedLM().load_state_dict(load_file("hf.safetensors"), strict=True)
+
+    code, _, stderr = run_cli("convert", "tied.pt", "plain.safetensors", "--tied", "copy")
+    assert code == 0 and "note:" not in stderr, stderr
+    written = load_file("plain.safetensors")
+    assert sorted(written) == sorted(source)
+    model = TiedLM()
+    model.load_state_dict(written, strict=True)
+    for key, value in model.state_dict().items():
+        assert_same_tensor(value, source[key], key)
+    assert model.head.weight is model.embed.weight  # the model's own tie survives the load
+
+
+def test_tied_copy_in_batch_and_save(tmp_path: Path) -> None:
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    torch.manual_seed(1)
+    state = TiedLM().state_dict()
+    torch.save(state, zoo / "lm.pt")
+    report = ckptconv.batch(zoo, tmp_path / "out", tied="copy")
+    assert report.exit_code == 0
+    TiedLM().load_state_dict(load_file(tmp_path / "out" / "lm.safetensors"), strict=True)
+    ckptconv.save(state, tmp_path / "saved.safetensors", tied="copy")
+    assert sorted(load_file(tmp_path / "saved.safetensors")) == sorted(state)
+    with pytest.raises(ValueError, match="tied must be one of dedupe, copy, not 'twice'"):
+        ckptconv.save(state, tmp_path / "x.safetensors", tied="twice")

@@ -171,8 +171,9 @@ def write(
     *,
     metadata: Mapping[str, MetadataValue] | None = None,
     write_tensor: Callable[[TensorRef, BinaryIO], Iterable[int]],
+    dedupe: bool = True,
 ) -> int:
-    """Write ``entries`` as one safetensors file; tied tensors are stored once.
+    """Write ``entries`` as one safetensors file; tied tensors are stored once unless ``dedupe`` is False.
 
     Args:
         entries: ``(key, tensor)`` pairs.
@@ -182,6 +183,9 @@ def write(
             once the tensors are written.
         write_tensor: writes one tensor's contiguous bytes to ``file`` and yields
             byte counts as it goes (the fast copy path lives with the caller).
+        dedupe: store tied tensors once, the other names in ``ckptconv.aliases``
+            (the Hugging Face convention); False writes a full copy under every
+            name, which ``load_state_dict(load_file(path), strict=True)`` accepts.
 
     Returns:
         The number of tensor bytes written.
@@ -198,10 +202,10 @@ def write(
                 f"tensor {key!r} is {ref.out_dtype.name}, which safetensors cannot store; "
                 "write a .pt file instead (--to pt)"
             )
-        if ref in kept:
+        if dedupe and ref in kept:
             aliases[key] = kept[ref]
             continue
-        kept[ref] = key
+        kept.setdefault(ref, key)
         unique.append((key, ref))
     # Largest element types first keeps every tensor aligned to its itemsize,
     # as the safetensors library does.
