@@ -498,7 +498,8 @@ def add_module(src: str, dst: str, **options: Any) -> None:
     required=True,
     metavar="REF",
     help="What the keys must match: another checkpoint, a text file of key names, or "
-    "'package.module:factory' that builds your nn.Module (this imports your code).",
+    "'package.module:factory' that builds your nn.Module (this imports your code, found as python -m "
+    "would: the current folder first, then installed packages).",
 )
 def fit(src: str, dst: str, reference: str, **options: Any) -> None:
     """Rename a checkpoint's keys to match a reference model, then write it.

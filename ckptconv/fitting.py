@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -178,15 +179,34 @@ def _key_list(path: str) -> tuple[str, ...] | None:
     return keys if keys and all(key.isprintable() for key in keys) else None
 
 
+def _import_from_current_folder(module_name: str) -> Any:
+    """Import a module as ``python -m`` would find it: the current folder first, then ``sys.path``.
+
+    The ``ckptconv`` console script's ``sys.path`` starts with its own bin folder,
+    not the current one, so ``--like mymodels:build_model`` could not find
+    ``./mymodels.py`` there while ``python -m ckptconv`` could.
+    """
+    folder = os.getcwd()
+    sys.path.insert(0, folder)
+    try:
+        importlib.invalidate_caches()
+        return importlib.import_module(module_name)
+    finally:
+        sys.path.remove(folder)  # the first occurrence: the one inserted above
+
+
 def _reference_from_factory(spec: str) -> Reference:
     module_name, _, attribute = spec.partition(":")
     try:
-        factory = importlib.import_module(module_name)
+        factory = _import_from_current_folder(module_name)
         for part in attribute.split("."):
             factory = getattr(factory, part)
         model = factory() if callable(factory) else factory
     except Exception as error:  # the user's own code can raise anything
-        raise LoadError(f"could not build the reference from {spec!r}: {type(error).__name__}: {error}") from error
+        where = f" (looked in the current folder {os.getcwd()!r} first)" if isinstance(error, ImportError) else ""
+        raise LoadError(
+            f"could not build the reference from {spec!r}: {type(error).__name__}: {error}{where}"
+        ) from error
     reference = reference_from(model)
     return Reference(reference.keys, reference.shapes, f"the model from {spec!r}")
 

@@ -304,3 +304,44 @@ def test_tied_copy_in_batch_and_save(tmp_path: Path) -> None:
     assert sorted(load_file(tmp_path / "saved.safetensors")) == sorted(state)
     with pytest.raises(ValueError, match="tied must be one of dedupe, copy, not 'twice'"):
         ckptconv.save(state, tmp_path / "x.safetensors", tied="twice")
+
+
+# ---------------------------------------------------------------------------------------
+# 5. fit --like mymodels:build_model finds ./mymodels.py, as python -m would
+# ---------------------------------------------------------------------------------------
+
+MYMODELS = """\
+import torch
+
+
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+"""
+
+
+def test_fit_like_a_factory_in_the_current_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "mymodels.py").write_text(MYMODELS)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    torch.save({"state_dict": {f"model.module.{k}": v for k, v in model.state_dict().items()}}, tmp_path / "l.ckpt")
+    # As the console script runs: sys.path[0] is the script's own folder, not the current one.
+    launcher = tmp_path / "bin" / "ckptconv"
+    launcher.parent.mkdir()
+    launcher.write_text("import sys\nfrom ckptconv.cli import main\nsys.exit(main())\n")
+    result = _python("", tmp_path, str(launcher), "fit", "l.ckpt", "m.safetensors", "--like", "mymodels:build_model")
+    assert result.returncode == 0, result.stderr
+    written = load_file(tmp_path / "m.safetensors")
+    for key, value in model.state_dict().items():
+        assert_same_tensor(written[key], value, key)
+
+    monkeypatch.chdir(tmp_path)
+    code, stdout, _ = run_cli("fit", "--help")
+    assert "found as python -m would: the current folder first" in " ".join(stdout.split())
+    (tmp_path / "mymodels.py").unlink()
+    code, _, stderr = run_cli("fit", "l.ckpt", "n.safetensors", "--like", "nomodels:build_model")
+    assert code == 1
+    assert stderr == (
+        "ckptconv: error: could not build the reference from 'nomodels:build_model': ModuleNotFoundError: "
+        f"No module named 'nomodels' (looked in the current folder {str(tmp_path)!r} first)\n"
+    )
