@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Union
 
+from ._text import plural
 from ._version import __version__
 from .discovery import FILE, Planned, discover, plan_outputs
 from .errors import DestinationError, OutputExistsError, WriteError
@@ -118,9 +119,10 @@ def _check_same_options(
     else:
         differ = []
     what = "; ".join(differ) if differ else "the manifest does not say which"
-    items = f"{count} item{'s' if count != 1 else ''}"
+    items = plural(count, "item")
     raise DestinationError(
-        f"cannot resume: {items} in {output_dir!r} were converted with other options ({what}); "
+        f"cannot resume: {items} in {output_dir!r} {'was' if count == 1 else 'were'} converted with other "
+        f"options ({what}); "
         "resume with the same options, choose another output folder, or pass --overwrite to convert "
         "them again with these options",
         path=output_dir,

@@ -17,6 +17,7 @@ from typing import Any, Callable, TypeVar
 
 import click
 
+from ._text import plural
 from ._version import __version__
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -412,14 +413,14 @@ def _run_conversion(
             click.echo(f"... and {len(report.renames) - 20} more")
         _say(
             quiet,
-            f"dry run: would write {report.tensors} tensors ({_human_bytes(report.bytes)}) "
+            f"dry run: would write {plural(report.tensors, 'tensor')} ({_human_bytes(report.bytes)}) "
             f"as {report.format}; nothing was written",
         )
         return
     verified = ", verified bit for bit" if report.verified else ""
     _say(
         quiet,
-        f"wrote {report.destination} ({report.format}, {report.tensors} tensors, "
+        f"wrote {report.destination} ({report.format}, {plural(report.tensors, 'tensor')}, "
         f"{_human_bytes(report.bytes)}{verified})",
     )
 
@@ -581,11 +582,16 @@ def diff(a: str, b: str, select_a: str | None, select_b: str | None, trust: bool
         for item in result.differences:
             if item.reason == "values":
                 click.echo(f"values differ: {item.key}: max abs difference {item.max_abs_diff:g}")
+            elif item.reason == "dtype":
+                click.echo(
+                    f"dtype differs: {item.key}: {item.a} vs {item.b}; max abs difference {item.max_abs_diff:g} "
+                    "(compared in float64)"
+                )
             else:
                 click.echo(f"{item.reason} differs: {item.key}: {item.a} vs {item.b}")
         verdict = "identical" if result.identical else "different"
         click.echo(
-            f"{verdict}: {result.same} tensors identical, {len(result.differences)} differ, "
+            f"{verdict}: {plural(result.same, 'tensor')} identical, {len(result.differences)} differ, "
             f"{len(result.only_in_a)} only in A, {len(result.only_in_b)} only in B"
         )
     if not result.identical:
@@ -659,7 +665,7 @@ def inspect(
     if info.foreign_globals:
         click.echo("stand-ins (classes from code that is not here; nothing was run):")
         for name, count in info.foreign_globals.items():
-            click.echo(f"  {name}" + (f" ({count} object{'s' if count != 1 else ''})" if count else ""))
+            click.echo(f"  {name}" + (f" ({plural(count, 'object')})" if count else ""))
     if info.metadata:
         click.echo("metadata:")
         for key, value in info.metadata.items():
@@ -674,7 +680,7 @@ def inspect(
     where = repr(info.selected) if info.selected else "the whole file"
     dtypes = ", ".join(f"{name}: {count}" for name, count in info.dtypes.items())
     click.echo(
-        f"weights: {where}: {len(info.tensors)} tensors, {info.parameters:,} elements, "
+        f"weights: {where}: {plural(len(info.tensors), 'tensor')}, {info.parameters:,} elements, "
         f"{_human_bytes(info.tensor_bytes)} ({dtypes})"
     )
     if info.selection_note:
@@ -776,7 +782,8 @@ def batch(src: str, dst: str, **options: Any) -> None:
     for result in report.failed:  # errors: shown even with -q
         click.echo(f"failed: {result.source}: {result.error}", err=True)
     if report.cancelled:
-        _say(quiet, f"stopped after the first failure (--fail-fast); {len(report.cancelled)} items were not started")
+        not_started = f"{plural(len(report.cancelled), 'item')} {'was' if len(report.cancelled) == 1 else 'were'}"
+        _say(quiet, f"stopped after the first failure (--fail-fast); {not_started} not started")
     manifest = f"; manifest: {report.manifest}" if report.manifest else "; nothing was written"
     _say(quiet, report.summary() + manifest)
     click.get_current_context().exit(report.exit_code)

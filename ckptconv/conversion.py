@@ -16,12 +16,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from ._text import plural
 from ._version import __version__
 from .errors import FitError, VerifyError
 from .formats._base import Deferred, MetadataValue
 from .loading import open as open_checkpoint
 from .metadata import checkpoint_metadata, encode_entries, source_sha256
-from .transforms import Canonicalize, Pipeline, StepReport, StripPrefix, Transform
+from .transforms import Canonicalize, Cast, Pipeline, StepReport, StripPrefix, Transform
 from .writing import Progress, is_folder_destination, output_format, save
 
 __all__ = ["ConversionReport", "convert"]
@@ -87,7 +88,7 @@ def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> l
     if isinstance(step, Canonicalize):
         if not report.details:
             return ["no wrapper prefixes found; the keys are already canonical"]
-        removed = ", ".join(f"'{name}.' from {count} keys" for name, count in report.details.items())
+        removed = ", ".join(f"'{name}.' from {plural(count, 'key')}" for name, count in report.details.items())
         return [f"removed wrappers: {removed}"]
     if not isinstance(step, StripPrefix) or not report.unchanged:
         return []
@@ -99,6 +100,27 @@ def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> l
     return [
         f"{report.unchanged} of {report.changed + report.unchanged} keys had no {prefix!r} prefix and were left unchanged"
     ]
+
+
+def _origins(keys: Sequence[str], steps: Sequence[Transform]) -> dict[str, str] | None:
+    """Each output key's source key: the key steps run again on the names alone (casts change no name).
+
+    None when a step needs real tensors (a caller's own transform), or the names do not line up.
+    """
+    origins = {key: key for key in keys}  # current name -> source name
+    for step in steps:
+        if isinstance(step, Cast):
+            continue
+        names: dict[str, Any] = {key: key for key in origins}  # the names stand in for the tensors
+        try:
+            renamed, _ = step.apply(names)
+        except Exception:  # a caller's transform that looks at values: no key-by-key answer
+            return None
+        values: dict[str, Any] = dict(renamed)
+        if not all(isinstance(old, str) and old in origins for old in values.values()):
+            return None
+        origins = {new: origins[old] for new, old in values.items()}
+    return origins
 
 
 def _tied_note(aliases: Mapping[str, str], path: str, sharded: bool) -> str:
@@ -197,12 +219,15 @@ def convert(
         reports.append(report)
         notes.extend(_prefix_notes(step, report, keys))
 
+    origins = _origins(list(selection.weights), pipeline.steps)
     fit_report = None
     if fit_to is not None:
         from .fitting import fit
 
         before = list(state)
         state, fit_report = fit(state, fit_to)
+        if origins is not None and fit_report.ok:
+            origins = {new: origins[old] for old, new in zip(before, state)}
         if not fit_report.ok:
             raise FitError(fit_report.summary(), report=fit_report)
         renamed = sum(old != new for old, new in zip(before, state))
@@ -215,13 +240,15 @@ def convert(
     if checkpoint.foreign_globals:
         names = list(checkpoint.foreign_globals)
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        notes.append(f"{len(names)} classes from code that is not here became inert stand-ins ({shown}); none was run")
+        classes = plural(len(names), "class", "classes")
+        notes.append(f"{classes} from code that is not here became inert stand-ins ({shown}); none was run")
 
-    renames = (
-        tuple((old, new) for old, new in zip(selection.weights, state) if old != new)
-        if len(state) == len(selection.weights)
-        else ()
-    )
+    if origins is not None and list(origins) == list(state):
+        renames = tuple((origins[new], new) for new in state if origins[new] != new)
+    elif len(state) == len(selection.weights):
+        renames = tuple((old, new) for old, new in zip(selection.weights, state) if old != new)
+    else:
+        renames = ()
     folder_output = destination is not None and is_folder_destination(destination, to, max_shard_size)
     kind = output_format(destination, to, folder=folder_output) if destination is not None else (to or "pt")
     summary = ConversionReport(

@@ -87,7 +87,11 @@ class UnsafeCheckpointError(LoadError):
 
 
 class SelectionError(CkptconvError, KeyError):
-    """The model weights inside a checkpoint could not be picked unambiguously."""
+    """The model weights inside a checkpoint could not be picked unambiguously.
+
+    ``reason`` is the message without its advice (``hint``), for callers such as
+    ``inspect`` whose output already is what the advice points to.
+    """
 
     def __init__(
         self,
@@ -95,9 +99,11 @@ class SelectionError(CkptconvError, KeyError):
         *,
         path: str | os.PathLike[str] | None = None,
         candidates: Sequence[str] = (),
+        hint: str = "",
     ) -> None:
-        super().__init__(message, path=path)
+        super().__init__(f"{message}; {hint}" if hint else message, path=path)
         self.candidates = tuple(candidates)
+        self.reason = message
 
     # KeyError's own __str__ would wrap the message in quotes.
     __str__ = CkptconvError.__str__

@@ -161,7 +161,7 @@ def inspect(path: PathLike, *, select: str | None = None, trust: bool = False) -
     try:
         selection = checkpoint.select(select)
     except SelectionError as failure:
-        error = str(failure)
+        error = failure.reason  # without "run `ckptconv inspect`": this is its output
         alternatives = failure.candidates
     else:
         selected, note, alternatives, weights = (

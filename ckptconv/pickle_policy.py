@@ -18,7 +18,12 @@ from __future__ import annotations
 
 from .rebuild import known_global
 
-__all__ = ["classify_global", "normalise_global"]
+__all__ = ["TORCH_OWN_TYPES", "classify_global", "normalise_global"]
+
+# Types torch itself names when it saves its own tensors (``_rebuild_from_type_v2(..., torch.Tensor, ...)``
+# for a tensor with Python attributes). They stay inert stand-ins, but they are not "classes from code
+# that is not here", so they are never listed as such.
+TORCH_OWN_TYPES = frozenset({"torch.Tensor"})
 
 # Modules whose every member exists to run code, spawn processes, load more
 # pickles or reach the network. Matched on the module and its submodules.

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._text import plural
+
 __all__ = ["BatchReport", "ItemResult", "OutputFile"]
 
 CONVERTED = "converted"
@@ -141,10 +143,6 @@ class ItemResult:
         )
 
 
-def _plural(count: int, word: str) -> str:
-    return f"{count} {word}{'' if count == 1 else 's'}"
-
-
 @dataclass(frozen=True)
 class BatchReport:
     """What :func:`ckptconv.batch` did.
@@ -203,7 +201,7 @@ class BatchReport:
         parts += [f"skipped {len(self.skipped)}", f"failed {len(self.failed)}"]
         if self.cancelled:
             parts.append(f"cancelled {len(self.cancelled)}")
-        text = ", ".join(parts) + f" of {_plural(len(self.results), 'item')}"
+        text = ", ".join(parts) + f" of {plural(len(self.results), 'item')}"
         if not self.dry_run and self.converted:
             rate = self.bytes_read / self.duration_s if self.duration_s > 0 else 0.0
             text += f" ({_human(self.bytes_read)} in {self.duration_s:.1f} s, {_human(rate)}/s)"

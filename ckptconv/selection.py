@@ -307,7 +307,7 @@ def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: st
                 "(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
             )
         raise SelectionError(
-            f"{source} holds no state dict or model{where}; run `ckptconv inspect` to see what it contains"
+            f"{source} holds no state dict or model{where}", hint="run `ckptconv inspect` to see what it contains"
         )
     ordinary = [c for c in candidates if not c.is_ema]
     averaged = [c for c in candidates if c.is_ema]

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
-from .pickle_policy import classify_global, normalise_global
+from .pickle_policy import TORCH_OWN_TYPES, classify_global, normalise_global
 from .rebuild import call, check_hashable, fill_numpy_array, instantiate, known_global, malformed
 from .standins import ForeignGlobal, ForeignObject, NumpyArray, NumpyDType
 from .tensor import TensorRef
@@ -166,7 +166,8 @@ class Unpickler:
         value = known_global(module, name)
         if value is None:
             value = ForeignGlobal(module, name)
-            self.foreign_globals[full] += 0  # listed even if never instantiated
+            if full not in TORCH_OWN_TYPES:
+                self.foreign_globals[full] += 0  # listed even if never instantiated
         self._globals_cache[key] = value
         return value
 

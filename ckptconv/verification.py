@@ -127,7 +127,10 @@ class TensorDifference:
         a: dtype or shape in the first checkpoint (``""`` for values).
         b: dtype or shape in the second.
         max_abs_diff: the largest absolute difference of the values (``nan`` when
-            NaNs do not line up), for ``"values"``.
+            NaNs do not line up), for ``"values"``, and for ``"dtype"`` when the
+            shapes agree: both sides are then compared in float64 (complex128),
+            which holds every value of either dtype, so an fp32 tensor and its
+            bf16 cast report the rounding error the cast made.
     """
 
     key: str
@@ -241,7 +244,8 @@ def diff(
         if right is None:
             continue
         if left.out_dtype != right.out_dtype:
-            differences.append(TensorDifference(key, "dtype", left.out_dtype.name, right.out_dtype.name))
+            largest = _max_abs_difference(left, right) if left.shape == right.shape else 0.0
+            differences.append(TensorDifference(key, "dtype", left.out_dtype.name, right.out_dtype.name, largest))
         elif left.shape != right.shape:
             differences.append(TensorDifference(key, "shape", str(list(left.shape)), str(list(right.shape))))
         elif _digest(left) == _digest(right):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -31,7 +32,7 @@ def _zoo(root: Path, count: int = 4) -> Path:
 def _python(code: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(
-        [sys.executable, *args], input=code, capture_output=True, text=True, cwd=cwd, env=env, timeout=300
+        [sys.executable, *args], check=False, input=code, capture_output=True, text=True, cwd=cwd, env=env, timeout=300
     )
 
 
@@ -150,7 +151,7 @@ def test_contradictory_destinations_are_usage_errors(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     torch.save({"w": torch.ones(2)}, "model.pt")
-    code, stdout, stderr = run_cli("convert", "model.pt", dst, *options)
+    code, _, stderr = run_cli("convert", "model.pt", dst, *options)
     assert code == 2
     assert stderr.splitlines()[0].endswith(" convert [OPTIONS] SRC DST")
     assert stderr.splitlines()[-1] == f"Error: {message}"
@@ -344,4 +345,102 @@ def test_fit_like_a_factory_in_the_current_folder(tmp_path: Path, monkeypatch: p
     assert stderr == (
         "ckptconv: error: could not build the reference from 'nomodels:build_model': ModuleNotFoundError: "
         f"No module named 'nomodels' (looked in the current folder {str(tmp_path)!r} first)\n"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# 7. --dry-run lists renames when --keep/--drop change the count; diff across dtypes
+# ---------------------------------------------------------------------------------------
+
+
+def test_dry_run_lists_renames_when_keep_or_drop_change_the_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    torch.save(
+        {"module.enc.weight": torch.ones(2), "module.enc.bias": torch.ones(2), "module.head.weight": torch.ones(3)},
+        "dp.pt",
+    )
+    code, stdout, stderr = run_cli(
+        "convert", "dp.pt", "o.safetensors", "--strip-prefix", "module", "--drop", "bias$", "--dry-run"
+    )
+    assert code == 0, stderr
+    assert stdout == "module.enc.weight -> enc.weight\nmodule.head.weight -> head.weight\n"
+    assert stderr.splitlines()[-1] == "dry run: would write 2 tensors (20 B) as safetensors; nothing was written"
+    code, stdout, _ = run_cli(
+        "convert", "dp.pt", "o.safetensors", "--keep", "^net\\.head", "--rename", "^module\\.=net.", "--dry-run"
+    )
+    assert stdout == "module.head.weight -> net.head.weight\n"
+    report = ckptconv.convert(
+        "dp.pt", "o.safetensors", transforms=[ckptconv.Keep("enc"), ckptconv.StripPrefix("module")], dry_run=True
+    )
+    assert report.renames == (("module.enc.weight", "enc.weight"), ("module.enc.bias", "enc.bias"))
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_diff_of_fp32_and_its_bf16_cast_reports_the_real_difference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    weight = torch.randn(64, 16)
+    torch.save({"w": weight, "steps": torch.arange(3)}, "fp32.pt")
+    torch.save({"w": weight.bfloat16(), "steps": torch.arange(3)}, "bf16.pt")
+    expected = (weight.double() - weight.bfloat16().double()).abs().max().item()
+    assert expected > 0
+    result = ckptconv.diff("fp32.pt", "bf16.pt")
+    (difference,) = result.differences
+    assert (difference.key, difference.reason, difference.a, difference.b) == ("w", "dtype", "float32", "bfloat16")
+    assert difference.max_abs_diff == expected
+    code, stdout, _ = run_cli("diff", "fp32.pt", "bf16.pt")
+    assert code == 3
+    assert stdout == (
+        f"dtype differs: w: float32 vs bfloat16; max abs difference {expected:g} (compared in float64)\n"
+        "different: 1 tensor identical, 1 differ, 0 only in A, 0 only in B\n"
+    )
+    # A cast that changes nothing (integers widened) reports 0, and still differs in dtype.
+    torch.save({"w": weight, "steps": torch.arange(3, dtype=torch.int32)}, "i32.pt")
+    (difference,) = ckptconv.diff("fp32.pt", "i32.pt").differences
+    assert (difference.reason, difference.max_abs_diff) == ("dtype", 0.0)
+
+
+# ---------------------------------------------------------------------------------------
+# 9. Smaller things
+# ---------------------------------------------------------------------------------------
+
+
+def test_counts_are_spelled_right(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.ones(2)}, "one.pt")
+    code, _, stderr = run_cli("convert", "one.pt", "one.safetensors")
+    assert code == 0 and stderr.endswith("(safetensors, 1 tensor, 8 B)\n"), stderr
+    code, stdout, _ = run_cli("inspect", "one.pt")
+    assert "weights: the whole file: 1 tensor, 2 elements" in stdout
+
+
+def test_torch_tensor_is_not_a_class_from_missing_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    tensor = torch.arange(4.0)
+    tensor.note = "a tensor with a Python attribute is saved through torch._tensor._rebuild_from_type_v2"  # type: ignore[attr-defined]
+    torch.save({"state_dict": {"w": tensor}, "args": argparse.Namespace(lr=0.1)}, "attr.pt")
+    info = ckptconv.inspect("attr.pt")
+    assert info.foreign_globals == {"argparse.Namespace": 1}
+    report = ckptconv.convert("attr.pt", "attr.safetensors")
+    assert (
+        "1 class from code that is not here became inert stand-ins (argparse.Namespace); none was run" in report.notes
+    )
+    assert_same_tensor(load_file("attr.safetensors")["w"], torch.arange(4.0))
+
+
+def test_inspect_of_training_args_does_not_suggest_inspect(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    torch.save(argparse.Namespace(learning_rate=5e-5, output_dir="out"), "training_args.bin")
+    code, stdout, _ = run_cli("inspect", "training_args.bin")
+    assert code == 0
+    assert stdout.splitlines()[-1] == "weights: not selected: 'training_args.bin' holds no state dict or model"
+    code, _, stderr = run_cli("convert", "training_args.bin", "x.safetensors")
+    assert code == 1
+    assert stderr == (
+        "ckptconv: error: 'training_args.bin' holds no state dict or model; "
+        "run `ckptconv inspect` to see what it contains\n"
     )
