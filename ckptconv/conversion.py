@@ -303,7 +303,7 @@ def convert(
             written = save(
                 state,
                 destination,
-                format=kind,
+                to=kind,
                 overwrite=overwrite,
                 metadata=metadata,
                 extra=extra,

@@ -365,9 +365,10 @@ def load_into(
         select: where the weights are in a training checkpoint.
         trust: see :func:`ckptconv.open`. Dangerous.
         device: where tensors are staged before ``load_state_dict`` copies them
-            into the model: the CPU when None; ``"auto"``: each tensor straight
+            into the model: the CPU when None; ``"model"``: each tensor straight
             onto the device of the parameter or buffer it fills (host memory
-            stays bounded); or one device for all.
+            stays bounded); ``"auto"``: as in :func:`ckptconv.load`, the visible
+            GPU with the most free memory, else the CPU; or one device for all.
 
     Returns:
         The :class:`FitReport`.
@@ -388,10 +389,12 @@ def load_into(
             raise FitError(report.summary(), report=report)
         keys = set(model.state_dict())
         fitted = {key: value for key, value in fitted.items() if key in keys}
-    if device == "auto":
+    if device == "model":
         targets = {key: str(value.device) for key, value in model.state_dict().items()}
         staged = to_torch(fitted, device=targets)
     else:
-        staged = to_torch(fitted, device=device)
+        from .devices import pick_device
+
+        staged = to_torch(fitted, device=pick_device(device))
     model.load_state_dict(staged, strict=strict)
     return report

@@ -21,9 +21,9 @@ import math
 import os
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .dtypes import DType
 from .errors import MalformedCheckpointError
@@ -362,6 +362,32 @@ class TensorRef:
         from .streaming import read_array
 
         return read_array(self)
+
+    def torch(self) -> Any:
+        """This tensor read into a CPU ``torch.Tensor`` (imports torch)."""
+        from ._torch import to_torch
+
+        return to_torch({"tensor": self})["tensor"]
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> Any:
+        """Let torch take a lazy tensor wherever it takes a tensor: its bytes are read then.
+
+        So a lazy state dict composes with torch: ``model.load_state_dict(fitted)``
+        after ``fitted, _ = ckptconv.fit(ckpt.select().weights, model)`` reads one
+        tensor at a time as it copies it into the model.
+        """
+
+        def read(value: Any) -> Any:
+            if isinstance(value, TensorRef):
+                return value.torch()
+            if isinstance(value, (list, tuple)):
+                return type(value)(read(item) for item in value)
+            return value
+
+        return func(*read(tuple(args)), **{key: read(value) for key, value in (kwargs or {}).items()})
 
     def tobytes(self) -> bytes:
         """The tensor's bytes as a writer stores them: contiguous, little-endian, ``out_dtype``."""

@@ -17,6 +17,7 @@ import mmap
 import os
 import re
 import tempfile
+import warnings
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -366,7 +367,7 @@ def save(
     state: Mapping[str, Any],
     path: PathLike,
     *,
-    format: str | None = None,
+    to: str | None = None,
     overwrite: bool = False,
     metadata: Mapping[str, MetadataValue] | None = None,
     extra: Mapping[str, Any] | None = None,
@@ -376,11 +377,12 @@ def save(
     check: Callable[[str], None] | None = None,
     fsync: bool = True,
     tied: str = "dedupe",
+    format: str | None = None,
 ) -> WriteReport:
     """Write a state dict to ``.pt``, safetensors, shards or a DCP folder, streaming, atomically.
 
     A destination that is a folder (it exists, or ends in ``/``), or any
-    destination with ``max_shard_size`` or ``format="dcp"``, gets a folder
+    destination with ``max_shard_size`` or ``to="dcp"``, gets a folder
     layout: ``model.safetensors`` or ``model-0000k-of-0000N.safetensors`` plus
     ``model.safetensors.index.json`` (``pytorch_model*.bin`` for ``pt``), or a
     DCP folder (``.metadata`` and ``__0_0.distcp``).
@@ -389,8 +391,9 @@ def save(
         state: names to tensors: lazy :class:`~ckptconv.tensor.TensorRef` from
             :func:`ckptconv.open`, or torch tensors.
         path: the output file or folder.
-        format: ``"pt"``, ``"safetensors"`` or ``"dcp"``; from the suffix of
-            ``path`` when None (safetensors for folders).
+        to: ``"pt"``, ``"safetensors"`` or ``"dcp"``; from the suffix of
+            ``path`` when None (safetensors for folders). The same word as
+            :func:`ckptconv.convert` and :func:`ckptconv.batch` use.
         overwrite: replace existing outputs, and remove shards an earlier run
             left that this one does not write.
         metadata: string metadata: safetensors ``__metadata__``, or the
@@ -412,6 +415,7 @@ def save(
             ``"copy"`` writes it under every name, so that
             ``model.load_state_dict(safetensors.torch.load_file(path), strict=True)``
             accepts the file. ``.pt`` files always keep tied tensors shared.
+        format: deprecated spelling of ``to``.
 
     Returns:
         A :class:`WriteReport`.
@@ -425,13 +429,22 @@ def save(
         >>> ckptconv.save(model.state_dict(), "model.safetensors")  # doctest: +SKIP
         >>> ckptconv.save(state, "out/", max_shard_size=5 * 10**9)   # doctest: +SKIP
     """
+    if format is not None:
+        warnings.warn(
+            "ckptconv.save(format=...) is deprecated; use to=..., as convert() and batch() do",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if to is not None and to != format:
+            raise ValueError(f"save() got to={to!r} and its deprecated spelling format={format!r}; pass only to")
+        to = format
     if tied not in TIED:
         raise ValueError(f"tied must be one of {', '.join(TIED)}, not {tied!r}")
     entries = _entries(state)
     target = os.path.abspath(os.fspath(path))
     inputs = {*_source_paths(entries), *inputs}
-    folder_output = is_folder_destination(path, format, max_shard_size)
-    kind = output_format(path, format, folder=folder_output)
+    folder_output = is_folder_destination(path, to, max_shard_size)
+    kind = output_format(path, to, folder=folder_output)
     total = sum(ref.nbytes for _, ref in entries)
     update, close = _progress_callback(progress, total, target)
     try:

@@ -113,10 +113,10 @@ def single_and_dataparallel(folder: Path) -> None:
                 expected = reference(x)
 
             plain = factory().to("cuda:0").eval()
-            report = ckptconv.load_into(plain, path, strict=True, device="auto")
+            report = ckptconv.load_into(plain, path, strict=True, device="model")
             with torch.no_grad():
                 ok, detail = same_outputs(plain(x), expected)
-            check(f"{fixture} -> single GPU model (load_into strict, device=auto)", report.ok and ok, detail)
+            check(f"{fixture} -> single GPU model (load_into strict, device=model)", report.ok and ok, detail)
 
             dp = nn.DataParallel(factory().to("cuda:0"), device_ids=[0, 1]).eval()
             report = ckptconv.load_into(dp, path, strict=True)
@@ -149,7 +149,7 @@ dist.init_process_group("nccl")
 path, kind, expected_path = sys.argv[3], sys.argv[4], sys.argv[5]
 factory = {"cnn": TinyCNN, "lm64": lambda: TinyLM(tie_weights=False), "lm65": lambda: TinyLM(vocab_size=65, tie_weights=False)}[kind]
 model = nn.parallel.DistributedDataParallel(factory().to(rank), device_ids=[rank]).eval()
-report = ckptconv.load_into(model, path, strict=True, device="auto")
+report = ckptconv.load_into(model, path, strict=True, device="model")
 torch.manual_seed(1)
 x = torch.randn(8, 3, 16, 16, device=rank) if kind == "cnn" else torch.randint(0, 64, (8, 16), device=rank)
 with torch.no_grad():

@@ -444,3 +444,57 @@ def test_inspect_of_training_args_does_not_suggest_inspect(tmp_path: Path, monke
         "ckptconv: error: 'training_args.bin' holds no state dict or model; "
         "run `ckptconv inspect` to see what it contains\n"
     )
+
+
+# ---------------------------------------------------------------------------------------
+# 6. API results that compose, one vocabulary
+# ---------------------------------------------------------------------------------------
+
+
+def _dp_checkpoint(path: Path) -> torch.nn.Module:
+    torch.manual_seed(5)
+    model = TiedLM()
+    torch.save({"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}, "epoch": 3}, path)
+    return model
+
+
+def test_fit_of_lazy_weights_feeds_load_state_dict(tmp_path: Path) -> None:
+    source = _dp_checkpoint(tmp_path / "dp.pth")
+    ckpt = ckptconv.open(tmp_path / "dp.pth")
+    fitted, report = ckptconv.fit(ckpt.select().weights, TiedLM())
+    assert report.ok
+    model = TiedLM()
+    model.load_state_dict(fitted, strict=True)  # lazy references are read as torch copies them
+    for key, value in model.state_dict().items():
+        assert_same_tensor(value, source.state_dict()[key], key)
+    # A lazy tensor is accepted wherever torch takes a tensor.
+    assert torch.equal(ckpt.select().weights["module.norm.weight"], source.norm.weight.detach())
+
+
+def test_canonicalize_and_save_speak_as_the_readme_does(tmp_path: Path) -> None:
+    source = _dp_checkpoint(tmp_path / "dp.pth")
+    state, report = ckptconv.canonicalize(ckptconv.open(tmp_path / "dp.pth").select().weights)
+    assert list(state) == list(source.state_dict()) and report.changed == len(state)
+    ckptconv.save(state, tmp_path / "plain.bin", to="pt")
+    assert sorted(torch.load(tmp_path / "plain.bin", weights_only=True)) == sorted(source.state_dict())
+    with pytest.warns(DeprecationWarning, match=r"save\(format=\.\.\.\) is deprecated; use to=\.\.\."):
+        ckptconv.save(state, tmp_path / "old.bin", format="pt")
+    assert (tmp_path / "old.bin").read_bytes()[:2] == b"PK"
+
+
+def test_device_auto_means_the_same_in_load_and_load_into(tmp_path: Path) -> None:
+    from ckptconv.devices import DeviceFallbackWarning
+
+    source = _dp_checkpoint(tmp_path / "dp.pth")
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU fallback of device='auto'")
+    with pytest.warns(DeviceFallbackWarning):
+        loaded = ckptconv.load(tmp_path / "dp.pth", device="auto")
+    assert {value.device.type for value in loaded.values()} == {"cpu"}
+    model = TiedLM()
+    with pytest.warns(DeviceFallbackWarning):  # the same choice, the same warning
+        assert ckptconv.load_into(model, tmp_path / "dp.pth", device="auto").ok
+    model = TiedLM()
+    assert ckptconv.load_into(model, tmp_path / "dp.pth", device="model").ok  # each parameter's own device
+    for key, value in model.state_dict().items():
+        assert_same_tensor(value, source.state_dict()[key], key)
