@@ -1,4 +1,5 @@
-"""A batch worker process: ``python -m ckptconv._worker``, started by :func:`ckptconv.executors.run_local`.
+"""A batch worker process: a fresh Python that runs only this module, started by
+:func:`ckptconv.executors.run_local` (``python -m ckptconv._worker`` runs one too).
 
 Why not :mod:`multiprocessing`: its ``spawn`` and ``forkserver`` start methods
 import the caller's main script in every worker (as ``__mp_main__``), so a

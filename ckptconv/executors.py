@@ -10,7 +10,7 @@ submitting work once its ``stop()`` callable says so (``fail_fast``), after
 draining what is already running.
 
 * :func:`run_local` with one worker converts in this process; with more, it
-  starts ``python -m ckptconv._worker`` processes (never ``fork``, and never
+  starts fresh Python processes that run :mod:`ckptconv._worker` (never ``fork``, and never
   importing the caller's main module, see :mod:`ckptconv._worker`). Imports
   are paid once per worker. A worker that dies (killed, out of memory) fails
   only the item it was converting; a fresh worker takes over. Workers exit
@@ -263,20 +263,17 @@ def check_sendable(options: Any) -> None:
 
 
 class _Worker:
-    """One ``python -m ckptconv._worker`` process and the jobs sent to it, in order."""
+    """One :mod:`ckptconv._worker` process and the jobs sent to it, in order."""
 
     def __init__(self, events: Queue[tuple[_Worker, Any]]) -> None:
+        # This very ckptconv, first on the path: not one a folder named ckptconv in the current
+        # folder would shadow it with (as `python -m` would put the current folder first).
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        start = f"import sys; sys.path[0] = {package_root!r}; from ckptconv._worker import main; main()"
         # Its stderr, read only to say why it died; closed in close().
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the worker, not a block
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ckptconv._worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            env=env,
+            [sys.executable, "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log
         )
         self.pending: deque[tuple[int, Job]] = deque()
         self.ready = False
@@ -334,7 +331,7 @@ class _Worker:
 def run_local(jobs: Sequence[Job], *, workers: int = 1, stop: Stop = lambda: False) -> Iterator[ItemResult]:
     """Convert jobs in this process (``workers=1``) or in worker processes.
 
-    Workers are ``python -m ckptconv._worker`` processes: they never import the
+    Workers are fresh Python processes running :mod:`ckptconv._worker`: they never import the
     caller's main module, so a plain script, a notebook or an interactive
     session may call :func:`ckptconv.batch` with ``jobs > 1`` without an
     ``if __name__ == "__main__":`` guard. A worker that dies fails only the
@@ -378,7 +375,7 @@ def run_local(jobs: Sequence[Job], *, workers: int = 1, stop: Stop = lambda: Fal
                 reason = worker.why()
                 if not worker.ready:
                     raise CkptconvError(
-                        f"a batch worker process could not start ({sys.executable} -m ckptconv._worker, {reason}); "
+                        f"a batch worker process could not start ({sys.executable}: {reason}); "
                         "convert with jobs=1, or fix the environment"
                     )
                 pool.remove(worker)

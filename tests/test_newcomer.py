@@ -107,7 +107,7 @@ def test_a_worker_that_cannot_start_says_why(tmp_path: Path, monkeypatch: pytest
     with pytest.raises(ckptconv.CkptconvError) as caught:
         ckptconv.batch(zoo, tmp_path / "out", jobs=2)
     assert str(caught.value) == (
-        f"a batch worker process could not start ({broken} -m ckptconv._worker, exit status 1: "
+        f"a batch worker process could not start ({broken}: exit status 1: "
         "ModuleNotFoundError: No module named numpy); convert with jobs=1, or fix the environment"
     )
 
