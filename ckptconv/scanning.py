@@ -43,7 +43,7 @@ from typing import Any, Union
 from .errors import LoadError, MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from .unpickler import UnsafeFinding, recording_unsafe
 
-__all__ = ["SAFE", "ScanReport", "ScanSummary", "VERDICTS", "scan", "scan_many"]
+__all__ = ["SAFE", "VERDICTS", "ScanReport", "ScanSummary", "scan", "scan_many"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -183,7 +183,9 @@ def scan(path: PathLike) -> ScanReport:
     if found:
         return ScanReport(path, UNSAFE, _unsafe_reason(found), checkpoint.format, found, foreign)
     if foreign:
-        names = ", ".join(list(foreign)[:_SHOWN]) + (f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else "")
+        names = ", ".join(list(foreign)[:_SHOWN]) + (
+            f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else ""
+        )
         reason = f"names code that is not here ({names}); torch.load(weights_only=False) would import and call it"
         return ScanReport(path, FOREIGN, reason, checkpoint.format, (), foreign)
     return ScanReport(path, SAFE, "holds only tensors, containers and plain data", checkpoint.format)
