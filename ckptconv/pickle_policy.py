@@ -275,7 +275,6 @@ FAMILIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
                 "marshal",
                 "yaml",
                 "jsonpickle",
-                "torch.serialization",
                 "torch.utils._config_module",
                 "torch.utils.data.datapipes",
                 "_compat_pickle",
@@ -284,6 +283,9 @@ FAMILIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
         frozenset(
             [
                 "torch.load",
+                "torch.serialization.load",
+                "torch.serialization._load",
+                "torch.serialization._legacy_load",
                 "torch.storage._load_from_bytes",
                 "numpy.load",
                 "numpy.lib.npyio.load",

