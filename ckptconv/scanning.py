@@ -36,11 +36,14 @@ refused as well. Reading a file to scan it runs nothing from it.
 from __future__ import annotations
 
 import os
+import struct
+import zipfile
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from .errors import LoadError, MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
+from .errors import CkptconvError, LoadError, MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from .unpickler import UnsafeFinding, recording_unsafe
 
 __all__ = ["SAFE", "VERDICTS", "ScanReport", "ScanSummary", "scan", "scan_many"]
@@ -178,7 +181,7 @@ def scan(path: PathLike) -> ScanReport:
             return _refused(path, DAMAGED, error, findings)
         except LoadError as error:
             return _refused(path, UNREADABLE, error, findings)
-    found = _dedupe(findings)
+    found = _dedupe([*findings, *_scan_embedded(path)])
     foreign = dict(checkpoint.foreign_globals)
     if found:
         return ScanReport(path, UNSAFE, _unsafe_reason(found), checkpoint.format, found, foreign)
@@ -191,8 +194,101 @@ def scan(path: PathLike) -> ScanReport:
     return ScanReport(path, SAFE, "holds only tensors, containers and plain data", checkpoint.format)
 
 
+# Pickles inside other containers are scanned up to this size each.
+_MAX_EMBEDDED = 256 << 20
+_PICKLE_SUFFIXES = (".pkl", ".pickle")
+
+
+def _embedded_pickles(path: str) -> list[tuple[str, bytes]]:
+    """``(where, bytes)`` of every pickle inside a zip archive or a numpy object array.
+
+    ``torch.load`` reads one member of a zip, but other loaders (and an
+    attacker's instructions) may read any; numpy's ``allow_pickle`` loads the
+    data of an object ``.npy`` as a pickle. Zip members are read from their
+    local headers, so a damaged central directory (a wrong CRC, a name that
+    disagrees with the local header) does not hide them.
+    """
+    try:
+        with open(path, "rb") as file:
+            head = file.read(8)
+            if head.startswith(b"\x93NUMPY"):
+                return _npy_pickle(path, file)
+            if head.startswith(b"PK\x03\x04"):
+                return _zip_pickles(path, file)
+    except OSError:
+        return []
+    return []
+
+
+def _npy_pickle(path: str, file: Any) -> list[tuple[str, bytes]]:
+    file.seek(6)
+    major = file.read(2)[:1]
+    size_format = "<H" if major == b"\x01" else "<I"
+    raw = file.read(struct.calcsize(size_format))
+    if len(raw) != struct.calcsize(size_format):
+        return []
+    (header_size,) = struct.unpack(size_format, raw)
+    header = file.read(min(header_size, 1 << 16))
+    if b"'|O'" not in header and b'"|O"' not in header:
+        return []
+    return [(f"{path} (object array data)", file.read(_MAX_EMBEDDED))]
+
+
+def _zip_pickles(path: str, file: Any) -> list[tuple[str, bytes]]:
+    try:
+        archive = zipfile.ZipFile(file)
+        infos = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return []
+    found = []
+    for info in infos:
+        if info.is_dir() or info.flag_bits & 1 or info.compress_size > _MAX_EMBEDDED:
+            continue
+        data = _zip_member_bytes(file, info)
+        if data is None:
+            continue
+        if info.filename.lower().endswith(_PICKLE_SUFFIXES) or data[:1] == b"\x80":
+            found.append((f"{path}:{info.filename}", data))
+    return found
+
+
+def _zip_member_bytes(file: Any, info: zipfile.ZipInfo) -> bytes | None:
+    """A member's bytes from its local header, without the CRC or name checks zipfile makes."""
+    try:
+        file.seek(info.header_offset)
+        local = file.read(30)
+        if len(local) != 30 or local[:4] != b"PK\x03\x04":
+            return None
+        name_length, extra_length = struct.unpack("<HH", local[26:30])
+        file.seek(info.header_offset + 30 + name_length + extra_length)
+        raw = file.read(info.compress_size)
+        if info.compress_type == zipfile.ZIP_STORED:
+            return bytes(raw)
+        if info.compress_type == zipfile.ZIP_DEFLATED:
+            return zlib.decompressobj(-15).decompress(raw, _MAX_EMBEDDED)
+    except (OSError, zlib.error, struct.error):
+        return None
+    return None
+
+
+def _scan_embedded(path: str) -> list[UnsafeFinding]:
+    """Unsafe names in the pickles :func:`_embedded_pickles` finds (they are only read, never built on)."""
+    from .unpickler import Unpickler
+
+    findings: list[UnsafeFinding] = []
+    with recording_unsafe(findings):
+        for where, data in _embedded_pickles(path):
+            unpickler = Unpickler(data, source=where, persistent_load=lambda _pid: None)
+            try:
+                unpickler.load()
+                unpickler.check_end()
+            except CkptconvError:
+                continue  # a broken pickle: whatever it named before breaking is recorded
+    return findings
+
+
 def _refused(path: str, verdict: str, error: Exception, findings: Sequence[UnsafeFinding]) -> ScanReport:
-    found = _dedupe(findings)
+    found = _dedupe([*findings, *_scan_embedded(path)])
     if found:
         # A file that names code-running functions is unsafe however broken the rest is.
         return ScanReport(path, UNSAFE, _unsafe_reason(found) + f" (and: {error})", unsafe=found)
