@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tests.scan_corpus import build_corpus  # noqa: E402
+from tests.scan_corpus import build_corpus
 
 _FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures")
 _SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".ckpt", ".safetensors", ".tar")

@@ -37,9 +37,9 @@ if TYPE_CHECKING:
     from .conversion import ConversionReport, convert
     from .fitting import FitReport, Reference, fit, load_into
     from .inspection import CheckpointInfo, TensorInfo, inspect
-    from .scanning import ScanReport, ScanSummary, scan, scan_many
     from .loading import Checkpoint, load, open
     from .report import BatchReport, ItemResult
+    from .scanning import ScanReport, ScanSummary, scan, scan_many
     from .selection import Selection
     from .tensor import TensorRef
     from .transforms import (

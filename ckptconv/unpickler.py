@@ -292,11 +292,10 @@ class Unpickler:
                     globals=[full],
                 )
             findings.append(UnsafeFinding(full, family, offset, self.source))
-            value = ForeignGlobal(module, name)  # inert, and not listed among the foreign ones
-            self._globals_cache[key] = value
-            return value
-        value: Any
-        value = known_global(module, name)
+            standin = ForeignGlobal(module, name)  # inert, and not listed among the foreign ones
+            self._globals_cache[key] = standin
+            return standin
+        value: Any = known_global(module, name)
         if value is None:
             value = ForeignGlobal(module, name)
             self.foreign_globals[full] += 0  # listed even if never instantiated

@@ -640,17 +640,15 @@ def _samples() -> list[Sample]:
         "malicious",
         "fickling",
         "memo/DUP expansion beyond any budget",
-        lambda: _billion_laughs(),
+        _billion_laughs,
     )
-    add(
-        "fk_frame_straddle.pkl", "malicious", "fickling", "opcode straddles a FRAME boundary", lambda: straddle_pickle()
-    )
+    add("fk_frame_straddle.pkl", "malicious", "fickling", "opcode straddles a FRAME boundary", straddle_pickle)
     add(
         "fk_frame_straddle_binary.pkl",
         "malicious",
         "fickling",
         "argument straddles a FRAME boundary",
-        lambda: straddle_binary_pickle(),
+        straddle_binary_pickle,
     )
     add(
         "fk_frame_too_long.pkl",
@@ -664,7 +662,7 @@ def _samples() -> list[Sample]:
         "malicious",
         "fickling",
         "FRAME inside an unfinished frame",
-        lambda: nested_frame_pickle(),
+        nested_frame_pickle,
     )
     add(
         "fk_polyglot_zip_pickle.pt",
@@ -769,7 +767,7 @@ def _samples() -> list[Sample]:
         "object .npy whose data pickle runs exec",
         lambda: _npy(call("builtins", "exec", _PAYLOAD, protocol=3)),
     )
-    add("ms_password_zip.zip", "broken", "modelscan", "encrypted zip", lambda: _encrypted_zip())
+    add("ms_password_zip.zip", "broken", "modelscan", "encrypted zip", _encrypted_zip)
     return s
 
 
