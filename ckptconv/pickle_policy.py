@@ -343,6 +343,9 @@ _DANGEROUS_METHODS = {
     "imports code": frozenset(["import_module"]),
     "loads further pickles": frozenset(["load", "loads", "load_config"]),
 }
+# Modules inside an unsafe family whose members only build data: TorchScript archives
+# name torch.jit._pickle.build_intlist and friends, which return the list they are given.
+_DATA_ONLY_MODULES = frozenset(["torch.jit._pickle"])
 _METHOD_FAMILY = {method: family for family, methods in _DANGEROUS_METHODS.items() for method in methods}
 _NAME_FAMILY = {name: family for family, (_modules, names) in FAMILIES.items() for name in names}
 _MODULE_FAMILY: dict[str, str] = {}
@@ -387,6 +390,8 @@ def unsafe_family(module: str, name: str) -> str | None:
             return "reaches into the interpreter"
     if len(name_parts) > 1 and name_parts[-1] in _METHOD_FAMILY:
         return _METHOD_FAMILY[name_parts[-1]]
+    if module in _DATA_ONLY_MODULES and len(name_parts) == 1:
+        return None
     parts = f"{module}.{name}".split(".")
     for i in range(1, len(parts) + 1):
         prefix = ".".join(parts[:i])
