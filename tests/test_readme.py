@@ -104,6 +104,9 @@ def fixtures(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "def build_model():\n"
         "    return Net()\n"
     )
+    (folder / "downloads").mkdir()
+    torch.save(state, folder / "downloads" / "model.pt")
+    save_file(state, str(folder / "downloads" / "model.safetensors"))
     for index, name in enumerate(["a/m1.pth", "a/b/m2.pth", "c/m3.pt"]):
         (folder / "zoo" / name).parent.mkdir(parents=True, exist_ok=True)
         torch.save(_state(10 + index), folder / "zoo" / name)
