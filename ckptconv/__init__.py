@@ -9,7 +9,8 @@ The data flows one way, one module per stage::
     writing.py       save()            stream to .pt or safetensors, atomically
     verification.py  verify(), diff()  compare an output with its source, bit for bit
 
-``conversion.convert()`` runs them all; ``inspection.inspect()`` describes a
+``conversion.convert()`` runs them all, as ``options.ConversionOptions`` says;
+``inspection.inspect()`` describes a
 file. ``batching.batch()`` converts a whole folder: ``discovery.py`` finds the
 items and names their outputs, ``executors.py`` converts them in workers,
 ``manifest.py`` records each result, ``report.py`` sums them up. Format details live in ``formats/``. The pickle machine that never runs
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from .fitting import FitReport, Reference, fit, load_into
     from .inspection import CheckpointInfo, TensorInfo, inspect
     from .loading import Checkpoint, load, open
+    from .options import ConversionOptions
     from .report import BatchReport, ItemResult
     from .selection import Selection
     from .tensor import TensorRef
@@ -62,6 +64,7 @@ _HOMES = {
     ".fitting": ["FitReport", "Reference", "fit", "load_into"],
     ".inspection": ["CheckpointInfo", "TensorInfo", "inspect"],
     ".loading": ["Checkpoint", "load", "open"],
+    ".options": ["ConversionOptions"],
     ".selection": ["Selection"],
     ".tensor": ["TensorRef"],
     ".transforms": [
