@@ -23,11 +23,11 @@ from typing import Any, Callable, Union
 
 from ._version import __version__
 from .discovery import FILE, Planned, discover, plan_outputs
-from .errors import WriteError
-from .executors import Job, run_dask, run_local
-from .manifest import MANIFEST_NAME, Manifest, latest_conversions, now
+from .errors import DestinationError, OutputExistsError, WriteError
+from .executors import Job, check_sendable, run_dask, run_local
+from .manifest import MANIFEST_NAME, Manifest, latest_conversions, now, read_records
 from .metadata import file_sha256
-from .options import ConversionOptions
+from .options import ConversionOptions, fingerprint_flags
 from .report import CANCELLED, FAILED, PLANNED, SKIPPED, BatchReport, ItemResult
 from .writing import output_format
 
@@ -39,9 +39,76 @@ BatchProgress = Union[bool, Callable[[ItemResult], None]]
 EXECUTORS = ("local", "dask")
 
 
-def _fingerprint(options: ConversionOptions) -> str:
+def _output_options(options: ConversionOptions) -> dict[str, Any]:
     """What decides an output's bytes: a resumed item must have been made with the same."""
-    return hashlib.sha256(json.dumps(options.fingerprint(), sort_keys=True).encode()).hexdigest()[:16]
+    return options.fingerprint()
+
+
+def _fingerprint(options: ConversionOptions) -> str:
+    return hashlib.sha256(json.dumps(_output_options(options), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# How each output option is spelled on the command line, for the message of a refused resume.
+_FLAGS = fingerprint_flags()
+
+
+def _shown(name: str, value: Any) -> str:
+    if name == "transforms":
+        return "; ".join(value) if value else "none"
+    if _FLAGS[name].startswith("--no-"):  # --no-source-hash: "yes" when the hash was left out
+        return "no" if value else "yes"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return "none" if value is None else str(value)
+
+
+def _check_same_options(
+    manifest_path: str,
+    output_dir: str,
+    done: dict[str, dict[str, Any]],
+    planned: Sequence[Planned],
+    options: ConversionOptions,
+) -> None:
+    """Refuse to resume into a folder whose outputs were made with other options.
+
+    Without this, ``--resume`` with other options would convert every item again and
+    silently replace the earlier outputs (bf16 files rewritten as fp32).
+
+    Raises:
+        DestinationError: a converted item on record was made with other options; the message
+            names the options that differ and how to proceed.
+    """
+    fingerprint = _fingerprint(options)
+    others = {
+        str(record.get("options"))
+        for plan in planned
+        if (record := done.get(plan.item.name)) is not None and record.get("options") != fingerprint
+    }
+    if not others:
+        return
+    count = sum(1 for plan in planned if done.get(plan.item.name, {}).get("options", fingerprint) != fingerprint)
+    recorded: dict[str, Any] | None = None
+    for record in read_records(manifest_path):  # the latest run that made such an output
+        run_options = record.get("options") if record.get("record") == "run" else None
+        if isinstance(run_options, dict) and run_options.get("fingerprint") in others:
+            recorded = record.get("output_options")
+    now_options = _output_options(options)
+    if isinstance(recorded, dict):
+        differ = [
+            f"{_FLAGS[name]}: {_shown(name, recorded.get(name))} then, {_shown(name, value)} now"
+            for name, value in now_options.items()
+            if recorded.get(name) != value
+        ]
+    else:
+        differ = []
+    what = "; ".join(differ) if differ else "the manifest does not say which"
+    items = f"{count} item{'s' if count != 1 else ''}"
+    raise DestinationError(
+        f"cannot resume: {items} in {output_dir!r} were converted with other options ({what}); "
+        "resume with the same options, choose another output folder, or pass --overwrite to convert "
+        "them again with these options",
+        path=output_dir,
+    )
 
 
 def _still_done(plan: Planned, record: dict[str, Any] | None, output_dir: str, fingerprint: str) -> bool:
@@ -202,6 +269,8 @@ def batch(
     manifest_path = os.path.join(output, MANIFEST_NAME)
     fingerprint = _fingerprint(options)
     done = latest_conversions(manifest_path) if resume else {}
+    if resume and not options.overwrite:
+        _check_same_options(manifest_path, os.fspath(output_dir), done, planned, options)
 
     results: dict[str, ItemResult] = {}
     refused: list[ItemResult] = []
@@ -222,6 +291,21 @@ def batch(
                     error_type="WriteError",
                 )
             )
+        elif not (resume or options.overwrite) and os.path.lexists(os.path.join(output, *plan.output.split("/"))):
+            refused.append(
+                ItemResult(
+                    source=item.name,
+                    status=FAILED,
+                    kind=item.kind,
+                    output=plan.output,
+                    source_size=item.size,
+                    source_mtime_ns=item.mtime_ns,
+                    format=kind,
+                    error=f"{plan.output!r} already exists in the output folder; pass --resume to skip what an "
+                    "earlier batch converted, or --overwrite to convert it again",
+                    error_type=OutputExistsError.__name__,
+                )
+            )
         elif resume and _still_done(plan, done.get(item.name), output, fingerprint):
             previous = ItemResult.from_record(done[item.name])
             results[item.name] = dataclasses.replace(previous, status=SKIPPED, duration_s=0.0)
@@ -229,7 +313,7 @@ def batch(
             todo.append(Job(item, os.path.join(output, *plan.output.split("/")), plan.output, options, replace=resume))
     results.update((result.source, result) for result in refused)
 
-    if dry_run:
+    if dry_run or not planned:  # nothing to do: no output folder, no manifest
         for job in todo:
             results[job.item.name] = ItemResult(
                 source=job.item.name,
@@ -240,7 +324,9 @@ def batch(
                 source_mtime_ns=job.item.mtime_ns,
                 format=kind,
             )
-        return _report(source, output, "", planned, results, started, dry_run=True)
+        return _report(source, output, "", planned, results, started, dry_run=dry_run)
+    if executor == "local" and jobs > 1 and len(todo) > 1:
+        check_sendable(options)  # before the output folder and the manifest exist
 
     try:
         os.makedirs(output, exist_ok=True)
@@ -270,6 +356,7 @@ def batch(
                     "glob": globs,
                     "checksums": options.checksums,
                 },
+                "output_options": _output_options(options),
                 "executor": executor,
                 "scheduler": scheduler,
                 "jobs": jobs,

@@ -20,7 +20,7 @@ from typing import Any
 
 from .transforms import Pipeline
 
-__all__ = ["BATCH_FORMATS", "OUTPUT_FORMATS", "ConversionOptions", "Flag"]
+__all__ = ["BATCH_FORMATS", "OUTPUT_FORMATS", "ConversionOptions", "Flag", "fingerprint_flags", "flags"]
 
 OUTPUT_FORMATS = ("pt", "safetensors", "dcp")
 # A batch writes one file per item: no folder formats.
@@ -211,3 +211,15 @@ def flags() -> list[tuple[str, Flag]]:
         if flag is not None:
             found.append((option.name, flag))
     return found
+
+
+def fingerprint_flags() -> dict[str, str]:
+    """How each entry of :meth:`ConversionOptions.fingerprint` is spelled on the command line
+    (its field's name when it has no flag: ``transforms``)."""
+    spelled = {}
+    for option in dataclasses.fields(ConversionOptions):
+        name = option.metadata["fingerprint"]
+        if name:
+            flag = option.metadata["flag"]
+            spelled[option.name if name is True else name] = flag.name if flag is not None else option.name
+    return spelled
