@@ -10,7 +10,7 @@ The data flows one way, one module per stage::
     verification.py  verify(), diff()  compare an output with its source, bit for bit
 
 ``conversion.convert()`` runs them all, as ``options.ConversionOptions`` says;
-``inspection.inspect()`` describes a
+``scanning.scan()`` says whether a file is safe to load; ``inspection.inspect()`` describes a
 file. ``batching.batch()`` converts a whole folder: ``discovery.py`` finds the
 items and names their outputs, ``executors.py`` converts them in workers,
 ``manifest.py`` records each result, ``report.py`` sums them up. Format details live in ``formats/``. The pickle machine that never runs
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .loading import Checkpoint, load, open
     from .options import ConversionOptions
     from .report import BatchReport, ItemResult
+    from .scanning import ScanReport, ScanSummary, scan, scan_many
     from .selection import Selection
     from .tensor import TensorRef
     from .transforms import (
@@ -63,6 +64,7 @@ _HOMES = {
     ".conversion": ["ConversionReport", "convert"],
     ".fitting": ["FitReport", "Reference", "fit", "load_into"],
     ".inspection": ["CheckpointInfo", "TensorInfo", "inspect"],
+    ".scanning": ["ScanReport", "ScanSummary", "scan", "scan_many"],
     ".loading": ["Checkpoint", "load", "open"],
     ".options": ["ConversionOptions"],
     ".selection": ["Selection"],
