@@ -411,3 +411,27 @@ def test_pickles_hidden_in_zip_members_are_named_with_their_member(corpus: list[
         assert f"of {member}" in report.reason
     report = ckptconv.scan(paths["ps_dns_exfiltration.npy"])
     assert report.verdict == "unsafe" and report.unsafe[0].name == "ssl.get_server_certificate"
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "cpython_name"),
+    [("commands", "getoutput", "subprocess.getoutput"), ("__builtin__", "reduce", "functools.reduce")],
+)
+def test_python2_spellings_count_as_cpython_renames_them(
+    tmp_path: Any, module: str, name: str, cpython_name: str
+) -> None:
+    data = call(module, name, "id", protocol=0)
+
+    # CPython's unpickler renames Python 2 modules for protocols 0-2 before importing them.
+    class Renaming(_Recording):
+        def find_class(self, module: str, name: str) -> Any:
+            import _compat_pickle
+
+            module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+            return super().find_class(_compat_pickle.IMPORT_MAPPING.get(module, module), name)
+
+    unpickler = Renaming(io.BytesIO(data))
+    unpickler.load()
+    assert unpickler.names == [cpython_name]
+    with pytest.raises(UnsafeCheckpointError):
+        ckptconv.open(_write(tmp_path, "x.pkl", data))
