@@ -27,6 +27,7 @@ from .errors import CastOverflowError, DestinationError, OutputExistsError, Writ
 from .formats import dcp, safetensors, sharded, torch_zip
 from .formats._base import MetadataValue, resolve
 from .formats.torch_zip import PlannedStorage
+from .options import TIED
 from .tensor import FileRegion, TensorRef
 
 __all__ = ["WriteReport", "output_format", "save"]
@@ -44,8 +45,6 @@ _FORMAT_NAMES = {
     "st": "safetensors",
     "dcp": "dcp",
 }
-# How safetensors outputs store tied tensors (see save()); the first is the default.
-TIED = ("dedupe", "copy")
 _FORMAT_TITLES = {"pt": "torch", "safetensors": "safetensors", "dcp": "DCP"}
 _COPY_CHUNK = 32 << 20
 

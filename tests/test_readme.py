@@ -71,6 +71,7 @@ def fixtures(tmp_path_factory: pytest.TempPathFactory) -> Path:
     state = _state(0)
     torch.save(state, folder / "model.pt")
     torch.save(state, folder / "big.pt")
+    torch.save(state, folder / "a.pt")
     save_file(state, str(folder / "model.safetensors"))
     dp = {f"module.{key}": value for key, value in state.items()}
     torch.save(dp, folder / "dp_model.pkl")
