@@ -28,7 +28,7 @@ from .errors import DestinationError, OutputExistsError, WriteError
 from .executors import Job, check_sendable, run_dask, run_local
 from .manifest import MANIFEST_NAME, Manifest, latest_conversions, now, read_records
 from .metadata import file_sha256
-from .options import ConversionOptions, fingerprint_flags
+from .options import ConversionOptions, fingerprint_defaults, fingerprint_flags
 from .report import CANCELLED, FAILED, PLANNED, SKIPPED, BatchReport, ItemResult
 from .writing import output_format
 
@@ -51,6 +51,7 @@ def _fingerprint(options: ConversionOptions) -> str:
 
 # How each output option is spelled on the command line, for the message of a refused resume.
 _FLAGS = fingerprint_flags()
+_DEFAULTS = fingerprint_defaults()  # entries a fingerprint leaves out while they keep their default
 
 
 def _shown(name: str, value: Any) -> str:
@@ -96,9 +97,10 @@ def _check_same_options(
     now_options = _output_options(options)
     if isinstance(recorded, dict):
         differ = [
-            f"{_FLAGS[name]}: {_shown(name, recorded.get(name))} then, {_shown(name, value)} now"
+            f"{_FLAGS[name]}: {_shown(name, then)} then, {_shown(name, value)} now"
             for name in _FLAGS
-            if (value := now_options.get(name)) != recorded.get(name)
+            if (value := now_options.get(name, _DEFAULTS.get(name)))
+            != (then := recorded.get(name, _DEFAULTS.get(name)))
         ]
     else:
         differ = []

@@ -20,7 +20,16 @@ from typing import Any
 
 from .transforms import Pipeline
 
-__all__ = ["BATCH_FORMATS", "OUTPUT_FORMATS", "TIED", "ConversionOptions", "Flag", "fingerprint_flags", "flags"]
+__all__ = [
+    "BATCH_FORMATS",
+    "OUTPUT_FORMATS",
+    "TIED",
+    "ConversionOptions",
+    "Flag",
+    "fingerprint_defaults",
+    "fingerprint_flags",
+    "flags",
+]
 
 OUTPUT_FORMATS = ("pt", "safetensors", "dcp")
 # How safetensors outputs store tied tensors (see ckptconv.save); the first is the default.
@@ -61,10 +70,14 @@ class Flag:
     choices: tuple[str, ...] = ()
 
 
-def _option(default: Any, flag: Flag | None = None, *, fingerprint: bool | str = False) -> Any:
+def _option(
+    default: Any, flag: Flag | None = None, *, fingerprint: bool | str = False, omit_default: bool = False
+) -> Any:
     """A field. ``fingerprint``: the field changes the output's bytes, so an item ``batch --resume``
-    skips must have been made with the same value (a string: the name it is recorded under)."""
-    return field(default=default, metadata={"flag": flag, "fingerprint": fingerprint})
+    skips must have been made with the same value (a string: the name it is recorded under).
+    ``omit_default``: a field added after manifests were written leaves the fingerprint as it was
+    while it keeps its default, so those manifests still resume."""
+    return field(default=default, metadata={"flag": flag, "fingerprint": fingerprint, "omit_default": omit_default})
 
 
 @dataclass(frozen=True)
@@ -190,6 +203,7 @@ class ConversionOptions:
             choices=TIED,
         ),
         fingerprint=True,
+        omit_default=True,
     )
     checksums: bool = _option(
         True,
@@ -216,8 +230,8 @@ class ConversionOptions:
         described: dict[str, Any] = {}
         for option in dataclasses.fields(self):
             name = option.metadata["fingerprint"]
-            if name:
-                value = getattr(self, option.name)
+            value = getattr(self, option.name)
+            if name and not (option.metadata["omit_default"] and value == option.default):
                 described[option.name if name is True else name] = (
                     value.describe() if isinstance(value, Pipeline) else value
                 )
@@ -232,6 +246,15 @@ def flags() -> list[tuple[str, Flag]]:
         if flag is not None:
             found.append((option.name, flag))
     return found
+
+
+def fingerprint_defaults() -> dict[str, Any]:
+    """The value an entry of :meth:`ConversionOptions.fingerprint` has when it is left out (its default)."""
+    return {
+        option.name if option.metadata["fingerprint"] is True else option.metadata["fingerprint"]: option.default
+        for option in dataclasses.fields(ConversionOptions)
+        if option.metadata["fingerprint"] and option.metadata["omit_default"]
+    }
 
 
 def fingerprint_flags() -> dict[str, str]:

@@ -498,3 +498,14 @@ def test_device_auto_means_the_same_in_load_and_load_into(tmp_path: Path) -> Non
     assert ckptconv.load_into(model, tmp_path / "dp.pth", device="model").ok  # each parameter's own device
     for key, value in model.state_dict().items():
         assert_same_tensor(value, source.state_dict()[key], key)
+
+
+def test_resume_tells_tied_copy_from_the_default(tmp_path: Path) -> None:
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    torch.save(TiedLM().state_dict(), zoo / "lm.pt")
+    out = tmp_path / "out"
+    assert ckptconv.batch(zoo, out).exit_code == 0  # the default, as manifests before --tied recorded it
+    with pytest.raises(ckptconv.DestinationError, match=r"\(--tied: dedupe then, copy now\)"):
+        ckptconv.batch(zoo, out, resume=True, tied="copy")
+    assert [r.status for r in ckptconv.batch(zoo, out, resume=True).results] == ["skipped"]
