@@ -468,7 +468,7 @@ def test_two_zip_records_of_one_name(tmp_path: Any) -> None:
     # Python's zipfile, and so a reader built on it, sees the benign last record.
     with zipfile.ZipFile(path) as archive:
         assert archive.read("archive/data.pkl") != evil
-    with pytest.raises(UnsafeCheckpointError, match="two records named 'archive/data.pkl'"):
+    with pytest.raises(UnsafeCheckpointError, match=r"two records named 'archive/data\.pkl'"):
         ckptconv.open(path)
     report = ckptconv.scan(path)
     assert report.verdict == "unsafe" and report.unsafe[0].name == "posix.system"
