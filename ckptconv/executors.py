@@ -379,6 +379,30 @@ def run_local(jobs: Sequence[Job], *, workers: int = 1, stop: Stop = lambda: Fal
 # ---------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """While Dask starts its local worker processes, hide the caller's main script from multiprocessing.
+
+    Dask's nannies start workers with multiprocessing's ``spawn``, which imports the caller's
+    ``__main__`` file in each (as ``__mp_main__``): a script that calls ``ckptconv.batch(...,
+    executor="dask")`` without ``if __name__ == "__main__":`` would run again there and fail to
+    start them. Without ``__file__`` (and with ``__spec__`` None), multiprocessing imports nothing
+    of it, as for an interactive session. Jobs never refer to ``__main__``: run_job lives here.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved: dict[str, Any] = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 def run_dask(
     jobs: Sequence[Job],
     *,
@@ -408,9 +432,14 @@ def run_dask(
         ) from None
     cluster: Any = None
     if scheduler is None:
-        cluster = distributed.LocalCluster(
-            n_workers=max(1, workers), threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
-        )
+        with _main_module_hidden():
+            cluster = distributed.LocalCluster(
+                n_workers=max(1, workers),
+                threads_per_worker=1,
+                processes=True,
+                host="127.0.0.1",
+                dashboard_address=None,
+            )
         address = cluster.scheduler_address
     else:
         address = scheduler

@@ -69,6 +69,18 @@ def test_batch_with_workers_from_an_unguarded_script(tmp_path: Path, how: str) -
         assert_same_tensor(written["module.steps"], source["module.steps"], "steps")
 
 
+def test_batch_on_a_local_dask_cluster_from_an_unguarded_script(tmp_path: Path) -> None:
+    pytest.importorskip("distributed")
+    zoo = _zoo(tmp_path, 2)
+    (tmp_path / "dask_zoo.py").write_text(SCRIPT.replace("jobs=2, resume=True", 'jobs=2, executor="dask"'))
+    result = _python("", tmp_path, "dask_zoo.py")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "the script body ran\n0 2 []\n", result.stderr
+    for index in range(2):
+        written = load_file(tmp_path / "out" / f"m{index}.safetensors")
+        assert_same_tensor(written["module.w"], torch.load(zoo / f"m{index}.pt")["module.w"].bfloat16(), "w")
+
+
 def test_a_transform_defined_in_the_script_is_refused_with_the_way_out(tmp_path: Path) -> None:
     _zoo(tmp_path)
     script = textwrap.dedent(
