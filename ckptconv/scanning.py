@@ -176,7 +176,7 @@ def scan(path: PathLike) -> ScanReport:
     Example:
         >>> report = ckptconv.scan("downloaded.pth")   # doctest: +SKIP
         >>> report.verdict, report.reason              # doctest: +SKIP
-        ('unsafe', 'calls posix.system (runs processes) at byte 24 of data.pkl')
+        ('unsafe', 'names posix.system (runs processes) at pickle byte 24 of archive/data.pkl')
     """
     from .loading import open as open_checkpoint
 
