@@ -191,16 +191,25 @@ class ConversionOptions:
         return dataclasses.replace(self, **changes) if changes else self
 
     def fingerprint(self) -> dict[str, Any]:
-        """The fields that decide the output's bytes, as plain data (what ``batch --resume`` compares)."""
+        """The fields that decide the output's bytes, as plain data (what ``batch --resume`` compares).
+
+        A field added later is left out while it has its default value (it then
+        changes nothing), so the records of earlier batches still match.
+        """
         described: dict[str, Any] = {}
         for option in dataclasses.fields(self):
             name = option.metadata["fingerprint"]
-            if name:
-                value = getattr(self, option.name)
-                described[option.name if name is True else name] = (
-                    value.describe() if isinstance(value, Pipeline) else value
-                )
+            value = getattr(self, option.name)
+            if not name or (option.name not in _FIRST_FINGERPRINT and value == option.default):
+                continue
+            described[option.name if name is True else name] = (
+                value.describe() if isinstance(value, Pipeline) else value
+            )
         return described
+
+
+# The fields the first manifests fingerprinted, always recorded (frozen: a new field never joins).
+_FIRST_FINGERPRINT = frozenset({"select", "trust", "transforms", "to", "keep_meta", "source_hash"})
 
 
 def flags() -> list[tuple[str, Flag]]:
