@@ -90,6 +90,11 @@ class ConversionOptions:
         source_hash: record the source's sha256 in the output's provenance; it is
             computed on a second core while the tensors are copied, but a large
             training checkpoint may take longer to hash than to convert.
+        provenance: record where the output came from (ckptconv's version, the
+            source's name and sha256, the selection, the transforms) in its metadata.
+            Without it, safetensors outputs of the same weights are byte-identical
+            whatever the source was called (``.pt`` files still carry torch's random
+            serialization id).
         fsync: make the output durable before it appears (see :func:`ckptconv.save`).
         checksums: :func:`ckptconv.batch` only: record the sha256 of every input
             and output in the manifest (one more read of each).
@@ -159,6 +164,15 @@ class ConversionOptions:
         Flag(
             "--no-source-hash",
             "Do not record the source's sha256 in the output (saves hashing the whole source file).",
+        ),
+        fingerprint=True,
+    )
+    provenance: bool = _option(
+        True,
+        Flag(
+            "--no-provenance",
+            "Do not record where the output came from (ckptconv version, source name and sha256, transforms); "
+            "safetensors outputs of the same weights are then identical whatever the source was called.",
         ),
         fingerprint=True,
     )
