@@ -131,20 +131,21 @@ def file_sha256(path: str, chunk_bytes: int = 8 << 20, stop: threading.Event | N
 
 def source_sha256(path: str, stop: threading.Event | None = None) -> str:
     """The sha256 identifying a checkpoint: of the file, or for a sharded or DCP
-    checkpoint, of its files' names and sha256s (sorted), so every shard counts."""
-    if os.path.isfile(path) and not path.endswith(".index.json"):
-        return file_sha256(path, stop=stop)
+    checkpoint, of its files' names (relative to its folder) and sha256s, sorted,
+    so every shard counts (:func:`ckptconv.formats.checkpoint_files` says which)."""
+    from .formats import checkpoint_files
+
+    files = checkpoint_files(path)
+    if len(files) == 1 and os.path.isfile(path):
+        return file_sha256(files[0], stop=stop)
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    named = sorted((os.path.relpath(file, folder).replace(os.sep, "/"), file) for file in files)
     digest = hashlib.sha256()
-    for name in sorted(os.listdir(folder)):
-        member = os.path.join(folder, name)
-        if os.path.isfile(member) and (
-            name == ".metadata" or name.endswith((".distcp", ".index.json", ".safetensors", ".bin", ".pt"))
-        ):
-            value = file_sha256(member, stop=stop)
-            if not value:
-                return ""
-            digest.update(f"{name}\0{value}\n".encode())
+    for name, file in named:
+        value = file_sha256(file, stop=stop)
+        if not value:
+            return ""
+        digest.update(f"{name}\0{value}\n".encode())
     return digest.hexdigest()
 
 

@@ -26,6 +26,7 @@ from .errors import CastOverflowError, DestinationError, OutputExistsError, Writ
 from .formats import dcp, safetensors, sharded, torch_zip
 from .formats._base import MetadataValue, resolve
 from .formats.torch_zip import PlannedStorage
+from .suffixes import SAFETENSORS_SUFFIX, TAR_SUFFIX, TORCH_SUFFIXES
 from .tensor import FileRegion, TensorRef
 
 __all__ = ["WriteReport", "output_format", "save"]
@@ -33,7 +34,6 @@ __all__ = ["WriteReport", "output_format", "save"]
 PathLike = Union[str, "os.PathLike[str]"]
 Progress = Union[bool, Callable[[int], None]]
 
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".tar", ".pth.tar", ".pt.tar")
 _FORMAT_NAMES = {
     "pt": "pt",
     "torch": "pt",
@@ -71,9 +71,9 @@ class WriteReport:
 def _suffix_format(name: str) -> tuple[str, str] | None:
     """The format a file name's suffix names, and the suffix; None for a name without one."""
     lowered = name.lower()
-    if lowered.endswith(".safetensors"):
-        return "safetensors", name[-len(".safetensors") :]
-    for suffix in sorted(_TORCH_SUFFIXES, key=len, reverse=True):
+    if lowered.endswith(SAFETENSORS_SUFFIX):
+        return "safetensors", name[-len(SAFETENSORS_SUFFIX) :]
+    for suffix in (*TORCH_SUFFIXES, TAR_SUFFIX):  # longest first
         if lowered.endswith(suffix):
             return "pt", name[-len(suffix) :]
     return None
