@@ -17,7 +17,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from .selection import Selection, as_tensor
+from .selection import Selection, as_tensor, is_training_state
 from .standins import ForeignGlobal, ForeignObject, NumpyArray
 
 __all__ = ["checkpoint_metadata", "file_sha256"]
@@ -25,29 +25,6 @@ __all__ = ["checkpoint_metadata", "file_sha256"]
 # Entries whose JSON is larger than this are left out (a pickled dataset, say).
 MAX_ENTRY_BYTES = 64 * 1024
 _MAX_DEPTH = 12
-_SKIPPED = frozenset(
-    {
-        "optimizer",
-        "optimizers",
-        "optimizer_states",
-        "optimizer_state_dict",
-        "scheduler",
-        "schedulers",
-        "lr_scheduler",
-        "lr_schedulers",
-        "scaler",
-        "grad_scaler",
-        "rng",
-        "rng_state",
-        "rng_states",
-        "numpy_rng",
-        "torch_rng",
-        "cuda_rng",
-        "random_state",
-        "loops",
-        "callbacks",
-    }
-)
 
 
 class _NotData(Exception):
@@ -99,7 +76,9 @@ def checkpoint_metadata(tree: Any, selection: Selection) -> dict[str, Any]:
     weights_key = selection.path[0] if selection.path else None
     result: dict[str, Any] = {}
     for key, value in items:
-        if not isinstance(key, str) or key == weights_key or key.lower() in _SKIPPED:
+        # Lightning's callback states are bookkeeping, not data worth keeping beside the weights
+        # (the weights search still looks inside them: an EMA callback may hold a copy).
+        if not isinstance(key, str) or key == weights_key or is_training_state(key) or key.lower() == "callbacks":
             continue
         try:
             plain = _plain(value)
