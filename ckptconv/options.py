@@ -70,14 +70,10 @@ class Flag:
     choices: tuple[str, ...] = ()
 
 
-def _option(
-    default: Any, flag: Flag | None = None, *, fingerprint: bool | str = False, omit_default: bool = False
-) -> Any:
+def _option(default: Any, flag: Flag | None = None, *, fingerprint: bool | str = False) -> Any:
     """A field. ``fingerprint``: the field changes the output's bytes, so an item ``batch --resume``
-    skips must have been made with the same value (a string: the name it is recorded under).
-    ``omit_default``: a field added after manifests were written leaves the fingerprint as it was
-    while it keeps its default, so those manifests still resume."""
-    return field(default=default, metadata={"flag": flag, "fingerprint": fingerprint, "omit_default": omit_default})
+    skips must have been made with the same value (a string: the name it is recorded under)."""
+    return field(default=default, metadata={"flag": flag, "fingerprint": fingerprint})
 
 
 @dataclass(frozen=True)
@@ -107,6 +103,11 @@ class ConversionOptions:
         source_hash: record the source's sha256 in the output's provenance; it is
             computed on a second core while the tensors are copied, but a large
             training checkpoint may take longer to hash than to convert.
+        provenance: record where the output came from (ckptconv's version, the
+            source's name and sha256, the selection, the transforms) in its metadata.
+            Without it, safetensors outputs of the same weights are byte-identical
+            whatever the source was called (``.pt`` files still carry torch's random
+            serialization id).
         fsync: make the output durable before it appears (see :func:`ckptconv.save`).
         tied: safetensors output, keys that share one tensor (tied weights):
             ``"dedupe"`` stores it once, the other names in the file's metadata, as
@@ -184,6 +185,15 @@ class ConversionOptions:
         ),
         fingerprint=True,
     )
+    provenance: bool = _option(
+        True,
+        Flag(
+            "--no-provenance",
+            "Do not record where the output came from (ckptconv version, source name and sha256, transforms); "
+            "safetensors outputs of the same weights are then identical whatever the source was called.",
+        ),
+        fingerprint=True,
+    )
     fsync: bool = _option(
         True,
         Flag(
@@ -203,7 +213,6 @@ class ConversionOptions:
             choices=TIED,
         ),
         fingerprint=True,
-        omit_default=True,
     )
     checksums: bool = _option(
         True,
@@ -226,16 +235,25 @@ class ConversionOptions:
         return dataclasses.replace(self, **changes) if changes else self
 
     def fingerprint(self) -> dict[str, Any]:
-        """The fields that decide the output's bytes, as plain data (what ``batch --resume`` compares)."""
+        """The fields that decide the output's bytes, as plain data (what ``batch --resume`` compares).
+
+        A field added later is left out while it has its default value (it then
+        changes nothing), so the records of earlier batches still match.
+        """
         described: dict[str, Any] = {}
         for option in dataclasses.fields(self):
             name = option.metadata["fingerprint"]
             value = getattr(self, option.name)
-            if name and not (option.metadata["omit_default"] and value == option.default):
-                described[option.name if name is True else name] = (
-                    value.describe() if isinstance(value, Pipeline) else value
-                )
+            if not name or (option.name not in _FIRST_FINGERPRINT and value == option.default):
+                continue
+            described[option.name if name is True else name] = (
+                value.describe() if isinstance(value, Pipeline) else value
+            )
         return described
+
+
+# The fields the first manifests fingerprinted, always recorded (frozen: a new field never joins).
+_FIRST_FINGERPRINT = frozenset({"select", "trust", "transforms", "to", "keep_meta", "source_hash"})
 
 
 def flags() -> list[tuple[str, Flag]]:
@@ -253,7 +271,7 @@ def fingerprint_defaults() -> dict[str, Any]:
     return {
         option.name if option.metadata["fingerprint"] is True else option.metadata["fingerprint"]: option.default
         for option in dataclasses.fields(ConversionOptions)
-        if option.metadata["fingerprint"] and option.metadata["omit_default"]
+        if option.metadata["fingerprint"] and option.name not in _FIRST_FINGERPRINT
     }
 
 
