@@ -439,19 +439,19 @@ class TensorRef:
         return dataclasses.replace(self, cast_to=dtype, allow_overflow=allow_overflow)
 
     def _cast(self, values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        from ._cast import cast_array, count_overflows
+        from ._cast import cast_array, cast_counting_overflows
 
         assert self.cast_to is not None
-        result = cast_array(values, self.dtype.name, self.cast_to.name, out=out)
-        if not self.allow_overflow:
-            overflows = count_overflows(values, self.dtype.name, self.cast_to.name)
-            if overflows:
-                example = self._first_overflow(values)
-                raise CastOverflowError(
-                    f"casting to {self.cast_to.name} would turn finite values such as {example} into inf; "
-                    "keep this tensor's dtype (--keep-dtype) or pass --allow-overflow",
-                    count=overflows,
-                )
+        if self.allow_overflow:
+            return cast_array(values, self.dtype.name, self.cast_to.name, out=out)
+        result, overflows = cast_counting_overflows(values, self.dtype.name, self.cast_to.name, out=out)
+        if overflows:
+            example = self._first_overflow(values)
+            raise CastOverflowError(
+                f"casting to {self.cast_to.name} would turn finite values such as {example} into inf; "
+                "keep this tensor's dtype (--keep-dtype) or pass --allow-overflow",
+                count=overflows,
+            )
         return result
 
     def _first_overflow(self, values: np.ndarray) -> str:
