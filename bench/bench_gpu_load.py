@@ -44,11 +44,19 @@ BUILD = textwrap.dedent(
 )
 
 LOADERS = {
-    "ckptconv.load(x.pt, device='cuda:0')": "import ckptconv; state = ckptconv.load(PATH + '.pt', device='cuda:0')",
-    "ckptconv.load(x.safetensors, device='cuda:0')": "import ckptconv; state = ckptconv.load(PATH + '.safetensors', device='cuda:0')",
-    "torch.load(x.pt, map_location='cuda:0')": "state = torch.load(PATH + '.pt', map_location='cuda:0', weights_only=True)",
-    "torch.load(x.pt, map_location='cuda:0', mmap=True)": "state = torch.load(PATH + '.pt', map_location='cuda:0', weights_only=True, mmap=True)",
-    "safetensors.torch.load_file(x.safetensors, device='cuda:0')": "from safetensors.torch import load_file; state = load_file(PATH + '.safetensors', device='cuda:0')",
+    "ckptconv.load(x.pt, device='cuda:0')": ("import ckptconv; state = ckptconv.load(PATH + '.pt', device='cuda:0')"),
+    "ckptconv.load(x.safetensors, device='cuda:0')": (
+        "import ckptconv; state = ckptconv.load(PATH + '.safetensors', device='cuda:0')"
+    ),
+    "torch.load(x.pt, map_location='cuda:0')": (
+        "state = torch.load(PATH + '.pt', map_location='cuda:0', weights_only=True)"
+    ),
+    "torch.load(x.pt, map_location='cuda:0', mmap=True)": (
+        "state = torch.load(PATH + '.pt', map_location='cuda:0', weights_only=True, mmap=True)"
+    ),
+    "safetensors.torch.load_file(x.safetensors, device='cuda:0')": (
+        "from safetensors.torch import load_file; state = load_file(PATH + '.safetensors', device='cuda:0')"
+    ),
 }
 
 CHILD = textwrap.dedent(
@@ -92,8 +100,11 @@ def main() -> None:
     args = parser.parse_args()
     stem = str(args.dir / f"gpu_bench_{args.gib:g}gib")
     subprocess.run([sys.executable, "-c", BUILD, str(args.gib), stem], check=True)
-    for suffix in (".pt", ".safetensors"):
-        subprocess.run(["cat", stem + suffix], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
+    buffer = bytearray(8 << 20)
+    for suffix in (".pt", ".safetensors"):  # warm the page cache
+        with open(stem + suffix, "rb", buffering=0) as file:
+            while file.readinto(buffer):
+                pass
 
     walls: dict[str, list[float]] = {name: [] for name in LOADERS}
     rss: dict[str, int] = {}
@@ -101,7 +112,7 @@ def main() -> None:
     for round_number in range(args.runs):
         for name, code in LOADERS.items():
             script = CHILD.format(code=code)
-            out = subprocess.run([sys.executable, "-c", script, stem], capture_output=True, text=True)
+            out = subprocess.run([sys.executable, "-c", script, stem], capture_output=True, text=True, check=False)
             if out.returncode:
                 print(f"{name} failed: {out.stderr[-800:]}", file=sys.stderr)
                 continue

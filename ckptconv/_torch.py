@@ -76,8 +76,8 @@ def to_torch(refs: Mapping[str, TensorRef], *, device: DeviceSpec = None) -> dic
             )
     uploader: _Uploader | None = None
     buffers: dict[Storage, tuple[torch.Tensor, int]] = {}
-    for storage, (start, stop, where) in spans.items():
-        start -= start % _SPAN_ALIGNMENT
+    for storage, (first, stop, where) in spans.items():
+        start = first - first % _SPAN_ALIGNMENT
         if where.type == "cpu":
             buffer = torch.empty(stop - start, dtype=torch.uint8)
             if stop > start:
