@@ -137,6 +137,12 @@ def test_unsafe_findings_name_the_global_and_its_opcode_offset(tmp_path: Any) ->
         ("torch.utils._config_module", "ConfigModule.load_config", "loads further pickles"),
         ("fickling.hook", "remove_hook", "tampers with scanners"),
         ("picklescan.scanner", "scan_pickle_bytes", "tampers with scanners"),
+        ("_operator", "attrgetter", "reaches into the interpreter"),
+        ("_functools", "reduce", "runs code"),
+        ("_imp", "create_dynamic", "imports code"),
+        ("numpy.lib.format", "read_array", "loads further pickles"),
+        ("pandas", "read_csv", "touches files"),
+        ("torch.utils.model_zoo", "load_url", "reaches the network"),
     ],
 )
 def test_what_inspect_called_ordinary_is_refused_and_unsafe(tmp_path: Any, module: str, name: str, family: str) -> None:
@@ -472,3 +478,29 @@ def test_two_zip_records_of_one_name(tmp_path: Any) -> None:
         ckptconv.open(path)
     report = ckptconv.scan(path)
     assert report.verdict == "unsafe" and report.unsafe[0].name == "posix.system"
+
+
+def test_scan_answers_with_a_verdict_for_damaged_variants(corpus: list[tuple[Any, str]], tmp_path: Any) -> None:
+    """Random byte flips, cuts and insertions in every kind of sample: a verdict, never an exception."""
+    import random
+
+    rng = random.Random(17)
+    files = [path for _sample, path in corpus]
+    target = os.path.join(tmp_path, "mutant.bin")
+    verdicts = Counter()
+    for _ in range(400):
+        with open(rng.choice(files), "rb") as file:
+            data = bytearray(file.read())
+        for _ in range(rng.randint(1, 4)):
+            at = rng.randrange(max(len(data), 1))
+            kind = rng.randrange(3)
+            if kind == 0 and data:
+                data[at] = rng.randrange(256)
+            elif kind == 1:
+                del data[at : at + rng.randint(1, 8)]
+            else:
+                data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        _write(tmp_path, "mutant.bin", bytes(data))
+        verdicts[ckptconv.scan(target).verdict] += 1
+    assert set(verdicts) <= set(ckptconv.scanning.VERDICTS)
+    assert verdicts["unsafe"] and verdicts["damaged"]
