@@ -73,6 +73,7 @@ def fixtures(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.save(state, folder / "big.pt")
     torch.save(state, folder / "a.pt")
     save_file(state, str(folder / "model.safetensors"))
+    save_file(state, str(folder / "big.safetensors"))
     dp = {f"module.{key}": value for key, value in state.items()}
     torch.save(dp, folder / "dp_model.pkl")
     torch.save(dp, folder / "dp_ckpt.pkl")
@@ -87,6 +88,8 @@ def fixtures(tmp_path_factory: pytest.TempPathFactory) -> Path:
         },
         folder / "train_ckpt.pth",
     )
+    shutil.copy(folder / "train_ckpt.pth", folder / "a.ckpt")
+    shutil.copy(folder / "train_ckpt.pth", folder / "b.ckpt")
     torch.save({"state_dict": {f"model.{key}": value for key, value in state.items()}}, folder / "lightning.ckpt")
     torch.save(state, folder / "epoch10.pt")
     torch.save(_state(2), folder / "epoch11.pt")
