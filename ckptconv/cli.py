@@ -56,11 +56,28 @@ class _Group(click.Group):
                     click.echo(f"  {line}", err=True)
                 ctx.exit(EXIT_NEGATIVE)
             ctx.exit(EXIT_FAILED)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:
             if os.environ.get("CKPTCONV_DEBUG"):
                 raise
-            click.echo("ckptconv: interrupted; no output was written", err=True)
-            ctx.exit(130)
+            click.echo(f"ckptconv: interrupted{_signal_name(interrupt)}; no output was written", err=True)
+            ctx.exit(_interrupted_code(interrupt))
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that it unwinds like Ctrl-C: every partial output is removed."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _signal_name(interrupt: BaseException) -> str:
+    return " (SIGTERM)" if isinstance(interrupt, Terminated) else ""
+
+
+def _interrupted_code(interrupt: BaseException) -> int:
+    """128 + the signal's number, as shells report it: 130 for Ctrl-C, 143 for SIGTERM."""
+    return 143 if isinstance(interrupt, Terminated) else 130
 
 
 # ---------------------------------------------------------------------------------------
@@ -733,16 +750,16 @@ def batch(src: str, dst: str, **options: Any) -> None:
             source_hash=not options["no_source_hash"],
             progress=not quiet and sys.stderr.isatty(),
         )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         if os.environ.get("CKPTCONV_DEBUG"):
             raise
         # Not the generic message: finished items are recorded, and --resume carries on.
         click.echo(
-            f"ckptconv: interrupted; finished items are recorded in the manifest under {dst!r}; "
-            "run again with --resume to carry on",
+            f"ckptconv: interrupted{_signal_name(interrupt)}; finished items are recorded in the manifest "
+            f"under {dst!r}; run again with --resume to carry on",
             err=True,
         )
-        click.get_current_context().exit(130)
+        click.get_current_context().exit(_interrupted_code(interrupt))
     if not report.results:
         _say(quiet, f"found no checkpoints under {src!r}" + (" matching --glob" if options["globs"] else ""))
         return
@@ -764,5 +781,14 @@ def batch(src: str, dst: str, **options: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the ``ckptconv`` console script and ``python -m ckptconv``."""
+    """Entry point of the ``ckptconv`` console script and ``python -m ckptconv``.
+
+    SIGTERM (``kill``, a job scheduler's time limit) is handled like Ctrl-C:
+    partial outputs are removed and the exit code is 143.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     cli.main(args=list(argv) if argv is not None else None, prog_name="ckptconv")

@@ -263,7 +263,7 @@ def convert(
                 extra=extra,
                 max_shard_size=max_shard_size,
                 progress=progress,
-                inputs=[checkpoint.path],
+                inputs=checkpoint.files,
                 check=check if verify else None,
                 fsync=fsync,
             )

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from . import read_policy
 from .selection import Selection, as_tensor
 from .unpickler import ForeignGlobal, ForeignObject, NumpyArray
 
@@ -118,7 +119,7 @@ def file_sha256(path: str, chunk_bytes: int = 8 << 20, stop: threading.Event | N
     digest = hashlib.sha256()
     buffer = bytearray(chunk_bytes)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as file:
+    with read_policy.open_file(path) as file:
         while True:
             if stop is not None and stop.is_set():
                 return ""

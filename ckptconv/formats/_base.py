@@ -23,6 +23,8 @@ class ReadResult:
         foreign_globals: stand-in globals found, with how many objects each built.
         saved_devices: devices the storages were saved from (``"cuda:1"``).
         metadata: string metadata carried by the format (safetensors ``__metadata__``).
+        files: every file the checkpoint consists of (index and shards, ``.metadata``
+            and chunk files); empty for a single file.
     """
 
     format: str
@@ -30,6 +32,7 @@ class ReadResult:
     foreign_globals: Counter[str] = field(default_factory=Counter)
     saved_devices: frozenset[str] = frozenset()
     metadata: dict[str, str] = field(default_factory=dict)
+    files: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

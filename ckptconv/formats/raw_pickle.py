@@ -7,6 +7,7 @@ arrays. The file is read into memory once; arrays become in-memory tensors.
 
 from __future__ import annotations
 
+from .. import read_policy
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
 from ._base import ReadResult
@@ -17,7 +18,7 @@ FORMAT = "pickle"
 
 
 def read(path: str, *, max_items: int | None = None) -> ReadResult:
-    with open(path, "rb") as file:
+    with read_policy.open_file(path) as file:
         data = file.read()
     unpickler = Unpickler(data, source=path, max_items=max_items or DEFAULT_MAX_ITEMS)
     try:

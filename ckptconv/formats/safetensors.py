@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, BinaryIO, Callable
 
+from .. import read_policy
 from ..dtypes import dtype_by_safetensors_code
 from ..errors import MalformedCheckpointError, WriteError
 from ..tensor import FileRegion, Storage, TensorRef, contiguous_strides
@@ -56,8 +57,8 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def read_header(path: str) -> tuple[dict[str, Any], int, int]:
     """The parsed JSON header, the offset where tensor data starts, and the file size."""
-    size = os.stat(path).st_size
-    with open(path, "rb") as file:
+    with read_policy.open_file(path) as file:
+        size = os.fstat(file.fileno()).st_size
         prefix = file.read(8)
         if len(prefix) < 8:
             raise _damaged(path, "it is shorter than its 8-byte header length")

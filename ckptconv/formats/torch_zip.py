@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
 
+from .. import read_policy
 from ..dtypes import DType
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
@@ -186,7 +187,7 @@ def read(path: str, *, max_items: int | None = None, region: tuple[int, int] | N
     Raises:
         LoadError: the archive is not a torch checkpoint, is damaged, or is unsafe.
     """
-    with open(path, "rb") as outer:
+    with read_policy.open_file(path) as outer:
         base = region[0] if region else 0
         source: Any = _Window(outer, region[0], region[1]) if region else outer
         try:
