@@ -19,7 +19,7 @@ from typing import Any
 
 from . import read_policy
 from .selection import Selection, as_tensor
-from .unpickler import ForeignGlobal, ForeignObject, NumpyArray
+from .standins import ForeignGlobal, ForeignObject, NumpyArray
 
 __all__ = ["checkpoint_metadata", "file_sha256"]
 
