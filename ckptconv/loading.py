@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Union
 from . import formats
 from .errors import CkptconvError, LoadError, MalformedCheckpointError
 from .formats._base import ReadResult
-from .selection import Selection, children, select_weights
+from .selection import Selection, children, part_text, select_weights
 from .standins import NumpyArray
 from .tensor import TensorRef
 
@@ -105,7 +105,7 @@ class Checkpoint:
                 continue
             seen.add(id(value))
             for key, child in reversed(children(value)):
-                stack.append((f"{path}.{key}" if path else str(key), child))
+                stack.append((f"{path}.{part_text(key)}" if path else part_text(key), child))
 
 
 def open(path: PathLike, *, trust: bool = False) -> Checkpoint:

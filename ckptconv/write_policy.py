@@ -33,7 +33,7 @@ from typing import BinaryIO
 
 from .errors import WriteError
 
-__all__ = ["Inputs", "make_folders", "open_append", "os_error", "remove_folders"]
+__all__ = ["Inputs", "check_not_a_link", "make_folders", "open_append", "os_error", "remove_folders"]
 
 _REASONS = {
     errno.ENOSPC: "the disk is full",
@@ -175,6 +175,20 @@ def remove_folders(created: Iterable[str]) -> None:
             os.rmdir(folder)
 
 
+def check_not_a_link(path: str) -> None:
+    """Refuse a file ckptconv would write in place (append to) when it is a link.
+
+    Raises:
+        WriteError: it is.
+    """
+    if os.path.islink(path):
+        raise WriteError(
+            f"refusing to write {path!r}: it is a link, and ckptconv never writes through links it did not "
+            "create; remove it",
+            path=path,
+        )
+
+
 def open_append(path: str) -> BinaryIO:
     """Open a regular file for appending (created if missing), never through a link.
 
@@ -182,7 +196,7 @@ def open_append(path: str) -> BinaryIO:
         WriteError: the path is a link, a FIFO or another non-regular file, or cannot be opened.
     """
     flags = (
-        os.O_WRONLY
+        os.O_RDWR
         | os.O_APPEND
         | os.O_CREAT
         | getattr(os, "O_NOFOLLOW", 0)
@@ -190,12 +204,7 @@ def open_append(path: str) -> BinaryIO:
         | getattr(os, "O_CLOEXEC", 0)
         | getattr(os, "O_BINARY", 0)
     )
-    if os.path.islink(path):
-        raise WriteError(
-            f"refusing to write {path!r}: it is a link, and ckptconv never writes through links it did not "
-            "create; remove it",
-            path=path,
-        )
+    check_not_a_link(path)
     try:
         fd = os.open(path, flags, 0o666)
     except OSError as error:
@@ -205,4 +214,4 @@ def open_append(path: str) -> BinaryIO:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise WriteError(f"refusing to write {path!r}: it is not a regular file", path=path)
-    return os.fdopen(fd, "ab")
+    return os.fdopen(fd, "ab")  # read-write underneath, for a look at the last byte

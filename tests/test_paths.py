@@ -203,7 +203,8 @@ def test_a_device_linked_as_an_index_is_refused(device: str, tmp_path: Path) -> 
     result = _cli("convert", str(index), str(tmp_path / "o.safetensors"), timeout=60)
     assert result.returncode == 1
     assert result.stderr == (
-        f"ckptconv: error: {str(index)!r} is a character device, not a regular file; ckptconv reads only regular files\n"
+        f"ckptconv: error: {str(index)!r} is a character device, not a regular file; "
+        "ckptconv reads only regular files\n"
     )
 
 
@@ -261,3 +262,408 @@ def test_verify_into_an_existing_folder_checks_the_files_it_wrote(tmp_path: Path
         "model.safetensors.index.json",
         "someone_elses.pt",
     ]
+
+
+# ---------------------------------------------------------------------------------------
+# Batch: writes and reads where they must not go
+# ---------------------------------------------------------------------------------------
+
+
+def _zoo(root: Path) -> Path:
+    (root / "a").mkdir(parents=True)
+    torch.save({"w": torch.arange(4.0)}, root / "a" / "x.pt")
+    torch.save({"v": torch.ones(3)}, root / "y.pt")
+    return root
+
+
+def test_batch_refuses_a_manifest_that_is_a_link(tmp_path: Path) -> None:
+    zoo = _zoo(tmp_path / "zoo")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ckptconv-manifest.jsonl").symlink_to(victim)
+    for extra in ([], ["--resume"]):
+        code, _, stderr = run_cli("batch", str(zoo), str(out), "-q", *extra)
+        assert code == 1, stderr
+        assert stderr == (
+            f"ckptconv: error: refusing to write {str(out / 'ckptconv-manifest.jsonl')!r}: it is a link, and "
+            "ckptconv never writes through links it did not create; remove it\n"
+        )
+    assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in out.iterdir()) == ["ckptconv-manifest.jsonl"]
+
+
+def test_batch_refuses_a_manifest_that_is_a_fifo(tmp_path: Path) -> None:
+    zoo = _zoo(tmp_path / "zoo")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "ckptconv-manifest.jsonl")
+    for extra in ([], ["--resume"]):
+        result = _cli("batch", str(zoo), str(out), "-q", *extra)
+        assert result.returncode == 1 and "not a regular file" in result.stderr, result.stderr
+        assert result.stderr.count("\n") == 1
+
+
+def test_a_failed_batch_start_leaves_no_output_folder(tmp_path: Path) -> None:
+    zoo = _zoo(tmp_path / "zoo")
+    out = tmp_path / "new" / "out"
+    (tmp_path / "new").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    from ckptconv import manifest
+
+    # The manifest cannot be opened (here: a link planted after the folder was made).
+    original = manifest.Manifest.__enter__
+
+    def planted(self: manifest.Manifest) -> manifest.Manifest:
+        os.symlink(tmp_path / "elsewhere" / "m", self.path)
+        return original(self)
+
+    manifest.Manifest.__enter__ = planted  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ckptconv.WriteError, match="it is a link"):
+            ckptconv.batch(zoo, out)
+    finally:
+        manifest.Manifest.__enter__ = original  # type: ignore[method-assign]
+    assert (out / "ckptconv-manifest.jsonl").is_symlink()  # the planted link stays; nothing was written
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_batch_never_writes_through_a_linked_output_subfolder(jobs: str, tmp_path: Path) -> None:
+    zoo = _zoo(tmp_path / "zoo")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a").symlink_to(elsewhere)
+    code, _, stderr = run_cli("batch", str(zoo), str(out), "-j", jobs)
+    assert code == 3, stderr
+    assert f"failed: a/x.pt: refusing to write into {str(out / 'a')!r}: it is a link" in stderr
+    assert list(elsewhere.iterdir()) == []
+    assert load_file(out / "y.safetensors")["v"].equal(torch.ones(3))
+
+
+def test_batch_into_its_source_spelled_through_a_link_is_refused(tmp_path: Path) -> None:
+    zoo = _zoo(tmp_path / "zoo")
+    (tmp_path / "srclink").symlink_to("zoo")
+    before = _tree(zoo)
+    for src, dst in ((tmp_path / "srclink", zoo), (zoo, tmp_path / "srclink"), (tmp_path / "srclink", f"{zoo}/./")):
+        code, _, stderr = run_cli("batch", str(src), str(dst), "-q")
+        assert code == 1 and "is the source folder; choose another one" in stderr, stderr
+    assert _tree(zoo) == before
+
+
+def test_batch_output_inside_the_source_spelled_through_a_link_is_never_an_input(tmp_path: Path) -> None:
+    zoo = _zoo(tmp_path / "zoo")
+    (tmp_path / "srclink").symlink_to("zoo")
+    for _ in range(2):
+        report = ckptconv.batch(tmp_path / "srclink", zoo / "out", overwrite=True)
+        assert sorted(r.source for r in report.results) == ["a/x.pt", "y.pt"]
+        assert report.exit_code == 0
+    assert not (zoo / "out" / "out").exists()
+
+
+def test_zoo_links_leaving_the_source_are_skipped_with_a_note(tmp_path: Path) -> None:
+    zoo = _zoo(tmp_path / "zoo")
+    private = tmp_path / "private.pt"
+    torch.save({"secret": torch.ones(1)}, private)
+    (zoo / "x.pt").symlink_to(private)
+    (zoo / "inside.pt").symlink_to("y.pt")  # a link that stays inside is followed
+    (tmp_path / "private_dir").mkdir()
+    torch.save({"secret": torch.ones(1)}, tmp_path / "private_dir" / "m.pt")
+    (zoo / "dirlink").symlink_to(tmp_path / "private_dir")  # links to folders are never followed
+    out = tmp_path / "out"
+    code, _, stderr = run_cli("batch", str(zoo), str(out))
+    assert code == 0, stderr
+    assert f"note: skipped 'x.pt': a link that leads outside the source folder (to {str(private)!r}); not followed" in (
+        stderr.splitlines()
+    )
+    assert sorted(p.name for p in out.rglob("*.safetensors")) == [
+        "inside.safetensors",
+        "x.safetensors",
+        "y.safetensors",
+    ]
+    assert [p.relative_to(out).as_posix() for p in out.rglob("x.safetensors")] == ["a/x.safetensors"]
+    records = [json.loads(line) for line in (out / "ckptconv-manifest.jsonl").read_text().splitlines()]
+    assert any("x.pt" in note for note in records[0]["notes"])
+
+
+def test_a_shard_in_a_subfolder_is_part_of_its_index_only(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    zoo = tmp_path / "zoo"
+    (zoo / "hf" / "shards").mkdir(parents=True)
+    save_file({"a": torch.arange(3.0)}, zoo / "hf" / "shards" / "one.safetensors")
+    save_file({"b": torch.ones(2)}, zoo / "hf" / "two.safetensors")
+    (zoo / "hf" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "shards/one.safetensors", "b": "two.safetensors"}})
+    )
+    report = ckptconv.batch(zoo, tmp_path / "out")
+    assert [(r.source, r.status) for r in report.results] == [("hf/model.safetensors.index.json", "converted")]
+    (item,) = ckptconv.discovery.discover(zoo)
+    assert item.members == (
+        "hf/model.safetensors.index.json",
+        "hf/two.safetensors",
+        "hf/shards/one.safetensors",
+    )
+    weights = load_file(tmp_path / "out" / "hf" / "model.safetensors")
+    assert weights["a"].equal(torch.arange(3.0)) and weights["b"].equal(torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "name", ["x.pt", "hf/model.safetensors.index.json", "run/.metadata", "run/__0_0.distcp", "notes.txt"]
+)
+def test_batch_zoo_with_a_fifo_does_not_hang(name: str, tmp_path: Path) -> None:
+    zoo = _zoo(tmp_path / "zoo")
+    (zoo / name).parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(zoo / name)
+    result = _cli("batch", str(zoo), str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    if name != "notes.txt":
+        assert f"note: skipped {name!r}: a FIFO (named pipe), not a regular file" in result.stderr.splitlines()
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*.safetensors")) == ["x.safetensors", "y.safetensors"]
+
+
+def test_batch_zoo_with_dev_zero_as_an_index_is_skipped(tmp_path: Path) -> None:
+    zoo = _zoo(tmp_path / "zoo")
+    (zoo / "x.safetensors.index.json").symlink_to("/dev/zero")
+    (zoo / "inside").mkdir()
+    (zoo / "inside" / "m.pt").symlink_to("/dev/zero")
+    result = _cli("batch", str(zoo), str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert "MemoryError" not in result.stderr and "Traceback" not in result.stderr
+    assert "note: skipped 'x.safetensors.index.json': a link that leads outside the source folder" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Names and terminals
+# ---------------------------------------------------------------------------------------
+
+NOT_UTF8 = os.fsdecode(b"caf\xe9")  # 'caf\udce9': a Latin-1 file name on a UTF-8 system
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_convert_a_file_whose_name_is_not_utf8(suffix: str, tmp_path: Path) -> None:
+    source = tmp_path / f"{NOT_UTF8}.pt"
+    torch.save({"w": torch.arange(5.0)}, source)
+    output = tmp_path / f"{NOT_UTF8}-out{suffix}"
+    result = _cli("convert", str(source), str(output))  # arguments are passed as the raw bytes
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == f"wrote {tmp_path}/caf\\xe9-out{suffix} ({suffix[1:]}, 1 tensors, 20 B)\n"
+    assert os.fsencode(output.name) == b"caf\xe9-out" + suffix.encode()
+    if suffix == ".safetensors":
+        import shutil
+
+        from safetensors import safe_open
+
+        shutil.copyfile(output, tmp_path / "copy.safetensors")  # the safetensors library takes UTF-8 paths only
+        with safe_open(tmp_path / "copy.safetensors", "pt") as file:
+            assert file.metadata()["ckptconv.source"] == "caf\\xe9.pt"  # the bytes, escaped: valid UTF-8
+            assert file.get_tensor("w").equal(torch.arange(5.0))
+    else:
+        assert torch.load(output, weights_only=True)["w"].equal(torch.arange(5.0))
+
+
+def test_batch_with_names_that_are_not_utf8_or_hold_newlines(tmp_path: Path) -> None:
+    zoo = _zoo(tmp_path / "zoo")
+    torch.save({"w": torch.ones(2)}, zoo / f"{NOT_UTF8}.pt")
+    (zoo / "forged\nfailed: y.pt: fake.pt").write_bytes(b"not a checkpoint at all, but named like one")
+    os.rename(zoo / "forged\nfailed: y.pt: fake.pt", zoo / "forged\nfailed: y.pt: fake.pt")
+    (zoo / "evil\x1b]0;pwned\x07.pt").write_bytes(b"PK\x03\x04 broken")
+    out = tmp_path / "out"
+    result = _cli("batch", str(zoo), str(out))
+    assert result.returncode == 3, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[:2] == [
+        "failed: evil\\x1b]0;pwned\\x07.pt: "
+        + lines[0].split(": ", 2)[2],  # the error text itself quotes the path with repr()
+        "failed: forged\\nfailed: y.pt: fake.pt: " + lines[1].split(".pt: ", 2)[2],
+    ]
+    assert "\x1b" not in result.stderr and "\x07" not in result.stderr
+    assert lines[-1].startswith("converted 3, skipped 0, failed 2 of 5 items")
+    assert (out / f"{NOT_UTF8}.safetensors").exists()
+    records = [json.loads(line) for line in (out / "ckptconv-manifest.jsonl").read_bytes().splitlines()]
+    sources = sorted(r["source"] for r in records if r["record"] == "item")
+    assert f"{NOT_UTF8}.pt" in sources and "forged\nfailed: y.pt: fake.pt" in sources  # exact, not escaped
+    # --resume reads the same names back and skips what is done.
+    result = _cli("batch", str(zoo), str(out), "--resume")
+    assert result.stderr.splitlines()[-1].startswith("converted 0, skipped 3, failed 2 of 5 items")
+
+
+SURROGATE = "w\ud800"  # a lone surrogate: torch.save and torch.load(weights_only=True) accept it
+
+
+@pytest.fixture
+def surrogates(tmp_path: Path) -> Path:
+    path = tmp_path / "s.pt"
+    state = {"state_dict": {SURROGATE: torch.ones(2), "ok": torch.zeros(1)}, "note": "x\udce9y", "n\ud801k": 1}
+    torch.save(state, path)
+    assert list(torch.load(path, weights_only=True)["state_dict"]) == [SURROGATE, "ok"]
+    return path
+
+
+def test_inspect_names_with_lone_surrogates(surrogates: Path) -> None:
+    result = _cli("inspect", str(surrogates))
+    assert result.returncode == 0, result.stderr
+    assert ["w\\ud800", "float32", "[2]"] in [line.split() for line in result.stdout.splitlines()]
+    assert ["n\\ud801k", "1"] in [line.split() for line in result.stdout.splitlines()]
+    result = _cli("inspect", str(surrogates), "--json")
+    info = json.loads(result.stdout)
+    assert [t["key"] for t in info["tensors"]] == [SURROGATE, "ok"]  # exact
+    assert {"key": "n\ud801k", "value": "1"} in info["outline"]
+
+
+def test_safetensors_output_refuses_names_it_cannot_store_and_keeps_metadata_exact(
+    surrogates: Path, tmp_path: Path
+) -> None:
+    code, _, stderr = run_cli("convert", str(surrogates), str(tmp_path / "o.safetensors"))
+    assert (code, stderr) == (
+        1,
+        "ckptconv: error: tensor 'w\\ud800' has a name that is not valid Unicode (a lone surrogate), and "
+        "safetensors stores names as UTF-8; rename it (--rename) or write a .pt file (--to pt)\n",
+    )
+    assert not (tmp_path / "o.safetensors").exists()
+    code, _, stderr = run_cli("convert", str(surrogates), str(tmp_path / "o.safetensors"), "--rename", "^w.$=w")
+    assert code == 0, stderr
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "o.safetensors", "pt") as file:
+        metadata = file.metadata()
+        assert json.loads(metadata["checkpoint.note"]) == "x\udce9y"  # JSON escapes keep it exact
+        assert file.get_tensor("w").equal(torch.ones(2))
+
+
+def test_pt_output_keeps_names_with_lone_surrogates_exactly(surrogates: Path, tmp_path: Path) -> None:
+    code, _, stderr = run_cli("convert", str(surrogates), str(tmp_path / "o.pt"), "--keep-meta")
+    assert code == 0, stderr
+    loaded = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert list(loaded["state_dict"]) == [SURROGATE, "ok"] and loaded["note"] == "x\udce9y"
+    assert loaded["state_dict"][SURROGATE].equal(torch.ones(2))
+
+
+def test_integers_of_thousands_of_digits_in_metadata(tmp_path: Path) -> None:
+    path = tmp_path / "big.pt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "big": 10**5000, 10**5000: 3, "epoch": 7}, path)
+    code, stdout, stderr = run_cli("inspect", str(path))
+    assert code == 0, stderr
+    assert "  big                  <int of 16610 bits>" in stdout.splitlines()
+    code, stdout, _ = run_cli("inspect", str(path), "--json")
+    assert code == 0 and json.loads(stdout)["selected"] == "state_dict"
+    for output, extra in (("o.safetensors", []), ("o.pt", ["--keep-meta"])):
+        code, _, stderr = run_cli("convert", str(path), str(tmp_path / output), *extra)
+        assert code == 0, stderr
+    loaded = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert loaded["epoch"] == 7 and "big" not in loaded  # too large to record as JSON: left out
+
+
+def test_escape_sequences_in_tensor_names_are_printed_escaped(tmp_path: Path) -> None:
+    path = tmp_path / "evil.pt"
+    title = "\x1b]0;owned\x07"
+    clipboard = "\x1b]52;c;cm0gLXJmIH4K\x07"
+    torch.save({f"a{title}": torch.ones(1), f"b{clipboard}": torch.ones(1), "c\u202egnp.exe": torch.ones(1)}, path)
+    result = _cli("inspect", str(path))
+    assert result.returncode == 0
+    assert "\x1b" not in result.stdout and "\x07" not in result.stdout and "\u202e" not in result.stdout
+    table = result.stdout.splitlines()[-3:]
+    assert [line.split() for line in table] == [
+        ["a\\x1b]0;owned\\x07", "float32", "[1]"],
+        ["b\\x1b]52;c;cm0gLXJmIH4K\\x07", "float32", "[1]"],
+        ["c\\u202egnp.exe", "float32", "[1]"],
+    ]
+    assert len({line.index("float32") for line in table}) == 1  # aligned on what is shown
+    result = _cli("inspect", str(path), "--json")
+    assert [t["key"] for t in json.loads(result.stdout)["tensors"]] == [
+        f"a{title}",
+        f"b{clipboard}",
+        "c\u202egnp.exe",
+    ]
+    result = _cli("convert", str(path), str(tmp_path / "o.pt"), "--dry-run", "--add-prefix", "m")
+    assert "\x1b" not in result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Smaller: usage errors, self-describing refusals, exit codes
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", ["0", "0.5", "0B", "0.4B", "1.5", "0.0001KB"])
+def test_shard_sizes_below_one_byte_or_fractional_are_usage_errors(size: str, tmp_path: Path) -> None:
+    source = tmp_path / "in.pt"
+    torch.save({"w": torch.ones(2)}, source)
+    code, _, stderr = run_cli("convert", str(source), str(tmp_path / "out"), "--max-shard-size", size)
+    assert code == 2 and "Invalid value for '--max-shard-size'" in stderr, stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_fractional_shard_sizes_with_units_are_exact(tmp_path: Path) -> None:
+    from ckptconv.cli import _Size
+
+    assert _Size().convert("0.5KB", None, None) == 500
+    assert _Size().convert("0.1GB", None, None) == 100_000_000  # not 100000000.00000001 rounded down
+    assert _Size().convert("1.5KiB", None, None) == 1536
+
+
+@pytest.mark.parametrize("rule", ["w=\\x", "w=\\u12", "w=\\q", "(w)=\\g<2>", "w=\\g<x"])
+def test_invalid_rename_replacements_are_usage_errors(rule: str, tmp_path: Path) -> None:
+    source = tmp_path / "in.pt"
+    torch.save({"w": torch.ones(2)}, source)
+    code, _, stderr = run_cli("convert", str(source), str(tmp_path / "o.pt"), "--rename", rule)
+    assert code == 2 and "Invalid value for '--rename'" in stderr, stderr
+    assert not (tmp_path / "o.pt").exists()
+
+
+@pytest.mark.parametrize(
+    ("make", "kind", "hint"),
+    [
+        (lambda: torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8), "quantized", "tensor.dequantize()"),
+        (lambda: torch.ones(3, 3).to_sparse(), "sparse", "tensor.to_dense()"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested", "tensor.unbind()"),
+    ],
+)
+def test_tensors_ckptconv_cannot_read_are_named(make: object, kind: str, hint: str, tmp_path: Path) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized and nested tensors warn about being deprecated/prototypes
+        special = make()  # type: ignore[operator]
+    source = tmp_path / "in.pt"
+    torch.save({"state_dict": {"plain": torch.ones(2), "special": special}}, source)
+    code, _, stderr = run_cli("convert", str(source), str(tmp_path / "o.safetensors"))
+    assert code == 1
+    assert stderr == (
+        f"ckptconv: error: {str(source)!r} holds {kind} tensors ('state_dict.special'), which ckptconv cannot "
+        f"convert; {_hint(hint)} with torch and save again\n"
+    )
+    code, stdout, _ = run_cli("inspect", str(source))
+    assert code == 0 and f"holds {kind} tensors" in stdout
+
+
+def _hint(call: str) -> str:
+    return {
+        "tensor.dequantize()": "dequantize them (tensor.dequantize())",
+        "tensor.to_dense()": "make them dense (tensor.to_dense())",
+        "tensor.unbind()": "unbind them into ordinary tensors (tensor.unbind())",
+    }[call]
+
+
+def test_inspect_a_legacy_file_with_a_damaged_magic_number_fails(tmp_path: Path) -> None:
+    source = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(2)}, source, _use_new_zipfile_serialization=False)
+    data = bytearray(source.read_bytes())
+    assert data[:3] == b"\x80\x02\x8a"  # LONG1: the magic number
+    data[5] ^= 0xFF
+    source.write_bytes(bytes(data))
+    for command in (["inspect", str(source)], ["convert", str(source), str(tmp_path / "o.pt")]):
+        code, _, stderr = run_cli(*command)
+        assert code == 1 and stderr.count("\n") == 1
+        assert "as a legacy torch.save file does, but the first is" in stderr and "the file is damaged" in stderr
+
+
+@pytest.mark.parametrize("content", [[], ["README.md", "config.json"], ["a.pt", "b.pt"]])
+def test_inspect_a_folder_that_is_not_a_checkpoint_fails(content: list[str], tmp_path: Path) -> None:
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for name in content:
+        (folder / name).write_text("{}")
+    code, stdout, stderr = run_cli("inspect", str(folder))
+    assert code == 1 and stdout == "" and stderr.startswith(f"ckptconv: error: {str(folder)!r} is a folder but")

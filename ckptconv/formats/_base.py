@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
@@ -61,6 +62,15 @@ def resolve(value: MetadataValue) -> str:
             raise AssertionError(f"deferred metadata resolved to {text!r}, not {value.length} ASCII characters")
         return text
     return value
+
+
+def json_bytes(value: Any, **options: Any) -> bytes:
+    """``value`` as UTF-8 JSON; strings holding lone surrogates (from names that are not UTF-8)
+    fall back to JSON's ``\\uXXXX`` escapes, which ``json.loads`` reads back exactly."""
+    try:
+        return json.dumps(value, ensure_ascii=False, **options).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value, ensure_ascii=True, **options).encode("ascii")
 
 
 def pickle_location(value: Any, source: str) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 from .. import read_policy
 from ..errors import MalformedCheckpointError
 from ..tensor import TensorRef
-from ._base import ReadResult
+from ._base import ReadResult, json_bytes
 
 __all__ = ["INDEX_SUFFIXES", "ShardPlan", "plan_shards", "read", "shard_names"]
 
@@ -183,4 +183,4 @@ def family_pattern(kind: str) -> re.Pattern[str]:
 
 def index_document(weight_map: dict[str, str], total_size: int, metadata: dict[str, str]) -> bytes:
     document = {"metadata": {"total_size": total_size, **metadata}, "weight_map": dict(sorted(weight_map.items()))}
-    return (json.dumps(document, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    return json_bytes(document, indent=2) + b"\n"
