@@ -8,6 +8,7 @@ subprocess with a timeout, so a regression fails instead of stalling the suite.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -667,3 +668,124 @@ def test_inspect_a_folder_that_is_not_a_checkpoint_fails(content: list[str], tmp
         (folder / name).write_text("{}")
     code, stdout, stderr = run_cli("inspect", str(folder))
     assert code == 1 and stdout == "" and stderr.startswith(f"ckptconv: error: {str(folder)!r} is a folder but")
+
+
+# ---------------------------------------------------------------------------------------
+# Environment errors: one line, nothing left behind
+# ---------------------------------------------------------------------------------------
+
+_LIMITED = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so a write past the limit fails with EFBIG, like a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+from ckptconv.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize(
+    ("destination", "extra", "failing"),
+    [
+        ("out_dcp", ["--to", "dcp"], "out_dcp/__0_0.distcp"),
+        ("out_shards", ["--max-shard-size", "2MB"], "out_shards/model-00001-of-00008.safetensors"),
+        ("out_pt/", ["--to", "pt"], "out_pt/pytorch_model.bin"),
+    ],
+)
+def test_a_full_disk_while_writing_a_folder_removes_the_folder(
+    destination: str, extra: list[str], failing: str, tmp_path: Path
+) -> None:
+    source = tmp_path / "big.pt"
+    torch.save({f"w{i}": torch.randn(1 << 18) for i in range(8)}, source)  # 8 MiB; files may hold 1 MiB
+    result = subprocess.run(
+        [sys.executable, "-c", _LIMITED, "convert", str(source), f"{tmp_path}/{destination}", *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"ckptconv: error: cannot write {str(tmp_path / failing)!r}: the file would exceed the allowed size; "
+        "nothing was written\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt"]  # the folder it created is gone
+
+
+@pytest.mark.parametrize("destination", ["{long}.pt", "{long}/", "out/{long}.safetensors"])
+def test_a_name_too_long_is_one_line(destination: str, tmp_path: Path) -> None:
+    source = tmp_path / "in.pt"
+    torch.save({"w": torch.ones(2)}, source)
+    (tmp_path / "out").mkdir()
+    target = f"{tmp_path}/{destination.format(long='x' * 300)}"
+    code, _, stderr = run_cli("convert", str(source), target)
+    assert code == 1
+    assert stderr == (
+        f"ckptconv: error: cannot write {target.rstrip('/')!r}: the name is too long for the file system; "
+        "nothing was written\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt", "out"]
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [(errno.EROFS, "the file system is read-only"), (errno.EACCES, "permission denied"), (errno.EPERM, "permission denied")],
+)
+@pytest.mark.parametrize("layout", ["file", "shards", "dcp", "batch"])
+def test_a_read_only_or_forbidden_destination_is_one_line(
+    code: int, reason: str, layout: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file system refuses to create anything under ``dst`` (as a read-only mount or a folder
+    without write permission does; injected, since tests may run as root, who may write anywhere)."""
+    source = tmp_path / "in.pt"
+    torch.save({"w": torch.ones(2)}, source)
+    (tmp_path / "zoo").mkdir()
+    torch.save({"w": torch.ones(2)}, tmp_path / "zoo" / "m.pt")
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def refused(path: str, *args: object, **kwargs: object) -> None:
+        raise OSError(code, os.strerror(code), path)
+
+    def guarded_open(path: str, flags: int, *args: object, **kwargs: object) -> int:
+        creating = flags & (os.O_CREAT | getattr(os, "O_TMPFILE", 0)) or flags & (os.O_WRONLY | os.O_RDWR)
+        if creating and str(path).startswith(str(dst)):
+            refused(path)
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    def guarded_mkdir(path: str, *args: object, **kwargs: object) -> None:
+        if str(path).startswith(str(dst)):
+            refused(path)
+        real_mkdir(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", guarded_open)
+    monkeypatch.setattr(os, "mkdir", guarded_mkdir)
+    command = {
+        "file": ["convert", str(source), str(dst / "o.safetensors")],
+        "shards": ["convert", str(source), str(dst / "sub"), "--max-shard-size", "1KB"],
+        "dcp": ["convert", str(source), str(dst / "sub"), "--to", "dcp"],
+        "batch": ["batch", str(tmp_path / "zoo"), str(dst / "out")],
+    }[layout]
+    status, _, stderr = run_cli(*command)
+    monkeypatch.undo()
+    assert status == 1, stderr
+    assert stderr.startswith("ckptconv: error: cannot write ") and stderr.endswith(f": {reason}; nothing was written\n")
+    assert stderr.count("\n") == 1
+    assert list(dst.iterdir()) == []
+
+
+def test_batch_removes_the_folders_it_made_for_items_that_failed(tmp_path: Path) -> None:
+    zoo = _zoo(tmp_path / "zoo")
+    (zoo / "deep" / "er").mkdir(parents=True)
+    (zoo / "deep" / "er" / "broken.pt").write_bytes(b"PK\x03\x04 not really")
+    out = tmp_path / "out"
+    report = ckptconv.batch(zoo, out)
+    assert [r.source for r in report.failed] == ["deep/er/broken.pt"]
+    assert not (out / "deep").exists()
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
+        "a",
+        "a/x.safetensors",
+        "ckptconv-manifest.jsonl",
+        "y.safetensors",
+    ]
