@@ -144,8 +144,10 @@ def source_sha256(path: str, stop: threading.Event | None = None) -> str:
     digest = hashlib.sha256()
     for name in sorted(os.listdir(folder)):
         member = os.path.join(folder, name)
-        if os.path.isfile(member) and (
-            name == ".metadata" or name.endswith((".distcp", ".index.json", ".safetensors", ".bin", ".pt"))
+        if (
+            os.path.isfile(member)
+            and read_policy.inside(member, folder)
+            and (name == ".metadata" or name.endswith((".distcp", ".index.json", ".safetensors", ".bin", ".pt")))
         ):
             value = file_sha256(member, stop=stop)
             if not value:

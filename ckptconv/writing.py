@@ -195,7 +195,8 @@ def _temporary(folder: str, name: str) -> tuple[BinaryIO, str | None]:
             return file, None
     fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=_PARTIAL, dir=folder)
     _lock(fd)
-    os.fchmod(fd, 0o666 & ~_umask())
+    if hasattr(os, "fchmod"):
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; outputs get the usual mode
     file = os.fdopen(fd, "r+b")
     file.raw.name = temporary  # type: ignore[attr-defined]
     return file, temporary

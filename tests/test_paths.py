@@ -729,7 +729,11 @@ def test_a_name_too_long_is_one_line(destination: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("code", "reason"),
-    [(errno.EROFS, "the file system is read-only"), (errno.EACCES, "permission denied"), (errno.EPERM, "permission denied")],
+    [
+        (errno.EROFS, "the file system is read-only"),
+        (errno.EACCES, "permission denied"),
+        (errno.EPERM, "permission denied"),
+    ],
 )
 @pytest.mark.parametrize("layout", ["file", "shards", "dcp", "batch"])
 def test_a_read_only_or_forbidden_destination_is_one_line(
@@ -789,3 +793,39 @@ def test_batch_removes_the_folders_it_made_for_items_that_failed(tmp_path: Path)
         "ckptconv-manifest.jsonl",
         "y.safetensors",
     ]
+
+
+def test_every_file_is_opened_through_the_policies() -> None:
+    """No module opens a file itself: reads go through read_policy, writes through writing/write_policy."""
+    import ast
+
+    package = ROOT / "ckptconv"
+    allowed = {
+        ("read_policy.py", "open_file"),  # the one place files are opened for reading
+        ("write_policy.py", "open_append"),  # the manifest
+        ("writing.py", "_temporary"),  # O_TMPFILE or a locked named temporary file
+        ("writing.py", "_publish"),  # the folder, to link the finished file into it
+        ("writing.py", "atomic_output"),  # the folder, to fsync it
+        ("writing.py", "remove_abandoned"),  # partial files, O_NOFOLLOW, to test their lock
+        ("writing.py", "_umask"),  # /proc/self/status
+        ("loading.py", "load"),  # ckptconv.open, not the builtin
+        ("_worker.py", "main"),  # its own stdout, for results
+    }
+    found = set()
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for function in [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            for node in ast.walk(function):
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                name = (
+                    func.id
+                    if isinstance(func, ast.Name)
+                    else f"{getattr(func.value, 'id', '?')}.{func.attr}"
+                    if isinstance(func, ast.Attribute)
+                    else ""
+                )
+                if name in ("open", "os.open", "io.open", "os.fdopen", "tempfile.mkstemp"):
+                    found.add((path.name, function.name))
+    assert found <= allowed, sorted(found - allowed)
