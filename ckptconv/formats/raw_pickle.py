@@ -40,4 +40,5 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
             f"first is {short_repr(tree)} instead of torch's magic number; the file is damaged",
             path=path,
         )
+    unpickler.check_end()
     return ReadResult(FORMAT, tree, unpickler.foreign_globals)
