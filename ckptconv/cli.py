@@ -17,6 +17,7 @@ from typing import Any, Callable, TypeVar
 
 import click
 
+from ._text import shown as _shown
 from ._version import __version__
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -41,23 +42,6 @@ Exit codes:
 # ---------------------------------------------------------------------------------------
 # Printing: names from files reach the terminal escaped
 # ---------------------------------------------------------------------------------------
-
-
-def _shown(text: str) -> str:
-    """``text`` with every character that is not printable escaped, so that names from a checkpoint
-    or the file system cannot move the cursor, set the terminal's title, write its clipboard or
-    forge a line of the report. Bytes of a file name that are not UTF-8 show as ``\\xNN``."""
-    if text.isprintable():
-        return text
-    out = []
-    for char in text:
-        if char.isprintable():
-            out.append(char)
-        elif "\udc80" <= char <= "\udcff":  # a byte of a non-UTF-8 file name (surrogateescape)
-            out.append(f"\\x{ord(char) - 0xDC00:02x}")
-        else:
-            out.append(char.encode("unicode_escape").decode("ascii"))
-    return "".join(out)
 
 
 def _echo(message: str, *, err: bool = False) -> None:

@@ -190,10 +190,13 @@ def _index_shards(path: str, folder: str) -> list[str] | None:
     return sorted({str(shard) for shard in weight_map.values()})
 
 
-def _refusal(path: str, root: str) -> str:
+def _refusal(path: str, root: str, excluded: Iterable[str] = ()) -> str:
     """Why ``path`` (found under ``root``) must not be read, or ``""``."""
-    if os.path.islink(path) and not read_policy.inside(path, root):
-        return f"a link that leads outside the source folder (to {os.readlink(path)!r}); not followed"
+    if os.path.islink(path):
+        if not read_policy.inside(path, root):
+            return f"a link that leads outside the source folder (to {os.readlink(path)!r}); not followed"
+        if any(read_policy.inside(path, folder) for folder in excluded):
+            return f"a link into the output folder (to {os.readlink(path)!r}); not followed"
     try:
         mode = os.stat(path).st_mode
     except OSError:
@@ -297,7 +300,7 @@ def discover(
             path = os.path.join(folder, name)
             if path in claimed:
                 continue
-            reason = _refusal(path, root)
+            reason = _refusal(path, root, excluded)
             if reason:
                 if _looks_relevant(name):
                     skipped.append(f"skipped {_join(rel_folder, name)!r}: {reason}")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Union
 
 from . import write_policy
+from ._text import shown
 from .errors import CastOverflowError, DestinationError, OutputExistsError, WriteError
 from .formats import dcp, safetensors, sharded, torch_zip
 from .formats._base import MetadataValue, resolve
@@ -446,7 +447,7 @@ def _progress_callback(progress: Progress, total: int, path: str) -> tuple[Calla
         unit="B",
         unit_scale=True,
         unit_divisor=1024,
-        desc=os.path.basename(path),
+        desc=shown(os.path.basename(path)),  # a file name could hold terminal escape sequences
         leave=False,
         dynamic_ncols=True,
     )

@@ -829,3 +829,27 @@ def test_every_file_is_opened_through_the_policies() -> None:
                 if name in ("open", "os.open", "io.open", "os.fdopen", "tempfile.mkstemp"):
                     found.add((path.name, function.name))
     assert found <= allowed, sorted(found - allowed)
+
+
+def test_a_zoo_link_into_the_output_folder_is_not_an_input(tmp_path: Path) -> None:
+    zoo = _zoo(tmp_path / "zoo")
+    ckptconv.batch(zoo, zoo / "out")
+    (zoo / "again.safetensors").symlink_to("out/y.safetensors")
+    report = ckptconv.batch(zoo, zoo / "out", overwrite=True)
+    assert sorted(r.source for r in report.results) == ["a/x.pt", "y.pt"]
+    assert report.notes == (
+        "skipped 'again.safetensors': a link into the output folder (to 'out/y.safetensors'); not followed",
+    )
+
+
+def test_progress_bars_show_file_names_escaped(tmp_path: Path) -> None:
+    from tqdm import tqdm
+
+    from ckptconv.writing import _progress_callback
+
+    _, close = _progress_callback(True, 10, str(tmp_path / "evil\x1b]0;t\x07.pt"))
+    try:
+        (bar,) = list(tqdm._instances)  # type: ignore[attr-defined]
+        assert bar.desc == "evil\\x1b]0;t\\x07.pt"
+    finally:
+        close()
