@@ -72,16 +72,23 @@ class Inputs:
 
     def __init__(self, files: Iterable[str]) -> None:
         self.files = tuple(dict.fromkeys(os.path.abspath(path) for path in files))
-        self._identities = {identity for identity in map(_identity, self.files) if identity is not None}
-        self._folders = {identity for identity in map(_identity, map(os.path.dirname, self.files)) if identity}
+        self._absolute = frozenset(self.files)
+        self._by_identity: dict[tuple[int, int], str] = {}
+        self._folders: dict[tuple[int, int], str] = {}
+        for source in self.files:
+            identity = _identity(source)
+            if identity is not None:
+                self._by_identity.setdefault(identity, source)
+            folder = _identity(os.path.dirname(source))
+            if folder is not None:
+                self._folders.setdefault(folder, source)
 
     def _which(self, path: str) -> str | None:
         absolute = os.path.abspath(path)
+        if absolute in self._absolute:
+            return absolute
         identity = _identity(absolute)
-        for source in self.files:
-            if source == absolute or (identity is not None and identity == _identity(source)):
-                return source
-        return None
+        return self._by_identity.get(identity) if identity is not None else None
 
     def check_file(self, path: str, *, action: str = "write") -> None:
         """Refuse to write, replace or delete ``path`` when it is one of the input's files.
@@ -105,9 +112,9 @@ class Inputs:
             WriteError: it does.
         """
         identity = _identity(folder)
-        if identity is None or identity not in self._folders:
+        held = self._folders.get(identity) if identity is not None else None
+        if held is None:
             return
-        held = next(source for source in self.files if _identity(os.path.dirname(source)) == identity)
         raise WriteError(
             f"refusing to write {folder!r} onto its own input: the folder holds {held!r}, which must never be "
             "replaced or deleted; choose another output folder",
