@@ -34,7 +34,7 @@ from typing import Any, BinaryIO, Callable
 
 from .. import read_policy
 from ..dtypes import DType
-from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from ..errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from ..standins import StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
 from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
@@ -201,7 +201,17 @@ def read(path: str, *, max_items: int | None = None, region: tuple[int, int] | N
 
 def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max_items: int | None) -> ReadResult:
     size = file.seek(0, io.SEEK_END)
-    infos = {info.filename: info for info in archive.infolist()}
+    infos: dict[str, zipfile.ZipInfo] = {}
+    for info in archive.infolist():
+        if info.filename in infos:
+            # torch's reader takes the first record of a name, Python's zipfile the last: a
+            # benign copy can hide the pickle torch.load would run.
+            raise UnsafeCheckpointError(
+                f"{path!r} holds two records named {short_repr(info.filename)}; torch reads the first and "
+                "other zip readers the last, so refusing a file that can be read two ways (nothing was executed)",
+                path=path,
+            )
+        infos[info.filename] = info
     root = find_root(infos, path)
     pickle_info = infos[f"{root}data.pkl"]
     if pickle_info.file_size > MAX_PICKLE_BYTES:
