@@ -853,3 +853,34 @@ def test_progress_bars_show_file_names_escaped(tmp_path: Path) -> None:
         assert bar.desc == "evil\\x1b]0;t\\x07.pt"
     finally:
         close()
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, lambda: OSError(errno.ENOSPC, "No space left on device")])
+def test_an_interruption_inside_torch_save_is_not_hidden_by_its_zip_writer(failure: object) -> None:
+    """A DCP output is written by torch.save; Ctrl-C, SIGTERM or a failed write in the middle of it was
+    replaced by the RuntimeError torch's zip writer raises while closing ("unexpected pos"), a traceback."""
+    import contextlib
+    import io
+    from collections.abc import Iterator
+
+    from ckptconv.formats import dcp
+    from ckptconv.writing import _entries
+
+    class Failing(io.BytesIO):
+        def write(self, data: bytes) -> int:  # type: ignore[override]
+            if self.tell() > 2000:
+                raise failure()  # type: ignore[operator]
+            return super().write(data)
+
+    @contextlib.contextmanager
+    def open_output(name: str) -> Iterator[io.BytesIO]:
+        yield Failing()
+
+    expected = KeyboardInterrupt if failure is KeyboardInterrupt else OSError
+    with pytest.raises(expected):
+        dcp.write(
+            _entries({f"t{i}": torch.ones(1000) for i in range(3)}),
+            "unused",
+            open_output=open_output,
+            on_bytes=lambda n: None,
+        )

@@ -324,7 +324,15 @@ def write(
         for key, ref in entries:
             tensor = to_torch({key: ref})[key]
             start = data_file.tell()
-            torch.save(tensor, data_file)
+            try:
+                torch.save(tensor, data_file)
+            except RuntimeError as error:
+                # An interruption (Ctrl-C, SIGTERM) or a failed write inside torch.save is replaced by
+                # the RuntimeError its zip writer raises while closing ("unexpected pos"): report the cause.
+                cause = error.__context__
+                if isinstance(cause, (KeyboardInterrupt, OSError)):
+                    raise cause from None
+                raise
             length = data_file.tell() - start
             origin = torch.Size([0] * tensor.dim())
             state_dict_metadata[key] = dcp.TensorStorageMetadata(
