@@ -19,14 +19,10 @@ import click
 
 from ._text import shown as _shown
 from ._version import __version__
+from .report import EXIT_FAILED, EXIT_NEGATIVE, EXIT_UNSAFE, human_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_NEGATIVE = 3
-EXIT_UNSAFE = 4
 
 _EXIT_CODES = """\b
 Exit codes:
@@ -391,14 +387,6 @@ def _say(quiet: bool, message: str) -> None:
         _echo(message, err=True)
 
 
-def _human_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if count < 1024 or unit == "TiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} TiB"
-
-
 def _run_conversion(
     src: str, dst: str, leading: Sequence[Any], options: dict[str, Any], fit_to: str | None = None
 ) -> None:
@@ -423,7 +411,7 @@ def _run_conversion(
             _echo(f"... and {len(report.renames) - 20} more")
         _say(
             quiet,
-            f"dry run: would write {report.tensors} tensors ({_human_bytes(report.bytes)}) "
+            f"dry run: would write {report.tensors} tensors ({human_bytes(report.bytes)}) "
             f"as {report.format}; nothing was written",
         )
         return
@@ -431,7 +419,7 @@ def _run_conversion(
     _say(
         quiet,
         f"wrote {report.destination} ({report.format}, {report.tensors} tensors, "
-        f"{_human_bytes(report.bytes)}{verified})",
+        f"{human_bytes(report.bytes)}{verified})",
     )
 
 
@@ -615,7 +603,7 @@ def _print_devices(as_json: bool) -> None:
     for device in devices:
         _echo(
             f"{device.name}  physical {device.physical}  {device.model}  "
-            f"{_human_bytes(device.free_bytes)} free of {_human_bytes(device.total_bytes)}"
+            f"{human_bytes(device.free_bytes)} free of {human_bytes(device.total_bytes)}"
             + (f"  pci {device.pci_bus_id}" if device.pci_bus_id else "")
         )
 
@@ -665,7 +653,7 @@ def inspect(
         click.echo(json.dumps(info.to_dict(), indent=2))
         return
     devices = ", ".join(info.saved_devices) or "n/a"
-    _echo(f"{info.path}: {info.format}, {_human_bytes(info.size)}, saved on {devices}")
+    _echo(f"{info.path}: {info.format}, {human_bytes(info.size)}, saved on {devices}")
     if info.foreign_globals:
         _echo("stand-ins (classes from code that is not here; nothing was run):")
         for name, count in info.foreign_globals.items():
@@ -685,7 +673,7 @@ def inspect(
     dtypes = ", ".join(f"{name}: {count}" for name, count in info.dtypes.items())
     _echo(
         f"weights: {where}: {len(info.tensors)} tensors, {info.parameters:,} elements, "
-        f"{_human_bytes(info.tensor_bytes)} ({dtypes})"
+        f"{human_bytes(info.tensor_bytes)} ({dtypes})"
     )
     if info.selection_note:
         _echo(f"note: {info.selection_note}")
