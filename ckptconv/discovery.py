@@ -163,7 +163,7 @@ def _index_shards(path: str, folder: str) -> list[str] | None:
 def _refusal(path: str, root: str, excluded: Iterable[str] = ()) -> str:
     """Why ``path`` (found under ``root``) must not be read, or ``""``."""
     if os.path.islink(path):
-        if not read_policy.inside(path, root):
+        if not read_policy.inside(path, root) and not read_policy.hub_blob(path, os.path.dirname(path)):
             return f"a link that leads outside the source folder (to {os.readlink(path)!r}); not followed"
         if any(read_policy.inside(path, folder) for folder in excluded):
             return f"a link into the output folder (to {os.readlink(path)!r}); not followed"
@@ -301,7 +301,7 @@ def discover(
                 if "/" in shard
                 and ".." not in shard.split("/")
                 and os.path.isfile(os.path.join(folder, *shard.split("/")))
-                and read_policy.inside(os.path.join(folder, *shard.split("/")), folder)
+                and read_policy.within(os.path.join(folder, *shard.split("/")), folder)
             ]
             claimed.update(os.path.join(folder, *shard.split("/")) for shard in below)
             found.append(_group(root, folder, rel_folder, name, SHARDED, [name, *present, *below]))

@@ -12,7 +12,9 @@ checksums, the byte sources of lazy tensors). The rules:
   regular file that was checked.
 * **Inside the checkpoint's folder.** A file a folder checkpoint names (index,
   ``.metadata``, shards, chunk files) must be a plain relative name inside the
-  folder; a link is followed only when it stays inside the folder. The same
+  folder; a link is followed only when it stays inside the folder, or, in a
+  snapshot of the Hugging Face hub cache, when it leads to the same
+  repository's ``blobs`` (which every file of a snapshot is). The same
   holds for the members :func:`ckptconv.discovery.discover` finds under SRC.
   The path a user names on the command line is theirs to choose, links included.
 * **Size caps** for files read whole into memory as JSON or text: indexes,
@@ -31,11 +33,13 @@ from .errors import LoadError, MalformedCheckpointError, UnsupportedFormatError
 __all__ = [
     "MAX_TEXT_BYTES",
     "check_file",
+    "hub_blob",
     "inside",
     "kind_of",
     "member",
     "open_file",
     "read_limited",
+    "within",
 ]
 
 # JSON and text files read whole: shard indexes, key lists for fit --like.
@@ -71,6 +75,23 @@ def inside(path: str, folder: str) -> bool:
         return False
 
 
+def hub_blob(path: str, folder: str) -> bool:
+    """True when ``folder`` is a snapshot of the Hugging Face hub cache and ``path`` links into the
+    same repository's ``blobs`` folder, as every file of a snapshot does
+    (``models--org--name/snapshots/<revision>/model.safetensors -> ../../blobs/<sha256>``)."""
+    real_folder = os.path.realpath(folder)
+    snapshots = os.path.dirname(real_folder)
+    if os.path.basename(snapshots) != "snapshots":
+        return False
+    return inside(path, os.path.join(os.path.dirname(snapshots), "blobs"))
+
+
+def within(path: str, folder: str) -> bool:
+    """The read policy's rule for a file a folder checkpoint holds: inside the folder, or a
+    Hugging Face cache snapshot's link into its repository's blobs (:func:`hub_blob`)."""
+    return inside(path, folder) or hub_blob(path, folder)
+
+
 def _stat_error(error: OSError, path: str) -> LoadError:
     if isinstance(error, FileNotFoundError):
         if os.path.islink(path):
@@ -94,7 +115,7 @@ def check_file(path: str, *, folder: str | None = None) -> os.stat_result:
         if isinstance(error, ValueError):  # embedded NUL
             raise LoadError(f"{path!r} is not a valid path", path=path) from None
         raise _stat_error(error, path) from None
-    if folder is not None and not inside(path, folder):
+    if folder is not None and not within(path, folder):
         raise MalformedCheckpointError(
             f"{path!r} is a link that leads outside the checkpoint folder {folder!r}; "
             "ckptconv reads only files inside it (copy the file in instead of linking it)",

@@ -884,3 +884,38 @@ def test_an_interruption_inside_torch_save_is_not_hidden_by_its_zip_writer(failu
             open_output=open_output,
             on_bytes=lambda n: None,
         )
+
+
+def _hub_snapshot(root: Path, files: dict[str, bytes]) -> Path:
+    """A Hugging Face hub cache repository: blobs by sha256, a snapshot of links to them."""
+    repo = root / "hub" / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for name, data in files.items():
+        digest = hashlib.sha256(data).hexdigest()
+        (repo / "blobs" / digest).write_bytes(data)
+        (snapshot / name).symlink_to(f"../../blobs/{digest}")
+    return snapshot
+
+
+def test_hugging_face_cache_snapshots_are_read(tmp_path: Path) -> None:
+    """Every file of a hub cache snapshot is a link to ../../blobs: followed there, and only there."""
+    work = tmp_path / "work"
+    _sharded(work)
+    files = {p.name: p.read_bytes() for p in work.iterdir()}
+    snapshot = _hub_snapshot(tmp_path, files)
+    weights = ckptconv.load(snapshot)
+    assert weights["a"].equal(torch.arange(64.0)) and weights["b"].equal(torch.ones(64))
+    single = _hub_snapshot(
+        tmp_path / "single", {"model.safetensors": (work / "model-00002-of-00002.safetensors").read_bytes()}
+    )
+    assert ckptconv.load(single)["b"].equal(torch.ones(64))
+    report = ckptconv.batch(single, tmp_path / "out")
+    assert [(r.source, r.status) for r in report.results] == [("model.safetensors", "converted")] and not report.notes
+    # A snapshot link anywhere else is refused as in any folder.
+    (tmp_path / "private.safetensors").write_bytes(files["model-00001-of-00002.safetensors"])
+    (snapshot / "model-00001-of-00002.safetensors").unlink()
+    (snapshot / "model-00001-of-00002.safetensors").symlink_to(tmp_path / "private.safetensors")
+    with pytest.raises(ckptconv.MalformedCheckpointError, match="leads outside the checkpoint folder"):
+        ckptconv.open(snapshot)

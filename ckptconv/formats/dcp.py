@@ -65,7 +65,7 @@ def checkpoint_files(folder: str) -> list[str]:
         if name.endswith(DCP_DATA_SUFFIX)
         # only what may be read: regular files inside the folder (see ckptconv.read_policy)
         and os.path.isfile(os.path.join(folder, name))
-        and read_policy.inside(os.path.join(folder, name), folder)
+        and read_policy.within(os.path.join(folder, name), folder)
     )
     return [os.path.join(folder, name) for name in (METADATA_FILE, *data)]
 
