@@ -37,6 +37,7 @@ __all__ = [
     "inside",
     "kind_of",
     "member",
+    "open_descriptor",
     "open_file",
     "read_limited",
     "within",
@@ -131,6 +132,32 @@ def check_file(path: str, *, folder: str | None = None) -> os.stat_result:
     return info
 
 
+def open_descriptor(path: str, *, folder: str | None = None, flags: int = 0) -> int:
+    """:func:`open_file`, as a raw descriptor opened with extra ``flags`` (``O_DIRECT``).
+
+    Raises:
+        LoadError: see :func:`check_file`; or the file changed between the check and the open.
+        OSError: the file system refuses ``flags``.
+    """
+    info = check_file(path, folder=folder)
+    target = path
+    flags |= _OPEN_FLAGS
+    if folder is not None:
+        # Open the resolved path without following a link in its last component, so a
+        # link swapped in after the check cannot lead out of the folder.
+        target = os.path.realpath(path)
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(target, flags)
+    try:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+            raise LoadError(f"{path!r} changed while it was being opened; try again", path=path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_file(path: str, *, folder: str | None = None) -> io.BufferedReader:
     """Open a regular file for reading, after :func:`check_file`, without blocking on FIFOs.
 
@@ -140,22 +167,11 @@ def open_file(path: str, *, folder: str | None = None) -> io.BufferedReader:
     Raises:
         LoadError: see :func:`check_file`; or the file changed between the check and the open.
     """
-    info = check_file(path, folder=folder)
-    target = path
-    flags = _OPEN_FLAGS
-    if folder is not None:
-        # Open the resolved path without following a link in its last component, so a
-        # link swapped in after the check cannot lead out of the folder.
-        target = os.path.realpath(path)
-        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(target, flags)
+        fd = open_descriptor(path, folder=folder)
     except OSError as error:
         raise _stat_error(error, path) from None
     try:
-        opened = os.fstat(fd)
-        if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
-            raise LoadError(f"{path!r} changed while it was being opened; try again", path=path)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
