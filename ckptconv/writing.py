@@ -541,12 +541,9 @@ def save(
         raise ValueError(f"tied must be one of {', '.join(TIED)}, not {tied!r}")
     entries = _entries(state)
     target = os.path.abspath(os.fspath(path))
-    inputs = {*_source_paths(entries), *inputs}
+    protected = write_policy.Inputs([*_source_paths(entries), *inputs])
     folder_output = is_folder_destination(path, to, max_shard_size)
     kind = output_format(path, to, folder=folder_output)
-    protected = write_policy.Inputs([*_source_paths(entries), *inputs])
-    folder_output = is_folder_destination(path, format, max_shard_size)
-    kind = output_format(path, format, folder=folder_output)
     total = sum(ref.nbytes for _, ref in entries)
     update, close = _progress_callback(progress, total, target)
     try:
