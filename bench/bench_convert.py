@@ -368,6 +368,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints for another run")
     parser.add_argument("--baseline", type=Path, help="another source tree to run each ckptconv row from too")
+    parser.add_argument("--only", nargs="+", help="only the rows whose name contains one of these (cp always runs)")
     args = parser.parse_args()
 
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -378,6 +379,8 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         cases = cases_for(paths, out, args.quick)
+        if args.only:
+            cases = [c for c in cases if c.name == "cp" or any(text in c.name for text in args.only)]
         if args.baseline:
             cases = with_baseline(cases, args.baseline)
         for round_number in range(args.runs):
