@@ -450,7 +450,7 @@ def test_convert_a_file_whose_name_is_not_utf8(suffix: str, tmp_path: Path) -> N
     output = tmp_path / f"{NOT_UTF8}-out{suffix}"
     result = _cli("convert", str(source), str(output))  # arguments are passed as the raw bytes
     assert result.returncode == 0, result.stderr
-    assert result.stderr == f"wrote {tmp_path}/caf\\xe9-out{suffix} ({suffix[1:]}, 1 tensors, 20 B)\n"
+    assert result.stderr == f"wrote {tmp_path}/caf\\xe9-out{suffix} ({suffix[1:]}, 1 tensor, 20 B)\n"
     assert os.fsencode(output.name) == b"caf\xe9-out" + suffix.encode()
     if suffix == ".safetensors":
         import shutil
