@@ -82,7 +82,8 @@ def read_header(path: str) -> tuple[dict[str, Any], int, int]:
 def read(path: str) -> ReadResult:
     """Read a safetensors file lazily; every tensor is a region of the file."""
     header, data_start, size = read_header(path)
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
@@ -116,12 +117,24 @@ def read(path: str) -> ReadResult:
         spans.append((begin, end, key))
         storage = Storage(end - begin, FileRegion(path, data_start + begin), name=key)
         tree[key] = TensorRef(storage, dtype, tuple(shape), contiguous_strides(tuple(shape)))
-    spans.sort()
-    for (_, previous_end, previous), (begin, end, key) in zip(spans, spans[1:]):
-        if begin < previous_end and begin != end:
-            raise _damaged(path, f"tensors {previous!r} and {key!r} overlap")
+    _check_buffer_indexed(path, spans, data_length)
     _restore_aliases(path, tree, metadata)
     return ReadResult(FORMAT, tree, metadata=dict(metadata))
+
+
+def _check_buffer_indexed(path: str, spans: list[tuple[int, int, str]], data_length: int) -> None:
+    """The format's rule, as the reference reader applies it: the tensors, sorted by
+    offsets, tile the data buffer exactly. No hole, no overlap (not even one hidden
+    behind an empty tensor), no trailing bytes: a buffer that is entirely indexed
+    leaves no room for a second file hidden inside (a polyglot)."""
+    position = 0
+    for begin, end, key in sorted(spans):
+        if begin != position:
+            what = "overlaps the tensor before it" if begin < position else f"leaves bytes {position}-{begin} unindexed"
+            raise _damaged(path, f"tensor {key!r} at data_offsets [{begin}, {end}] {what}")
+        position = end
+    if position != data_length:
+        raise _damaged(path, f"{data_length - position} bytes after the last tensor belong to no tensor")
 
 
 def _restore_aliases(path: str, tree: dict[str, TensorRef], metadata: dict[str, str]) -> None:

@@ -136,6 +136,14 @@ def record_data_offset(file: BinaryIO, info: zipfile.ZipInfo, path: str) -> int:
     name_length: int
     extra_length: int
     name_length, extra_length = struct.unpack("<HH", header[26:30])
+    flags: int
+    method: int
+    flags, method = struct.unpack("<HH", header[6:10])
+    local_name = file.read(name_length).decode("utf-8" if flags & 0x800 else "cp437", "replace")
+    # The central directory and the local header must describe the same record:
+    # readers that trust one or the other would otherwise read different bytes.
+    if local_name != info.orig_filename or method != info.compress_type:
+        raise _damaged(path, f"the local header of {info.filename!r} disagrees with its directory entry")
     return int(info.header_offset) + 30 + name_length + extra_length
 
 
@@ -199,7 +207,13 @@ def read(path: str, *, max_items: int | None = None, region: tuple[int, int] | N
 
 def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max_items: int | None) -> ReadResult:
     size = file.seek(0, io.SEEK_END)
-    infos = {info.filename: info for info in archive.infolist()}
+    infos: dict[str, zipfile.ZipInfo] = {}
+    for info in archive.infolist():
+        if info.filename in infos:
+            # zipfile keeps the last record of a name and torch the first: a reviewer
+            # checking the file with torch would see other weights than we convert.
+            raise _damaged(path, f"it holds two records named {info.filename!r}; refusing to pick one")
+        infos[info.filename] = info
     root = find_root(infos, path)
     pickle_info = infos[f"{root}data.pkl"]
     if pickle_info.file_size > MAX_PICKLE_BYTES:
