@@ -37,6 +37,14 @@ class DType:
     numpy: str
 
     @property
+    def negatable(self) -> bool:
+        """True for the types torch can give a negative bit (``torch._neg_view``): signed
+        ints, uint8, float, complex; not bool, float8 or the wider unsigned ints."""
+        if self.kind == "float":
+            return self.itemsize > 1
+        return self.kind in ("int", "complex") or self.name == "uint8"
+
+    @property
     def is_floating_point(self) -> bool:
         """True for the types a ``--dtype`` cast applies to (not ints, bools or complex)."""
         return self.kind == "float"

@@ -123,3 +123,99 @@ def test_safetensors_files_follow_the_reference_readers_rules(tmp_path: Path, ca
         assert sorted(ours) == sorted(reference)
         for key, tensor in reference.items():
             assert torch.equal(ours[key], tensor)
+
+
+# ---------------------------------------------------------------------------------------
+# Storages and tensor bits torch.save never writes
+# ---------------------------------------------------------------------------------------
+
+
+def _retarget_storage(source: Path, target: Path, old_key: str, new_key: str) -> None:
+    """Point every reference to storage ``old_key`` at ``new_key`` (same-length keys keep the pickle valid)."""
+    with zipfile.ZipFile(source) as archive:
+        pickle_name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+        data = archive.read(pickle_name)
+    needle = b"X" + struct.pack("<I", len(old_key)) + old_key.encode()
+    assert data.count(needle) == 1
+    rewrite_zip(
+        source, target, {pickle_name: data.replace(needle, b"X" + struct.pack("<I", len(new_key)) + new_key.encode())}
+    )
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (torch.float32, torch.int32),
+        (torch.int64, torch.float64),
+        (torch.float32, torch.uint32),
+        (torch.uint16, torch.float16),
+    ],
+)
+def test_one_storage_referred_to_with_two_dtypes_is_refused(
+    tmp_path: Path, first: torch.dtype, second: torch.dtype
+) -> None:
+    plain = tmp_path / "plain.pt"
+    torch.save({"x": torch.arange(4).to(first), "y": torch.arange(4, 8).to(second)}, plain)
+    source = tmp_path / "two.pt"
+    _retarget_storage(plain, source, "1", "0")
+    # torch.load gives "y" the first reference's storage type: other values than y's own.
+    loaded = torch.load(source, weights_only=True)
+    assert loaded["y"].dtype != second or not torch.equal(loaded["y"], torch.arange(4, 8).to(second))
+    assert_refused(source, tmp_path, "storage '0' is referred to as")
+
+
+class _Rebuilt:
+    """Pickles as a tensor rebuilt with chosen conj/neg metadata (what a crafted file can say)."""
+
+    def __init__(self, tensor: torch.Tensor, metadata: object) -> None:
+        self.tensor, self.metadata = tensor, metadata
+
+    def __reduce_ex__(self, protocol: int) -> tuple[object, tuple[object, ...]]:
+        import collections
+
+        t = self.tensor
+        if t.dtype.is_floating_point and t.dtype.itemsize == 1 or t.dtype in (torch.uint16, torch.uint32):
+            args = (t.untyped_storage(), 0, tuple(t.shape), t.stride(), False, collections.OrderedDict(), t.dtype)
+            return (torch._utils._rebuild_tensor_v3, (*args, self.metadata))
+        typed = torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
+        args = (typed, 0, tuple(t.shape), t.stride(), False, collections.OrderedDict())
+        return (torch._utils._rebuild_tensor_v2, (*args, self.metadata))
+
+
+@pytest.mark.parametrize(
+    ("tensor", "metadata", "message"),
+    [
+        (torch.tensor([1.0, -2.0]), {"conj": True}, "carries the conjugate bit"),
+        (torch.tensor([True, False]), {"neg": True}, "carries the negative bit"),
+        (torch.tensor([1.0, 2.0]).to(torch.float8_e4m3fn), {"neg": True}, "carries the negative bit"),
+        (torch.tensor([1, 2]).to(torch.uint16), {"neg": True}, "carries the negative bit"),
+        (torch.tensor([1.0, 2.0]), {"neg": False}, "is not the conj/neg flags"),  # torch.load sets the bit anyway
+        (torch.tensor([1.0, 2.0]), {"zero": True}, "is not the conj/neg flags"),
+        (torch.tensor([1.0, 2.0]), [1], "is not the conj/neg flags"),
+    ],
+)
+def test_tensor_bits_torch_save_never_writes_are_refused(
+    tmp_path: Path, tensor: torch.Tensor, metadata: object, message: str
+) -> None:
+    source = tmp_path / "bits.pt"
+    torch.save({"x": _Rebuilt(tensor, metadata)}, source)
+    assert_refused(source, tmp_path, message)
+
+
+def test_save_resolves_conj_and_neg_bits_of_the_tensors_it_is_given(tmp_path: Path) -> None:
+    c = torch.tensor([1 + 2j, 3 - 4j, -0.5 + 0j])
+    state = {"c": c.conj(), "n": c.clone().conj().imag, "neg": torch._neg_view(torch.arange(-3, 3, dtype=torch.int8))}
+    for suffix in ("pt", "safetensors"):
+        output = tmp_path / f"out.{suffix}"
+        ckptconv.save(state, output)
+        loaded = (
+            torch.load(output, weights_only=True)
+            if suffix == "pt"
+            else __import__("safetensors.torch").torch.load_file(output)
+        )
+        for key, tensor in state.items():
+            assert torch.equal(loaded[key].resolve_conj().resolve_neg(), tensor.resolve_conj().resolve_neg()), (
+                suffix,
+                key,
+            )
+            assert loaded[key].dtype == tensor.dtype

@@ -92,7 +92,12 @@ class Assembled:
         row = math.prod(self.shape[1:]) * self.itemsize
         rows = []
         for offsets, chunk in self.chunks:
-            if any(offsets[1:]) or tuple(chunk.shape[1:]) != tuple(self.shape[1:]) or not chunk.is_contiguous:
+            if (
+                any(offsets[1:])
+                or tuple(chunk.shape[1:]) != tuple(self.shape[1:])
+                or not chunk.is_contiguous
+                or not chunk.is_stored_as_is
+            ):
                 return None
             rows.append((offsets[0] * row, (offsets[0] + chunk.shape[0]) * row, chunk))
         rows.sort(key=lambda item: item[0])

@@ -37,7 +37,7 @@ from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..standins import StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
 from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
-from ._base import MetadataValue, ReadResult, pickle_location, resolve
+from ._base import MetadataValue, ReadResult, check_same_storage_type, pickle_location, resolve
 
 __all__ = ["read", "write"]
 
@@ -232,6 +232,7 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
         raise _damaged(path, f"its byteorder record says {short_repr(byteorder)}")
 
     storages: dict[str, Storage] = {}
+    types: dict[str, tuple[StorageType, int]] = {}
     devices: set[str] = set()
 
     def persistent_load(pid: Any) -> TypedStorage:
@@ -244,7 +245,10 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
             raise _damaged(path, f"storage reference {short_repr(pid)} is malformed")
         dtype = storage_type.dtype
         storage = storages.get(key)
-        if storage is None:
+        if storage is not None:
+            check_same_storage_type(path, key, types[key], (storage_type, numel))
+        else:
+            types[key] = (storage_type, numel)
             name = f"{root}data/{key}"
             info = infos.get(name)
             if info is None:
@@ -350,9 +354,11 @@ def plan_storages(entries: Sequence[tuple[str, TensorRef]]) -> tuple[list[Planne
     are sparse (a column of a big matrix spans almost all of it), each distinct
     view is gathered into its own compact storage instead.
     """
-    groups: dict[tuple[int, str, str, bool], list[tuple[int, str, TensorRef]]] = {}
+    # Views share an output storage only when their bytes are written alike: the
+    # same dtypes, cast and conj/neg bits (the bits are applied to the bytes).
+    groups: dict[tuple[int, str, str, bool, bool, bool], list[tuple[int, str, TensorRef]]] = {}
     for index, (key, ref) in enumerate(entries):
-        group_key = (id(ref.storage), ref.dtype.name, ref.out_dtype.name, ref.allow_overflow)
+        group_key = (id(ref.storage), ref.dtype.name, ref.out_dtype.name, ref.allow_overflow, ref.conj, ref.neg)
         groups.setdefault(group_key, []).append((index, key, ref))
 
     storages: list[PlannedStorage] = []
