@@ -174,7 +174,7 @@ class _Rebuilt:
         import collections
 
         t = self.tensor
-        if t.dtype.is_floating_point and t.dtype.itemsize == 1 or t.dtype in (torch.uint16, torch.uint32):
+        if (t.dtype.is_floating_point and t.dtype.itemsize == 1) or t.dtype in (torch.uint16, torch.uint32):
             args = (t.untyped_storage(), 0, tuple(t.shape), t.stride(), False, collections.OrderedDict(), t.dtype)
             return (torch._utils._rebuild_tensor_v3, (*args, self.metadata))
         typed = torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
