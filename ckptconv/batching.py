@@ -197,7 +197,7 @@ def batch(
     fail_fast: bool = False,
     overwrite: bool = False,
     trust: bool = False,
-    verify: bool = False,
+    verify: bool | str = False,
     dry_run: bool = False,
     checksums: bool = True,
     fsync: bool = True,
@@ -238,7 +238,8 @@ def batch(
             started are reported as cancelled.
         overwrite: replace existing outputs.
         trust: see :func:`ckptconv.open`. Dangerous: runs code from every file.
-        verify: re-read each output and compare it bit for bit before keeping it.
+        verify: re-read each output and compare it bit for bit before keeping it
+            (``"torch"``: with torch.load / the safetensors library; see :func:`ckptconv.convert`).
         dry_run: find and plan, convert and write nothing (not even the manifest).
         checksums: record the sha256 of every input and output (one more read of each).
         fsync: make each output durable before it appears (the manifest always is).

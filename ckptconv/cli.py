@@ -258,7 +258,16 @@ output_options = _compose(
         help="Write DST as a folder of shards of at most SIZE (5GB, 500MB, 2GiB) with a Hugging Face index.",
     ),
     click.option("--overwrite", is_flag=True, help="Replace DST if it exists."),
-    click.option("--verify", is_flag=True, help="Re-read the output and compare every tensor before keeping it."),
+    click.option(
+        "--verify",
+        type=click.Choice(["ckptconv", "torch"]),
+        is_flag=False,
+        flag_value="ckptconv",
+        default=None,
+        help="Re-read the output and compare every tensor with the source before keeping it. "
+        "--verify=torch reads both with torch.load(weights_only=True) / the safetensors library "
+        "instead of ckptconv's readers, where they can read them.",
+    ),
     click.option("--dry-run", is_flag=True, help="Show what would change (first 20 key renames) and write nothing."),
     click.option(
         "--keep-meta",
@@ -327,13 +336,21 @@ batch_options = _compose(
 )
 
 
-# Everything a conversion command takes: SRC, DST and the three option sets.
+integrity_options = click.option(
+    "--no-crc-check",
+    is_flag=True,
+    help="Convert a zip checkpoint whose records do not match their CRC-32 anyway "
+    "(to rescue a damaged file; its damaged tensors are copied as they are).",
+)
+
+# Everything a conversion command takes: SRC, DST and the option sets.
 conversion_arguments = _compose(
     click.argument("src", type=click.Path(dir_okay=True)),
     click.argument("dst", type=click.Path(dir_okay=True)),
     selection_options,
     transform_options,
     output_options,
+    integrity_options,
 )
 
 
@@ -390,6 +407,7 @@ def _run_conversion(
         source_hash=not options["no_source_hash"],
         fit_to=fit_to,
         max_shard_size=options["max_shard_size"],
+        check_crc=not options["no_crc_check"],
     )
     for note in report.notes:
         _say(quiet, f"note: {note}")
@@ -406,7 +424,9 @@ def _run_conversion(
             f"as {report.format}; nothing was written",
         )
         return
-    verified = ", verified bit for bit" if report.verified else ""
+    verified = ""
+    if report.verified:
+        verified = ", verified bit for bit" + (" by torch" if report.verified_with == "torch" else "")
     _say(
         quiet,
         f"wrote {report.destination} ({report.format}, {report.tensors} tensors, "
@@ -512,21 +532,32 @@ def fit(src: str, dst: str, reference: str, **options: Any) -> None:
 @click.argument("dst", type=click.Path(dir_okay=True))
 @selection_options
 @transform_options
-def verify(src: str, dst: str, select: str | None, trust: bool, **options: Any) -> None:
+@click.option(
+    "--reference",
+    type=click.Choice(["ckptconv", "torch"]),
+    default="ckptconv",
+    show_default=True,
+    help="Who reads the tensors: ckptconv's readers, or torch.load(weights_only=True) and the "
+    "safetensors library (where they can read the file; the result line says who read what).",
+)
+def verify(src: str, dst: str, select: str | None, trust: bool, reference: str, **options: Any) -> None:
     """Prove DST holds SRC's weights after the given transforms, bit for bit.
 
     Pass the transform options the conversion used. Compares keys, dtypes,
     shapes and every byte (after the cast, if one was applied). Exits 0 when
-    they match and 3 when they do not.
+    they match and 3 when they do not. With --reference torch, a bug in
+    ckptconv's own readers cannot hide behind itself: use it to check a
+    conversion independently, or when a file looks odd.
 
     \b
     Example:
       ckptconv verify dp_model.pkl model.pt --strip-prefix module
       ckptconv verify model.pt model_bf16.safetensors --dtype bf16
+      ckptconv verify model.pt model.safetensors --reference torch
     """
     from .verification import verify as verify_files
 
-    result = verify_files(src, dst, select=select, transforms=_pipeline([], options), trust=trust)
+    result = verify_files(src, dst, select=select, transforms=_pipeline([], options), trust=trust, reference=reference)
     click.echo(result.summary())
     if not result.ok:
         for key in result.missing[:20]:

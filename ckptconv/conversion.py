@@ -19,9 +19,12 @@ from typing import Any, Union
 from ._version import __version__
 from .errors import FitError, VerifyError
 from .formats._base import Deferred, MetadataValue
+from .integrity import check_record_crcs
 from .loading import open as open_checkpoint
 from .metadata import checkpoint_metadata, encode_entries, source_sha256
+from .tensor import TensorRef
 from .transforms import Canonicalize, Pipeline, StepReport, StripPrefix, Transform
+from .verification import REFERENCES
 from .writing import Progress, is_folder_destination, output_format, save
 
 __all__ = ["ConversionReport", "convert"]
@@ -63,6 +66,7 @@ class ConversionReport:
         files: every file written (one, or the shards and the index of a folder).
         source_sha256: the source's sha256 recorded in the provenance (None with
             ``source_hash=False``; for folders, see :func:`ckptconv.metadata.source_sha256`).
+        verified_with: ``"ckptconv"`` or ``"torch"``: whose readers verified the output.
     """
 
     source: str
@@ -81,6 +85,7 @@ class ConversionReport:
     renames: tuple[tuple[str, str], ...] = ()
     files: tuple[str, ...] = ()
     source_sha256: str | None = None
+    verified_with: str = ""
 
 
 def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> list[str]:
@@ -110,7 +115,7 @@ def convert(
     to: str | None = None,
     overwrite: bool = False,
     trust: bool = False,
-    verify: bool = False,
+    verify: bool | str = False,
     dry_run: bool = False,
     progress: Progress = False,
     fsync: bool = True,
@@ -118,6 +123,7 @@ def convert(
     source_hash: bool = True,
     fit_to: Any = None,
     max_shard_size: int | None = None,
+    check_crc: bool = True,
 ) -> ConversionReport:
     """Convert a checkpoint: pick its weights, transform them, write them, optionally verify.
 
@@ -133,7 +139,10 @@ def convert(
         overwrite: replace an existing destination.
         trust: see :func:`ckptconv.open`. Dangerous.
         verify: re-read the written file and compare every tensor before it is
-            moved into place; a difference raises and leaves no output.
+            moved into place; a difference raises and leaves no output. ``True``
+            or ``"ckptconv"`` reads both sides with ckptconv's readers;
+            ``"torch"`` with ``torch.load(weights_only=True)`` or the safetensors
+            library wherever they can read them (see :func:`ckptconv.verify`).
         dry_run: do everything but write; ``renames`` shows the key changes.
         progress: show a progress bar on stderr, or a callable given byte counts.
         fsync: make the output durable before it appears (see :func:`ckptconv.save`).
@@ -148,6 +157,10 @@ def convert(
         source_hash: record the source file's sha256 in the output's provenance;
             it is computed on a second core while the tensors are copied, but a
             large training checkpoint may take longer to hash than to convert.
+        check_crc: read every zip record the weights use and compare it with the
+            CRC-32 the archive records, on a worker thread during the write; a
+            mismatch raises and leaves no output. False converts a damaged file's
+            bytes as they are (for rescuing what can be rescued).
 
     Returns:
         A :class:`ConversionReport`.
@@ -160,6 +173,9 @@ def convert(
         ...                  transforms=[ckptconv.StripPrefix("module"), ckptconv.Cast("bf16")])  # doctest: +SKIP
     """
     pipeline = transforms if isinstance(transforms, Pipeline) else Pipeline.of(transforms)
+    reference = "ckptconv" if verify is True else (verify or None)
+    if reference is not None and reference not in REFERENCES:
+        raise ValueError(f"verify must be True, False or one of {', '.join(REFERENCES)}, not {verify!r}")
     checkpoint = open_checkpoint(source, trust=trust)
     selection = checkpoint.select(select)
     notes: list[str] = []
@@ -240,16 +256,35 @@ def convert(
     )
     extra = entries if kind == "pt" and keep_meta else None
 
-    def check(written: str) -> None:
-        from .verification import compare
+    def transform_again(weights: dict[str, TensorRef]) -> Mapping[str, TensorRef]:
+        """The same steps, on the weights an independent reader gives."""
+        result, _ = pipeline.apply(weights)
+        if fit_to is not None:
+            from .fitting import fit
 
-        result = compare(state, open_checkpoint(written).select().weights)
+            result, _ = fit(result, fit_to)
+        return result
+
+    def check(written: str) -> None:
+        from .verification import compare, compare_with_reference
+
+        if crcs is not None:
+            crcs.result()  # the source's records are what the archive recorded, or nothing appears
+        if reference is None:
+            return
+        if reference == "torch":
+            result = compare_with_reference(checkpoint, selection, open_checkpoint(written), transform=transform_again)
+        else:
+            result = compare(state, open_checkpoint(written).select().weights)
         if not result.ok:
             raise VerifyError(f"{result.summary()}; the output was not written")
 
     give_up = threading.Event()
     digest: concurrent.futures.Future[str] | None = None
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as hasher:
+    crcs: concurrent.futures.Future[None] | None = None
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as hasher:
+        if check_crc:
+            crcs = hasher.submit(check_record_crcs, list(state.items()), stop=give_up)
         if source_hash:
             digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
@@ -264,7 +299,7 @@ def convert(
                 max_shard_size=max_shard_size,
                 progress=progress,
                 inputs=[checkpoint.path],
-                check=check if verify else None,
+                check=check if (reference is not None or crcs is not None) else None,
                 fsync=fsync,
             )
         except BaseException:
@@ -284,6 +319,7 @@ def convert(
         aliases=written.aliases,
         files=written.files,
         notes=tuple(notes),
-        verified=True if verify else None,
+        verified=True if reference is not None else None,
+        verified_with=reference or "",
         source_sha256=digest.result() if digest is not None else None,
     )

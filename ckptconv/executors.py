@@ -61,7 +61,7 @@ class Options:
     select: str | None = None
     overwrite: bool = False
     trust: bool = False
-    verify: bool = False
+    verify: bool | str = False
     fsync: bool = True
     checksums: bool = True
     keep_meta: bool = False

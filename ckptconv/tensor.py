@@ -82,10 +82,14 @@ _DECOMPRESS_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedEr
 
 @dataclass(frozen=True)
 class ZipMember:
-    """A compressed zip member: read by decompressing from its start."""
+    """A compressed zip member: read by decompressing from its start.
+
+    ``crc32`` is the CRC-32 the archive records for the member's bytes.
+    """
 
     path: str
     name: str
+    crc32: int | None = None
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[ReadInto]:

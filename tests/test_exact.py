@@ -219,3 +219,264 @@ def test_save_resolves_conj_and_neg_bits_of_the_tensors_it_is_given(tmp_path: Pa
                 key,
             )
             assert loaded[key].dtype == tensor.dtype
+
+
+# ---------------------------------------------------------------------------------------
+# CRC-32 of the records read
+# ---------------------------------------------------------------------------------------
+
+
+def _damaged_checkpoint(tmp_path: Path) -> tuple[Path, str]:
+    """A torch zip whose record for ``w`` has one flipped bit; torch.load reads it without a word."""
+    source = tmp_path / "damaged.pt"
+    torch.save({"w": torch.arange(16, dtype=torch.float32), "b": torch.ones(2)}, source)
+    with zipfile.ZipFile(source) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+    data = bytearray(source.read_bytes())
+    name_length, extra_length = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    data[info.header_offset + 30 + name_length + extra_length + 9] ^= 0x10
+    source.write_bytes(bytes(data))
+    return source, info.filename
+
+
+def test_records_that_do_not_match_their_crc_are_refused(tmp_path: Path) -> None:
+    source, record = _damaged_checkpoint(tmp_path)
+    damaged = torch.load(source, weights_only=True)
+    assert not torch.equal(damaged["w"], torch.arange(16, dtype=torch.float32))  # torch launders it
+    assert_refused(source, tmp_path, f"record {record!r} (tensor 'w') has CRC-32")
+    _, _, stderr = run_cli("convert", str(source), str(tmp_path / "x.safetensors"))
+    assert stderr.rstrip().endswith("pass --no-crc-check to convert its bytes anyway")
+    with pytest.raises(MalformedCheckpointError, match="tensor 'w'"):
+        ckptconv.verify(source, tmp_path / "anything.pt")
+
+
+def test_no_crc_check_rescues_a_damaged_file_as_torch_reads_it(tmp_path: Path) -> None:
+    import safetensors.torch
+
+    source, _ = _damaged_checkpoint(tmp_path)
+    output = tmp_path / "rescued.safetensors"
+    code, _, stderr = run_cli("convert", str(source), str(output), "--no-crc-check", "-q")
+    assert (code, stderr) == (0, "")
+    damaged = torch.load(source, weights_only=True)
+    rescued = safetensors.torch.load_file(output)
+    assert all(torch.equal(rescued[key], damaged[key]) for key in damaged)
+    loaded = ckptconv.load(source, check_crc=False)
+    assert all(torch.equal(loaded[key], damaged[key]) for key in damaged)
+
+
+def test_compressed_records_are_checked_too(tmp_path: Path) -> None:
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.arange(64, dtype=torch.float32)}, plain)
+    source = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(plain) as old, zipfile.ZipFile(source, "w", zipfile.ZIP_DEFLATED) as new:
+        for info in old.infolist():
+            new.writestr(info.filename, old.read(info))
+    with zipfile.ZipFile(source) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+    data = bytearray(source.read_bytes())
+    wrong = struct.pack("<I", info.CRC ^ 1)
+    data[info.header_offset + 14 : info.header_offset + 18] = wrong  # local header
+    position = data.index(b"PK\x01\x02")
+    while position >= 0:
+        name_length = struct.unpack("<H", data[position + 28 : position + 30])[0]
+        if data[position + 46 : position + 46 + name_length].decode() == info.filename:
+            data[position + 16 : position + 20] = wrong  # central directory
+        position = data.find(b"PK\x01\x02", position + 4)
+    source.write_bytes(bytes(data))
+    # zipfile checks a deflated record's CRC as it decompresses; whoever reads first reports it.
+    assert_refused(source, tmp_path, f"record {info.filename!r}")
+    code, _, stderr = run_cli("convert", str(source), str(tmp_path / "x.pt"))
+    assert code == 1 and "CRC-32" in stderr
+
+
+# ---------------------------------------------------------------------------------------
+# verify --reference torch: an independent reader
+# ---------------------------------------------------------------------------------------
+
+
+def _conj_example(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    c = torch.tensor([1 + 2j, 3 - 4j])
+    source = tmp_path / "cn.pt"
+    torch.save({"c": c.conj(), "n": c.clone().conj().imag}, source)
+    # What main's convert wrote (the conj and neg bits dropped): the stored values.
+    return source, {"c": c.clone(), "n": c.imag.clone()}
+
+
+def test_verify_reference_torch_disagrees_with_the_old_convert_on_the_conj_example(tmp_path: Path) -> None:
+    import safetensors.torch
+
+    source, old_output = _conj_example(tmp_path)
+    output = tmp_path / "cn.safetensors"
+    safetensors.torch.save_file(old_output, output)
+    code, stdout, _ = run_cli("verify", str(source), str(output), "--reference", "torch")
+    assert code == 3
+    assert stdout.splitlines() == [
+        "verification failed: 2 differ (e.g. 'c': values differ) (source read by torch.load(weights_only=True); "
+        "output by the safetensors library)",
+        "  differs: c: values differ",
+        "  differs: n: values differ",
+    ]
+    assert run_cli("convert", str(source), str(output), "--overwrite", "-q") == (0, "", "")
+    code, stdout, _ = run_cli("verify", str(source), str(output), "--reference", "torch")
+    assert (code, stdout) == (
+        0,
+        "verified: all 2 tensors match bit for bit (source read by torch.load(weights_only=True); "
+        "output by the safetensors library)\n",
+    )
+
+
+def test_a_reader_bug_hides_from_ckptconv_verify_but_not_from_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Simulate the bug this issue fixed (a reader dropping the conj/neg bits): only --verify=torch sees it."""
+    import ckptconv.rebuild
+
+    source, _ = _conj_example(tmp_path)
+    monkeypatch.setattr(ckptconv.rebuild, "_tensor_bits", lambda metadata: (False, False))
+    output = tmp_path / "out.pt"
+    code, _, stderr = run_cli("convert", str(source), str(output), "--verify")
+    assert code == 0 and "verified bit for bit" in stderr  # the bug checks itself
+    assert run_cli("verify", str(source), str(output))[0] == 0
+    code, _, stderr = run_cli("convert", str(source), str(output), "--overwrite", "--verify=torch")
+    assert code == 1
+    assert stderr == (
+        "ckptconv: error: verification failed: 2 differ (e.g. 'c': values differ) (source read by "
+        "torch.load(weights_only=True); output by torch.load(weights_only=True)); the output was not written\n"
+    )
+    assert run_cli("verify", str(source), str(output), "--reference", "torch")[0] == 3
+
+
+def test_verify_reference_torch_says_when_it_falls_back_to_ckptconv(tmp_path: Path) -> None:
+    import pickle
+
+    source = tmp_path / "raw.pkl"
+    source.write_bytes(pickle.dumps({"w": __import__("numpy").arange(3, dtype="float32")}))
+    output = tmp_path / "out.safetensors"
+    assert run_cli("convert", str(source), str(output), "-q")[0] == 0
+    code, stdout, _ = run_cli("verify", str(source), str(output), "--reference", "torch")
+    assert code == 0
+    assert stdout == (
+        "verified: all 1 tensors match bit for bit (source read by ckptconv's reader (neither "
+        "torch.load(weights_only=True) nor safetensors reads pickle input); output by the safetensors library)\n"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# --dtype on every float8
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float8_e4m3fn"])
+@pytest.mark.parametrize("target", ["bf16", "fp32"])
+def test_dtype_casts_every_float8_as_torch_does(tmp_path: Path, source: str, target: str) -> None:
+    import safetensors.torch
+
+    every_pattern = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(getattr(torch, source))
+    path = tmp_path / "f8.pt"
+    torch.save({"w": every_pattern}, path)
+    output = tmp_path / "out.safetensors"
+    code, _, stderr = run_cli("convert", str(path), str(output), "--dtype", target, "-q")
+    assert (code, stderr) == (0, "")
+    want = every_pattern.to({"bf16": torch.bfloat16, "fp32": torch.float32}[target])
+    got = safetensors.torch.load_file(output)["w"]
+    assert got.dtype == want.dtype
+    assert (
+        got.view(torch.int16 if want.itemsize == 2 else torch.int32).tolist()
+        == want.view(torch.int16 if want.itemsize == 2 else torch.int32).tolist()
+    )
+
+
+def test_dtype_fp16_on_e8m0_refuses_the_overflow_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "scales.pt"
+    torch.save({"scale": torch.tensor([0, 127, 200], dtype=torch.uint8).view(torch.float8_e8m0fnu)}, path)
+    code, _, stderr = run_cli("convert", str(path), str(tmp_path / "out.pt"), "--dtype", "fp16")
+    assert code == 1
+    assert stderr == (
+        "ckptconv: error: casting to float16 would turn finite values such as 9.44473296573929e+21 into inf; "
+        "keep this tensor's dtype (--keep-dtype) or pass --allow-overflow\n"
+    )
+
+
+@pytest.mark.parametrize("name", ["items", "keys", "values", "get", "__class__"])
+def test_build_state_that_shadows_a_method_is_refused_in_one_line(tmp_path: Path, name: str) -> None:
+    encoded = name.encode()
+    source = tmp_path / "shadow.pkl"
+    # OrderedDict() with BUILD {name: 1}: a 45-byte pickle for "items".
+    source.write_bytes(
+        b"\x80\x02ccollections\nOrderedDict\n)R}X" + struct.pack("<I", len(encoded)) + encoded + b"K\x01sb."
+    )
+    assert_refused(source, tmp_path, f"OrderedDict state sets {name!r}, which is one of its methods")
+
+
+# ---------------------------------------------------------------------------------------
+# DCP folders whose chunks do not tile their tensors exactly
+# ---------------------------------------------------------------------------------------
+
+GPU_DCP = Path(__file__).resolve().parent.parent / "fixtures" / "gpu" / "fsdp2_dcp"
+
+
+def _edit_dcp(tmp_path: Path, edit: object) -> Path:
+    """A copy of the FSDP2 DCP fixture with its .metadata changed by ``edit(metadata)``."""
+    import pickle
+    import shutil
+
+    import torch.distributed.checkpoint  # noqa: F401 (the classes .metadata pickles)
+
+    folder = tmp_path / "dcp"
+    shutil.copytree(GPU_DCP, folder)
+    with open(folder / ".metadata", "rb") as file:
+        metadata = pickle.load(file)
+    edit(metadata)  # type: ignore[operator]
+    with open(folder / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+    return folder
+
+
+def _move_chunk(metadata: object, fqn: str, old: tuple[int, ...], new: tuple[int, ...]) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    entry = metadata.state_dict_metadata[fqn]  # type: ignore[attr-defined]
+    entry.chunks = [
+        ChunkStorageMetadata(torch.Size(new), chunk.sizes) if tuple(chunk.offsets) == old else chunk
+        for chunk in entry.chunks
+    ]
+    storage = metadata.storage_data  # type: ignore[attr-defined]
+    info = storage.pop(MetadataIndex(fqn, torch.Size(old), 0))
+    storage[MetadataIndex(fqn, torch.Size(new), 0)] = info
+
+
+def test_dcp_chunks_that_overlap_and_leave_a_hole_are_refused(tmp_path: Path) -> None:
+    # Rows 8-15 move to 4-11: the same volume, rows 4-7 twice, rows 12-15 never (zeros, before).
+    folder = _edit_dcp(tmp_path, lambda m: _move_chunk(m, "model.pos_emb.weight", (8, 0), (4, 0)))
+    with pytest.raises(
+        MalformedCheckpointError, match=r"the chunks of 'model.pos_emb.weight' at \[0, 0\] and \[4, 0\]"
+    ):
+        ckptconv.open(folder)
+    code, _, stderr = run_cli("convert", str(folder), str(tmp_path / "out.safetensors"))
+    assert code == 1 and stderr.count("\n") == 1 and "overlap, so part of the tensor has two values" in stderr
+
+
+def test_dcp_chunk_listed_twice_is_refused(tmp_path: Path) -> None:
+    def repeat(metadata: object) -> None:
+        entry = metadata.state_dict_metadata["model.block.ln1.weight"]  # type: ignore[attr-defined]
+        entry.chunks = [entry.chunks[0], entry.chunks[0]]
+
+    folder = _edit_dcp(tmp_path, repeat)
+    with pytest.raises(MalformedCheckpointError, match="at \\[0\\] and \\[0\\] overlap"):
+        ckptconv.open(folder)
+
+
+def test_two_dcp_tensors_stored_in_the_same_bytes_are_refused(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    def alias(metadata: object) -> None:
+        storage = metadata.storage_data  # type: ignore[attr-defined]
+        for offset in (0, 8):
+            index = torch.Size([offset])
+            storage[MetadataIndex("model.block.ln1.bias", index, 0)] = storage[
+                MetadataIndex("model.block.ln1.weight", index, 0)
+            ]
+
+    folder = _edit_dcp(tmp_path, alias)
+    with pytest.raises(MalformedCheckpointError, match=r"are stored in the same bytes of '__0_0\.distcp'"):
+        ckptconv.open(folder)

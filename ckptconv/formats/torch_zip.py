@@ -270,7 +270,7 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
                     f"{path!r} embeds a compressed checkpoint, which ckptconv cannot read in place", path=path
                 )
             else:
-                source = ZipMember(path, name)
+                source = ZipMember(path, name, crc32=info.CRC)
             location_tag = pickle_location(location, path)
             devices.add(location_tag)
             storage = Storage(nbytes, source, location_tag, byteorder, name)
