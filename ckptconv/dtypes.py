@@ -19,7 +19,8 @@ class DType:
     Attributes:
         name: torch's name without the ``torch.`` prefix (``"bfloat16"``).
         itemsize: bytes per element.
-        kind: ``"float"``, ``"int"``, ``"uint"``, ``"bool"``, ``"complex"`` or ``"quantized"``.
+        kind: ``"float"``, ``"int"``, ``"uint"``, ``"bool"``, ``"complex"``, ``"quantized"`` or
+            ``"bits"`` (opaque: packed float4, ``bits8``).
         storage_class: torch's legacy typed-storage class (``"FloatStorage"``), or
             ``None`` for dtypes torch saves through ``UntypedStorage`` and
             ``_rebuild_tensor_v3``.
@@ -75,6 +76,14 @@ DTYPES: tuple[DType, ...] = (
     DType("complex64", 8, "complex", "ComplexFloatStorage", "C64", "<c8"),
     DType("complex128", 16, "complex", "ComplexDoubleStorage", None, "<c16"),
     DType("complex32", 4, "complex", None, None, "<u4"),
+    # Opaque bit containers: copied as they are, never cast. safetensors' F4 counts 4-bit
+    # elements, torch's float4_e2m1fn_x2 bytes of two (formats/safetensors.py converts the shape).
+    DType("float4_e2m1fn_x2", 1, "bits", None, "F4", "u1"),
+    DType("bits8", 1, "bits", None, None, "u1"),
+    DType("bits16", 2, "bits", None, None, "<u2"),
+    DType("bits1x8", 1, "bits", None, None, "u1"),
+    DType("bits2x4", 1, "bits", None, None, "u1"),
+    DType("bits4x2", 1, "bits", None, None, "u1"),
     DType("qint8", 1, "quantized", "QInt8Storage", None, "i1"),
     DType("quint8", 1, "quantized", "QUInt8Storage", None, "u1"),
     DType("qint32", 4, "quantized", "QInt32Storage", None, "<i4"),

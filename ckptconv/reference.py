@@ -138,6 +138,8 @@ def _safetensors_weights(path: str) -> dict[str, TensorRef]:
             if dtype is None:
                 raise CkptconvError(f"the safetensors library reads {key!r} as {code}, which ckptconv does not know")
             shape = tuple(int(n) for n in piece.get_shape())
+            if code == "F4" and shape:
+                shape = (*shape[:-1], shape[-1] // 2)  # the library gives torch two 4-bit floats a byte
             count = 1
             for n in shape:
                 count *= n

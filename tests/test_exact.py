@@ -480,3 +480,26 @@ def test_two_dcp_tensors_stored_in_the_same_bytes_are_refused(tmp_path: Path) ->
     folder = _edit_dcp(tmp_path, alias)
     with pytest.raises(MalformedCheckpointError, match=r"are stored in the same bytes of '__0_0\.distcp'"):
         ckptconv.open(folder)
+
+
+# ---------------------------------------------------------------------------------------
+# Sizes before allocation
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_view_that_expands_to_terabytes_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    source = tmp_path / "huge.pt"
+    torch.save({"x": torch.ones(1).expand(2**40, 2**4), "b": torch.zeros(3)}, source)
+    assert source.stat().st_size < 2000
+    output = tmp_path / "huge.safetensors"
+    code, stdout, stderr = run_cli("convert", str(source), str(output))
+    assert (code, stdout) == (1, "")
+    assert stderr.startswith(f"ckptconv: error: writing {str(output)!r} as safetensors needs 64.0 TiB but only ")
+    assert stderr.endswith("are free there; tensor 'x' alone is 64.0 TiB, a view that repeats 4 B of stored bytes\n")
+    assert list(tmp_path.iterdir()) == [source]
+    # .pt keeps the view as torch.save does, and ckptconv.load returns a view: nothing expands.
+    pt = tmp_path / "huge.pt.pt"
+    assert run_cli("convert", str(source), str(pt), "-q") == (0, "", "")
+    assert pt.stat().st_size < 2000
+    for tensor in (torch.load(pt, weights_only=True)["x"], ckptconv.load(source)["x"]):
+        assert tuple(tensor.shape) == (2**40, 2**4) and tensor.stride() == (0, 0) and tensor[123, 4].item() == 1.0

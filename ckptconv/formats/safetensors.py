@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, BinaryIO, Callable
 
 from ..dtypes import dtype_by_safetensors_code
-from ..errors import MalformedCheckpointError, WriteError
+from ..errors import MalformedCheckpointError, UnsupportedFormatError, WriteError
 from ..tensor import FileRegion, Storage, TensorRef, contiguous_strides
 from ._base import Deferred, MetadataValue, ReadResult, resolve
 
@@ -102,6 +102,16 @@ def read(path: str) -> ReadResult:
         offsets = entry.get("data_offsets")
         if not (isinstance(shape, list) and len(shape) <= 64 and all(type(s) is int and s >= 0 for s in shape)):
             raise _damaged(path, f"tensor {key!r} has shape {shape!r}")
+        if code == _PACKED_F4:
+            # The safetensors library stores torch's float4_e2m1fn_x2 (two 4-bit floats a byte)
+            # as F4 with the last dimension counted in 4-bit elements.
+            if not shape or shape[-1] % 2:
+                raise UnsupportedFormatError(
+                    f"{path!r}: tensor {key!r} is F4 of shape {shape}, which no torch dtype holds "
+                    "(torch packs two 4-bit floats a byte)",
+                    path=path,
+                )
+            shape = [*shape[:-1], shape[-1] // 2]
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
             raise _damaged(path, f"tensor {key!r} has data_offsets {offsets!r}")
         begin, end = offsets
@@ -151,6 +161,19 @@ def _restore_aliases(path: str, tree: dict[str, TensorRef], metadata: dict[str, 
         if not isinstance(target, str) or target not in tree or alias in tree:
             raise _damaged(path, f"alias {alias!r} -> {target!r} does not match the tensors")
         tree[alias] = tree[target]
+
+
+_PACKED_F4 = "F4"
+
+
+def _header_shape(key: str, ref: TensorRef) -> list[int]:
+    """The shape the header records: F4 counts 4-bit elements, two to each float4_e2m1fn_x2 byte."""
+    shape = list(ref.shape)
+    if ref.out_dtype.safetensors == _PACKED_F4:
+        if not shape:
+            raise WriteError(f"tensor {key!r} is a 0-dim float4_e2m1fn_x2, which safetensors cannot store; use --to pt")
+        shape[-1] *= 2
+    return shape
 
 
 def _header_padding(data_start: int, tensors: Sequence[tuple[str, TensorRef]]) -> int:
@@ -233,7 +256,7 @@ def write(
     for key, ref in unique:
         header[key] = {
             "dtype": ref.out_dtype.safetensors,
-            "shape": list(ref.shape),
+            "shape": _header_shape(key, ref),
             "data_offsets": [offset, offset + ref.nbytes],
         }
         offset += ref.nbytes
