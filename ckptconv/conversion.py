@@ -22,8 +22,9 @@ from .formats._base import Deferred, MetadataValue
 from .integrity import check_record_crcs
 from .loading import open as open_checkpoint
 from .metadata import checkpoint_metadata, encode_entries, source_sha256
+from .options import ConversionOptions
 from .tensor import TensorRef
-from .transforms import Canonicalize, Pipeline, StepReport, StripPrefix, Transform
+from .transforms import Canonicalize, StepReport, StripPrefix, Transform
 from .verification import REFERENCES
 from .writing import Progress, is_folder_destination, output_format, save
 
@@ -110,20 +111,10 @@ def convert(
     source: PathLike,
     destination: PathLike | None,
     *,
-    select: str | None = None,
-    transforms: Pipeline | Sequence[Transform] = (),
-    to: str | None = None,
-    overwrite: bool = False,
-    trust: bool = False,
-    verify: bool | str = False,
+    options: ConversionOptions | None = None,
     dry_run: bool = False,
     progress: Progress = False,
-    fsync: bool = True,
-    keep_meta: bool = False,
-    source_hash: bool = True,
-    fit_to: Any = None,
-    max_shard_size: int | None = None,
-    check_crc: bool = True,
+    **changes: Any,
 ) -> ConversionReport:
     """Convert a checkpoint: pick its weights, transform them, write them, optionally verify.
 
@@ -131,52 +122,33 @@ def convert(
         source: any checkpoint :func:`ckptconv.open` reads.
         destination: the output file, or a folder (existing, or ending in ``/``)
             for a sharded or DCP layout; the suffix picks the format unless
-            ``to`` is given.
-        select: where the weights are (``"state_dict_ema"``); searched when None.
-        transforms: steps such as :class:`~ckptconv.transforms.StripPrefix` or
-            :class:`~ckptconv.transforms.Cast`, applied in order.
-        to: ``"pt"``, ``"safetensors"`` or ``"dcp"`` (a folder).
-        overwrite: replace an existing destination.
-        trust: see :func:`ckptconv.open`. Dangerous.
-        verify: re-read the written file and compare every tensor before it is
-            moved into place; a difference raises and leaves no output. ``True``
-            or ``"ckptconv"`` reads both sides with ckptconv's readers;
-            ``"torch"`` with ``torch.load(weights_only=True)`` or the safetensors
-            library wherever they can read them (see :func:`ckptconv.verify`).
+            ``options.to`` is given.
+        options: how to convert (:class:`~ckptconv.options.ConversionOptions`:
+            selection, transforms, output format, overwrite, verify, hashing,
+            sharding, ...); defaults when None.
         dry_run: do everything but write; ``renames`` shows the key changes.
         progress: show a progress bar on stderr, or a callable given byte counts.
-        fsync: make the output durable before it appears (see :func:`ckptconv.save`).
-        keep_meta: ``.pt`` output: keep the checkpoint's plain-data entries (epoch,
-            step, hyperparameters, args) beside the weights, which then sit under
-            ``"state_dict"``. safetensors output always keeps them, as JSON
-            strings in its metadata (``checkpoint.<name>``).
-        fit_to: a reference model, checkpoint or key list (see
-            :func:`ckptconv.fit`): after ``transforms``, rename the keys to match it,
-            or raise :class:`~ckptconv.errors.FitError` with the report and write nothing.
-        max_shard_size: write shards of at most this many bytes, with an index.
-        source_hash: record the source file's sha256 in the output's provenance;
-            it is computed on a second core while the tensors are copied, but a
-            large training checkpoint may take longer to hash than to convert.
-        check_crc: read every zip record the weights use and compare it with the
-            CRC-32 the archive records, on a worker thread during the write; a
-            mismatch raises and leaves no output. False converts a damaged file's
-            bytes as they are (for rescuing what can be rescued).
+        **changes: fields of :class:`~ckptconv.options.ConversionOptions` to set
+            on ``options`` (``transforms=[...]``, ``to="pt"``, ``overwrite=True``).
 
     Returns:
         A :class:`ConversionReport`.
 
     Raises:
         LoadError, SelectionError, TransformError, WriteError, VerifyError.
+        TypeError: a keyword that is not an options field.
 
     Example:
         >>> ckptconv.convert("dp_model.pkl", "model.safetensors",
         ...                  transforms=[ckptconv.StripPrefix("module"), ckptconv.Cast("bf16")])  # doctest: +SKIP
     """
-    pipeline = transforms if isinstance(transforms, Pipeline) else Pipeline.of(transforms)
-    reference = "ckptconv" if verify is True else (verify or None)
+    options = (options or ConversionOptions()).with_changes("convert", **changes)
+    pipeline = options.transforms
+    select, to, fit_to, max_shard_size = options.select, options.to, options.fit_to, options.max_shard_size
+    reference = "ckptconv" if options.verify is True else (options.verify or None)
     if reference is not None and reference not in REFERENCES:
-        raise ValueError(f"verify must be True, False or one of {', '.join(REFERENCES)}, not {verify!r}")
-    checkpoint = open_checkpoint(source, trust=trust)
+        raise ValueError(f"verify must be True, False or one of {', '.join(REFERENCES)}, not {options.verify!r}")
+    checkpoint = open_checkpoint(source, trust=options.trust)
     selection = checkpoint.select(select)
     notes: list[str] = []
     if selection.note:
@@ -254,7 +226,7 @@ def convert(
             "ckptconv.transforms": json.dumps(pipeline.describe() + (list(fit_report.plan) if fit_report else [])),
         }
     )
-    extra = entries if kind == "pt" and keep_meta else None
+    extra = entries if kind == "pt" and options.keep_meta else None
 
     def transform_again(weights: dict[str, TensorRef]) -> Mapping[str, TensorRef]:
         """The same steps, on the weights an independent reader gives."""
@@ -283,9 +255,9 @@ def convert(
     digest: concurrent.futures.Future[str] | None = None
     crcs: concurrent.futures.Future[None] | None = None
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as hasher:
-        if check_crc:
+        if options.check_crc:
             crcs = hasher.submit(check_record_crcs, list(state.items()), stop=give_up)
-        if source_hash:
+        if options.source_hash:
             digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
         try:
@@ -293,14 +265,14 @@ def convert(
                 state,
                 destination,
                 format=kind,
-                overwrite=overwrite,
+                overwrite=options.overwrite,
                 metadata=metadata,
                 extra=extra,
                 max_shard_size=max_shard_size,
                 progress=progress,
                 inputs=[checkpoint.path],
                 check=check if (reference is not None or crcs is not None) else None,
-                fsync=fsync,
+                fsync=options.fsync,
             )
         except BaseException:
             give_up.set()  # do not make a failed conversion wait for the hash

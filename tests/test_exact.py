@@ -15,14 +15,14 @@ import pytest
 import torch
 
 import ckptconv
-from ckptconv.errors import MalformedCheckpointError
+from ckptconv.errors import LoadError, MalformedCheckpointError
 
 from .conftest import run_cli
 
 
 def assert_refused(source: Path, tmp_path: Path, message: str) -> None:
     """The library, ckptconv.load and the CLI all refuse ``source`` with one line containing ``message``."""
-    with pytest.raises(MalformedCheckpointError) as caught:
+    with pytest.raises(LoadError) as caught:
         ckptconv.load(source)
     assert message in str(caught.value)
     for suffix in ("pt", "safetensors"):
@@ -55,7 +55,7 @@ def test_duplicate_record_names_are_refused(tmp_path: Path) -> None:
     rewrite_zip(plain, source, {}, append={name: torch.full((4,), 7.0).numpy().tobytes()})
     # torch reads the first record; zipfile's directory (and ckptconv before this check) the last.
     assert torch.equal(torch.load(source, weights_only=True)["w"], torch.arange(4, dtype=torch.float32))
-    assert_refused(source, tmp_path, f"it holds two records named {name!r}")
+    assert_refused(source, tmp_path, f"holds two records named {name!r}; torch reads the first")
 
 
 def test_local_header_that_disagrees_with_the_directory_is_refused(tmp_path: Path) -> None:

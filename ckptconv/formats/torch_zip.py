@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
 
 from ..dtypes import DType
-from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from ..errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from ..standins import StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
 from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
@@ -211,9 +211,13 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
     infos: dict[str, zipfile.ZipInfo] = {}
     for info in archive.infolist():
         if info.filename in infos:
-            # zipfile keeps the last record of a name and torch the first: a reviewer
-            # checking the file with torch would see other weights than we convert.
-            raise _damaged(path, f"it holds two records named {info.filename!r}; refusing to pick one")
+            # torch's reader takes the first record of a name, Python's zipfile the last: a
+            # benign copy can hide the pickle torch.load would run.
+            raise UnsafeCheckpointError(
+                f"{path!r} holds two records named {short_repr(info.filename)}; torch reads the first and "
+                "other zip readers the last, so refusing a file that can be read two ways (nothing was executed)",
+                path=path,
+            )
         infos[info.filename] = info
     root = find_root(infos, path)
     pickle_info = infos[f"{root}data.pkl"]
