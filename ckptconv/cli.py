@@ -43,7 +43,22 @@ Exit codes:
 # ---------------------------------------------------------------------------------------
 
 
+class _Command(click.Command):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # `--verify` takes an optional value (`--verify=torch`); click would take the next
+        # word (`--verify SRC DST`) as that value. Only a reference's name is one.
+        from .verification import REFERENCES
+
+        args = [
+            "--verify=ckptconv" if arg == "--verify" and (i + 1 == len(args) or args[i + 1] not in REFERENCES) else arg
+            for i, arg in enumerate(args)
+        ]
+        return super().parse_args(ctx, args)
+
+
 class _Group(click.Group):
+    command_class = _Command
+
     def invoke(self, ctx: click.Context) -> Any:
         from .errors import CkptconvError, DestinationError, FitError
 

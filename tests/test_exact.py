@@ -503,3 +503,22 @@ def test_a_view_that_expands_to_terabytes_is_refused_before_anything_is_written(
     assert pt.stat().st_size < 2000
     for tensor in (torch.load(pt, weights_only=True)["x"], ckptconv.load(source)["x"]):
         assert tuple(tensor.shape) == (2**40, 2**4) and tensor.stride() == (0, 0) and tensor[123, 4].item() == 1.0
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["--verify", "{src}", "{dst}"], "verified bit for bit)"),
+        (["{src}", "{dst}", "--verify"], "verified bit for bit)"),
+        (["--verify", "torch", "{src}", "{dst}"], "verified bit for bit by torch)"),
+        (["{src}", "{dst}", "--verify=torch"], "verified bit for bit by torch)"),
+        (["{src}", "{dst}", "--verify=ckptconv"], "verified bit for bit)"),
+    ],
+)
+def test_verify_takes_an_optional_reader_wherever_it_stands(tmp_path: Path, arguments: list[str], said: str) -> None:
+    source, _ = _conj_example(tmp_path)
+    output = tmp_path / "out.safetensors"
+    filled = [a.format(src=source, dst=output) for a in arguments]
+    code, _, stderr = run_cli("convert", *filled)
+    assert code == 0, stderr
+    assert stderr.rstrip().endswith(said)
