@@ -218,14 +218,15 @@ def convert(
     entries = checkpoint_metadata(checkpoint.tree, selection)
     if kind == "safetensors":
         metadata.update(encode_entries(entries, "checkpoint."))
-    metadata.update(
-        {
-            "ckptconv.version": __version__,
-            "ckptconv.source": os.path.basename(checkpoint.path),
-            "ckptconv.selected": selection.where,
-            "ckptconv.transforms": json.dumps(pipeline.describe() + (list(fit_report.plan) if fit_report else [])),
-        }
-    )
+    if options.provenance:
+        metadata.update(
+            {
+                "ckptconv.version": __version__,
+                "ckptconv.source": os.path.basename(checkpoint.path),
+                "ckptconv.selected": selection.where,
+                "ckptconv.transforms": json.dumps(pipeline.describe() + (list(fit_report.plan) if fit_report else [])),
+            }
+        )
     extra = entries if kind == "pt" and options.keep_meta else None
 
     def transform_again(weights: dict[str, TensorRef]) -> Mapping[str, TensorRef]:
@@ -257,7 +258,7 @@ def convert(
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as hasher:
         if options.check_crc:
             crcs = hasher.submit(check_record_crcs, list(state.items()), stop=give_up)
-        if options.source_hash:
+        if options.source_hash and options.provenance:
             digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
         try:

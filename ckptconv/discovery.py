@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import os
 import re
-import zipfile
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Union
 
 from .errors import LoadError
+from .suffixes import CHECKPOINT_SUFFIXES, DCP_DATA_SUFFIX, DCP_METADATA, INDEX_SUFFIX, SAFETENSORS_SUFFIX, TAR_SUFFIX
 
 __all__ = ["Item", "Planned", "discover", "output_name", "plan_outputs"]
 
@@ -53,11 +53,8 @@ SHARDED = "sharded"
 DCP = "dcp"
 
 # Longest first, so "x.pth.tar" loses ".pth.tar", not ".tar".
-CHECKPOINT_SUFFIXES = (".pth.tar", ".pt.tar", ".safetensors", ".pickle", ".ckpt", ".pth", ".pkl", ".bin", ".pt")
-_STRIPPED_SUFFIXES = (*CHECKPOINT_SUFFIXES, ".tar")
-_OUTPUT_SUFFIX = {"safetensors": ".safetensors", "pt": ".pt"}
-_INDEX_SUFFIX = ".index.json"
-_DCP_MARKER = ".metadata"
+_STRIPPED_SUFFIXES = (*CHECKPOINT_SUFFIXES, TAR_SUFFIX)
+_OUTPUT_SUFFIX = {"safetensors": SAFETENSORS_SUFFIX, "pt": ".pt"}
 
 
 @dataclass(frozen=True)
@@ -141,33 +138,6 @@ def _stat(path: str) -> tuple[int, int]:
     return info.st_size, info.st_mtime_ns
 
 
-def _head(path: str, count: int = 512) -> bytes:
-    try:
-        with open(path, "rb") as file:
-            return file.read(count)
-    except OSError:
-        return b""
-
-
-def _is_checkpoint(path: str, name: str) -> bool:
-    """True for files named like checkpoints, and for files whose content is one."""
-    from .formats import safetensors, torch_legacy, torch_zip
-
-    if name.lower().endswith(CHECKPOINT_SUFFIXES):
-        return True
-    head = _head(path)
-    size, _ = _stat(path)
-    if safetensors.looks_safetensors(head, size) or torch_legacy.looks_legacy(head):
-        return True
-    if torch_zip.is_zip(head):
-        try:
-            with zipfile.ZipFile(path) as archive:
-                return any(member.endswith("/data.pkl") or member == "data.pkl" for member in archive.namelist())
-        except (OSError, zipfile.BadZipFile, ValueError):
-            return False
-    return False
-
-
 def _index_shards(path: str) -> list[str] | None:
     """The shard file names a ``*.index.json`` names; None if it is not a readable index."""
     from .errors import CkptconvError
@@ -230,6 +200,8 @@ def discover(
         >>> [item.name for item in discover("zoo")]  # doctest: +SKIP
         ['a/model.pth', 'hf/model.safetensors.index.json', 'run1/dcp']
     """
+    from .formats import is_checkpoint_file
+
     root = os.path.abspath(os.fspath(source_dir))
     if not os.path.exists(root):
         raise LoadError(f"{os.fspath(source_dir)!r} does not exist; check the path", path=root)
@@ -246,13 +218,13 @@ def discover(
         names = sorted(filenames)
         taken: set[str] = set()
         found: list[Item] = []
-        if _DCP_MARKER in names and any(name.endswith(".distcp") for name in names):
+        if DCP_METADATA in names and any(name.endswith(DCP_DATA_SUFFIX) for name in names):
             # torch.distributed.checkpoint writes one folder per checkpoint.
-            members = [_DCP_MARKER] + [name for name in names if name != _DCP_MARKER]
+            members = [DCP_METADATA] + [name for name in names if name != DCP_METADATA]
             found.append(_group(root, folder, rel_folder, "", DCP, members))
             taken.update(names)
         for name in names:
-            if name in taken or not name.endswith(_INDEX_SUFFIX) or name.startswith("."):
+            if name in taken or not name.endswith(INDEX_SUFFIX) or name.startswith("."):
                 continue
             shards = _index_shards(os.path.join(folder, name))
             if shards is None:
@@ -264,7 +236,7 @@ def discover(
             if name in taken or name.startswith("."):
                 continue
             path = os.path.join(folder, name)
-            if _is_checkpoint(path, name):
+            if is_checkpoint_file(path):
                 size, mtime = _stat(path)
                 found.append(Item(_join(rel_folder, name), path, FILE, size, mtime))
         for item in found:
@@ -282,8 +254,8 @@ def output_name(item: Item, format: str, *, full: bool = False) -> str:
         full: keep the item's whole name and add the suffix (the collision rule).
     """
     base = item.name
-    if item.kind == SHARDED and base.endswith(_INDEX_SUFFIX):
-        base = base[: -len(_INDEX_SUFFIX)]
+    if item.kind == SHARDED and base.endswith(INDEX_SUFFIX):
+        base = base[: -len(INDEX_SUFFIX)]
     if not full:
         lowered = base.lower()
         for suffix in _STRIPPED_SUFFIXES:

@@ -25,8 +25,9 @@ from typing import Any, BinaryIO, Callable, Union
 
 from .errors import CastOverflowError, DestinationError, OutputExistsError, WriteError
 from .formats import dcp, safetensors, sharded, torch_zip
-from .formats._base import MetadataValue, resolve
+from .formats._base import MetadataValue, metadata_text, split_aliases
 from .formats.torch_zip import PlannedStorage
+from .suffixes import SAFETENSORS_SUFFIX, TAR_SUFFIX, TORCH_SUFFIXES
 from .tensor import FileRegion, TensorRef
 
 __all__ = ["WriteReport", "output_format", "save"]
@@ -34,7 +35,6 @@ __all__ = ["WriteReport", "output_format", "save"]
 PathLike = Union[str, "os.PathLike[str]"]
 Progress = Union[bool, Callable[[int], None]]
 
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".tar", ".pth.tar", ".pt.tar")
 _FORMAT_NAMES = {
     "pt": "pt",
     "torch": "pt",
@@ -72,9 +72,9 @@ class WriteReport:
 def _suffix_format(name: str) -> tuple[str, str] | None:
     """The format a file name's suffix names, and the suffix; None for a name without one."""
     lowered = name.lower()
-    if lowered.endswith(".safetensors"):
-        return "safetensors", name[-len(".safetensors") :]
-    for suffix in sorted(_TORCH_SUFFIXES, key=len, reverse=True):
+    if lowered.endswith(SAFETENSORS_SUFFIX):
+        return "safetensors", name[-len(SAFETENSORS_SUFFIX) :]
+    for suffix in (*TORCH_SUFFIXES, TAR_SUFFIX):  # longest first
         if lowered.endswith(suffix):
             return "pt", name[-len(suffix) :]
     return None
@@ -503,7 +503,7 @@ def _save_file(
                     yield count
 
             written = safetensors.write(entries, file, metadata=metadata, write_tensor=write_tensor)
-            aliases = _aliases(entries)
+            aliases = split_aliases(entries)[1]
         else:
             written = torch_zip.write(
                 entries,
@@ -594,7 +594,7 @@ def _save_folder(
                 aliases.update(report.aliases)
                 weight_map.update({key: name for key, _ in shard if key not in report.aliases})
             if len(shard_files) > 1:
-                index_metadata = {k: resolve(v) for k, v in (metadata or {}).items() if k.startswith("ckptconv.")}
+                index_metadata = {k: metadata_text(v) for k, v in (metadata or {}).items() if k.startswith("ckptconv.")}
                 document = sharded.index_document(weight_map, total, index_metadata)
                 with atomic_output(os.path.join(folder, index_file), overwrite=True, fsync=fsync) as file:
                     file.write(document)
@@ -620,17 +620,6 @@ def _with_key(entries: list[tuple[str, TensorRef]], ref: TensorRef, counts: Iter
         raise CastOverflowError(f"tensor {key!r}: {error}", key=key, count=error.count) from None
 
 
-def _aliases(entries: list[tuple[str, TensorRef]]) -> dict[str, str]:
-    kept: dict[TensorRef, str] = {}
-    aliases = {}
-    for key, ref in entries:
-        if ref in kept:
-            aliases[key] = kept[ref]
-        else:
-            kept[ref] = key
-    return aliases
-
-
 def planned_bytes(entries: Sequence[tuple[str, TensorRef]], kind: str) -> int:
     """Tensor bytes an output of ``kind`` will hold: ``.pt`` keeps views and ties as torch.save
     does; the other formats store each distinct tensor once, contiguous."""
@@ -646,7 +635,7 @@ def _check_room(entries: Sequence[tuple[str, TensorRef]], target: str, kind: str
     A view can repeat a few stored bytes (stride 0) into terabytes: a 600-byte
     ``.pt`` can ask for more than any disk holds once written contiguously.
     """
-    from .report import _human
+    from .report import human_bytes
 
     needed = planned_bytes(entries, kind)
     folder = os.path.dirname(target)
@@ -660,11 +649,11 @@ def _check_room(entries: Sequence[tuple[str, TensorRef]], target: str, kind: str
         return
     key, ref = max(entries, key=lambda entry: entry[1].nbytes)
     start, stop = ref.byte_span
-    largest = f"; tensor {key!r} alone is {_human(ref.nbytes)}"
+    largest = f"; tensor {key!r} alone is {human_bytes(ref.nbytes)}"
     if ref.nbytes > 2 * (stop - start):
-        largest += f", a view that repeats {_human(stop - start)} of stored bytes"
+        largest += f", a view that repeats {human_bytes(stop - start)} of stored bytes"
     raise WriteError(
-        f"writing {target!r} as {kind} needs {_human(needed)} but only {_human(free)} are free there{largest}",
+        f"writing {target!r} as {kind} needs {human_bytes(needed)} but only {human_bytes(free)} are free there{largest}",
         path=target,
     )
 

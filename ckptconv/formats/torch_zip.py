@@ -37,7 +37,7 @@ from ..errors import MalformedCheckpointError, UnsafeCheckpointError, Unsupporte
 from ..standins import StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
 from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
-from ._base import MetadataValue, ReadResult, check_same_storage_type, pickle_location, resolve
+from ._base import MetadataValue, ReadResult, check_same_storage_type, metadata_text, pickle_location
 
 __all__ = ["read", "write"]
 
@@ -693,7 +693,7 @@ def write(
         )
     writer.write_bytes(f"{ROOT}/version", b"3\n")
     if metadata:
-        resolved = {key: resolve(value) for key, value in metadata.items()}
+        resolved = {key: metadata_text(value) for key, value in metadata.items()}
         writer.write_bytes(f"{ROOT}/{METADATA_RECORD}", json.dumps(resolved, ensure_ascii=False).encode("utf-8"))
     writer.write_bytes(f"{ROOT}/.data/serialization_id", os.urandom(20).hex().encode())
     writer.close()
