@@ -156,15 +156,17 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
 def views(draw: Any, dtype: torch.dtype) -> View:
     ndim = draw(st.integers(0, 3))
     shape = tuple(draw(st.lists(st.integers(0, 4), min_size=ndim, max_size=ndim)))
-    layout = draw(st.sampled_from(["contiguous", "transposed", "strided"]))
+    layout = draw(st.sampled_from(["contiguous", "transposed", "expanded", "strided"]))
     if layout == "contiguous":
         stride = _contiguous(shape)
     elif layout == "transposed":  # a permutation of a contiguous layout (.t(), .permute())
         order = draw(st.permutations(range(ndim)))
         permuted = _contiguous(tuple(shape[i] for i in order))
         stride = tuple(permuted[order.index(i)] for i in range(ndim))
-    else:  # anything: stride 0 (expand), gaps, overlapping elements
-        stride = tuple(draw(st.lists(st.integers(0, 7), min_size=ndim, max_size=ndim)))
+    elif layout == "expanded":  # Tensor.expand: some dimensions repeat the same elements (stride 0)
+        stride = tuple(0 if draw(st.booleans()) else s for s in _contiguous(shape))
+    else:  # anything: stride 0, gaps, overlapping elements
+        stride = tuple(draw(st.lists(st.sampled_from([0, 1, 2, 3, 5, 7]), min_size=ndim, max_size=ndim)))
     offset = draw(st.integers(0, 6))
     conj = dtype.is_complex and draw(st.booleans())
     neg = dtype in NEG_DTYPES and draw(st.booleans())
@@ -402,7 +404,37 @@ def check_conversions(source: Path, example: Example | None) -> None:
     assert_holds("ckptconv.load", expected, ckptconv.load(source))
 
 
+def record_features(example: Example) -> None:
+    """Hypothesis statistics (``--hypothesis-show-statistics``): what the examples held."""
+    from hypothesis import event
+
+    state = example.weights(example.obj)
+    storages: dict[int, set[torch.dtype]] = {}
+    seen: set[int] = set()
+    for tensor in state.values():
+        event(f"dtype {tensor.dtype}")
+        features = {
+            "conj bit": tensor.is_conj(),
+            "neg bit": tensor.is_neg(),
+            "0-dim": tensor.dim() == 0,
+            "empty": tensor.numel() == 0,
+            "stride 0": any(s == 0 and n > 1 for s, n in zip(tensor.stride(), tensor.shape)),
+            "non-contiguous": not tensor.is_contiguous(),
+            "storage offset": tensor.storage_offset() > 0,
+            "tied (same tensor twice)": id(tensor) in seen,
+        }
+        for name, present in features.items():
+            if present:
+                event(name)
+        seen.add(id(tensor))
+        storages.setdefault(tensor.untyped_storage().data_ptr(), set()).add(tensor.dtype)
+    if any(len(dtypes) > 1 for dtypes in storages.values()):
+        event("one storage, several dtypes")
+    event(f"layout {'/'.join(example.weights_at) or 'flat'}")
+
+
 def save_example(example: Example, path: Path, *, legacy: bool) -> None:
+    record_features(example)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.save(example.obj, path, _use_new_zipfile_serialization=not legacy)
