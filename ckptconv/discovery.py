@@ -162,10 +162,7 @@ def _join(folder: str, name: str) -> str:
 def _group(root: str, folder: str, rel_folder: str, name: str, kind: str, members: Sequence[str]) -> Item:
     sizes = [_stat(os.path.join(folder, member)) for member in members]
     path = os.path.join(folder, name) if kind == SHARDED else folder
-    if kind == DCP:
-        rel = rel_folder or os.path.basename(root)
-    else:
-        rel = _join(rel_folder, name)
+    rel = (rel_folder or os.path.basename(root)) if kind == DCP else _join(rel_folder, name)
     return Item(
         name=rel,
         path=path,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -217,7 +218,7 @@ class DiffReport:
 
 
 def _json_float(value: float) -> object:
-    return value if value == value and abs(value) != float("inf") else repr(value)
+    return value if math.isfinite(value) else repr(value)
 
 
 _DIFF_ELEMENTS = 4 << 20
