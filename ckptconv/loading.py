@@ -195,11 +195,10 @@ def load(
     Example:
         >>> model.load_state_dict(ckptconv.load("dp_model.pkl"))  # doctest: +SKIP
     """
-    from ._torch import to_torch
-    from .devices import pick_device
-
     import concurrent.futures
 
+    from ._torch import to_torch
+    from .devices import pick_device
     from .integrity import check_record_crcs
 
     weights = open(path, trust=trust).select(select).weights

@@ -653,7 +653,8 @@ def _check_room(entries: Sequence[tuple[str, TensorRef]], target: str, kind: str
     if ref.nbytes > 2 * (stop - start):
         largest += f", a view that repeats {human_bytes(stop - start)} of stored bytes"
     raise WriteError(
-        f"writing {target!r} as {kind} needs {human_bytes(needed)} but only {human_bytes(free)} are free there{largest}",
+        f"writing {target!r} as {kind} needs {human_bytes(needed)} but only {human_bytes(free)} "
+        f"are free there{largest}",
         path=target,
     )
 
