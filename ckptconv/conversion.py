@@ -90,6 +90,16 @@ class ConversionReport:
     verified_with: str = ""
 
 
+def _file_name(path: str) -> str:
+    """A path's last part as text: a name that is not UTF-8 (``caf\\xe9.pt``) shows its bytes as ``\\xNN``."""
+    name = os.path.basename(path)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(name).decode("utf-8", "backslashreplace")
+    return name
+
+
 def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> list[str]:
     if isinstance(step, Canonicalize):
         if not report.details:
@@ -222,7 +232,7 @@ def convert(
         metadata.update(
             {
                 "ckptconv.version": __version__,
-                "ckptconv.source": os.path.basename(checkpoint.path),
+                "ckptconv.source": _file_name(checkpoint.path),
                 "ckptconv.selected": selection.where,
                 "ckptconv.transforms": json.dumps(pipeline.describe() + (list(fit_report.plan) if fit_report else [])),
             }
@@ -271,7 +281,7 @@ def convert(
                 extra=extra,
                 max_shard_size=max_shard_size,
                 progress=progress,
-                inputs=[checkpoint.path],
+                inputs=checkpoint.files,
                 check=check if (reference is not None or crcs is not None) else None,
                 fsync=options.fsync,
             )
