@@ -402,14 +402,19 @@ def _copy_file_region_with_crc(
             window = min(_COPY_CHUNK, end - position)
             aligned = position - position % mmap.ALLOCATIONGRANULARITY
             mapped = mmap.mmap(src.fileno(), position + window - aligned, offset=aligned, access=mmap.ACCESS_READ)
+            view = memoryview(mapped)[position - aligned :]
             try:
-                view = memoryview(mapped)[position - aligned :]
                 pending = pool.submit(zlib.crc32, view, crc)
-                for count in _copy_range(src.fileno(), position, window, file, source.path):
-                    update(count)
-                crc = pending.result()
-                view.release()
+                try:
+                    for count in _copy_range(src.fileno(), position, window, file, source.path):
+                        update(count)
+                finally:
+                    # The checksum thread reads the map: it must be done before the map can close.
+                    crc = pending.result()
             finally:
+                # Released before closing, also when the copy failed (a full disk), so that
+                # the copy's own error surfaces instead of BufferError from close().
+                view.release()
                 mapped.close()
             position += window
     return crc
