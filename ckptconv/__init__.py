@@ -12,8 +12,9 @@ The data flows one way, one module per stage::
 ``conversion.convert()`` runs them all; ``inspection.inspect()`` describes a
 file. ``batching.batch()`` converts a whole folder: ``discovery.py`` finds the
 items and names their outputs, ``executors.py`` converts them in workers,
-``manifest.py`` records each result, ``report.py`` sums them up. Format details live in ``formats/``; the pickle machine that never runs
-code is ``unpickler.py``.
+``manifest.py`` records each result, ``report.py`` sums them up. Format details live in ``formats/``. The pickle machine that never runs
+code is ``unpickler.py``; what it may call is decided in ``pickle_policy.py``,
+built by ``rebuild.py`` or stood in for by ``standins.py``.
 
 The public names below are imported on first use, so ``ckptconv --help`` and
 ``import ckptconv`` stay fast; importing ckptconv never imports torch. (Modules

@@ -17,8 +17,8 @@ from typing import Any, Union
 from .errors import SelectionError
 from .loading import open as open_checkpoint
 from .selection import as_tensor, is_module
+from .standins import ForeignGlobal, ForeignObject, NumpyArray
 from .tensor import TensorRef
-from .unpickler import ForeignGlobal, ForeignObject, NumpyArray
 
 __all__ = ["CheckpointInfo", "TensorInfo", "inspect"]
 

@@ -23,8 +23,8 @@ from . import formats
 from .errors import CkptconvError, LoadError, MalformedCheckpointError
 from .formats._base import ReadResult
 from .selection import Selection, children, select_weights
+from .standins import NumpyArray
 from .tensor import TensorRef
-from .unpickler import NumpyArray
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,7 @@ class Checkpoint:
         format: ``"torch-zip"``, ``"torch-legacy"``, ``"safetensors"`` or ``"pickle"``.
         tree: the object the file holds. Tensors are :class:`TensorRef`; objects of
             classes ckptconv does not resolve are inert
-            :class:`~ckptconv.unpickler.ForeignObject` stand-ins.
+            :class:`~ckptconv.standins.ForeignObject` stand-ins.
         foreign_globals: the classes and functions that became stand-ins, with
             how many objects each built. Nothing named here was imported or called.
         saved_devices: devices the tensors were saved from (``{"cuda:1"}``); they

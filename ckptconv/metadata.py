@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .selection import Selection, as_tensor
-from .unpickler import ForeignGlobal, ForeignObject, NumpyArray
+from .standins import ForeignGlobal, ForeignObject, NumpyArray
 
 __all__ = ["checkpoint_metadata", "file_sha256"]
 

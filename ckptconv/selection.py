@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from .errors import SelectionError
+from .standins import ForeignObject, NumpyArray
 from .tensor import TensorRef
-from .unpickler import ForeignObject, NumpyArray
 
 __all__ = ["Selection", "as_state_dict", "module_state_dict", "select_weights"]
 

@@ -8,36 +8,30 @@ the largest tensor, never by the checkpoint. Tensors that share a storage in the
 file share one :class:`Storage` object here, which is how tied weights and views
 survive a conversion.
 
-This module does not import torch.
+Reading the bytes (whole or streamed) is :mod:`ckptconv.streaming`. This module
+does not import torch.
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import itertools
 import math
 import os
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Protocol
 
 from .dtypes import DType
-from .errors import CastOverflowError, MalformedCheckpointError
+from .errors import MalformedCheckpointError
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["FileRegion", "InMemory", "Storage", "TensorRef", "ZipMember"]
-
-# Reads larger than this are split; it keeps single allocations modest when a
-# caller streams a huge tensor.
-DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
+__all__ = ["ByteSource", "FileRegion", "InMemory", "ReadInto", "Storage", "TensorRef", "ZipMember"]
 
 
 # Every byte source has one interface: ``opened()`` yields a ``read_into(start, out)``
@@ -45,6 +39,14 @@ DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 # whatever must stay open (a file, a decompressor) open for many reads; and
 # ``paths()`` names the files it reads, so a writer never overwrites them.
 ReadInto = Callable[[int, memoryview], None]
+
+
+class ByteSource(Protocol):
+    """Where a storage's bytes are: a file region, a zip member, memory, or chunks to assemble."""
+
+    def opened(self) -> contextlib.AbstractContextManager[ReadInto]: ...
+
+    def paths(self) -> frozenset[str]: ...
 
 
 @dataclass(frozen=True)
@@ -137,95 +139,6 @@ class InMemory:
 
     def paths(self) -> frozenset[str]:
         return frozenset()
-
-
-@dataclass(frozen=True, eq=False)
-class Assembled:
-    """A tensor stored as several chunks (a DCP checkpoint's shards), read as one contiguous tensor.
-
-    Chunks that split the tensor along its first dimension (FSDP's layout) are
-    read in place, piece by piece; chunks of any other shape are pasted into
-    one buffer the first time the tensor is read (bounded by the tensor's size).
-
-    Attributes:
-        chunks: ``(offsets, chunk)`` pairs: where each chunk starts in the full
-            tensor, and the chunk itself.
-        shape: the full tensor's shape.
-        itemsize: bytes per element.
-    """
-
-    chunks: tuple[tuple[tuple[int, ...], TensorRef], ...]
-    shape: tuple[int, ...]
-    itemsize: int
-
-    @functools.cached_property
-    def _rows(self) -> list[tuple[int, int, TensorRef]] | None:
-        """``(first byte, last byte, chunk)`` when every chunk is a contiguous block of whole rows."""
-        if not self.shape:
-            return None
-        row = math.prod(self.shape[1:]) * self.itemsize
-        rows = []
-        for offsets, chunk in self.chunks:
-            if any(offsets[1:]) or tuple(chunk.shape[1:]) != tuple(self.shape[1:]) or not chunk.is_contiguous:
-                return None
-            rows.append((offsets[0] * row, (offsets[0] + chunk.shape[0]) * row, chunk))
-        rows.sort(key=lambda item: item[0])
-        expected = 0
-        for first, last, _ in rows:
-            if first != expected:
-                return None
-            expected = last
-        return rows if expected == math.prod(self.shape) * self.itemsize else None
-
-    @contextlib.contextmanager
-    def opened(self) -> Iterator[ReadInto]:
-        def read_into(start: int, out: memoryview) -> None:
-            out = out.cast("B")
-            rows = self._rows
-            if rows is None:
-                out[:] = _assembled_bytes(self)[start : start + len(out)]
-                return
-            end = start + len(out)
-            for first, last, chunk in rows:
-                if last <= start or first >= end:
-                    continue
-                piece_start, piece_end = max(first, start), min(last, end)
-                chunk_start = chunk.byte_span[0] + piece_start - first
-                chunk.storage.read_into(chunk_start, out[piece_start - start : piece_end - start])
-
-        yield read_into
-
-    def paths(self) -> frozenset[str]:
-        return frozenset().union(*(chunk.storage.source.paths() for _, chunk in self.chunks))
-
-
-_assembled_cache: dict[int, tuple[Assembled, bytes]] = {}
-
-
-def _assembled_bytes(source: Assembled) -> bytes:
-    """The whole tensor, pasted together from its chunks; the last one is kept for the next read."""
-    import numpy as np
-
-    cached = _assembled_cache.get(0)
-    if cached is not None and cached[0] is source:
-        return cached[1]
-    _assembled_cache.clear()
-    full = np.zeros(math.prod(source.shape) * source.itemsize, dtype=np.uint8)
-    view = full.view(f"V{source.itemsize}").reshape(source.shape) if source.itemsize else full
-    for offsets, chunk in source.chunks:
-        block = chunk.numpy().view(f"V{source.itemsize}").reshape(chunk.shape)
-        view[tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape))] = block
-    data = full.tobytes()
-    _assembled_cache[0] = (source, data)
-    return data
-
-
-ByteSource = Union[FileRegion, ZipMember, InMemory, Assembled]
-
-
-def _bytes_view(array: np.ndarray) -> memoryview:
-    """A contiguous array's bytes, without a copy."""
-    return array.data.cast("B")
 
 
 def read_exactly_into(fd: int, offset: int, out: memoryview, path: str) -> None:
@@ -438,35 +351,7 @@ class TensorRef:
             return dataclasses.replace(self, cast_to=None, allow_overflow=False)
         return dataclasses.replace(self, cast_to=dtype, allow_overflow=allow_overflow)
 
-    def _cast(self, values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        from ._cast import cast_array, count_overflows
-
-        assert self.cast_to is not None
-        result = cast_array(values, self.dtype.name, self.cast_to.name, out=out)
-        if not self.allow_overflow:
-            overflows = count_overflows(values, self.dtype.name, self.cast_to.name)
-            if overflows:
-                example = self._first_overflow(values)
-                raise CastOverflowError(
-                    f"casting to {self.cast_to.name} would turn finite values such as {example} into inf; "
-                    "keep this tensor's dtype (--keep-dtype) or pass --allow-overflow",
-                    count=overflows,
-                )
-        return result
-
-    def _first_overflow(self, values: np.ndarray) -> str:
-        """A finite source value that overflows the cast target, for the error message."""
-        import numpy as np
-
-        from ._cast import cast_array
-
-        assert self.cast_to is not None
-        wide = cast_array(values, self.dtype.name, "float64")
-        narrow = cast_array(cast_array(values, self.dtype.name, self.cast_to.name), self.cast_to.name, "float64")
-        offending = np.flatnonzero(np.isfinite(wide) & np.isinf(narrow))
-        return repr(float(wide[offending[0]])) if len(offending) else "?"
-
-    # -- reading ---------------------------------------------------------------------
+    # -- reading (ckptconv.streaming does the work) -------------------------------------
 
     def numpy(self) -> np.ndarray:
         """The tensor's elements, contiguous, in ``out_dtype``'s storage representation.
@@ -474,114 +359,20 @@ class TensorRef:
         bfloat16 and float8 come back as unsigned integers of the same width,
         since numpy has no such types; ``.tobytes()`` gives what a writer stores.
         """
-        import numpy as np
+        from .streaming import read_array
 
-        stored = np.dtype(self.dtype.numpy)
-        if self.storage.byteorder == "big":
-            stored = stored.newbyteorder(">")
-        start, end = self.byte_span
-        raw = self.storage.read(start, end - start)
-        if self.is_contiguous:
-            array = np.frombuffer(raw, dtype=stored, count=self.numel).reshape(self.shape)
-        else:
-            base = np.frombuffer(raw, dtype=stored)
-            array = np.lib.stride_tricks.as_strided(
-                base,
-                shape=self.shape,
-                strides=tuple(s * stored.itemsize for s in self.stride),
-                writeable=False,
-            )
-        # Writers store little-endian whatever the machine or the source.
-        array = np.ascontiguousarray(array, dtype=stored.newbyteorder("<"))
-        if self.cast_to is not None:
-            array = self._cast(array.reshape(-1)).reshape(self.shape)
-        return array
+        return read_array(self)
 
     def tobytes(self) -> bytes:
         """The tensor's bytes as a writer stores them: contiguous, little-endian, ``out_dtype``."""
         return self.numpy().tobytes()
 
     def iter_bytes(self, chunk_bytes: int | None = None) -> Iterator[memoryview]:
-        """The bytes of :meth:`tobytes` in pieces of about ``chunk_bytes``.
+        """The bytes of :meth:`tobytes` in pieces of about ``chunk_bytes``, through reused buffers.
 
-        Contiguous little-endian tensors are streamed through a few reused
-        buffers, so memory stays at a few chunks whatever the tensor's size and
-        no page is allocated per chunk. Under a cast, chunks are read and cast
-        by two worker threads (file reads and numpy release the GIL) while the
-        caller writes the previous one. Others are gathered first, bounded by
-        the tensor's own size.
-
-        Each chunk is a view that is only valid until the next one is asked
-        for: consume it (write, hash) before advancing.
+        Each chunk is only valid until the next one is asked for; see
+        :func:`ckptconv.streaming.iter_bytes`.
         """
-        chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
-        if not (self.is_contiguous and self.storage.byteorder == "little"):
-            data = _bytes_view(self.numpy())
-            for offset in range(0, len(data), chunk_bytes):
-                yield data[offset : offset + chunk_bytes]
-            return
-        import numpy as np
+        from .streaming import iter_bytes
 
-        itemsize = self.dtype.itemsize
-        start, end = self.byte_span
-        if start == end:
-            return
-        chunk = min(max(chunk_bytes // itemsize, 1) * itemsize, end - start)
-        if self.cast_to is None:
-            read_buffer = np.empty(chunk, dtype=np.uint8)
-            with self.storage.reader() as read_into:
-                for position in range(start, end, chunk):
-                    piece = read_buffer[: min(chunk, end - position)]
-                    read_into(position, piece.data)
-                    yield piece.data
-            return
-        if end - start <= chunk or isinstance(self.storage.source, ZipMember):
-            # Small tensors: no threads to start. Compressed records: one stream
-            # read in order (two threads reading out of order would rewind it).
-            with self.storage.reader() as read_into:
-                for position in range(start, end, chunk):
-                    raw = np.empty(min(chunk, end - position), dtype=np.uint8)
-                    read_into(position, raw.data)
-                    yield _bytes_view(self._cast(raw.view(np.dtype(self.dtype.numpy))))
-            return
-        yield from self._iter_cast_chunks(start, end, max(chunk // 2 // itemsize, 1) * itemsize)
-
-    def _iter_cast_chunks(self, start: int, end: int, chunk: int) -> Iterator[memoryview]:
-        """Cast chunk by chunk, two chunks in flight on worker threads, results in order."""
-        import numpy as np
-
-        from ._cast import storage_dtype
-
-        assert self.cast_to is not None
-        source_dtype = np.dtype(self.dtype.numpy)
-        target_dtype = storage_dtype(self.cast_to.name)
-        itemsize = self.dtype.itemsize
-        in_flight = 2
-        # One spare buffer pair beyond those in flight: the one the caller is consuming.
-        free = [
-            (np.empty(chunk, dtype=np.uint8), np.empty(chunk // itemsize, dtype=target_dtype))
-            for _ in range(in_flight + 1)
-        ]
-        positions = iter(range(start, end, chunk))
-        with self.storage.reader() as read_into, concurrent.futures.ThreadPoolExecutor(max_workers=in_flight) as pool:
-
-            def work(
-                position: int, buffers: tuple[np.ndarray, np.ndarray]
-            ) -> tuple[memoryview, tuple[np.ndarray, np.ndarray]]:
-                raw, out = buffers
-                length = min(chunk, end - position)
-                read_into(position, raw[:length].data)
-                values = raw[:length].view(source_dtype)
-                return _bytes_view(self._cast(values, out=out[: len(values)])), buffers
-
-            pending: collections.deque[concurrent.futures.Future[tuple[memoryview, tuple[np.ndarray, np.ndarray]]]]
-            pending = collections.deque()
-            for position in itertools.islice(positions, in_flight):
-                pending.append(pool.submit(work, position, free.pop()))
-            while pending:
-                view, buffers = pending.popleft().result()
-                position_next = next(positions, None)
-                if position_next is not None:
-                    pending.append(pool.submit(work, position_next, free.pop()))
-                yield view
-                free.append(buffers)
+        return iter_bytes(self, chunk_bytes)

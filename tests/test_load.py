@@ -13,7 +13,7 @@ import torch
 
 import ckptconv
 from ckptconv._torch import to_torch
-from ckptconv.unpickler import ForeignObject, NumpyArray
+from ckptconv.standins import ForeignObject, NumpyArray
 
 from .conftest import (
     all_dtypes_state,

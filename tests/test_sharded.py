@@ -248,3 +248,30 @@ def test_a_dcp_folder_cannot_be_rewritten_while_it_is_being_read(tmp_path: Path)
     with pytest.raises(ckptconv.WriteError, match="onto its own input"):
         ckptconv.convert(folder, folder, to="dcp", overwrite=True, transforms=[ckptconv.Keep(r"^tok_emb\.weight$")])
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_a_dcp_tensor_split_by_columns_reads_exactly_and_is_not_kept_alive(tmp_path: Path) -> None:
+    """Chunks that are not whole rows are pasted together; the pasted copy lives only while the tensor is read."""
+    import gc
+    import weakref
+
+    from ckptconv.dtypes import dtype_by_name
+    from ckptconv.formats.dcp import Assembled
+
+    full = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
+    float32 = dtype_by_name("float32")
+    assert float32 is not None
+    chunks = []
+    for column in (0, 3):
+        block = full[:, column : column + 3].contiguous()
+        storage = Storage(block.numel() * 4, InMemory(block.numpy().tobytes()))
+        chunks.append(((0, column), TensorRef(storage, float32, (4, 3), (3, 1))))
+    source = Assembled(tuple(chunks), (4, 6), 4)
+    ref = TensorRef(Storage(full.numel() * 4, source), float32, (4, 6), (6, 1))
+    read = b"".join(bytes(piece) for piece in ref.iter_bytes(chunk_bytes=8))
+    assert read == full.numpy().tobytes()
+    assert torch.equal(to_torch({"w": ref})["w"], full)
+    alive = weakref.ref(source)
+    del ref, source, chunks
+    gc.collect()
+    assert alive() is None

@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptconv.errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
-from ckptconv.unpickler import ForeignGlobal, ForeignObject, Unpickler, classify_global
+from ckptconv.pickle_policy import classify_global
+from ckptconv.standins import ForeignGlobal, ForeignObject
+from ckptconv.unpickler import Unpickler
 
 PROTOCOLS = range(pickle.HIGHEST_PROTOCOL + 1)
 

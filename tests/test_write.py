@@ -229,10 +229,10 @@ def test_streaming_in_many_chunks_is_exact(
 ) -> None:
     """Small chunk and window sizes drive every streaming path (threads, memory maps) through many pieces."""
     import ckptconv.formats.torch_zip
-    import ckptconv.tensor
+    import ckptconv.streaming
     import ckptconv.writing
 
-    monkeypatch.setattr(ckptconv.tensor, "DEFAULT_CHUNK_BYTES", 4100)
+    monkeypatch.setattr(ckptconv.streaming, "DEFAULT_CHUNK_BYTES", 4100)
     monkeypatch.setattr(ckptconv.writing, "_COPY_CHUNK", 70_000)
     monkeypatch.setattr(ckptconv.formats.torch_zip, "PHASE_MATCH_BYTES", 1)  # page-phase padding everywhere
     torch.manual_seed(0)

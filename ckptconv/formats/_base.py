@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 from ..errors import MalformedCheckpointError
-from ..unpickler import short_repr
+from ..standins import short_repr
 
 __all__ = ["Deferred", "MetadataValue", "ReadResult", "resolve"]
 

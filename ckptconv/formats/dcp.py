@@ -22,15 +22,20 @@ one at a time.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import pickle
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
-from ..tensor import Assembled, Storage, TensorRef, contiguous_strides
-from ..unpickler import DEFAULT_MAX_ITEMS, ForeignObject, Unpickler
+from ..standins import ForeignObject
+from ..tensor import ReadInto, Storage, TensorRef, contiguous_strides
+from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
 from . import torch_zip
 from ._base import ReadResult
 
@@ -57,6 +62,88 @@ def _fields(value: Any, path: str, what: str) -> dict[str, Any]:
     if not isinstance(value, ForeignObject):
         raise _damaged(path, f"its {what} is not a DCP record")
     return value.attributes()
+
+
+@dataclass(frozen=True, eq=False)
+class Assembled:
+    """A tensor stored as several chunks (a DCP checkpoint's shards), read as one contiguous tensor.
+
+    Chunks that split the tensor along its first dimension (FSDP's layout) are
+    read in place, piece by piece; chunks of any other shape are pasted into
+    one buffer the first time the tensor is read while it is open (bounded by
+    the tensor's size, and released when the reader closes).
+
+    Attributes:
+        chunks: ``(offsets, chunk)`` pairs: where each chunk starts in the full
+            tensor, and the chunk itself.
+        shape: the full tensor's shape.
+        itemsize: bytes per element.
+    """
+
+    chunks: tuple[tuple[tuple[int, ...], TensorRef], ...]
+    shape: tuple[int, ...]
+    itemsize: int
+
+    @functools.cached_property
+    def _rows(self) -> list[tuple[int, int, TensorRef]] | None:
+        """``(first byte, last byte, chunk)`` when every chunk is a contiguous block of whole rows."""
+        if not self.shape:
+            return None
+        row = math.prod(self.shape[1:]) * self.itemsize
+        rows = []
+        for offsets, chunk in self.chunks:
+            if any(offsets[1:]) or tuple(chunk.shape[1:]) != tuple(self.shape[1:]) or not chunk.is_contiguous:
+                return None
+            rows.append((offsets[0] * row, (offsets[0] + chunk.shape[0]) * row, chunk))
+        rows.sort(key=lambda item: item[0])
+        expected = 0
+        for first, last, _ in rows:
+            if first != expected:
+                return None
+            expected = last
+        return rows if expected == math.prod(self.shape) * self.itemsize else None
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[ReadInto]:
+        rows = self._rows
+        # Pasted bytes live as long as this reader (readers may call from several threads).
+        pasted: list[bytes] = []
+        lock = threading.Lock()
+
+        def whole() -> bytes:
+            with lock:
+                if not pasted:
+                    pasted.append(self._paste())
+                return pasted[0]
+
+        def read_into(start: int, out: memoryview) -> None:
+            out = out.cast("B")
+            if rows is None:
+                out[:] = whole()[start : start + len(out)]
+                return
+            end = start + len(out)
+            for first, last, chunk in rows:
+                if last <= start or first >= end:
+                    continue
+                piece_start, piece_end = max(first, start), min(last, end)
+                chunk_start = chunk.byte_span[0] + piece_start - first
+                chunk.storage.read_into(chunk_start, out[piece_start - start : piece_end - start])
+
+        yield read_into
+
+    def paths(self) -> frozenset[str]:
+        return frozenset().union(*(chunk.storage.source.paths() for _, chunk in self.chunks))
+
+    def _paste(self) -> bytes:
+        """The whole tensor, pasted together from its chunks."""
+        import numpy as np
+
+        full = np.zeros(math.prod(self.shape) * self.itemsize, dtype=np.uint8)
+        view = full.view(f"V{self.itemsize}").reshape(self.shape) if self.itemsize else full
+        for offsets, chunk in self.chunks:
+            block = chunk.numpy().view(f"V{self.itemsize}").reshape(chunk.shape)
+            view[tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape))] = block
+        return full.tobytes()
 
 
 def _chunk_file(folder: str, relative: Any) -> str:

@@ -20,16 +20,9 @@ import os
 from typing import Any, Callable, Literal
 
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from ..standins import ForeignGlobal, StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, read_exactly_into
-from ..unpickler import (
-    DEFAULT_MAX_ITEMS,
-    ForeignGlobal,
-    PickleTruncatedError,
-    StorageType,
-    TypedStorage,
-    Unpickler,
-    short_repr,
-)
+from ..unpickler import DEFAULT_MAX_ITEMS, PickleTruncatedError, Unpickler
 from ._base import ReadResult, pickle_location
 from .torch_zip import MAX_PICKLE_BYTES
 
@@ -134,7 +127,7 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
         if storage is None:
             location_tag = pickle_location(location, path)
             devices.add(location_tag)
-            storage = Storage(numel * dtype.itemsize, _PendingRegion(), location_tag, byteorder, root_key)  # type: ignore[arg-type]
+            storage = Storage(numel * dtype.itemsize, _PendingRegion(), location_tag, byteorder, root_key)
             storages[root_key] = storage
             itemsizes[root_key] = dtype.itemsize
         offset = 0

@@ -34,8 +34,9 @@ from typing import Any, BinaryIO, Callable
 
 from ..dtypes import DType
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from ..standins import StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
-from ..unpickler import DEFAULT_MAX_ITEMS, StorageType, TypedStorage, Unpickler, short_repr
+from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
 from ._base import MetadataValue, ReadResult, pickle_location, resolve
 
 __all__ = ["read", "write"]
