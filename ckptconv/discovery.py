@@ -17,7 +17,10 @@ What counts as one item:
 * a **sharded checkpoint**: a ``*.index.json`` with a ``weight_map`` and the
   shards it names count as one item, the shards are never items of their own;
 * a **DCP folder** (``torch.distributed.checkpoint``: ``.metadata`` and
-  ``*.distcp``) is one item.
+  ``*.distcp``) is one item;
+* a **training run's folder** as DeepSpeed writes it (``latest`` naming a tag
+  folder of per-rank model and optimizer states, or the tag folder itself) is
+  one item: its latest checkpoint; the folders inside it are not walked.
 
 Hidden files and folders (``.git``, the ``.partial`` files of unfinished
 writes) and everything else (``config.json``, ``README.md``) are left alone.
@@ -51,6 +54,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 FILE = "file"
 SHARDED = "sharded"
 DCP = "dcp"
+RUN = "run"
 
 # Longest first, so "x.pth.tar" loses ".pth.tar", not ".tar".
 CHECKPOINT_SUFFIXES = (".pth.tar", ".pt.tar", ".safetensors", ".pickle", ".ckpt", ".pth", ".pkl", ".bin", ".pt")
@@ -68,7 +72,7 @@ class Item:
         name: its path relative to the source folder, ``/``-separated: the file,
             the ``*.index.json`` of a sharded checkpoint, or the DCP folder.
         path: the absolute path of the same.
-        kind: ``"file"``, ``"sharded"`` or ``"dcp"``.
+        kind: ``"file"``, ``"sharded"``, ``"dcp"`` or ``"run"`` (a DeepSpeed run folder).
         size: bytes, summed over every file of the item.
         mtime_ns: the latest modification time among its files.
         members: for sharded and DCP items, every file it consists of (relative
@@ -149,6 +153,20 @@ def _head(path: str, count: int = 512) -> bytes:
         return b""
 
 
+def _run_members(folder: str) -> list[str] | None:
+    """The files of the DeepSpeed checkpoint ``folder`` holds (relative, ``/``-separated), or None."""
+    from .errors import CkptconvError
+    from .formats import deepspeed
+
+    try:
+        files = deepspeed.checkpoint_files(folder)
+    except (CkptconvError, OSError):
+        return None
+    if files is None:
+        return None
+    return [os.path.relpath(path, folder).replace(os.sep, "/") for path in files]
+
+
 def _is_checkpoint(path: str, name: str) -> bool:
     """True for files named like checkpoints, and for files whose content is one."""
     from .formats import safetensors, torch_legacy, torch_zip
@@ -192,7 +210,7 @@ def _join(folder: str, name: str) -> str:
 def _group(root: str, folder: str, rel_folder: str, name: str, kind: str, members: Sequence[str]) -> Item:
     sizes = [_stat(os.path.join(folder, member)) for member in members]
     path = os.path.join(folder, name) if kind == SHARDED else folder
-    if kind == DCP:
+    if kind in (DCP, RUN):
         rel = rel_folder or os.path.basename(root)
     else:
         rel = _join(rel_folder, name)
@@ -246,7 +264,13 @@ def discover(
         names = sorted(filenames)
         taken: set[str] = set()
         found: list[Item] = []
-        if _DCP_MARKER in names and any(name.endswith(".distcp") for name in names):
+        run = _run_members(folder)
+        if run is not None:
+            # One checkpoint of a training run (its latest); older tags inside are not items.
+            subfolders[:] = []
+            found.append(_group(root, folder, rel_folder, "", RUN, run))
+            taken.update(names)
+        elif _DCP_MARKER in names and any(name.endswith(".distcp") for name in names):
             # torch.distributed.checkpoint writes one folder per checkpoint.
             members = [_DCP_MARKER] + [name for name in names if name != _DCP_MARKER]
             found.append(_group(root, folder, rel_folder, "", DCP, members))

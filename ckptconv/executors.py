@@ -37,7 +37,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .discovery import DCP, FILE, Item
+from .discovery import DCP, FILE, RUN, Item
 from .errors import CkptconvError, LoadError, WriteError
 from .report import CONVERTED, FAILED, ItemResult, OutputFile
 from .transforms import Pipeline
@@ -139,9 +139,15 @@ def _snapshot(item: Item) -> tuple[int, int]:
         info = os.stat(item.path)
         return info.st_size, info.st_mtime_ns
     root = os.path.dirname(item.path) if item.kind != DCP else item.path
+    if item.kind == RUN:
+        from .formats.deepspeed import checkpoint_files
+
+        paths = checkpoint_files(item.path) or []
+    else:
+        paths = [os.path.join(root, os.path.basename(member)) for member in item.members]
     size = mtime = 0
-    for member in item.members:
-        info = os.stat(os.path.join(root, os.path.basename(member)))
+    for path in paths:
+        info = os.stat(path)
         size += info.st_size
         mtime = max(mtime, info.st_mtime_ns)
     return size, mtime

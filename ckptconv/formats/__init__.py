@@ -13,7 +13,7 @@ import stat
 from typing import Callable
 
 from ..errors import LoadError, UnsupportedFormatError
-from . import dcp, raw_pickle, safetensors, sharded, torch_legacy, torch_zip
+from . import dcp, deepspeed, raw_pickle, safetensors, sharded, torch_legacy, torch_zip
 from ._base import ReadResult
 
 __all__ = ["READERS", "ReadResult", "detect", "resolve"]
@@ -25,6 +25,7 @@ READERS: dict[str, Callable[[str], ReadResult]] = {
     raw_pickle.FORMAT: raw_pickle.read,
     sharded.FORMAT: sharded.read,
     dcp.FORMAT: dcp.read,
+    deepspeed.FORMAT: deepspeed.read,
 }
 
 _SINGLE_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -42,6 +43,9 @@ def resolve(path: str) -> tuple[str, str]:
     if os.path.isdir(path):
         if dcp.is_dcp_folder(path):
             return dcp.FORMAT, path
+        run = deepspeed.find_checkpoint(path)
+        if run is not None:
+            return deepspeed.FORMAT, run
         index = sharded.find_index(path)
         if index is not None:
             return sharded.FORMAT, index
