@@ -23,9 +23,9 @@ from typing import Any, Callable, Union
 
 from ._version import __version__
 from .discovery import FILE, Planned, discover, plan_outputs
-from .errors import WriteError
-from .executors import Job, Options, run_dask, run_local
-from .manifest import MANIFEST_NAME, Manifest, latest_conversions, now
+from .errors import DestinationError, OutputExistsError, WriteError
+from .executors import Job, Options, check_sendable, run_dask, run_local
+from .manifest import MANIFEST_NAME, Manifest, latest_conversions, now, read_records
 from .metadata import file_sha256
 from .report import CANCELLED, FAILED, PLANNED, SKIPPED, BatchReport, ItemResult
 from .transforms import Pipeline, Transform
@@ -39,9 +39,9 @@ BatchProgress = Union[bool, Callable[[ItemResult], None]]
 EXECUTORS = ("local", "dask")
 
 
-def _fingerprint(options: Options) -> str:
+def _output_options(options: Options) -> dict[str, Any]:
     """What decides an output's bytes: a resumed item must have been made with the same."""
-    described = {
+    return {
         "select": options.select,
         "transforms": options.transforms.describe(),
         "format": options.format,
@@ -49,7 +49,76 @@ def _fingerprint(options: Options) -> str:
         "keep_meta": options.keep_meta,
         "source_hash": options.source_hash,
     }
-    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _fingerprint(options: Options) -> str:
+    return hashlib.sha256(json.dumps(_output_options(options), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# How each output option is spelled on the command line, for the message of a refused resume.
+_FLAGS = {
+    "select": "--select",
+    "transforms": "transforms",
+    "format": "--to",
+    "trust": "--trust",
+    "keep_meta": "--keep-meta",
+    "source_hash": "--no-source-hash",
+}
+
+
+def _shown(name: str, value: Any) -> str:
+    if name == "transforms":
+        return "; ".join(value) if value else "none"
+    if name == "source_hash":
+        return "no" if value else "yes"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return "none" if value is None else str(value)
+
+
+def _check_same_options(
+    manifest_path: str, output_dir: str, done: dict[str, dict[str, Any]], planned: Sequence[Planned], options: Options
+) -> None:
+    """Refuse to resume into a folder whose outputs were made with other options.
+
+    Without this, ``--resume`` with other options would convert every item again and
+    silently replace the earlier outputs (bf16 files rewritten as fp32).
+
+    Raises:
+        DestinationError: a converted item on record was made with other options; the message
+            names the options that differ and how to proceed.
+    """
+    fingerprint = _fingerprint(options)
+    others = {
+        str(record.get("options"))
+        for plan in planned
+        if (record := done.get(plan.item.name)) is not None and record.get("options") != fingerprint
+    }
+    if not others:
+        return
+    count = sum(1 for plan in planned if done.get(plan.item.name, {}).get("options", fingerprint) != fingerprint)
+    recorded: dict[str, Any] | None = None
+    for record in read_records(manifest_path):  # the latest run that made such an output
+        run_options = record.get("options") if record.get("record") == "run" else None
+        if isinstance(run_options, dict) and run_options.get("fingerprint") in others:
+            recorded = record.get("output_options")
+    now_options = _output_options(options)
+    if isinstance(recorded, dict):
+        differ = [
+            f"{_FLAGS[name]}: {_shown(name, recorded.get(name))} then, {_shown(name, value)} now"
+            for name, value in now_options.items()
+            if recorded.get(name) != value
+        ]
+    else:
+        differ = []
+    what = "; ".join(differ) if differ else "the manifest does not say which"
+    items = f"{count} item{'s' if count != 1 else ''}"
+    raise DestinationError(
+        f"cannot resume: {items} in {output_dir!r} were converted with other options ({what}); "
+        "resume with the same options, choose another output folder, or pass --overwrite to convert "
+        "them again with these options",
+        path=output_dir,
+    )
 
 
 def _still_done(plan: Planned, record: dict[str, Any] | None, output_dir: str, fingerprint: str) -> bool:
@@ -231,6 +300,8 @@ def batch(
     manifest_path = os.path.join(output, MANIFEST_NAME)
     fingerprint = _fingerprint(options)
     done = latest_conversions(manifest_path) if resume else {}
+    if resume and not overwrite:
+        _check_same_options(manifest_path, os.fspath(output_dir), done, planned, options)
 
     results: dict[str, ItemResult] = {}
     refused: list[ItemResult] = []
@@ -251,6 +322,21 @@ def batch(
                     error_type="WriteError",
                 )
             )
+        elif not (resume or overwrite) and os.path.lexists(os.path.join(output, *plan.output.split("/"))):
+            refused.append(
+                ItemResult(
+                    source=item.name,
+                    status=FAILED,
+                    kind=item.kind,
+                    output=plan.output,
+                    source_size=item.size,
+                    source_mtime_ns=item.mtime_ns,
+                    format=options.format,
+                    error=f"{plan.output!r} already exists in the output folder; pass --resume to skip what an "
+                    "earlier batch converted, or --overwrite to convert it again",
+                    error_type=OutputExistsError.__name__,
+                )
+            )
         elif resume and _still_done(plan, done.get(item.name), output, fingerprint):
             previous = ItemResult.from_record(done[item.name])
             results[item.name] = dataclasses.replace(previous, status=SKIPPED, duration_s=0.0)
@@ -258,7 +344,7 @@ def batch(
             todo.append(Job(item, os.path.join(output, *plan.output.split("/")), plan.output, options, replace=resume))
     results.update((result.source, result) for result in refused)
 
-    if dry_run:
+    if dry_run or not planned:  # nothing to do: no output folder, no manifest
         for job in todo:
             results[job.item.name] = ItemResult(
                 source=job.item.name,
@@ -269,7 +355,9 @@ def batch(
                 source_mtime_ns=job.item.mtime_ns,
                 format=options.format,
             )
-        return _report(source, output, "", planned, results, started, dry_run=True)
+        return _report(source, output, "", planned, results, started, dry_run=dry_run)
+    if executor == "local" and jobs > 1 and len(todo) > 1:
+        check_sendable(options)  # before the output folder and the manifest exist
 
     try:
         os.makedirs(output, exist_ok=True)
@@ -299,6 +387,7 @@ def batch(
                     "glob": globs,
                     "checksums": checksums,
                 },
+                "output_options": _output_options(options),
                 "executor": executor,
                 "scheduler": scheduler,
                 "jobs": jobs,

@@ -42,10 +42,17 @@ Exit codes:
 
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
-        from .errors import CkptconvError, FitError
+        from .errors import CkptconvError, DestinationError, FitError
 
         try:
             return super().invoke(ctx)
+        except DestinationError as error:  # the options contradict DST: a usage error, exit 2
+            if os.environ.get("CKPTCONV_DEBUG"):
+                raise
+            name = ctx.invoked_subcommand
+            command = self.get_command(ctx, name) if name else None
+            usage = click.Context(command, info_name=name, parent=ctx) if command else ctx
+            raise click.UsageError(str(error), usage) from None
         except CkptconvError as error:
             if os.environ.get("CKPTCONV_DEBUG"):
                 raise

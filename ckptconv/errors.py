@@ -14,7 +14,8 @@ a caller would handle it differently::
     │   ├── CastOverflowError           a cast would turn finite values into inf
     │   └── FitError                    no key transform makes a checkpoint fit its reference
     ├── WriteError (OSError)            the output could not be written
-    │   └── OutputExistsError (FileExistsError)
+    │   ├── OutputExistsError (FileExistsError)
+    │   └── DestinationError (ValueError)   the destination contradicts the options (a usage error)
     └── VerifyError                     the output does not match its source
 
 ``str(error)`` is one sentence that says what failed and what to do next; the
@@ -31,6 +32,7 @@ from typing import Any
 __all__ = [
     "CastOverflowError",
     "CkptconvError",
+    "DestinationError",
     "FitError",
     "KeyCollisionError",
     "LoadError",
@@ -139,6 +141,16 @@ class WriteError(CkptconvError, OSError):
 
 class OutputExistsError(WriteError, FileExistsError):
     """The destination exists and ``overwrite`` was not given."""
+
+    __str__ = CkptconvError.__str__
+
+
+class DestinationError(WriteError, ValueError):
+    """The destination contradicts the options: a suffix of another format, a file name for a folder.
+
+    A usage error: nothing was read or written, and the message says what to write instead
+    (the CLI exits 2).
+    """
 
     __str__ = CkptconvError.__str__
 

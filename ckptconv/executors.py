@@ -10,39 +10,44 @@ submitting work once its ``stop()`` callable says so (``fail_fast``), after
 draining what is already running.
 
 * :func:`run_local` with one worker converts in this process; with more, it
-  uses a :class:`~concurrent.futures.ProcessPoolExecutor` on a ``forkserver``
-  (or ``spawn``) context, so no torch or thread state is ever forked. Imports
-  are paid once per worker, in its initializer. A worker that dies (killed,
-  out of memory) breaks the pool: the items it may have held are retried one
-  at a time in a fresh pool, and only the one that kills a worker on its own
-  is failed. Workers exit when the batch process dies, even by SIGKILL.
+  starts ``python -m ckptconv._worker`` processes (never ``fork``, and never
+  importing the caller's main module, see :mod:`ckptconv._worker`). Imports
+  are paid once per worker. A worker that dies (killed, out of memory) fails
+  only the item it was converting; a fresh worker takes over. Workers exit
+  when the batch process dies, even by SIGKILL.
 * :func:`run_dask` submits the same jobs to a Dask ``distributed`` cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
-import multiprocessing
+import io
 import os
+import pickle
 import re
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import traceback
 import uuid
 from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any, Callable
+from queue import Queue
+from typing import IO, Any, Callable
 
+from ._worker import read_frame, write_frame
 from .discovery import DCP, FILE, RUN, Item
-from .errors import CkptconvError, LoadError, WriteError
+from .errors import CkptconvError, LoadError, TransformError, WriteError
 from .report import CONVERTED, FAILED, ItemResult, OutputFile
 from .transforms import Pipeline
 
-__all__ = ["Job", "Options", "run_dask", "run_job", "run_local"]
+__all__ = ["Job", "Options", "check_sendable", "run_dask", "run_job", "run_local"]
 
 Stop = Callable[[], bool]
 
@@ -226,55 +231,126 @@ def _prepare_folder(output: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _start_worker() -> None:
-    """Pool initializer: pay the imports once per worker, and die with the batch process."""
-    from . import conversion  # noqa: F401 - imports numpy and every format reader, once
-
-    parent = multiprocessing.parent_process()
-    sentinel = getattr(parent, "sentinel", None)
-    if sentinel is not None:
-        threading.Thread(target=_exit_with_parent, args=(sentinel,), name="ckptconv-watchdog", daemon=True).start()
+_DIED = "the worker process died while converting it ({how}); nothing was written for it"
+_RESULTS = "ckptconv-results"
 
 
-def _exit_with_parent(sentinel: int) -> None:
-    from multiprocessing.connection import wait as wait_for
-
-    wait_for([sentinel])
-    # The batch is gone (killed, even by SIGKILL): stop now. An unfinished output is only a
-    # hidden .partial file, which the next run removes.
-    os._exit(1)
+class _MainModuleObject(Exception):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
 
 
-def _context() -> Any:
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+class _Pickler(pickle.Pickler):
+    """Refuses objects of the script being run: workers never import ``__main__`` (see _worker.py)."""
+
+    def persistent_id(self, obj: Any) -> None:
+        kind = obj if isinstance(obj, type) or callable(obj) else type(obj)
+        if getattr(kind, "__module__", None) == "__main__":
+            raise _MainModuleObject(getattr(kind, "__qualname__", repr(kind)))
 
 
-_DIED = (
-    "the worker process died while converting it (killed, out of memory, or a crash in native code); "
-    "nothing was written for it"
-)
-
-
-def _outcome(future: Future[ItemResult], job: Job, alone: bool, suspects: deque[Job]) -> tuple[ItemResult | None, bool]:
-    """A finished future's result (None if its job must be retried), and whether the pool broke."""
+def check_sendable(options: Any) -> None:
+    """Refuse, before anything starts, options that local worker processes cannot receive."""
     try:
-        return future.result(), False
-    except BrokenProcessPool:
-        if alone:
-            return _failed(job, "WorkerDied", _DIED), True
-        suspects.append(job)
-        return None, True
-    except Exception as error:  # e.g. a job that cannot be pickled: a bug
-        message = f"unexpected {type(error).__name__}: {error}"
-        return _failed(job, _qualified(error), message, traceback.format_exc()), False
+        _Pickler(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL).dump(options)
+    except _MainModuleObject as error:
+        raise TransformError(
+            f"{error.name} is defined in the script being run (__main__), which worker processes do not "
+            "import; move it into a module the script imports, or convert with jobs=1"
+        ) from None
+    except (pickle.PicklingError, TypeError, AttributeError) as error:
+        raise TransformError(
+            f"the options cannot be sent to worker processes ({error}); define transforms at the top level "
+            "of a module, or convert with jobs=1"
+        ) from None
+
+
+class _Worker:
+    """One ``python -m ckptconv._worker`` process and the jobs sent to it, in order."""
+
+    def __init__(self, events: Queue[tuple[_Worker, Any]]) -> None:
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        # Its stderr, read only to say why it died; closed in close().
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the worker, not a block
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ckptconv._worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+        )
+        self.pending: deque[tuple[int, Job]] = deque()
+        self.ready = False
+        stdin, stdout = self.process.stdin, self.process.stdout
+        if stdin is None or stdout is None:  # cannot happen with PIPE; says so to the type checker
+            raise RuntimeError("subprocess.PIPE gave no pipe")
+        self.stdin: IO[bytes] = stdin
+        self._events = events
+        threading.Thread(target=self._read, args=(stdout,), name=_RESULTS, daemon=True).start()
+        self._write(list(sys.path))
+
+    def _write(self, value: Any) -> None:
+        # If it died, its reader thread sees the end of its output and reports it.
+        with contextlib.suppress(OSError):
+            write_frame(self.stdin, value)
+
+    def _read(self, stdout: IO[bytes]) -> None:
+        try:
+            while True:
+                self._events.put((self, read_frame(stdout)))
+        except (EOFError, OSError):
+            self._events.put((self, None))
+
+    def send(self, sequence: int, job: Job) -> None:
+        self.pending.append((sequence, job))
+        self._write((sequence, pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)))
+
+    def why(self) -> str:
+        """How the process ended, and the last line it wrote to stderr."""
+        code = self.process.wait()
+        if code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exit status {code}"
+        self.log.seek(0)
+        lines = [line.strip() for line in self.log.read().decode(errors="replace").splitlines() if line.strip()]
+        return f"{how}: {lines[-1]}" if lines else how
+
+    def close(self, wait: bool) -> None:
+        with contextlib.suppress(OSError):
+            self.stdin.close()  # the worker exits when its stdin closes, even mid-item
+        try:
+            self.process.wait(timeout=10 if wait else 1)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        self.log.close()
 
 
 def run_local(jobs: Sequence[Job], *, workers: int = 1, stop: Stop = lambda: False) -> Iterator[ItemResult]:
-    """Convert jobs in this process (``workers=1``) or in a pool of worker processes.
+    """Convert jobs in this process (``workers=1``) or in worker processes.
+
+    Workers are ``python -m ckptconv._worker`` processes: they never import the
+    caller's main module, so a plain script, a notebook or an interactive
+    session may call :func:`ckptconv.batch` with ``jobs > 1`` without an
+    ``if __name__ == "__main__":`` guard. A worker that dies fails only the
+    item it was converting; a fresh one takes over.
 
     Yields:
         One result per job, in the order they finish; fewer once ``stop()`` is true.
+
+    Raises:
+        TransformError: the transforms cannot be sent to worker processes (a
+            lambda, or a class defined in the script being run).
+        CkptconvError: a worker process cannot start (its reason is in the message).
     """
     if workers <= 1 or len(jobs) <= 1:
         for job in jobs:
@@ -283,54 +359,54 @@ def run_local(jobs: Sequence[Job], *, workers: int = 1, stop: Stop = lambda: Fal
             yield run_job(job)
         return
 
+    check_sendable(jobs[0].options)
     size = min(workers, len(jobs))
     # One queued job per worker besides the running one, so no worker idles while this process
-    # records a result (an fsync); few enough that a broken pool has little to retry.
-    window = 2 * size
-    queue = deque(jobs)
-    suspects: deque[Job] = deque()  # submitted when a worker died; retried one at a time
-    running: dict[Future[ItemResult], tuple[Job, bool]] = {}
-    pool: ProcessPoolExecutor | None = None
-    context = _context()
+    # records a result (an fsync). A worker answers in order, so the first pending job is the running one.
+    window = 2
+    queue = deque(enumerate(jobs))
+    events: Queue[tuple[_Worker, Any]] = Queue()
+    pool: list[_Worker] = []
     clean = False
     try:
-        while queue or suspects or running:
-            if pool is None:
-                pool = ProcessPoolExecutor(max_workers=size, mp_context=context, initializer=_start_worker)
-            broken = False
-            if stop():
-                for future in [f for f in running if f.cancel()]:  # queued, not started: cancelled
-                    del running[future]
-                if not running:
-                    break
+        pool = [_Worker(events) for _ in range(size)]
+        while queue or any(worker.pending for worker in pool):
+            if not stop():
+                for worker in pool:
+                    while worker.ready and queue and len(worker.pending) < window:
+                        worker.send(*queue.popleft())
+            elif not any(worker.pending for worker in pool):
+                break
+            worker, message = events.get()
+            if message is None:  # it died (or could not start)
+                reason = worker.why()
+                if not worker.ready:
+                    raise CkptconvError(
+                        f"a batch worker process could not start ({sys.executable} -m ckptconv._worker, {reason}); "
+                        "convert with jobs=1, or fix the environment"
+                    )
+                pool.remove(worker)
+                worker.close(wait=False)
+                if worker.pending:
+                    _, job = worker.pending.popleft()
+                    queue.extendleft(reversed(worker.pending))  # sent, never started
+                    yield _failed(job, "WorkerDied", _DIED.format(how=reason))
+                if queue and not stop():
+                    pool.append(_Worker(events))
+            elif message[0] == "ready":
+                worker.ready = True
             else:
-                try:  # submit, then take off the queue: a job a broken pool refused stays queued
-                    if suspects:
-                        if not running:
-                            running[pool.submit(run_job, suspects[0])] = (suspects[0], True)
-                            suspects.popleft()
-                    else:
-                        while queue and len(running) < window:
-                            running[pool.submit(run_job, queue[0])] = (queue[0], False)
-                            queue.popleft()
-                except BrokenProcessPool:
-                    broken = True
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            outcomes = [_outcome(future, *running.pop(future), suspects) for future in done]
-            if broken or any(broke for _, broke in outcomes):
-                # A worker died: every other job the pool held fails the same way. Collect them, and
-                # start a fresh pool that retries them one by one.
-                outcomes += [_outcome(future, job, alone, suspects) for future, (job, alone) in running.items()]
-                running.clear()
-                pool.shutdown(wait=True, cancel_futures=True)
-                pool = None
-            yield from (result for result, _ in outcomes if result is not None)
+                _, result, error = message
+                _, job = worker.pending.popleft()  # a worker answers in the order it was sent jobs
+                if result is None:
+                    result = _failed(job, "WorkerError", f"a worker process cannot receive this item ({error})")
+                yield result
         clean = True
     finally:
-        if pool is not None:
-            # Interrupted (Ctrl-C, or the consumer gave up): do not wait for running items; their
-            # workers exit with this process, and an unfinished output is only a .partial file.
-            pool.shutdown(wait=clean, cancel_futures=True)
+        # Interrupted (Ctrl-C, or the consumer gave up): do not wait for running items; their
+        # workers exit when their stdin closes, and an unfinished output is only a .partial file.
+        for worker in pool:
+            worker.close(wait=clean)
 
 
 # ---------------------------------------------------------------------------------------

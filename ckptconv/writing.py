@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Union
 
-from .errors import CastOverflowError, OutputExistsError, WriteError
+from .errors import CastOverflowError, DestinationError, OutputExistsError, WriteError
 from .formats import dcp, safetensors, sharded, torch_zip
 from .formats._base import MetadataValue, resolve
 from .formats.torch_zip import PlannedStorage
@@ -43,6 +43,7 @@ _FORMAT_NAMES = {
     "st": "safetensors",
     "dcp": "dcp",
 }
+_FORMAT_TITLES = {"pt": "torch", "safetensors": "safetensors", "dcp": "DCP"}
 _COPY_CHUNK = 32 << 20
 
 
@@ -67,31 +68,48 @@ class WriteReport:
     files: tuple[str, ...] = ()
 
 
+def _suffix_format(name: str) -> tuple[str, str] | None:
+    """The format a file name's suffix names, and the suffix; None for a name without one."""
+    lowered = name.lower()
+    if lowered.endswith(".safetensors"):
+        return "safetensors", name[-len(".safetensors") :]
+    for suffix in sorted(_TORCH_SUFFIXES, key=len, reverse=True):
+        if lowered.endswith(suffix):
+            return "pt", name[-len(suffix) :]
+    return None
+
+
 def output_format(path: PathLike, to: str | None = None, *, folder: bool = False) -> str:
     """``"pt"``, ``"safetensors"`` or ``"dcp"``: ``to`` if given, else from the destination's suffix.
 
     Folder outputs default to safetensors, as Hugging Face checkpoints are.
 
     Raises:
+        DestinationError: ``to`` contradicts the destination's suffix (``o.safetensors`` with ``pt``).
         WriteError: neither ``to`` nor the suffix says which format to write.
     """
+    text = os.fspath(path)
+    named = None if folder or not text else _suffix_format(os.path.basename(text))
     if to is not None:
         name = _FORMAT_NAMES.get(to.lower())
         if name is None:
             raise WriteError(f"unknown output format {to!r}; use 'pt', 'safetensors' or 'dcp'")
         if name == "dcp" and not folder:
             raise WriteError("a DCP checkpoint is a folder; give a folder as the destination")
+        if named is not None and named[0] != name:
+            stem = text[: -len(named[1])]
+            instead = stem + (".safetensors" if name == "safetensors" else ".pt")
+            raise DestinationError(
+                f"{text!r} is named as a {_FORMAT_TITLES[named[0]]} file but --to {to} writes a "
+                f"{_FORMAT_TITLES[name]} file; write {instead!r} instead, or leave out --to",
+                path=text,
+            )
         return name
     if folder:
         return "safetensors"
-    lowered = os.fspath(path).lower()
-    if lowered.endswith(".safetensors"):
-        return "safetensors"
-    if lowered.endswith(_TORCH_SUFFIXES):
-        return "pt"
-    raise WriteError(
-        f"cannot tell the output format from {os.fspath(path)!r}; end it in .safetensors or .pt, or pass --to"
-    )
+    if named is not None:
+        return named[0]
+    raise WriteError(f"cannot tell the output format from {text!r}; end it in .safetensors or .pt, or pass --to")
 
 
 def _source_paths(entries: Iterable[tuple[str, TensorRef]]) -> set[str]:
@@ -436,14 +454,29 @@ def save(
 
 
 def is_folder_destination(path: PathLike, format: str | None, max_shard_size: int | None) -> bool:
-    """True when ``save`` writes a folder layout to ``path``."""
+    """True when ``save`` writes a folder layout to ``path``.
+
+    Raises:
+        DestinationError: a folder would be created under a file's name (``m5.safetensors``
+            with ``max_shard_size``, or with ``format="dcp"``).
+    """
     text = os.fspath(path)
-    return (
-        os.path.isdir(text)
-        or text.endswith(("/", os.sep))
-        or max_shard_size is not None
-        or (format or "").lower() == "dcp"
-    )
+    if os.path.isdir(text) or text.endswith(("/", os.sep)):
+        return True
+    dcp = (format or "").lower() == "dcp"
+    if max_shard_size is None and not dcp:
+        return False
+    named = _suffix_format(os.path.basename(text))
+    if named is not None and not os.path.exists(text):  # an existing file is refused when writing
+        cause = "--to dcp writes a folder" if dcp else "--max-shard-size writes a folder of shards and an index"
+        folder = text[: -len(named[1])] + "/"
+        one_file = "leave out --to dcp" if dcp else "leave out --max-shard-size"
+        raise DestinationError(
+            f"{text!r} is named like a file, but {cause}; write {folder!r} instead, "
+            f"or {one_file} to write the one file {text!r}",
+            path=text,
+        )
+    return True
 
 
 def _save_file(

@@ -510,15 +510,18 @@ def test_resume_skips_what_is_done_and_redoes_what_changed(small_zoo: Path, tmp_
     }
     assert_output_matches(small_zoo / "a" / "train.pt", out / "a" / "train.safetensors")
 
-    # Other options make other bytes: nothing counts as done, and outputs are replaced.
-    fourth = ckptconv.batch(small_zoo, out, resume=True, transforms=[ckptconv.Cast("fp16")])
+    # Other options make other bytes: resuming with them is refused (issue 14), --overwrite redoes all.
+    with pytest.raises(ckptconv.DestinationError, match=r"^cannot resume: 3 items in .* other options"):
+        ckptconv.batch(small_zoo, out, resume=True, transforms=[ckptconv.Cast("fp16")])
+    fourth = ckptconv.batch(small_zoo, out, resume=True, overwrite=True, transforms=[ckptconv.Cast("fp16")])
     assert len(fourth.converted) == 3
     assert ckptconv.load(out / "c.safetensors")["conv.weight"].dtype == torch.float16
 
-    # Without --resume an existing output is a per-item failure, not an overwrite.
+    # Without --resume an existing output is a per-item failure that points to --resume, not an overwrite.
     fifth = ckptconv.batch(small_zoo, out)
     assert [r.error for r in fifth.failed] == [
-        f"{str(out / p)!r} already exists; pass --overwrite to replace it"
+        f"{p!r} already exists in the output folder; pass --resume to skip what an earlier batch converted, "
+        "or --overwrite to convert it again"
         for p in ("a/b/model.safetensors", "a/train.safetensors", "c.safetensors")
     ]
     assert len(ckptconv.batch(small_zoo, out, overwrite=True).converted) == 3
