@@ -20,7 +20,9 @@ What counts as one item:
   ``*.distcp``) is one item;
 * a **training run's folder** as DeepSpeed writes it (``latest`` naming a tag
   folder of per-rank model and optimizer states, or the tag folder itself) is
-  one item: its latest checkpoint; the folders inside it are not walked.
+  one item: its latest checkpoint; the folders inside it are not walked. So is
+  a folder of per-rank DTensor files (``model_world_size_2_rank_0.pt`` ...); the
+  other files beside them (verl's ``optim_*``/``extra_state_*``) are not items.
 
 Hidden files and folders (``.git``, the ``.partial`` files of unfinished
 writes) and everything else (``config.json``, ``README.md``) are left alone.
@@ -153,18 +155,22 @@ def _head(path: str, count: int = 512) -> bytes:
         return b""
 
 
-def _run_members(folder: str) -> list[str] | None:
-    """The files of the DeepSpeed checkpoint ``folder`` holds (relative, ``/``-separated), or None."""
+def _run_members(folder: str) -> tuple[list[str], bool] | None:
+    """The files of the training-run checkpoint ``folder`` holds (relative, ``/``-separated), and
+    whether the folders inside it belong to it; None if it holds none."""
     from .errors import CkptconvError
-    from .formats import deepspeed
+    from .formats import deepspeed, rank_shards
 
     try:
         files = deepspeed.checkpoint_files(folder)
     except (CkptconvError, OSError):
         return None
-    if files is None:
-        return None
-    return [os.path.relpath(path, folder).replace(os.sep, "/") for path in files]
+    if files is not None:
+        return [os.path.relpath(path, folder).replace(os.sep, "/") for path in files], True
+    shards = rank_shards.find_files(folder)
+    if shards is not None:
+        return [os.path.basename(path) for path in shards], False
+    return None
 
 
 def _is_checkpoint(path: str, name: str) -> bool:
@@ -266,9 +272,12 @@ def discover(
         found: list[Item] = []
         run = _run_members(folder)
         if run is not None:
-            # One checkpoint of a training run (its latest); older tags inside are not items.
-            subfolders[:] = []
-            found.append(_group(root, folder, rel_folder, "", RUN, run))
+            # One checkpoint of a training run: its latest (older DeepSpeed tags inside are not
+            # items), or its per-rank model files (their optimizer files beside them are not either).
+            members, owns_subfolders = run
+            if owns_subfolders:
+                subfolders[:] = []
+            found.append(_group(root, folder, rel_folder, "", RUN, members))
             taken.update(names)
         elif _DCP_MARKER in names and any(name.endswith(".distcp") for name in names):
             # torch.distributed.checkpoint writes one folder per checkpoint.

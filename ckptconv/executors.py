@@ -146,8 +146,9 @@ def _snapshot(item: Item) -> tuple[int, int]:
     root = os.path.dirname(item.path) if item.kind != DCP else item.path
     if item.kind == RUN:
         from .formats.deepspeed import checkpoint_files
+        from .formats.rank_shards import find_files
 
-        paths = checkpoint_files(item.path) or []
+        paths = checkpoint_files(item.path) or find_files(item.path) or []
     else:
         paths = [os.path.join(root, os.path.basename(member)) for member in item.members]
     size = mtime = 0

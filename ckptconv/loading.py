@@ -159,7 +159,7 @@ def open(path: PathLike, *, trust: bool = False) -> Checkpoint:
 
 def _size(path: str, kind: str) -> int:
     """Bytes on disk: the file, or every file of a sharded or DCP checkpoint."""
-    if kind in ("dcp", "deepspeed"):
+    if kind in ("dcp", "deepspeed", "rank-shards", "megatron-torch-dist"):
         return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
     if kind == "sharded":
         folder = os.path.dirname(os.path.abspath(path))
@@ -209,7 +209,7 @@ def load(
 
 def _read_trusted(path: str, kind: str) -> ReadResult:
     """Unpickle with torch itself; for trusted files only."""
-    if kind in ("safetensors", "sharded", "dcp", "deepspeed"):
+    if kind in ("safetensors", "sharded", "dcp", "deepspeed", "rank-shards", "megatron-torch-dist"):
         return formats.READERS[kind](path)  # nothing in these runs code: trust changes nothing
     import torch
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint
 from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -26,7 +27,7 @@ from safetensors.torch import load_file
 import ckptconv
 from ckptconv.cli import cli
 from ckptconv.dtypes import dtype_by_name
-from ckptconv.transforms import AddPrefix, Cast, Keep
+from ckptconv.transforms import AddPrefix, Cast, Keep, Rename
 
 from .conftest import FIXTURES, assert_same_state, assert_same_tensor
 
@@ -295,3 +296,120 @@ def test_peak_memory_stays_near_the_largest_tensor_not_the_optimizer_files(tmp_p
     assert grown < partition // 4, f"peak RSS grew by {grown / 2**20:.1f} MiB"
     with safe_open(out, "pt") as file:
         assert len(file.keys()) == 128
+
+
+# -- FSDP2: DTensor state dicts saved per rank with torch.save (verl's layout) ---------------
+
+FSDP2 = ["fsdp2_dtensor", "fsdp2_dtensor_bf16"]
+
+
+@pytest.mark.parametrize("run", FSDP2)
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_fsdp2_rank_files_merge_to_the_gathered_full_state_dict(run: str, suffix: str, tmp_path: Path) -> None:
+    out = tmp_path / f"model{suffix}"
+    ckptconv.convert(RUNS / run, out)
+    expected = golden(run, "golden_full.pt")
+    if suffix == ".pt":
+        ours = torch.load(out, weights_only=True)
+        assert_same_state(ours, expected)
+        assert ours["head.weight"].data_ptr() == ours["emb.weight"].data_ptr()  # tied in the model
+    else:
+        assert_same_state(load_file(out), {k: v for k, v in expected.items() if k != "head.weight"}, ordered=False)
+
+
+def test_fsdp2_inspect_and_verl_sibling_files(tmp_path: Path) -> None:
+    """verl saves optimizer and extra state per rank beside the model: the model files are taken."""
+    run = _copy("fsdp2_dtensor", tmp_path)
+    for rank in range(2):
+        torch.save({"lr": 0.1}, run / f"optim_world_size_2_rank_{rank}.pt")
+        torch.save({"rng": 1}, run / f"extra_state_world_size_2_rank_{rank}.pt")
+    info = ckptconv.inspect(run)
+    assert info.format == "rank-shards"
+    assert info.metadata["world_size"] == "2"
+    assert info.metadata["placements"] == "Shard(0): 8 tensors"  # the tied pair counts once
+    assert info.metadata["files"] == "model_world_size_2_rank_0.pt ... model_world_size_2_rank_1.pt"
+    assert_same_state(ckptconv.load(run), golden("fsdp2_dtensor", "golden_full.pt"))
+
+
+def test_fsdp2_a_missing_rank_is_not_a_set(tmp_path: Path) -> None:
+    run = _copy("fsdp2_dtensor", tmp_path)
+    (run / "model_world_size_2_rank_1.pt").unlink()
+    (run / "golden_full.pt").unlink()
+    # One rank's file alone is an ordinary file: it reads, with its DTensors as stand-ins.
+    assert ckptconv.open(run).format == "torch-zip"
+
+
+def test_fsdp2_a_shard_that_does_not_fit_its_placement_is_refused(tmp_path: Path) -> None:
+    run = _copy("fsdp2_dtensor", tmp_path)
+    # rank 1's file in place of rank 0's: its shards sit where rank 0's belong by the mesh coordinates
+    shutil.copy(run / "model_world_size_2_rank_1.pt", run / "model_world_size_2_rank_0.pt")
+    _refused(run, tmp_path, "do not tile a tensor of size [37, 12]")
+
+
+def test_batch_treats_per_rank_files_as_one_item(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(RUNS / "fsdp2_dtensor", src / "global_step_5" / "actor")
+    (src / "global_step_5" / "actor" / "golden_full.pt").unlink()
+    for rank in range(2):
+        torch.save({"lr": 0.1}, src / "global_step_5" / "actor" / f"optim_world_size_2_rank_{rank}.pt")
+    report = ckptconv.batch(src, tmp_path / "out")
+    assert [(r.source, r.kind, r.status) for r in report.results] == [("global_step_5/actor", "run", "converted")]
+    assert_same_state(
+        load_file(tmp_path / "out" / "global_step_5" / "actor.safetensors"),
+        {k: v for k, v in golden("fsdp2_dtensor", "golden_full.pt").items() if k != "head.weight"},
+        ordered=False,
+    )
+
+
+# -- Megatron-Core torch_dist: TP=2, stacked layers ------------------------------------------
+
+# Megatron's checkpoints use Transformer Engine's names for the layer norms fused into the next
+# linear layer; the golden model was built with the local spec, which names them apart.
+LOCAL_SPEC = [
+    Rename(r"self_attention\.linear_qkv\.layer_norm_", "input_layernorm."),
+    Rename(r"mlp\.linear_fc1\.layer_norm_", "pre_mlp_layernorm."),
+]
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_megatron_tp2_torch_dist_equals_megatrons_own_loader(suffix: str, tmp_path: Path) -> None:
+    out = tmp_path / f"model{suffix}"
+    ckptconv.convert(RUNS / "megatron_tp2", out, transforms=LOCAL_SPEC)
+    ours = torch.load(out, weights_only=True) if suffix == ".pt" else load_file(out)
+    assert_same_state(ours, golden("megatron_tp2", "golden_full.pt"), ordered=suffix == ".pt")
+
+
+def test_megatron_inspect_names_the_stacked_layers() -> None:
+    info = ckptconv.inspect(RUNS / "megatron_tp2")
+    assert info.format == "megatron-torch-dist"
+    assert info.metadata["layers"] == "decoder.layers: 2 (saved stacked, split per layer)"
+    keys = [t.key for t in info.tensors]
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in keys
+    assert not any(t.shares_with for t in info.tensors)  # each layer is a tensor of its own
+    assert not any("_extra_state" in key for key in keys)
+
+
+def test_megatron_layers_disagreeing_on_their_count_are_refused(tmp_path: Path) -> None:
+    from ckptconv.formats import megatron
+
+    bad = {"decoder.layers.a.weight": torch.zeros(2, 3), "decoder.layers.b.weight": torch.zeros(3, 3)}
+    folder = tmp_path / "ckpt"
+    torch.distributed.checkpoint.save(bad, checkpoint_id=str(folder), no_dist=True)
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    assert megatron.is_torch_dist_folder(str(folder))
+    _refused(folder, tmp_path, "'decoder.layers.b.weight' stacks 3 layers, other decoder.layers keys 2")
+
+
+def test_megatron_optimizer_state_beside_the_model_is_not_selected(tmp_path: Path) -> None:
+    state = {
+        "decoder.layers.mlp.weight": torch.arange(12.0).reshape(2, 2, 3),
+        "optimizer.state.exp_avg.decoder.layers.mlp.weight": torch.ones(2, 2, 3),
+        "output_layer.weight": torch.full((4, 3), 2.0),
+    }
+    folder = tmp_path / "iter_0000010"
+    torch.distributed.checkpoint.save(state, checkpoint_id=str(folder), no_dist=True)
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    ours = ckptconv.load(folder)
+    assert list(ours) == ["decoder.layers.0.mlp.weight", "decoder.layers.1.mlp.weight", "output_layer.weight"]
+    assert_same_tensor(ours["decoder.layers.1.mlp.weight"], state["decoder.layers.mlp.weight"][1])
+    assert_same_tensor(ours["output_layer.weight"], state["output_layer.weight"])

@@ -13,7 +13,7 @@ import stat
 from typing import Callable
 
 from ..errors import LoadError, UnsupportedFormatError
-from . import dcp, deepspeed, raw_pickle, safetensors, sharded, torch_legacy, torch_zip
+from . import dcp, deepspeed, megatron, rank_shards, raw_pickle, safetensors, sharded, torch_legacy, torch_zip
 from ._base import ReadResult
 
 __all__ = ["READERS", "ReadResult", "detect", "resolve"]
@@ -26,6 +26,8 @@ READERS: dict[str, Callable[[str], ReadResult]] = {
     sharded.FORMAT: sharded.read,
     dcp.FORMAT: dcp.read,
     deepspeed.FORMAT: deepspeed.read,
+    rank_shards.FORMAT: rank_shards.read,
+    megatron.FORMAT: megatron.read,
 }
 
 _SINGLE_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -41,11 +43,15 @@ def resolve(path: str) -> tuple[str, str]:
         LoadError: see :func:`detect`; or the folder holds no checkpoint, or several.
     """
     if os.path.isdir(path):
+        if megatron.is_torch_dist_folder(path):
+            return megatron.FORMAT, path
         if dcp.is_dcp_folder(path):
             return dcp.FORMAT, path
         run = deepspeed.find_checkpoint(path)
         if run is not None:
             return deepspeed.FORMAT, run
+        if rank_shards.find_files(path) is not None:
+            return rank_shards.FORMAT, path
         index = sharded.find_index(path)
         if index is not None:
             return sharded.FORMAT, index
