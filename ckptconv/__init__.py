@@ -9,7 +9,8 @@ The data flows one way, one module per stage::
     writing.py       save()            stream to .pt or safetensors, atomically
     verification.py  verify(), diff()  compare an output with its source, bit for bit
 
-``conversion.convert()`` runs them all; ``inspection.inspect()`` describes a
+``conversion.convert()`` runs them all; ``scanning.scan()`` says whether a file is
+safe to load; ``inspection.inspect()`` describes a
 file. ``batching.batch()`` converts a whole folder: ``discovery.py`` finds the
 items and names their outputs, ``executors.py`` converts them in workers,
 ``manifest.py`` records each result, ``report.py`` sums them up. Format details live in ``formats/``. The pickle machine that never runs
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from .inspection import CheckpointInfo, TensorInfo, inspect
     from .loading import Checkpoint, load, open
     from .report import BatchReport, ItemResult
+    from .scanning import ScanReport, ScanSummary, scan, scan_many
     from .selection import Selection
     from .tensor import TensorRef
     from .transforms import (
@@ -61,6 +63,7 @@ _HOMES = {
     ".conversion": ["ConversionReport", "convert"],
     ".fitting": ["FitReport", "Reference", "fit", "load_into"],
     ".inspection": ["CheckpointInfo", "TensorInfo", "inspect"],
+    ".scanning": ["ScanReport", "ScanSummary", "scan", "scan_many"],
     ".loading": ["Checkpoint", "load", "open"],
     ".selection": ["Selection"],
     ".tensor": ["TensorRef"],

@@ -25,6 +25,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_NEGATIVE = 3
+EXIT_UNSAFE = 4
 
 _EXIT_CODES = """\b
 Exit codes:
@@ -32,7 +33,9 @@ Exit codes:
   1  the operation failed (bad input, unsafe file, cannot write, ...)
   2  usage error (unknown option, invalid regular expression, ...)
   3  finished with a negative result (verify/diff found differences,
-     fit found no plan, batch items failed)"""
+     fit found no plan, batch items failed, scan found files that are
+     not safe: foreign, damaged, not a checkpoint)
+  4  scan found at least one unsafe file"""
 
 
 # ---------------------------------------------------------------------------------------
@@ -681,6 +684,52 @@ def inspect(
             click.echo(f"  {tensor.key:<{key_width}}  {tensor.dtype:<9}  {list(tensor.shape)}{extra}")
     if limit is not None and len(info.tensors) > limit:
         click.echo(f"  ... and {len(info.tensors) - limit} more")
+
+
+def _printable(text: str) -> str:
+    """``text`` with control and invisible characters escaped (names come from the file)."""
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
+@cli.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the items that are not safe, and the summary.")
+def scan(paths: tuple[str, ...], as_json: bool, quiet: bool) -> None:
+    """Say which checkpoints are safe to load, without running anything from them.
+
+    Every pickle opcode is interpreted by ckptconv itself, nothing is imported
+    or called. Each item gets one verdict: safe (only tensors, containers and
+    plain data), foreign (also names classes from code that is not here:
+    torch.load(weights_only=False) would import and run that code), unsafe
+    (names something that runs code, touches files, sockets or processes,
+    imports, compiles or loads further pickles, or is built to be read
+    differently by CPython than by a scanner), damaged, not-a-checkpoint or
+    unreadable. Folders are searched as batch does (a sharded or DCP
+    checkpoint is one item). Exits 0 when every item is safe, 3 when some are
+    not but none is unsafe, 4 when one is unsafe.
+
+    \b
+    Example:
+      ckptconv scan downloads/
+      ckptconv scan model.bin other.pt --json | jq '.items[] | select(.verdict=="unsafe")'
+    """
+    from .scanning import SAFE, UNSAFE, scan_many
+
+    summary = scan_many(paths)
+    if as_json:
+        click.echo(json.dumps(summary.to_dict(), indent=2))
+    else:
+        for report in summary.reports:
+            if quiet and report.verdict == SAFE:
+                continue
+            click.echo(_printable(f"{report.verdict:<16}  {report.path}: {report.reason}"))
+        click.echo(summary.summary(), err=True)
+    worst = summary.worst
+    if worst == UNSAFE:
+        sys.exit(EXIT_UNSAFE)
+    if worst != SAFE:
+        sys.exit(EXIT_NEGATIVE)
 
 
 @cli.command()

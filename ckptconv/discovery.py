@@ -49,7 +49,7 @@ from typing import Union
 
 from .errors import LoadError
 
-__all__ = ["Item", "Planned", "discover", "output_name", "plan_outputs"]
+__all__ = ["Item", "Planned", "discover", "output_name", "plan_outputs", "unread_files"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -171,6 +171,22 @@ def _run_members(folder: str) -> tuple[list[str], bool] | None:
     if shards is not None:
         return [os.path.basename(path) for path in shards], False
     return None
+
+
+def unread_files(item: Item) -> list[str]:
+    """The checkpoint files inside a ``run`` item's folder that converting it does not read
+    (older tags, optimizer files beside per-rank model files), for a scanner to look at."""
+    from .formats import deepspeed, rank_shards
+
+    read = set(deepspeed.checkpoint_files(item.path) or rank_shards.find_files(item.path) or [])
+    extra = []
+    for folder, subfolders, filenames in os.walk(item.path):
+        subfolders.sort()
+        for name in sorted(filenames):
+            path = os.path.join(folder, name)
+            if path not in read and _is_checkpoint(path, name):
+                extra.append(path)
+    return extra
 
 
 def _is_checkpoint(path: str, name: str) -> bool:

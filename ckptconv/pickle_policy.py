@@ -2,239 +2,356 @@
 
 :func:`classify_global` sorts every global a pickle names into one of three kinds:
 
-* ``"dangerous"``: made to run code, spawn processes, read or write files, load
-  more pickles or reach the network (the lists below), or a dunder that walks
-  from an object to its internals. The file is refused.
 * ``"known"``: re-implemented by ckptconv in :mod:`ckptconv.rebuild` (torch's
   tensor rebuild functions, ``collections.OrderedDict``, numpy's reconstructor).
+  This is the allowlist: only these are ever *safe*.
+* ``"dangerous"``: a member of one of the *unsafe families* below (made to run
+  code, spawn processes, touch files, reach the network, import, reach into the
+  interpreter, load further pickles or tamper with scanners), or a dunder that
+  walks from an object to its internals. The file is refused, and
+  ``ckptconv scan`` calls it *unsafe*; :func:`unsafe_family` names the family.
 * ``"foreign"``: everything else; it becomes an inert stand-in
-  (:mod:`ckptconv.standins`) that is never imported nor called.
+  (:mod:`ckptconv.standins`) that is never imported nor called, and
+  ``ckptconv scan`` lists it, because ``torch.load(weights_only=False)`` would
+  import it and call it.
 
-The stand-ins are the safety boundary; these lists are a warning about intent.
-The interpreter that enforces this policy is :mod:`ckptconv.unpickler`.
+The stand-ins are the safety boundary; the families are a warning about intent
+(SECURITY.md documents them). The interpreter that enforces this policy is
+:mod:`ckptconv.unpickler`.
 """
 
 from __future__ import annotations
 
 from .rebuild import known_global
 
-__all__ = ["classify_global", "normalise_global"]
+__all__ = ["FAMILIES", "classify_global", "normalise_global", "unsafe_family"]
 
-# Modules whose every member exists to run code, spawn processes, load more
-# pickles or reach the network. Matched on the module and its submodules.
-_DANGEROUS_MODULES = frozenset(
-    [
-        "os",
-        "posix",
-        "nt",
-        "posixpath",
-        "ntpath",
-        "subprocess",
-        "_posixsubprocess",
-        "_winapi",
-        "sys",
-        "importlib",
-        "imp",
-        "pkgutil",
-        "zipimport",
-        "runpy",
-        "ctypes",
-        "_ctypes",
-        "cffi",
-        "pickle",
-        "_pickle",
-        "cPickle",
-        "pickletools",
-        "dill",
-        "cloudpickle",
-        "joblib",
-        "marshal",
-        "shelve",
-        "code",
-        "codeop",
-        "pdb",
-        "bdb",
-        "pty",
-        "tty",
-        "socket",
-        "_socket",
-        "ssl",
-        "select",
-        "selectors",
-        "http",
-        "urllib",
-        "urllib2",
-        "urllib3",
-        "requests",
-        "httpx",
-        "aiohttp",
-        "ftplib",
-        "smtplib",
-        "telnetlib",
-        "poplib",
-        "imaplib",
-        "webbrowser",
-        "shutil",
-        "multiprocessing",
-        "concurrent",
-        "threading",
-        "_thread",
-        "asyncio",
-        "signal",
-        "resource",
-        "commands",
-        "popen2",
-        "timeit",
-        "cProfile",
-        "profile",
-        "trace",
-        "doctest",
-        "site",
-        "sysconfig",
-        "distutils",
-        "setuptools",
-        "pip",
-        "ensurepip",
-        "venv",
-        "idlelib",
-        "lib2to3",
-        "IPython",
-        "gc",
-        "inspect",
-        "linecache",
-        "tempfile",
-        "glob",
-        "fileinput",
-        "mmap",
-        "yaml",
-        "jinja2",
-        "xmlrpc",
-        "logging.config",
-        "tkinter",
-        "turtle",
-        "numpy.f2py",
-        "numpy.distutils",
-        "numpy.ctypeslib",
-        "numpy.testing",
-        "torch.hub",
-        "torch.jit",
-        "torch.package",
-        "torch.utils.cpp_extension",
-        "torch.ops",
-        "torch._ops",
-        "torch.distributed.rpc",
-        "torch.serialization.load",
-        "torch._dynamo",
-        "torch._inductor",
-        "torch.compiler",
-        "torch.fx",
-        "pydoc",
-        "_osx_support",
-        "_aix_support",
-        "_pyrepl",
-        "cgitb",
-        "test.support",
-        "torch.utils.collect_env",
-        "torch.utils.bottleneck",
-        "torch.utils.data.datapipes",
-    ]
-)
-
-# Individual callables that run code, read files or resolve attributes by name.
-_DANGEROUS_NAMES = frozenset(
-    [
-        "builtins.eval",
-        "builtins.exec",
-        "builtins.execfile",
-        "builtins.compile",
-        "builtins.open",
-        "builtins.input",
-        "builtins.raw_input",
-        "builtins.__import__",
-        "builtins.getattr",
-        "builtins.setattr",
-        "builtins.delattr",
-        "builtins.globals",
-        "builtins.locals",
-        "builtins.vars",
-        "builtins.breakpoint",
-        "builtins.help",
-        "builtins.exit",
-        "builtins.quit",
-        "builtins.reload",
-        "builtins.file",
-        "builtins.apply",
-        "io.open",
-        "io.open_code",
-        "io.FileIO",
-        "_io.open",
-        "_io.open_code",
-        "_io.FileIO",
-        "types.FunctionType",
-        "types.LambdaType",
-        "types.CodeType",
-        "types.MethodType",
-        "types.ModuleType",
-        "operator.attrgetter",
-        "operator.methodcaller",
-        "functools.reduce",
-        "torch.load",
-        "torch.save",
-        "torch.serialization.load",
-        "torch.serialization._load",
-        "torch.serialization._legacy_load",
-        "torch.classes",
-        "torch.from_file",
-        "torch.UntypedStorage.from_file",
-        "numpy.load",
-        "numpy.save",
-        "numpy.fromfile",
-        "numpy.memmap",
-        "numpy.loadtxt",
-        "numpy.genfromtxt",
-        "numpy.lib.npyio.load",
-        "numpy.lib._npyio_impl.load",
-        "numpy.testing._private.utils.runstring",
-        "numpy.lib.utils.safe_eval",
-        "numpy.lib._utils_impl.safe_eval",
-        "pandas.read_pickle",
-        "pandas.io.pickle.read_pickle",
-        "uuid._get_command_stdout",
-        "platform._syscmd_file",
-        "platform._syscmd_ver",
-    ]
-)
+# The unsafe families: for each, the modules whose every member belongs to it
+# (matched on the module and its submodules) and the single names that do.
+# A name is looked up whole and by every dotted prefix, so
+# ``torch.utils._config_module.ConfigModule.load_config`` matches
+# ``torch.utils._config_module``.
+FAMILIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "runs code": (
+        frozenset(
+            [
+                "code",
+                "codeop",
+                "runpy",
+                "timeit",
+                "cProfile",
+                "profile",
+                "trace",
+                "doctest",
+                "pdb",
+                "bdb",
+                "idlelib",
+                "lib2to3",
+                "IPython",
+                "jinja2",
+                "cgitb",
+                "ast",
+                "tkinter",
+                "turtle",
+                "_pyrepl",
+                "test.support",
+                "site",
+                "sysconfig",
+                "numpy.testing",
+                "numpy.f2py",
+                "numpy.distutils",
+                "_interpreters",
+                "interpreters",
+                "_xxsubinterpreters",
+                "_interpqueues",
+                "_interpchannels",
+                "concurrent.interpreters",
+                "torch.jit",
+                "torch._dynamo",
+                "torch._inductor",
+                "torch.compiler",
+                "torch.fx",
+                "torch._export",
+                "torch.export",
+                "torch.utils.bottleneck",
+            ]
+        ),
+        frozenset(
+            [
+                "builtins.eval",
+                "builtins.exec",
+                "builtins.execfile",
+                "builtins.compile",
+                "builtins.breakpoint",
+                "builtins.help",
+                "builtins.input",
+                "builtins.raw_input",
+                "builtins.apply",
+                "types.FunctionType",
+                "types.LambdaType",
+                "types.CodeType",
+                "types.MethodType",
+                "functools.reduce",
+                "torch.compile",
+                "numpy.lib.utils.safe_eval",
+                "numpy.lib._utils_impl.safe_eval",
+                "pandas.eval",
+                "pandas.core.computation.eval.eval",
+            ]
+        ),
+    ),
+    "runs processes": (
+        frozenset(
+            [
+                "os",
+                "posix",
+                "nt",
+                "posixpath",
+                "ntpath",
+                "subprocess",
+                "_posixsubprocess",
+                "_winapi",
+                "pty",
+                "tty",
+                "multiprocessing",
+                "_multiprocessing",
+                "concurrent",
+                "asyncio",
+                "signal",
+                "_signal",
+                "resource",
+                "commands",
+                "popen2",
+                "pip",
+                "ensurepip",
+                "venv",
+                "webbrowser",
+                "mailcap",
+                "_osx_support",
+                "_aix_support",
+                "distutils",
+                "setuptools",
+                "threading",
+                "_thread",
+                "torch.utils.collect_env",
+                "torch.distributed.rpc",
+                "torch.multiprocessing",
+            ]
+        ),
+        frozenset(["uuid._get_command_stdout", "platform._syscmd_file", "platform._syscmd_ver", "platform.popen"]),
+    ),
+    "loads native code": (
+        frozenset(
+            ["ctypes", "_ctypes", "cffi", "numpy.ctypeslib", "torch.ops", "torch._ops", "torch.utils.cpp_extension"]
+        ),
+        frozenset(["torch.classes", "torch._C._jit_pass_inline", "torch._C.import_ir_module"]),
+    ),
+    "touches files": (
+        frozenset(
+            [
+                "shutil",
+                "tempfile",
+                "glob",
+                "fileinput",
+                "mmap",
+                "linecache",
+                "logging.config",
+                "logging.handlers",
+                "shelve",
+                "dbm",
+                "sqlite3",
+                "_sqlite3",
+                "zipfile",
+                "tarfile",
+                "fsspec",
+                "smart_open",
+            ]
+        ),
+        frozenset(
+            [
+                "builtins.open",
+                "builtins.file",
+                "io.open",
+                "io.open_code",
+                "io.FileIO",
+                "_io.open",
+                "_io.open_code",
+                "_io.FileIO",
+                "codecs.open",
+                "gzip.open",
+                "gzip.GzipFile",
+                "bz2.open",
+                "bz2.BZ2File",
+                "lzma.open",
+                "lzma.LZMAFile",
+                "logging.FileHandler",
+                "logging.basicConfig",
+                "torch.save",
+                "torch.from_file",
+                "torch.UntypedStorage.from_file",
+                "numpy.save",
+                "numpy.savez",
+                "numpy.fromfile",
+                "numpy.memmap",
+                "numpy.loadtxt",
+                "numpy.genfromtxt",
+                "numpy.savetxt",
+            ]
+        ),
+    ),
+    "reaches the network": (
+        frozenset(
+            [
+                "socket",
+                "_socket",
+                "ssl",
+                "_ssl",
+                "select",
+                "selectors",
+                "http",
+                "urllib",
+                "urllib2",
+                "urllib3",
+                "requests",
+                "httpx",
+                "aiohttp",
+                "ftplib",
+                "smtplib",
+                "telnetlib",
+                "poplib",
+                "imaplib",
+                "nntplib",
+                "xmlrpc",
+                "socketserver",
+                "asyncore",
+                "asynchat",
+                "paramiko",
+                "websocket",
+                "websockets",
+                "grpc",
+                "boto3",
+                "botocore",
+                "huggingface_hub",
+                "torch.hub",
+            ]
+        ),
+        frozenset(),
+    ),
+    "imports code": (
+        frozenset(["importlib", "imp", "pkgutil", "zipimport", "pydoc", "torch.package"]),
+        frozenset(["builtins.__import__", "builtins.reload", "types.ModuleType"]),
+    ),
+    "reaches into the interpreter": (
+        frozenset(["sys", "gc", "inspect", "_testcapi", "_testinternalcapi"]),
+        frozenset(
+            [
+                "builtins.getattr",
+                "builtins.setattr",
+                "builtins.delattr",
+                "builtins.globals",
+                "builtins.locals",
+                "builtins.vars",
+                "builtins.exit",
+                "builtins.quit",
+                "operator.attrgetter",
+                "operator.methodcaller",
+                "copyreg.add_extension",
+                "copyreg.remove_extension",
+                "copyreg.pickle",
+                "copyreg.dispatch_table",
+            ]
+        ),
+    ),
+    "loads further pickles": (
+        frozenset(
+            [
+                "pickle",
+                "_pickle",
+                "cPickle",
+                "pickletools",
+                "dill",
+                "cloudpickle",
+                "joblib",
+                "marshal",
+                "yaml",
+                "jsonpickle",
+                "torch.utils._config_module",
+                "torch.utils.data.datapipes",
+                "_compat_pickle",
+            ]
+        ),
+        frozenset(
+            [
+                "torch.load",
+                "torch.serialization.load",
+                "torch.serialization._load",
+                "torch.serialization._legacy_load",
+                "torch.storage._load_from_bytes",
+                "numpy.load",
+                "numpy.lib.npyio.load",
+                "numpy.lib._npyio_impl.load",
+                "pandas.read_pickle",
+                "pandas.io.pickle.read_pickle",
+                "numpy.testing._private.utils.runstring",
+            ]
+        ),
+    ),
+    "tampers with scanners": (
+        frozenset(["fickling", "picklescan", "modelscan", "modelaudit", "ckptconv"]),
+        frozenset(),
+    ),
+}
 
 # Method names that, reached through a qualified global such as
-# ``pathlib.Path.write_text``, do something no checkpoint needs.
-_DANGEROUS_METHODS = frozenset(
-    [
-        "system",
-        "popen",
-        "spawn",
-        "spawnv",
-        "spawnl",
-        "eval",
-        "exec",
-        "compile",
-        "unlink",
-        "remove",
-        "rmtree",
-        "rmdir",
-        "write_text",
-        "write_bytes",
-        "extractall",
-        "import_module",
-        "load",
-        "loads",
-        "check_output",
-        "check_call",
-        "getoutput",
-        "startfile",
-        "fork",
-        "kill",
-    ]
-)
+# ``trace.Trace.runctx`` or ``pathlib.Path.write_text``, do something no
+# checkpoint needs, whatever the class.
+_DANGEROUS_METHODS = {
+    "runs code": frozenset(
+        [
+            "eval",
+            "exec",
+            "compile",
+            "run",
+            "runctx",
+            "runcall",
+            "runcode",
+            "runsource",
+            "runcommand",
+            "run_path",
+            "run_module",
+            "execWrapper",
+            "evaluate_guards_expression",
+        ]
+    ),
+    "runs processes": frozenset(
+        [
+            "system",
+            "popen",
+            "spawn",
+            "spawnv",
+            "spawnl",
+            "spawnv_passfds",
+            "check_output",
+            "check_call",
+            "getoutput",
+            "startfile",
+            "fork",
+            "kill",
+        ]
+    ),
+    "touches files": frozenset(["unlink", "remove", "rmtree", "rmdir", "write_text", "write_bytes", "extractall"]),
+    "imports code": frozenset(["import_module"]),
+    "loads further pickles": frozenset(["load", "loads", "load_config"]),
+}
+# Modules inside an unsafe family whose members only build data: TorchScript archives
+# name torch.jit._pickle.build_intlist and friends, which return the list they are given.
+_DATA_ONLY_MODULES = frozenset(["torch.jit._pickle"])
+_METHOD_FAMILY = {method: family for family, methods in _DANGEROUS_METHODS.items() for method in methods}
+_NAME_FAMILY = {name: family for family, (_modules, names) in FAMILIES.items() for name in names}
+_MODULE_FAMILY: dict[str, str] = {}
+for _family, (_modules, _names) in FAMILIES.items():
+    for _module in _modules:
+        _MODULE_FAMILY.setdefault(_module, _family)
 
 # Dunder names a legitimate pickle uses; every other ``__x__`` component in a
 # global is an attempt to walk from an object to its internals.
@@ -243,6 +360,10 @@ _ALLOWED_DUNDERS = frozenset({"__newobj__", "__newobj_ex__", "__main__", "__buil
 # Python 2 module names that pickles written by Python 2 use.
 _PY2_MODULES = {
     "__builtin__": "builtins",
+    "httplib": "http.client",
+    "urllib2": "urllib.request",
+    "SocketServer": "socketserver",
+    "xmlrpclib": "xmlrpc.client",
     "copy_reg": "copyreg",
     "cPickle": "pickle",
     "exceptions": "builtins",
@@ -256,25 +377,40 @@ def normalise_global(module: str, name: str) -> tuple[str, str]:
     return _PY2_MODULES.get(module, module), name
 
 
+def unsafe_family(module: str, name: str) -> str | None:
+    """The unsafe family ``module.name`` belongs to (``"runs processes"``, ...), or None.
+
+    A dunder component other than the few a pickle legitimately names
+    (``copyreg.__newobj__``) counts as ``"reaches into the interpreter"``.
+    """
+    module, name = normalise_global(module, name)
+    name_parts = name.split(".")
+    for part in name_parts:
+        if part.startswith("__") and part.endswith("__") and part not in _ALLOWED_DUNDERS:
+            return "reaches into the interpreter"
+    if len(name_parts) > 1 and name_parts[-1] in _METHOD_FAMILY:
+        return _METHOD_FAMILY[name_parts[-1]]
+    if module in _DATA_ONLY_MODULES and len(name_parts) == 1:
+        return None
+    parts = f"{module}.{name}".split(".")
+    for i in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:i])
+        family = _MODULE_FAMILY.get(prefix) or _NAME_FAMILY.get(prefix)
+        if family is not None:
+            return family
+    return None
+
+
 def classify_global(module: str, name: str) -> str:
     """``"dangerous"``, ``"known"`` or ``"foreign"``: what ckptconv does with a pickle global.
 
     ``known`` globals are re-implemented by ckptconv, ``foreign`` ones become
-    inert stand-ins, ``dangerous`` ones make the file be refused.
+    inert stand-ins, ``dangerous`` ones (see :func:`unsafe_family`) make the
+    file be refused.
     """
-    module, name = normalise_global(module, name)
-    full = f"{module}.{name}"
-    parts = full.split(".")
-    name_parts = name.split(".")
-    for part in name_parts:
-        if part.startswith("__") and part.endswith("__") and part not in _ALLOWED_DUNDERS:
-            return "dangerous"
-    if len(name_parts) > 1 and name_parts[-1] in _DANGEROUS_METHODS:
+    if unsafe_family(module, name) is not None:
         return "dangerous"
-    for i in range(1, len(parts) + 1):
-        prefix = ".".join(parts[:i])
-        if prefix in _DANGEROUS_MODULES or prefix in _DANGEROUS_NAMES:
-            return "dangerous"
+    module, name = normalise_global(module, name)
     if known_global(module, name) is not None:
         return "known"
     return "foreign"

@@ -4,7 +4,8 @@ A checkpoint is a state dict, or a training checkpoint that nests one beside
 optimizer state, EMA copies and hyperparameters, or a whole pickled module.
 :func:`select_weights` finds the weights with a documented search order:
 
-1. The file itself, if it is a state dict (a mapping of names to tensors).
+1. The file itself, if it is a state dict (a mapping of names to tensors), or
+   a single bare tensor (``torch.save(t)``), which is named ``"tensor"``.
 2. A whole pickled ``nn.Module`` (``torch.save(model)``): its parameters and
    persistent buffers, named as ``model.state_dict()`` would name them.
 3. Otherwise every state dict or module nested up to five levels deep,
@@ -35,7 +36,7 @@ from .errors import SelectionError
 from .standins import ForeignObject, NumpyArray
 from .tensor import TensorRef
 
-__all__ = ["Selection", "as_state_dict", "module_state_dict", "select_weights"]
+__all__ = ["BARE_TENSOR_KEY", "Selection", "as_state_dict", "module_state_dict", "select_weights"]
 
 PRIMARY_KEYS = (
     "state_dict",
@@ -48,6 +49,8 @@ PRIMARY_KEYS = (
     "weights",
     "params",
 )
+# The key a file holding one bare tensor (``torch.save(t, "t.pt")``) is written under.
+BARE_TENSOR_KEY = "tensor"
 _EMA_TOKENS = frozenset({"ema", "shadow", "swa", "averaged", "avg"})
 _SKIPPED_TOKENS = frozenset(
     {
@@ -82,7 +85,8 @@ class Selection:
     Attributes:
         weights: names to lazy tensors, in the checkpoint's order.
         path: where they were found, e.g. ``("state_dict",)``; ``()`` for the file itself.
-        kind: ``"state_dict"`` or ``"module"`` (a whole pickled ``nn.Module``).
+        kind: ``"state_dict"``, ``"module"`` (a whole pickled ``nn.Module``) or ``"tensor"``
+            (the file is one bare tensor, named :data:`BARE_TENSOR_KEY`).
         alternatives: other places that hold weights, e.g. ``("state_dict_ema (EMA)",)``.
         skipped: keys of non-tensor entries left out of ``weights``.
         note: one sentence for the user when the choice deserves a mention, else "".
@@ -468,6 +472,14 @@ def select_weights(tree: Any, select: str | None = None, *, source: str = "the c
             return Selection(found.weights, path, found.kind, (), found.skipped, "", found.is_ema)
         return _choose(_candidates(node, path), path, source, node)
     whole = _as_candidate(tree, ())
+    bare = as_tensor(tree)
+    if bare is not None:
+        # torch.save(tensor): no state dict, one tensor. It needs a name to be written.
+        note = (
+            f"the file holds a single tensor, not a state dict; it is written under the key {BARE_TENSOR_KEY!r} "
+            f"(choose another with --rename '^{BARE_TENSOR_KEY}$=NAME')"
+        )
+        return Selection({BARE_TENSOR_KEY: bare}, (), "tensor", note=note)
     if whole is not None:
         selection = Selection(whole.weights, (), whole.kind, (), whole.skipped)
     else:

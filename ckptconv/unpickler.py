@@ -31,17 +31,21 @@ from __future__ import annotations
 
 import codecs
 import struct
+import sys
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
-from .pickle_policy import classify_global, normalise_global
+from .pickle_policy import classify_global, normalise_global, unsafe_family
 from .rebuild import call, check_hashable, fill_numpy_array, instantiate, known_global, malformed
 from .standins import ForeignGlobal, ForeignObject, NumpyArray, NumpyDType
 from .tensor import TensorRef
 
-__all__ = ["DEFAULT_MAX_ITEMS", "PickleTruncatedError", "Unpickler"]
+__all__ = ["DEFAULT_MAX_ITEMS", "PickleTruncatedError", "Unpickler", "UnsafeFinding", "recording_unsafe"]
 
 # A pickle may make at most this many objects. Every opcode counts as one
 # (most make at most one object of ~50-70 bytes), and so do every container
@@ -59,6 +63,63 @@ _EXTRA_BYTES = 64 << 20
 _OPCODE_BATCH = 1 << 16
 
 _CONTAINERS = (list, tuple, dict, set, frozenset)
+# Objects whose reuse through the memo or DUP can multiply what a walker sees.
+_SHAREABLE = frozenset({list, tuple, dict, set, frozenset, OrderedDict, Counter, ForeignObject})
+# frame_end while no frame is open: never reached.
+_NO_FRAME = sys.maxsize
+
+
+@dataclass(frozen=True)
+class UnsafeFinding:
+    """A name from an unsafe family that a pickle reached for (recorded by :func:`recording_unsafe`).
+
+    Attributes:
+        name: the global, Python 3 spelling (``posix.system``).
+        family: its unsafe family (``"runs processes"``; see :mod:`ckptconv.pickle_policy`).
+        offset: the byte offset of the opcode that names it, within its pickle.
+        where: the file (or ``file:member``) the pickle came from.
+    """
+
+    name: str
+    family: str
+    offset: int
+    where: str
+
+    def describe(self) -> str:
+        """``names posix.system (runs processes) at pickle byte 24``."""
+        return f"names {self.name} ({self.family}) at pickle byte {self.offset}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "family": self.family, "offset": self.offset, "where": self.where}
+
+
+_RECORDER: ContextVar[list[UnsafeFinding] | None] = ContextVar("ckptconv_unsafe_recorder", default=None)
+
+
+@contextmanager
+def recording_unsafe(findings: list[UnsafeFinding] | None) -> Iterator[None]:
+    """Within the block, pickles record unsafe names in ``findings`` instead of raising at the first.
+
+    For ``ckptconv scan``, which must name everything a file reaches for. A
+    recorded name still resolves to an inert stand-in, so nothing runs; the
+    caller decides the verdict. ``None`` turns recording off (the default).
+    """
+    token = _RECORDER.set(findings)
+    try:
+        yield
+    finally:
+        _RECORDER.reset(token)
+
+
+def _parts(node: Any) -> list[Any]:
+    """What a container refers to, for the expansion count."""
+    if isinstance(node, dict):
+        return [*node.keys(), *node.values()]
+    if isinstance(node, (list, tuple, set, frozenset)):
+        return list(node)
+    if isinstance(node, ForeignObject):
+        return [node.args, node.kwargs, node.state, node.items, node.list_items]
+    return []
 
 
 class PickleTruncatedError(MalformedCheckpointError):
@@ -110,6 +171,71 @@ class Unpickler:
             path=self.source or None,
         )
 
+    def _differential(self, what: str) -> UnsafeCheckpointError:
+        return UnsafeCheckpointError(
+            f"{self.source or 'the pickle'} is built to be read two ways: {what}, so CPython's unpickler "
+            "(and torch.load) would read other opcodes than a scanner does; refusing it (nothing was executed)",
+            path=self.source or None,
+        )
+
+    def _check_expansion(self, root: Any) -> None:
+        """Refuse a result whose shared references expand past the object budget.
+
+        The memo and DUP let a pickle reuse an object: ``[x, x]`` twice nested
+        forty times is ~90 bytes that any loader which copies, prints or walks
+        the result as a tree (``copy.deepcopy``, ``json``, a naive converter)
+        expands to 2**40 objects. Counted once per object, with each object's
+        expanded size computed once, so the check costs one pass over the DAG.
+        """
+        budget = self.max_items
+        sizes: dict[int, int] = {}
+        pending: list[tuple[Any, bool]] = [(root, False)]
+        while pending:
+            node, children_done = pending.pop()
+            if children_done:
+                total = 1 + sum(sizes.get(id(child), 1) for child in _parts(node))
+                if total > budget:
+                    raise MalformedCheckpointError(
+                        f"{self.source or 'the pickle'} expands to more than {budget:,} objects through shared "
+                        "references (memo/DUP); a loader that copies or walks it would exhaust memory; "
+                        "refusing what looks like a hostile file",
+                        path=self.source or None,
+                    )
+                sizes[id(node)] = total
+                continue
+            if id(node) in sizes:
+                continue
+            sizes[id(node)] = 1  # provisional: a cycle back to this node counts once
+            pending.append((node, True))
+            pending.extend((child, False) for child in _parts(node) if type(child) in _SHAREABLE)
+
+    def check_end(self) -> None:
+        """Refuse bytes after the pickle's STOP opcode (call after :meth:`load`).
+
+        ``torch.load`` and ``pickle.load`` read one pickle and ignore the rest;
+        other loaders (and scanners) read on. A file that holds more than its
+        pickle can be read two ways. While :func:`recording_unsafe` is active the
+        rest is read as further pickles first, so that what it hides is named.
+        """
+        rest = len(self.data) - self.end
+        if rest <= 0:
+            return
+        if _RECORDER.get() is not None:
+            position = self.end
+            while position < len(self.data):
+                follower = Unpickler(self.data, start=position, source=self.source, max_items=self.max_items)
+                try:
+                    follower.load()
+                except (MalformedCheckpointError, UnsupportedFormatError, UnsafeCheckpointError):
+                    break
+                position = follower.end
+        raise MalformedCheckpointError(
+            f"{self.source or 'the pickle'} holds {rest:,} bytes after its pickle's STOP opcode (another pickle, "
+            "or damage); torch reads only the first pickle and other loaders read on, so refusing a file that "
+            "can be read two ways",
+            path=self.source or None,
+        )
+
     def _read(self, n: int) -> bytes:
         pos = self.pos
         end = pos + n
@@ -147,7 +273,7 @@ class Unpickler:
 
     # -- globals ---------------------------------------------------------------------
 
-    def _global(self, module: str, name: str) -> Any:
+    def _global(self, module: str, name: str, offset: int) -> Any:
         key = (module, name)
         cached = self._globals_cache.get(key)
         if cached is not None:
@@ -156,14 +282,20 @@ class Unpickler:
         kind = classify_global(module, name)
         full = f"{module}.{name}"
         if kind == "dangerous":
-            raise UnsafeCheckpointError(
-                f"{self.source or 'the pickle'} calls {full}, which can run code; refusing a "
-                "checkpoint built to attack whoever opens it (nothing was executed)",
-                path=self.source or None,
-                globals=[full],
-            )
-        value: Any
-        value = known_global(module, name)
+            family = unsafe_family(module, name) or "unsafe"
+            findings = _RECORDER.get()
+            if findings is None:
+                raise UnsafeCheckpointError(
+                    f"{self.source or 'the pickle'} calls {full} ({family}) at pickle byte {offset}; refusing "
+                    "a checkpoint built to attack whoever opens it (nothing was executed)",
+                    path=self.source or None,
+                    globals=[full],
+                )
+            findings.append(UnsafeFinding(full, family, offset, self.source))
+            standin = ForeignGlobal(module, name)  # inert, and not listed among the foreign ones
+            self._globals_cache[key] = standin
+            return standin
+        value: Any = known_global(module, name)
         if value is None:
             value = ForeignGlobal(module, name)
             self.foreign_globals[full] += 0  # listed even if never instantiated
@@ -209,10 +341,20 @@ class Unpickler:
 
         opcodes = memo_counted = 0
         next_check = _OPCODE_BATCH
+        frame_end = _NO_FRAME
+        op_start = self.pos
+        shared = False  # a container was pushed again by a memo read or DUP
         while True:
-            if self.pos >= size:
+            if self.pos >= frame_end:
+                if self.pos > frame_end:
+                    raise self._differential(
+                        f"the opcode at byte {op_start} runs past the end of the frame at byte {frame_end}"
+                    )
+                frame_end = _NO_FRAME
+            op_start = self.pos
+            if op_start >= size:
                 raise self._truncated()
-            op = data[self.pos]
+            op = data[op_start]
             self.pos += 1
             opcodes += 1
             if opcodes >= next_check:  # every opcode and memo entry counts as one object
@@ -229,7 +371,10 @@ class Unpickler:
             elif op == 0x68:  # BINGET
                 if self.pos >= size:
                     raise self._truncated()
-                stack.append(self._memo_get(memo, data[self.pos]))
+                value = self._memo_get(memo, data[self.pos])
+                if type(value) in _SHAREABLE:
+                    shared = True
+                stack.append(value)
                 self.pos += 1
             elif op == 0x28:  # MARK
                 metastack.append(stack)
@@ -242,7 +387,9 @@ class Unpickler:
             elif op == 0x72:  # LONG_BINPUT
                 memo[unpack_from("<I", read(4))[0]] = top()
             elif op == 0x6A:  # LONG_BINGET
-                stack.append(self._memo_get(memo, unpack_from("<I", read(4))[0]))
+                value = self._memo_get(memo, unpack_from("<I", read(4))[0])
+                shared = shared or type(value) in _SHAREABLE
+                stack.append(value)
             elif op == 0x29:  # EMPTY_TUPLE
                 stack.append(())
 
@@ -255,13 +402,29 @@ class Unpickler:
                         "Python writes today; upgrade ckptconv",
                         path=self.source or None,
                     )
-            elif op == 0x95:  # FRAME: an optimisation hint we can ignore
-                read(8)
+            elif op == 0x95:  # FRAME
+                # CPython's readers honour frames and differ when a file lies about them: the
+                # C unpickler drops the rest of a frame when a text line runs past its end,
+                # the Python one refuses. Read only files where every reader agrees.
+                length = unpack_from("<Q", read(8))[0]
+                if frame_end != _NO_FRAME:
+                    raise self._differential(
+                        f"a FRAME opcode at byte {op_start} starts inside the frame that ends at byte {frame_end}"
+                    )
+                if length > size - self.pos:
+                    raise PickleTruncatedError(
+                        f"{self.source or 'the pickle'} is truncated: its FRAME at byte {op_start} holds "
+                        f"{length:,} bytes but only {size - self.pos:,} follow; the file is incomplete or damaged",
+                        path=self.source or None,
+                    )
+                frame_end = self.pos + length
             elif op == 0x2E:  # STOP
                 self.end = self.pos
                 if len(stack) != 1 or metastack:
                     if not stack:
                         raise malformed("pickle stops with an empty stack")
+                if shared:
+                    self._check_expansion(stack[-1])
                 return stack[-1]
             elif op == 0x4E:  # NONE
                 stack.append(None)
@@ -403,25 +566,29 @@ class Unpickler:
             elif op == 0x31:  # POP_MARK
                 pop_mark()
             elif op == 0x32:  # DUP
-                stack.append(top())
+                value = top()
+                shared = shared or type(value) in _SHAREABLE
+                stack.append(value)
             elif op == 0x94:  # MEMOIZE
                 memo[len(memo)] = top()
             elif op == 0x70:  # PUT (text)
                 memo[self._parse_int(self._readline())] = top()
             elif op == 0x67:  # GET (text)
-                stack.append(self._memo_get(memo, self._parse_int(self._readline())))
+                value = self._memo_get(memo, self._parse_int(self._readline()))
+                shared = shared or type(value) in _SHAREABLE
+                stack.append(value)
 
             # ---- globals, calls and object building: where pickles normally run code
             elif op == 0x63:  # GLOBAL
                 module = self._decode_utf8(self._readline())
                 name = self._decode_utf8(self._readline())
-                stack.append(self._global(module, name))
+                stack.append(self._global(module, name, op_start))
             elif op == 0x93:  # STACK_GLOBAL
                 name = pop()
                 module = pop()
                 if not isinstance(module, str) or not isinstance(name, str):
                     raise malformed("STACK_GLOBAL names are not strings")
-                stack.append(self._global(module, name))
+                stack.append(self._global(module, name, op_start))
             elif op == 0x52:  # REDUCE
                 args = pop()
                 function = pop()
@@ -445,7 +612,7 @@ class Unpickler:
                 module = self._decode_utf8(self._readline())
                 name = self._decode_utf8(self._readline())
                 args = tuple(pop_mark())
-                stack.append(self._new(self._global(module, name), args, None))
+                stack.append(self._new(self._global(module, name, op_start), args, None))
             elif op == 0x6F:  # OBJ (protocol 1)
                 items = pop_mark()
                 if not items:

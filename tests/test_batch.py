@@ -58,8 +58,8 @@ ZOO_FAILURES = {
     "broken/page.pth": "is an HTML/XML page",
     "broken/lfs.bin": "is a Git LFS pointer",
     "broken/gan.pt": "holds several sets of weights ('G', 'D'); pick one with --select",
-    "evil/evil.pt": "calls os.system, which can run code",
-    "evil/evil_legacy.pt": "calls posix.system, which can run code",
+    "evil/evil.pt": "calls os.system (runs processes)",
+    "evil/evil_legacy.pt": "calls posix.system (runs processes)",
 }
 
 # Files that are not checkpoints, or are hidden, and must be left alone.
@@ -652,7 +652,7 @@ def test_dask_local_cluster_runs_the_batch(small_zoo: Path, tmp_path: Path) -> N
             "module",
         )
     assert code == 3, stderr
-    assert "failed: bad.pt:" in stderr and "calls os.system, which can run code" in stderr
+    assert "failed: bad.pt:" in stderr and "calls os.system (runs processes)" in stderr
     assert "converted 3, skipped 0, failed 1 of 4 items" in stderr
     for source, output in [
         ("a/b/model.pth", "a/b/model.safetensors"),

@@ -122,8 +122,11 @@ BAD_INPUTS: dict[str, tuple[Maker, str]] = {
     "truncated zip": (_truncated({}, 0.6), "damaged zip checkpoint"),
     "truncated legacy": (_truncated({"_use_new_zipfile_serialization": False}, 0.8), "is truncated"),
     "truncated safetensors": (_truncated_safetensors, "is truncated"),
-    "malicious zip": (_malicious_zip, "calls os.system, which can run code; refusing a checkpoint built to attack"),
-    "malicious legacy": (_malicious_legacy, "calls posix.system, which can run code"),
+    "malicious zip": (
+        _malicious_zip,
+        "calls os.system (runs processes) at pickle byte 2; refusing a checkpoint built to attack",
+    ),
+    "malicious legacy": (_malicious_legacy, "calls posix.system (runs processes) at pickle byte"),
     "folder": (lambda folder: folder, "is a folder but neither a sharded checkpoint (*.index.json) nor a DCP"),
     "missing": (lambda folder: folder / "missing.pt", "does not exist; check the path"),
 }

@@ -413,3 +413,13 @@ def test_megatron_optimizer_state_beside_the_model_is_not_selected(tmp_path: Pat
     assert list(ours) == ["decoder.layers.0.mlp.weight", "decoder.layers.1.mlp.weight", "output_layer.weight"]
     assert_same_tensor(ours["decoder.layers.1.mlp.weight"], state["decoder.layers.mlp.weight"][1])
     assert_same_tensor(ours["output_layer.weight"], state["output_layer.weight"])
+
+
+def test_scan_looks_at_every_pickle_of_a_run_folder(tmp_path: Path) -> None:
+    """Converting a verl folder reads only the model files; scanning it reads the others too."""
+    run = _copy("fsdp2_dtensor", tmp_path / "runs")
+    (run / "optim_world_size_2_rank_0.pt").write_bytes(b"\x80\x02cposix\nsystem\nX\x02\x00\x00\x00idq\x01\x85R.")
+    summary = ckptconv.scan_many([tmp_path / "runs"])
+    verdicts = {Path(report.path).name: report.verdict for report in summary.reports}
+    assert verdicts["optim_world_size_2_rank_0.pt"] == "unsafe"
+    assert verdicts["fsdp2_dtensor"] == "foreign"

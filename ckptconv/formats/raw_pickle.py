@@ -31,4 +31,5 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
             f"{data[:8].hex(' ')}); expected a torch.save file, a pickle or safetensors",
             path=path,
         ) from None
+    unpickler.check_end()
     return ReadResult(FORMAT, tree, unpickler.foreign_globals)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Literal
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..standins import ForeignGlobal, StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, read_exactly_into
-from ..unpickler import DEFAULT_MAX_ITEMS, PickleTruncatedError, Unpickler
+from ..unpickler import DEFAULT_MAX_ITEMS, PickleTruncatedError, Unpickler, recording_unsafe
 from ._base import ReadResult, pickle_location
 from .torch_zip import MAX_PICKLE_BYTES
 
@@ -54,7 +54,8 @@ def looks_legacy(head: bytes) -> bool:
     if head[:1] != b"\x80":
         return False
     try:
-        return bool(Unpickler(head[:64], source="").load() == MAGIC_NUMBER)
+        with recording_unsafe(None):  # a guess at the format: `scan` records what the real read finds
+            return bool(Unpickler(head[:64], source="").load() == MAGIC_NUMBER)
     except Exception:  # any failure just means "not this format"
         return False
 

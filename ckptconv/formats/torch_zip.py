@@ -261,6 +261,7 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
 
     unpickler = Unpickler(data, persistent_load=persistent_load, source=path, max_items=max_items or DEFAULT_MAX_ITEMS)
     tree = unpickler.load()
+    unpickler.check_end()
     metadata = _read_metadata(archive, infos.get(f"{root}{METADATA_RECORD}"))
     return ReadResult(FORMAT, tree, unpickler.foreign_globals, frozenset(devices), metadata)
 

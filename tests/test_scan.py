@@ -1,0 +1,383 @@
+"""ckptconv scan: verdicts on an attack corpus and real checkpoints; parser differentials refused everywhere."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import pickletools
+import struct
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptconv
+from ckptconv.cli import cli
+from ckptconv.errors import MalformedCheckpointError, UnsafeCheckpointError
+from tests.scan_corpus import (
+    build_corpus,
+    call,
+    nested_frame_pickle,
+    straddle_binary_pickle,
+    straddle_pickle,
+)
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
+REFUSED = ("unsafe", "damaged", "not-a-checkpoint", "unreadable")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Any, str]]:
+    return build_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+# ---------------------------------------------------------------------------------------
+# What CPython would do: find_class records the names instead of importing them
+# ---------------------------------------------------------------------------------------
+
+
+class _Recording(pickle.Unpickler):
+    """CPython's C unpickler, with a find_class that imports nothing and calls nothing."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self.names: list[str] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        self.names.append(f"{module}.{name}")
+        return lambda *args, **kwargs: ("called", module, name)
+
+
+def _cpython_names(data: bytes, *, pickles: int = 1) -> list[str]:
+    """The globals CPython's unpickler resolves reading ``data`` from a file object, as torch does."""
+    file = io.BytesIO(data)
+    unpickler = _Recording(file)
+    for _ in range(pickles):
+        unpickler.load()
+    return unpickler.names
+
+
+def _frame_blind_names(data: bytes) -> list[str]:
+    """The globals a reader that ignores frames sees (pickletools, and scanners built on it)."""
+    names = []
+    strings: list[str] = []
+    for opcode, arg, _pos in pickletools.genops(data):
+        if opcode.name in ("GLOBAL", "INST"):
+            names.append(str(arg).replace(" ", "."))
+        elif isinstance(arg, str):
+            strings.append(arg)
+        elif opcode.name == "STACK_GLOBAL":
+            names.append(".".join(strings[-2:]))
+    return names
+
+
+def _write(tmp_path: Any, name: str, data: bytes) -> str:
+    path = os.path.join(tmp_path, name)
+    with open(path, "wb") as file:
+        file.write(data)
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# The corpus
+# ---------------------------------------------------------------------------------------
+
+
+def test_every_malicious_sample_is_unsafe_or_refused(corpus: list[tuple[Any, str]]) -> None:
+    verdicts = Counter()
+    missed = []
+    for sample, path in corpus:
+        if sample.label != "malicious":
+            continue
+        report = ckptconv.scan(path)
+        verdicts[report.verdict] += 1
+        if report.verdict not in REFUSED:
+            missed.append((sample.name, report.verdict, report.reason))
+        # Whatever scan says, the file can never be converted.
+        with pytest.raises(ckptconv.LoadError):
+            ckptconv.open(path)
+    assert not missed
+    # Nearly all of them are named as unsafe, not merely refused as broken.
+    assert verdicts["unsafe"] >= 0.95 * sum(verdicts.values()), verdicts
+
+
+def test_no_benign_sample_is_unsafe(corpus: list[tuple[Any, str]]) -> None:
+    for sample, path in corpus:
+        if sample.label == "benign":
+            report = ckptconv.scan(path)
+            assert report.verdict != "unsafe", (sample.name, report.reason)
+
+
+def test_unsafe_findings_name_the_global_and_its_opcode_offset(tmp_path: Any) -> None:
+    data = pickle.dumps({"a": 1}, protocol=2)[:-1] + b"0" + call("posix", "system", "id", protocol=2)[2:]
+    path = _write(tmp_path, "x.pkl", data)
+    report = ckptconv.scan(path)
+    assert report.verdict == "unsafe"
+    (finding,) = report.unsafe
+    assert finding.name == "posix.system"
+    assert finding.family == "runs processes"
+    assert data[finding.offset : finding.offset + 1] == b"c"  # the GLOBAL opcode itself
+    assert data[finding.offset + 1 :].startswith(b"posix\nsystem\n")
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "family"),
+    [
+        ("httplib", "HTTPSConnection", "reaches the network"),
+        ("nntplib", "NNTP", "reaches the network"),
+        ("logging", "FileHandler", "touches files"),
+        ("ast", "parse", "runs code"),
+        ("_interpreters", "create", "runs code"),
+        ("torch.storage", "_load_from_bytes", "loads further pickles"),
+        ("torch", "compile", "runs code"),
+        ("torch.utils._config_module", "ConfigModule.load_config", "loads further pickles"),
+        ("fickling.hook", "remove_hook", "tampers with scanners"),
+        ("picklescan.scanner", "scan_pickle_bytes", "tampers with scanners"),
+    ],
+)
+def test_what_inspect_called_ordinary_is_refused_and_unsafe(tmp_path: Any, module: str, name: str, family: str) -> None:
+    for protocol in (0, 2, 4):
+        path = _write(tmp_path, f"p{protocol}.pkl", call(module, name, "x", protocol=protocol))
+        with pytest.raises(UnsafeCheckpointError) as raised:
+            ckptconv.inspect(path)
+        assert family in str(raised.value)
+        report = ckptconv.scan(path)
+        assert report.verdict == "unsafe"
+        assert report.unsafe[0].family == family
+
+
+# ---------------------------------------------------------------------------------------
+# Real checkpoints: never unsafe
+# ---------------------------------------------------------------------------------------
+
+
+def _fixture_files() -> list[str]:
+    found = []
+    for folder, _subfolders, names in os.walk(FIXTURES):
+        found += [os.path.join(folder, name) for name in names if name.endswith((".pt", ".pth", ".bin", ".pkl"))]
+    return sorted(found)
+
+
+@pytest.mark.parametrize("path", _fixture_files(), ids=os.path.basename)
+def test_real_checkpoints_are_safe_or_foreign(path: str) -> None:
+    report = ckptconv.scan(path)
+    if os.path.basename(path) == "torchscript_model.pt":  # code for torch.jit, refused by every command
+        assert report.verdict == "not-a-checkpoint"
+        return
+    assert report.verdict in ("safe", "foreign"), report.reason
+    if report.verdict == "foreign":
+        assert report.foreign
+
+
+def test_torch_save_outputs_are_safe(tmp_path: Any) -> None:
+    state = {"w": torch.randn(3, 4), "b": torch.zeros(4, dtype=torch.bfloat16), "n": torch.tensor(3)}
+    for name, kwargs in [("zip.pt", {}), ("legacy.pt", {"_use_new_zipfile_serialization": False})]:
+        path = os.path.join(tmp_path, name)
+        torch.save(state, path, **kwargs)
+        report = ckptconv.scan(path)
+        assert (report.verdict, report.foreign, report.unsafe) == ("safe", {}, ())
+    model = torch.nn.Linear(2, 3)
+    torch.save(model, os.path.join(tmp_path, "model.pt"))
+    report = ckptconv.scan(os.path.join(tmp_path, "model.pt"))
+    assert report.verdict == "foreign"
+    assert "torch.nn.modules.linear.Linear" in report.foreign
+
+
+# ---------------------------------------------------------------------------------------
+# Parser differentials: CPython and ckptconv would read the file differently; refused
+# ---------------------------------------------------------------------------------------
+
+
+def test_text_line_straddling_a_frame_hides_os_system(tmp_path: Any) -> None:
+    data = straddle_pickle()
+    # A frame-blind reader sees an unknown class; CPython's unpickler reads os.system.
+    assert _frame_blind_names(data) == ["chaos.system"]
+    assert _cpython_names(data) == ["os.system"]
+    path = _write(tmp_path, "straddle.pkl", data)
+    with pytest.raises(UnsafeCheckpointError, match="runs past the end of the frame"):
+        ckptconv.open(path)
+    with pytest.raises(UnsafeCheckpointError):
+        ckptconv.open(_write(tmp_path, "straddle.pt", _in_torch_zip(data)))
+    assert ckptconv.scan(path).verdict == "unsafe"
+
+
+def test_binary_argument_straddling_a_frame(tmp_path: Any) -> None:
+    data = straddle_binary_pickle()
+    # CPython's C unpickler reads across the frame's end, its Python unpickler refuses.
+    assert _cpython_names(data) == ["builtins.len"]
+    with pytest.raises(pickle.UnpicklingError, match="exhausted before end of frame"):
+        pickle._Unpickler(io.BytesIO(data)).load()  # type: ignore[attr-defined]
+    with pytest.raises(UnsafeCheckpointError, match="runs past the end of the frame"):
+        ckptconv.open(_write(tmp_path, "x.pkl", data))
+
+
+def test_frame_opened_inside_a_frame(tmp_path: Any) -> None:
+    data = nested_frame_pickle()
+    assert _cpython_names(data) == ["os.system"]
+    with pytest.raises(pickle.UnpicklingError, match="new frame before end of current frame"):
+        pickle._Unpickler(io.BytesIO(data)).load()  # type: ignore[attr-defined]
+    with pytest.raises(UnsafeCheckpointError, match="starts inside the frame"):
+        ckptconv.open(_write(tmp_path, "x.pkl", data))
+
+
+def test_frame_longer_than_the_file(tmp_path: Any) -> None:
+    body = pickle.dumps({"a": [1, 2]}, protocol=4)[11:]
+    data = b"\x80\x04\x95" + struct.pack("<Q", 4096) + body
+    # A frame-blind reader reads a whole pickle; CPython refuses the frame.
+    assert [op.name for op, _a, _p in pickletools.genops(data)][-1] == "STOP"
+    with pytest.raises(pickle.UnpicklingError):
+        _cpython_names(data)
+    with pytest.raises(MalformedCheckpointError, match="FRAME at byte 2 holds 4,096 bytes"):
+        ckptconv.open(_write(tmp_path, "x.pkl", data))
+
+
+def test_well_formed_frames_and_large_unframed_bytes_still_load(tmp_path: Any) -> None:
+    value = {"blob": b"\x01" * 100_000, "text": "x" * 70_000, "items": list(range(5000))}
+    for protocol in (4, 5):
+        path = _write(tmp_path, f"p{protocol}.pkl", pickle.dumps(value, protocol=protocol))
+        assert ckptconv.open(path).tree == value
+
+
+def test_second_pickle_after_stop(tmp_path: Any) -> None:
+    data = pickle.dumps(["a", "b"], protocol=4) + call("os", "system", "id")
+    # torch.load and pickle.load read the first; a loader that reads on runs the second.
+    assert _cpython_names(data) == []
+    assert _cpython_names(data, pickles=2) == ["os.system"]
+    path = _write(tmp_path, "x.pkl", data)
+    with pytest.raises(MalformedCheckpointError, match="bytes after its pickle's STOP opcode"):
+        ckptconv.open(path)
+    report = ckptconv.scan(path)
+    assert report.verdict == "unsafe"
+    assert report.unsafe[0].name == "os.system"
+    assert report.unsafe[0].offset > len(pickle.dumps(["a", "b"], protocol=4))
+
+
+def test_data_after_stop_in_a_torch_zip(tmp_path: Any) -> None:
+    data = pickle.dumps({}, protocol=2) + b"junk"
+    path = _write(tmp_path, "x.pt", _in_torch_zip(data))
+    with pytest.raises(MalformedCheckpointError, match="4 bytes after its pickle's STOP"):
+        ckptconv.open(path)
+    assert ckptconv.scan(path).verdict == "damaged"
+
+
+def test_memo_and_dup_expansion_beyond_the_budget(tmp_path: Any) -> None:
+    levels = 40
+    data = b"\x80\x04]" + b"2\x86" * levels + b"."  # EMPTY_LIST, then (DUP, TUPLE2) forty times
+    # CPython builds it in microseconds: a tree of 2**40 leaves that any walker expands.
+    value = pickle.loads(data)
+    depth = 0
+    while isinstance(value, tuple):
+        assert value[0] is value[1]
+        value, depth = value[0], depth + 1
+    assert depth == levels and 2**levels > ckptconv.unpickler.DEFAULT_MAX_ITEMS
+    with pytest.raises(MalformedCheckpointError, match="expands to more than"):
+        ckptconv.open(_write(tmp_path, "x.pkl", data))
+    # Sharing within the budget (tied objects, shared lists) still loads.
+    shared = list(range(100))
+    ok = {"a": shared, "b": [shared] * 100}
+    assert ckptconv.open(_write(tmp_path, "ok.pkl", pickle.dumps(ok, protocol=4))).tree == ok
+
+
+def _in_torch_zip(data_pkl: bytes) -> bytes:
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("archive/data.pkl", data_pkl)
+        archive.writestr("archive/byteorder", "little")
+        archive.writestr("archive/version", "3\n")
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------------------------------
+# The CLI
+# ---------------------------------------------------------------------------------------
+
+
+def test_cli_lines_summary_and_exit_codes(tmp_path: Any) -> None:
+    torch.save({"w": torch.ones(2)}, os.path.join(tmp_path, "good.pt"))
+    runner = CliRunner()
+    result = runner.invoke(cli, ["scan", os.path.join(tmp_path, "good.pt")])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("safe ")
+    assert "1 item: 1 safe" in result.stderr
+
+    _write(tmp_path, "bad.pkl", call("os", "system", "id"))
+    result = runner.invoke(cli, ["scan", str(tmp_path)])
+    assert result.exit_code == 4
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("unsafe ")
+    assert "names os.system (runs processes) at pickle byte" in lines[0]
+    assert "2 items: 1 safe, 1 unsafe" in result.stderr
+
+    os.remove(os.path.join(tmp_path, "bad.pkl"))
+    _write(tmp_path, "ns.pkl", pickle.dumps({"args": _namespace()}))
+    result = runner.invoke(cli, ["scan", str(tmp_path), "--json"])
+    assert result.exit_code == 3
+    parsed = json.loads(result.stdout)
+    assert parsed["counts"]["foreign"] == 1 and parsed["worst"] == "foreign"
+    item = next(i for i in parsed["items"] if i["verdict"] == "foreign")
+    assert item["foreign"] == {"argparse.Namespace": 1}
+
+
+def test_cli_escapes_names_from_the_file(tmp_path: Any) -> None:
+    for module, code in (("os.a\x1b[2J", 4), ("mod\x1b[2J", 3)):
+        path = _write(tmp_path, "x.pkl", call(module, "system\u202e", "id"))
+        result = CliRunner().invoke(cli, ["scan", path])
+        assert result.exit_code == code
+        assert "\x1b" not in result.stdout and "\u202e" not in result.stdout
+        assert module.replace("\x1b", "\\x1b") + ".system\\u202e" in result.stdout
+
+
+def test_cli_sharded_and_dcp_folders_are_one_item(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"a": torch.ones(2)}, str(hf / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.ones(2)}, str(hf / "model-00002-of-00002.safetensors"))
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    result = CliRunner().invoke(cli, ["scan", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    items = json.loads(result.stdout)["items"]
+    assert [item["verdict"] for item in items] == ["safe"]
+    assert items[0]["path"].endswith("model.safetensors.index.json")
+
+
+def test_cli_missing_path_is_an_error() -> None:
+    result = CliRunner().invoke(cli, ["scan", "/nonexistent/x.pt"])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == "ckptconv: error: '/nonexistent/x.pt' does not exist; check the path"
+
+
+def _namespace() -> Any:
+    import argparse
+
+    return argparse.Namespace(lr=0.1)
+
+
+# ---------------------------------------------------------------------------------------
+# convert: a file holding one bare tensor
+# ---------------------------------------------------------------------------------------
+
+
+def test_convert_a_bare_tensor(tmp_path: Any) -> None:
+    from safetensors.torch import load_file
+
+    tensor = torch.randn(3, 5)
+    src = os.path.join(tmp_path, "t.pt")
+    torch.save(tensor, src)
+    out = os.path.join(tmp_path, "t.safetensors")
+    report = ckptconv.convert(src, out)
+    assert any("single tensor" in note for note in report.notes)
+    loaded = load_file(out)
+    assert list(loaded) == ["tensor"] and torch.equal(loaded["tensor"], tensor)
+    renamed = os.path.join(tmp_path, "r.safetensors")
+    ckptconv.convert(src, renamed, transforms=ckptconv.Pipeline.of([ckptconv.Rename("^tensor$", "embedding")]))
+    assert torch.equal(load_file(renamed)["embedding"], tensor)
