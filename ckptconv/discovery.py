@@ -169,7 +169,7 @@ def _run_members(folder: str) -> tuple[list[str], bool] | None:
         return [os.path.relpath(path, folder).replace(os.sep, "/") for path in files], True
     shards = rank_shards.find_files(folder)
     if shards is not None:
-        return [os.path.basename(path) for path in shards], False
+        return [os.path.basename(path) for path in shards + rank_shards.sibling_files(folder, shards)], False
     return None
 
 
@@ -289,12 +289,13 @@ def discover(
         run = _run_members(folder)
         if run is not None:
             # One checkpoint of a training run: its latest (older DeepSpeed tags inside are not
-            # items), or its per-rank model files (their optimizer files beside them are not either).
+            # items), or its per-rank model files (their optimizer files beside them are not
+            # either). Other checkpoints beside it (an exported pytorch_model.bin) still are.
             members, owns_subfolders = run
             if owns_subfolders:
                 subfolders[:] = []
             found.append(_group(root, folder, rel_folder, "", RUN, members))
-            taken.update(names)
+            taken.update(members)
         elif _DCP_MARKER in names and any(name.endswith(".distcp") for name in names):
             # torch.distributed.checkpoint writes one folder per checkpoint.
             members = [_DCP_MARKER] + [name for name in names if name != _DCP_MARKER]

@@ -154,6 +154,8 @@ def test_batch_treats_a_run_folder_as_one_item(tmp_path: Path) -> None:
     src.mkdir()
     shutil.copytree(RUNS / "ds_zero2_fp16", src / "run_a")
     shutil.copytree(RUNS / "ds_zero3_fp16", src / "nested" / "run_b")
+    for golden_file in src.rglob("golden_*.pt"):
+        golden_file.unlink()
     report = ckptconv.batch(src, tmp_path / "out")
     assert report.exit_code == 0, report.summary()
     assert [(r.source, r.kind, r.output, r.status) for r in report.results] == [
@@ -387,6 +389,14 @@ def test_megatron_inspect_names_the_stacked_layers() -> None:
     assert "decoder.layers.1.self_attention.linear_qkv.weight" in keys
     assert not any(t.shares_with for t in info.tensors)  # each layer is a tensor of its own
     assert not any("_extra_state" in key for key in keys)
+    # Row-parallel weights are split along their last dimension: each layer is assembled from its
+    # own two pieces, so reading it pastes one layer together, never the whole stack.
+    proj = ckptconv.open(RUNS / "megatron_tp2").tree["decoder.layers.1.self_attention.linear_proj.weight"]
+    assert proj.storage.nbytes == 16 * 16 * 4
+    assert [(offsets, piece.shape) for offsets, piece in proj.storage.source.chunks] == [
+        ((0, 0), (16, 8)),
+        ((0, 8), (16, 8)),
+    ]
 
 
 def test_megatron_layers_disagreeing_on_their_count_are_refused(tmp_path: Path) -> None:
@@ -423,3 +433,18 @@ def test_scan_looks_at_every_pickle_of_a_run_folder(tmp_path: Path) -> None:
     verdicts = {Path(report.path).name: report.verdict for report in summary.reports}
     assert verdicts["optim_world_size_2_rank_0.pt"] == "unsafe"
     assert verdicts["fsdp2_dtensor"] == "foreign"
+
+
+def test_per_rank_copies_of_a_plain_state_dict_are_not_a_sharded_model(tmp_path: Path) -> None:
+    """DDP saves the same state dict on every rank: those files stay separate items."""
+    for rank in range(2):
+        torch.save({"w": torch.ones(2)}, tmp_path / f"ddp_rank{rank}.pt")
+    assert ckptconv.open(tmp_path / "ddp_rank0.pt").format == "torch-zip"
+    from ckptconv.discovery import discover
+
+    assert [(item.name, item.kind) for item in discover(tmp_path)] == [
+        ("ddp_rank0.pt", "file"),
+        ("ddp_rank1.pt", "file"),
+    ]
+    with pytest.raises(ckptconv.UnsupportedFormatError, match=r"it holds ddp_rank0\.pt, ddp_rank1\.pt"):
+        ckptconv.open(tmp_path)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import MalformedCheckpointError
-from ..tensor import ReadInto, Storage, TensorRef
+from ..tensor import ReadInto, Storage, TensorRef, contiguous_strides
 from . import dcp
 from ._base import ReadResult
 
@@ -87,9 +87,32 @@ class _Slice:
 
 
 def _layer(ref: TensorRef, index: int, name: str) -> TensorRef:
-    """Layer ``index`` of a contiguous stacked tensor, as a tensor with a storage of its own."""
+    """Layer ``index`` of a contiguous stacked tensor, as a tensor with a storage of its own.
+
+    When the stacked tensor was assembled from chunks (each rank's piece of each layer), the
+    layer is assembled from its own chunks, so reading it never pastes the whole stack
+    together (a row-parallel weight split along its last dimension would otherwise be).
+    """
     shape = ref.shape[1:]
     nbytes = math.prod(shape) * ref.dtype.itemsize
+    source = ref.storage.source
+    if isinstance(source, dcp.Assembled) and ref.offset == 0 and ref.shape == source.shape:
+        pieces = []
+        for offsets, chunk in source.chunks:
+            first = offsets[0]
+            if first <= index < first + chunk.shape[0]:
+                view = TensorRef(
+                    chunk.storage,
+                    chunk.dtype,
+                    chunk.shape[1:],
+                    chunk.stride[1:],
+                    chunk.offset + (index - first) * chunk.stride[0],
+                )
+                pieces.append((tuple(offsets[1:]), view))
+        if sum(piece.numel for _, piece in pieces) == math.prod(shape):
+            layer = dcp.Assembled(tuple(pieces), shape, ref.dtype.itemsize)
+            storage = Storage(nbytes, layer, location=ref.storage.location, name=name)
+            return TensorRef(storage, ref.dtype, shape, contiguous_strides(shape))
     start = ref.byte_span[0] + index * nbytes
     storage = Storage(nbytes, _Slice(ref.storage, start), location=ref.storage.location, name=name)
     return TensorRef(storage, ref.dtype, shape, ref.stride[1:])

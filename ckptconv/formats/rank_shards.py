@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import zipfile
+import zlib
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -33,7 +35,7 @@ from . import torch_zip
 from ._base import ReadResult
 from .dcp import Assembled
 
-__all__ = ["FORMAT", "find_files", "read"]
+__all__ = ["FORMAT", "find_files", "read", "sibling_files"]
 
 FORMAT = "rank-shards"
 
@@ -50,7 +52,9 @@ def find_files(folder: str) -> list[str] | None:
     Files are grouped by the name before ``rank_R`` (``model_world_size_2_``); a
     group counts when it has ranks ``0..N-1`` (and ``N`` matches a
     ``world_size_N`` in the name), at least two of them. With several groups,
-    the one whose name starts with ``model`` is taken; otherwise none is.
+    the one whose name starts with ``model`` is taken; otherwise none is. The
+    files must be torch zip files whose pickle makes DTensors: per-rank copies
+    of a plain state dict (DDP's) are not a sharded model.
     """
     try:
         names = os.listdir(folder)
@@ -78,7 +82,39 @@ def find_files(folder: str) -> list[str] | None:
     if len(complete) != 1:
         return None
     (ranks,) = complete.values()
-    return [os.path.join(folder, ranks[rank]) for rank in range(len(ranks))]
+    files = [os.path.join(folder, ranks[rank]) for rank in range(len(ranks))]
+    return files if _holds_dtensors(files[0]) else None
+
+
+def sibling_files(folder: str, files: list[str]) -> list[str]:
+    """The other per-rank files of the same run beside ``files`` (verl's ``optim_*`` and
+    ``extra_state_*``): same number of ranks, same ``world_size_N`` if named."""
+    world = len(files)
+    siblings = []
+    for name in sorted(os.listdir(folder)):
+        match = _RANK_FILE.match(name)
+        path = os.path.join(folder, name)
+        if match and path not in files and int(match["rank"]) < world and int(match["world"] or world) == world:
+            siblings.append(path)
+    return siblings
+
+
+# A pickle that makes DTensors names their class; torch.save writes the pickle as data.pkl.
+_DTENSOR_MODULES = (b"torch.distributed.tensor", b"torch.distributed._tensor")
+_MAX_PROBE_BYTES = 64 << 20
+
+
+def _holds_dtensors(path: str) -> bool:
+    """True when the torch zip file at ``path`` pickles DTensors (read from its content, not its name)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.filename.endswith("data.pkl") and info.file_size <= _MAX_PROBE_BYTES:
+                    data = archive.read(info)
+                    return any(module in data for module in _DTENSOR_MODULES)
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError, zlib.error):
+        return False
+    return False
 
 
 def _is_dtensor(value: Any) -> bool:
