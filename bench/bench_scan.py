@@ -8,10 +8,12 @@ file, side by side, in this process; none of them unpickles anything.
 
 What counts as *flagged*:
 
-* ckptconv: verdict ``unsafe``; ``refused`` counts the other refusals
+* ckptconv scan: verdict ``unsafe``; ``refused`` counts the other refusals
   (``damaged``, ``not-a-checkpoint``, ``unreadable``), which ``convert`` and
   ``open`` also refuse; ``foreign`` is reported apart (harmless to ckptconv,
   imported by ``torch.load(weights_only=False)``).
+* ckptconv convert/inspect: ``ckptconv.open`` (what every other command calls first) raises
+  ``UnsafeCheckpointError`` (flagged) or another ``LoadError`` (refused).
 * picklescan: ``scan_file_path(...).infected_files > 0``; a ``scan_err`` is an error.
 * modelscan: ``ModelScan().scan(path)`` reports at least one issue; errors as it lists them.
 * fickling: ``fickling.is_likely_safe(path)`` is False; an exception is an error.
@@ -54,6 +56,19 @@ def _ckptconv(path: str) -> str:
     return "foreign" if verdict == "foreign" else "clean"
 
 
+def _ckptconv_open(path: str) -> str:
+    """What ``convert``/``inspect`` do: ``ckptconv.open`` refuses, or reads the file."""
+    import ckptconv
+
+    try:
+        checkpoint = ckptconv.open(path)
+    except ckptconv.UnsafeCheckpointError:
+        return "flagged"
+    except ckptconv.LoadError:
+        return "refused"
+    return "foreign" if checkpoint.foreign_globals else "clean"
+
+
 def _picklescan(path: str) -> str:
     from picklescan.scanner import scan_file_path
 
@@ -90,6 +105,7 @@ def _available(module: str) -> bool:
 
 SCANNERS: dict[str, tuple[str, Callable[[str], str]]] = {
     "ckptconv scan": ("ckptconv", _ckptconv),
+    "ckptconv convert/inspect (open)": ("ckptconv", _ckptconv_open),
     "picklescan": ("picklescan", _picklescan),
     "modelscan": ("modelscan", _modelscan),
     "fickling": ("fickling", _fickling),
@@ -113,6 +129,7 @@ def run(markdown: str | None) -> dict[str, Any]:
         totals = Counter(label for label, *_ in files)
         rows = []
         misses: dict[str, list[str]] = {}
+        false_alarms: dict[str, list[str]] = {}
         for title, (module, function) in SCANNERS.items():
             if not _available(module):
                 print(f"{title}: not installed, skipped", file=sys.stderr)
@@ -128,6 +145,8 @@ def run(markdown: str | None) -> dict[str, Any]:
                 outcome[label, result] += 1
                 if label == "malicious" and result not in ("flagged", "refused"):
                     misses.setdefault(title, []).append(name)
+                if label == "benign" and result == "flagged":
+                    false_alarms.setdefault(title, []).append(name)
             elapsed = time.perf_counter() - started
             rows.append((title, outcome, elapsed))
     lines = [
@@ -153,11 +172,15 @@ def run(markdown: str | None) -> dict[str, Any]:
     print(text)
     for title, names in misses.items():
         print(f"\n{title} missed: {', '.join(names)}")
+    for title, names in false_alarms.items():
+        print(f"\n{title} flagged benign: {', '.join(names)}")
     if markdown:
         with open(markdown, "w") as file:
             file.write(text + "\n")
             for title, names in misses.items():
                 file.write(f"\n{title} missed ({len(names)}): {', '.join(names)}\n")
+            for title, names in false_alarms.items():
+                file.write(f"\n{title} flagged benign ({len(names)}): {', '.join(names)}\n")
     return {"totals": totals, "rows": rows}
 
 

@@ -9,8 +9,8 @@ The data flows one way, one module per stage::
     writing.py       save()            stream to .pt or safetensors, atomically
     verification.py  verify(), diff()  compare an output with its source, bit for bit
 
-``conversion.convert()`` runs them all; ``scanning.scan()`` says whether a file is
-safe to load; ``inspection.inspect()`` describes a
+``conversion.convert()`` runs them all, as ``options.ConversionOptions`` says;
+``scanning.scan()`` says whether a file is safe to load; ``inspection.inspect()`` describes a
 file. ``batching.batch()`` converts a whole folder: ``discovery.py`` finds the
 items and names their outputs, ``executors.py`` converts them in workers,
 ``manifest.py`` records each result, ``report.py`` sums them up. Format details live in ``formats/``. The pickle machine that never runs
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .fitting import FitReport, Reference, fit, load_into
     from .inspection import CheckpointInfo, TensorInfo, inspect
     from .loading import Checkpoint, load, open
+    from .options import ConversionOptions
     from .report import BatchReport, ItemResult
     from .scanning import ScanReport, ScanSummary, scan, scan_many
     from .selection import Selection
@@ -65,6 +66,7 @@ _HOMES = {
     ".inspection": ["CheckpointInfo", "TensorInfo", "inspect"],
     ".scanning": ["ScanReport", "ScanSummary", "scan", "scan_many"],
     ".loading": ["Checkpoint", "load", "open"],
+    ".options": ["ConversionOptions"],
     ".selection": ["Selection"],
     ".tensor": ["TensorRef"],
     ".transforms": [

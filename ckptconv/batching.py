@@ -24,11 +24,11 @@ from typing import Any, Callable, Union
 from ._version import __version__
 from .discovery import FILE, Planned, discover, plan_outputs
 from .errors import DestinationError, OutputExistsError, WriteError
-from .executors import Job, Options, check_sendable, run_dask, run_local
+from .executors import Job, check_sendable, run_dask, run_local
 from .manifest import MANIFEST_NAME, Manifest, latest_conversions, now, read_records
 from .metadata import file_sha256
+from .options import ConversionOptions, fingerprint_flags
 from .report import CANCELLED, FAILED, PLANNED, SKIPPED, BatchReport, ItemResult
-from .transforms import Pipeline, Transform
 from .writing import output_format
 
 __all__ = ["batch"]
@@ -39,37 +39,23 @@ BatchProgress = Union[bool, Callable[[ItemResult], None]]
 EXECUTORS = ("local", "dask")
 
 
-def _output_options(options: Options) -> dict[str, Any]:
+def _output_options(options: ConversionOptions) -> dict[str, Any]:
     """What decides an output's bytes: a resumed item must have been made with the same."""
-    return {
-        "select": options.select,
-        "transforms": options.transforms.describe(),
-        "format": options.format,
-        "trust": options.trust,
-        "keep_meta": options.keep_meta,
-        "source_hash": options.source_hash,
-    }
+    return options.fingerprint()
 
 
-def _fingerprint(options: Options) -> str:
+def _fingerprint(options: ConversionOptions) -> str:
     return hashlib.sha256(json.dumps(_output_options(options), sort_keys=True).encode()).hexdigest()[:16]
 
 
 # How each output option is spelled on the command line, for the message of a refused resume.
-_FLAGS = {
-    "select": "--select",
-    "transforms": "transforms",
-    "format": "--to",
-    "trust": "--trust",
-    "keep_meta": "--keep-meta",
-    "source_hash": "--no-source-hash",
-}
+_FLAGS = fingerprint_flags()
 
 
 def _shown(name: str, value: Any) -> str:
     if name == "transforms":
         return "; ".join(value) if value else "none"
-    if name == "source_hash":
+    if _FLAGS[name].startswith("--no-"):  # --no-source-hash: "yes" when the hash was left out
         return "no" if value else "yes"
     if isinstance(value, bool):
         return "yes" if value else "no"
@@ -77,7 +63,11 @@ def _shown(name: str, value: Any) -> str:
 
 
 def _check_same_options(
-    manifest_path: str, output_dir: str, done: dict[str, dict[str, Any]], planned: Sequence[Planned], options: Options
+    manifest_path: str,
+    output_dir: str,
+    done: dict[str, dict[str, Any]],
+    planned: Sequence[Planned],
+    options: ConversionOptions,
 ) -> None:
     """Refuse to resume into a folder whose outputs were made with other options.
 
@@ -186,24 +176,16 @@ def batch(
     source_dir: PathLike,
     output_dir: PathLike,
     *,
-    select: str | None = None,
-    transforms: Pipeline | Sequence[Transform] = (),
-    to: str | None = "safetensors",
+    options: ConversionOptions | None = None,
     glob: str | Sequence[str] | None = None,
     jobs: int = 1,
     executor: str = "local",
     scheduler: str | None = None,
     resume: bool = False,
     fail_fast: bool = False,
-    overwrite: bool = False,
-    trust: bool = False,
-    verify: bool = False,
     dry_run: bool = False,
-    checksums: bool = True,
-    fsync: bool = True,
-    keep_meta: bool = False,
-    source_hash: bool = True,
     progress: BatchProgress = False,
+    **changes: Any,
 ) -> BatchReport:
     """Convert every checkpoint under ``source_dir`` into ``output_dir``, mirroring the tree.
 
@@ -218,9 +200,9 @@ def batch(
         source_dir: the folder to search, recursively.
         output_dir: where outputs go (created if missing); ``a/b/model.pth``
             becomes ``a/b/model.safetensors`` there.
-        select: where the weights are in each file (as for :func:`ckptconv.convert`).
-        transforms: steps applied to every item.
-        to: ``"safetensors"`` (also for None) or ``"pt"``.
+        options: how to convert each item (:class:`~ckptconv.options.ConversionOptions`);
+            ``to`` defaults to safetensors, and the folder layouts (``to="dcp"``,
+            ``max_shard_size``) and ``fit_to`` are for :func:`ckptconv.convert`.
         glob: only items whose relative path matches (``"**/*.pth"``); several allowed.
         jobs: items converted at once: 1 converts in this process, more start
             that many worker processes (for ``executor="dask"`` without a
@@ -236,17 +218,11 @@ def batch(
             written it without recording it).
         fail_fast: stop starting items after the first failure; items never
             started are reported as cancelled.
-        overwrite: replace existing outputs.
-        trust: see :func:`ckptconv.open`. Dangerous: runs code from every file.
-        verify: re-read each output and compare it bit for bit before keeping it.
         dry_run: find and plan, convert and write nothing (not even the manifest).
-        checksums: record the sha256 of every input and output (one more read of each).
-        fsync: make each output durable before it appears (the manifest always is).
-        keep_meta: ``.pt`` outputs keep the checkpoint's plain data beside the
-            weights (see :func:`ckptconv.convert`).
-        source_hash: record each source's sha256 in its output's provenance.
         progress: True for one progress bar on stderr (items, bytes, rate, ETA),
             or a callable given each :class:`ItemResult` as it finishes.
+        **changes: fields of :class:`~ckptconv.options.ConversionOptions` to set
+            on ``options`` (``transforms=[...]``, ``to="pt"``, ``verify=True``).
 
     Returns:
         A :class:`BatchReport`; its ``exit_code`` is 0 when every item was
@@ -257,7 +233,8 @@ def batch(
         WriteError: ``output_dir`` cannot be created, is ``source_dir``, or is in
             use by another batch; the manifest cannot be written.
         CkptconvError: the dask executor is asked for but not installed or reachable.
-        ValueError: invalid ``jobs``, ``executor`` or ``scheduler``.
+        ValueError: invalid ``jobs``, ``executor`` or ``scheduler``; a folder layout or ``fit_to``.
+        TypeError: a keyword that is not an options field.
 
     Example:
         >>> report = ckptconv.batch("zoo", "out", transforms=[ckptconv.Cast("bf16")], jobs=4)  # doctest: +SKIP
@@ -271,21 +248,13 @@ def batch(
         raise ValueError("a scheduler address needs executor='dask'")
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, not {jobs}")
-    if (to or "").lower() == "dcp":
+    options = (options or ConversionOptions()).with_changes("batch", **changes)
+    if (options.to or "").lower() == "dcp" or options.max_shard_size is not None:
         raise ValueError("batch writes one file per item; convert DCP outputs one by one with ckptconv convert")
-    pipeline = transforms if isinstance(transforms, Pipeline) else Pipeline.of(transforms)
-    options = Options(
-        format=output_format("", to or "safetensors"),
-        transforms=pipeline,
-        select=select,
-        overwrite=overwrite,
-        trust=trust,
-        verify=verify,
-        fsync=fsync,
-        checksums=checksums,
-        keep_meta=keep_meta,
-        source_hash=source_hash,
-    )
+    if options.fit_to is not None:
+        raise ValueError("batch does not fit keys to a reference; use ckptconv.convert(..., fit_to=...) per file")
+    kind = output_format("", options.to or "safetensors")
+    options = options.with_changes(to=kind)
     source = os.path.abspath(os.fspath(source_dir))
     output = os.path.abspath(os.fspath(output_dir))
     if output == source:
@@ -296,11 +265,11 @@ def batch(
         raise WriteError(f"{os.fspath(output_dir)!r} is a file; the output must be a folder", path=output)
 
     globs = [glob] if isinstance(glob, str) else list(glob or ())
-    planned = plan_outputs(discover(source, globs=globs, exclude=[output]), options.format)
+    planned = plan_outputs(discover(source, globs=globs, exclude=[output]), kind)
     manifest_path = os.path.join(output, MANIFEST_NAME)
     fingerprint = _fingerprint(options)
     done = latest_conversions(manifest_path) if resume else {}
-    if resume and not overwrite:
+    if resume and not options.overwrite:
         _check_same_options(manifest_path, os.fspath(output_dir), done, planned, options)
 
     results: dict[str, ItemResult] = {}
@@ -317,12 +286,12 @@ def batch(
                     output=plan.output,
                     source_size=item.size,
                     source_mtime_ns=item.mtime_ns,
-                    format=options.format,
+                    format=kind,
                     error=plan.problem,
                     error_type="WriteError",
                 )
             )
-        elif not (resume or overwrite) and os.path.lexists(os.path.join(output, *plan.output.split("/"))):
+        elif not (resume or options.overwrite) and os.path.lexists(os.path.join(output, *plan.output.split("/"))):
             refused.append(
                 ItemResult(
                     source=item.name,
@@ -331,7 +300,7 @@ def batch(
                     output=plan.output,
                     source_size=item.size,
                     source_mtime_ns=item.mtime_ns,
-                    format=options.format,
+                    format=kind,
                     error=f"{plan.output!r} already exists in the output folder; pass --resume to skip what an "
                     "earlier batch converted, or --overwrite to convert it again",
                     error_type=OutputExistsError.__name__,
@@ -353,7 +322,7 @@ def batch(
                 output=job.output_name,
                 source_size=job.item.size,
                 source_mtime_ns=job.item.mtime_ns,
-                format=options.format,
+                format=kind,
             )
         return _report(source, output, "", planned, results, started, dry_run=dry_run)
     if executor == "local" and jobs > 1 and len(todo) > 1:
@@ -376,16 +345,16 @@ def batch(
                 "output_dir": output,
                 "options": {
                     "fingerprint": fingerprint,
-                    "select": select,
-                    "transforms": pipeline.describe(),
-                    "format": options.format,
-                    "trust": trust,
-                    "verify": verify,
-                    "overwrite": overwrite,
+                    "select": options.select,
+                    "transforms": options.transforms.describe(),
+                    "format": kind,
+                    "trust": options.trust,
+                    "verify": options.verify,
+                    "overwrite": options.overwrite,
                     "resume": resume,
                     "fail_fast": fail_fast,
                     "glob": globs,
-                    "checksums": checksums,
+                    "checksums": options.checksums,
                 },
                 "output_options": _output_options(options),
                 "executor": executor,
@@ -417,7 +386,7 @@ def batch(
                     output=job.output_name,
                     source_size=job.item.size,
                     source_mtime_ns=job.item.mtime_ns,
-                    format=options.format,
+                    format=kind,
                 )
         report = _report(source, output, manifest_path, planned, results, started)
         manifest.append(

@@ -162,7 +162,7 @@ class _Prefix(click.ParamType):  # type: ignore[type-arg]
 
 
 # ---------------------------------------------------------------------------------------
-# Shared option sets, so convert, strip-module and add-module cannot drift apart
+# Option sets: the options fields' flags come from ckptconv.options; the rest are shared here
 # ---------------------------------------------------------------------------------------
 
 
@@ -175,20 +175,40 @@ def _compose(*decorators: Callable[[F], F]) -> Callable[[F], F]:
     return apply
 
 
-selection_options = _compose(
-    click.option(
-        "--select",
-        metavar="PATH",
-        help="Where the weights are in a training checkpoint, e.g. "
-        "'state_dict_ema' or 'model.state_dict'; 'ema' picks the EMA copy. Searched when omitted.",
-    ),
-    click.option(
-        "--trust",
-        is_flag=True,
-        help="DANGEROUS: unpickle with torch.load(weights_only=False), "
-        "running any code in the file. Only for files you made yourself.",
-    ),
-)
+def _field_options(group: str, command: str) -> Callable[[F], F]:
+    """The click options of the :class:`~ckptconv.options.ConversionOptions` fields in ``group`` that
+    ``command`` offers, made from the fields' :class:`~ckptconv.options.Flag` metadata. The click
+    parameter takes the field's name, so the values go straight into the options object."""
+    from .options import BATCH_FORMATS, OUTPUT_FORMATS, flags
+
+    decorators = []
+    for name, flag in flags():
+        if flag.group != group or command not in flag.commands:
+            continue
+        help_text = flag.batch_help if command == "batch" and flag.batch_help else flag.help
+        if flag.kind == "flag":
+            negated = flag.name.startswith("--no-")  # --no-fsync sets fsync to False
+            option = click.option(
+                flag.name, name, is_flag=True, flag_value=not negated, default=negated, help=help_text
+            )
+        else:
+            kinds: dict[str, Any] = {
+                "text": click.STRING,
+                "size": _Size(),
+                "format": click.Choice(BATCH_FORMATS if command == "batch" else OUTPUT_FORMATS),
+            }
+            option = click.option(flag.name, name, type=kinds[flag.kind], metavar=flag.metavar, help=help_text)
+        decorators.append(option)
+    return _compose(*decorators)
+
+
+def _conversion_options(options: dict[str, Any], leading: Sequence[Any] = (), fit_to: Any = None) -> Any:
+    """The :class:`~ckptconv.options.ConversionOptions` a command's flags ask for."""
+    from .options import ConversionOptions, flags
+
+    values = {name: options[name] for name, _ in flags() if name in options}
+    return ConversionOptions(transforms=_pipeline(leading, options), fit_to=fit_to, **values)
+
 
 transform_options = _compose(
     click.option(
@@ -246,43 +266,18 @@ transform_options = _compose(
     ),
 )
 
-output_options = _compose(
-    click.option(
-        "--to",
-        "to",
-        type=click.Choice(["pt", "safetensors", "dcp"]),
-        help="Output format; by default it follows DST's suffix (.safetensors, or .pt/.pth/.bin/.pkl). "
-        "A folder DST gets shards (safetensors by default); 'dcp' writes a "
-        "torch.distributed.checkpoint folder.",
-    ),
-    click.option(
-        "--max-shard-size",
-        type=_Size(),
-        help="Write DST as a folder of shards of at most SIZE (5GB, 500MB, 2GiB) with a Hugging Face index.",
-    ),
-    click.option("--overwrite", is_flag=True, help="Replace DST if it exists."),
-    click.option("--verify", is_flag=True, help="Re-read the output and compare every tensor before keeping it."),
-    click.option("--dry-run", is_flag=True, help="Show what would change (first 20 key renames) and write nothing."),
-    click.option(
-        "--keep-meta",
-        is_flag=True,
-        help="For .pt output: keep the checkpoint's plain data "
-        "(epoch, step, hyperparameters, args) beside the weights, which then sit under 'state_dict'. "
-        "safetensors output always keeps it as JSON metadata.",
-    ),
-    click.option(
-        "--no-source-hash",
-        is_flag=True,
-        help="Do not record the source's sha256 in the output (saves hashing the whole source file).",
-    ),
-    click.option(
-        "--no-fsync",
-        is_flag=True,
-        help="Do not wait for the output to reach the disk before "
-        "renaming it into place (faster; a power cut may then lose it).",
-    ),
-    click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors."),
-)
+
+def run_options(command: str) -> Callable[[F], F]:
+    """Flags about this run, not about the output."""
+    dry_run = (
+        "List the items and where each output would go, and write nothing (not even the manifest)."
+        if command == "batch"
+        else "Show what would change (first 20 key renames) and write nothing."
+    )
+    return _compose(
+        click.option("--dry-run", is_flag=True, help=dry_run),
+        click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors."),
+    )
 
 
 batch_options = _compose(
@@ -322,22 +317,19 @@ batch_options = _compose(
         "tcp://host:8786 (the workers must see SRC and DST at the same paths). Without it, a "
         "local cluster of --jobs processes is started.",
     ),
-    click.option(
-        "--no-checksums",
-        is_flag=True,
-        help="Do not record the sha256 of inputs and outputs in the manifest (saves reading every file once more).",
-    ),
 )
 
 
-# Everything a conversion command takes: SRC, DST and the three option sets.
-conversion_arguments = _compose(
-    click.argument("src", type=click.Path(dir_okay=True)),
-    click.argument("dst", type=click.Path(dir_okay=True)),
-    selection_options,
-    transform_options,
-    output_options,
-)
+def conversion_arguments(command: str) -> Callable[[F], F]:
+    """Everything a conversion command takes: SRC, DST, the options fields it offers, the transforms."""
+    return _compose(
+        click.argument("src", type=click.Path(dir_okay=True)),
+        click.argument("dst", type=click.Path(dir_okay=True)),
+        _field_options("selection", command),
+        transform_options,
+        _field_options("output", command),
+        run_options(command),
+    )
 
 
 def _pipeline(leading: Sequence[Any], options: dict[str, Any]) -> Any:
@@ -376,23 +368,12 @@ def _run_conversion(
     from .conversion import convert
 
     quiet = options["quiet"]
-    pipeline = _pipeline(leading, options)
     report = convert(
         src,
         dst,
-        select=options["select"],
-        transforms=pipeline,
-        to=options["to"],
-        overwrite=options["overwrite"],
-        trust=options["trust"],
-        verify=options["verify"],
+        options=_conversion_options(options, leading, fit_to),
         dry_run=options["dry_run"],
         progress=not quiet and sys.stderr.isatty(),
-        fsync=not options["no_fsync"],
-        keep_meta=options["keep_meta"],
-        source_hash=not options["no_source_hash"],
-        fit_to=fit_to,
-        max_shard_size=options["max_shard_size"],
     )
     for note in report.notes:
         _say(quiet, f"note: {note}")
@@ -435,7 +416,7 @@ def cli() -> None:
 
 
 @cli.command()
-@conversion_arguments
+@conversion_arguments("convert")
 def convert(src: str, dst: str, **options: Any) -> None:
     """Convert a checkpoint to .pt or safetensors, with optional transforms.
 
@@ -453,7 +434,7 @@ def convert(src: str, dst: str, **options: Any) -> None:
 
 
 @cli.command("strip-module")
-@conversion_arguments
+@conversion_arguments("strip-module")
 def strip_module(src: str, dst: str, **options: Any) -> None:
     """Remove the 'module.' prefix DataParallel and DDP add to every key.
 
@@ -470,7 +451,7 @@ def strip_module(src: str, dst: str, **options: Any) -> None:
 
 
 @cli.command("add-module")
-@conversion_arguments
+@conversion_arguments("add-module")
 def add_module(src: str, dst: str, **options: Any) -> None:
     """Add the 'module.' prefix, to load into a DataParallel or DDP model.
 
@@ -484,7 +465,7 @@ def add_module(src: str, dst: str, **options: Any) -> None:
 
 
 @cli.command()
-@conversion_arguments
+@conversion_arguments("fit")
 @click.option(
     "--like",
     "reference",
@@ -513,7 +494,7 @@ def fit(src: str, dst: str, reference: str, **options: Any) -> None:
 @cli.command()
 @click.argument("src", type=click.Path(dir_okay=True))
 @click.argument("dst", type=click.Path(dir_okay=True))
-@selection_options
+@_field_options("selection", "verify")
 @transform_options
 def verify(src: str, dst: str, select: str | None, trust: bool, **options: Any) -> None:
     """Prove DST holds SRC's weights after the given transforms, bit for bit.
@@ -604,7 +585,7 @@ def _print_devices(as_json: bool) -> None:
 
 @cli.command()
 @click.argument("src", type=click.Path(dir_okay=True), required=False)
-@selection_options
+@_field_options("selection", "inspect")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
 @click.option(
     "--limit",
@@ -735,9 +716,10 @@ def scan(paths: tuple[str, ...], as_json: bool, quiet: bool) -> None:
 @cli.command()
 @click.argument("src", type=click.Path(file_okay=False))
 @click.argument("dst", type=click.Path(file_okay=False))
-@selection_options
+@_field_options("selection", "batch")
 @transform_options
-@output_options
+@_field_options("output", "batch")
+@run_options("batch")
 @batch_options
 def batch(src: str, dst: str, **options: Any) -> None:
     """Convert every checkpoint under a folder, in parallel, with a manifest.
@@ -764,29 +746,18 @@ def batch(src: str, dst: str, **options: Any) -> None:
     quiet = options["quiet"]
     if options["scheduler"] and options["executor"] != "dask":
         raise click.UsageError("--scheduler needs --executor dask")
-    if options["max_shard_size"] is not None or options["to"] == "dcp":
-        raise click.UsageError("batch writes one file per item; --max-shard-size and --to dcp are for convert")
     try:
         report = run_batch(
             src,
             dst,
-            select=options["select"],
-            transforms=_pipeline([], options),
-            to=options["to"] or "safetensors",
+            options=_conversion_options(options),
             glob=options["globs"],
             jobs=options["jobs"],
             executor=options["executor"],
             scheduler=options["scheduler"],
             resume=options["resume"],
             fail_fast=options["fail_fast"],
-            overwrite=options["overwrite"],
-            trust=options["trust"],
-            verify=options["verify"],
             dry_run=options["dry_run"],
-            checksums=not options["no_checksums"],
-            fsync=not options["no_fsync"],
-            keep_meta=options["keep_meta"],
-            source_hash=not options["no_source_hash"],
             progress=not quiet and sys.stderr.isatty(),
         )
     except KeyboardInterrupt:

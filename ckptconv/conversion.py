@@ -21,7 +21,8 @@ from .errors import FitError, VerifyError
 from .formats._base import Deferred, MetadataValue
 from .loading import open as open_checkpoint
 from .metadata import checkpoint_metadata, encode_entries, source_sha256
-from .transforms import Canonicalize, Pipeline, StepReport, StripPrefix, Transform
+from .options import ConversionOptions
+from .transforms import Canonicalize, StepReport, StripPrefix, Transform
 from .writing import Progress, is_folder_destination, output_format, save
 
 __all__ = ["ConversionReport", "convert"]
@@ -105,19 +106,10 @@ def convert(
     source: PathLike,
     destination: PathLike | None,
     *,
-    select: str | None = None,
-    transforms: Pipeline | Sequence[Transform] = (),
-    to: str | None = None,
-    overwrite: bool = False,
-    trust: bool = False,
-    verify: bool = False,
+    options: ConversionOptions | None = None,
     dry_run: bool = False,
     progress: Progress = False,
-    fsync: bool = True,
-    keep_meta: bool = False,
-    source_hash: bool = True,
-    fit_to: Any = None,
-    max_shard_size: int | None = None,
+    **changes: Any,
 ) -> ConversionReport:
     """Convert a checkpoint: pick its weights, transform them, write them, optionally verify.
 
@@ -125,42 +117,30 @@ def convert(
         source: any checkpoint :func:`ckptconv.open` reads.
         destination: the output file, or a folder (existing, or ending in ``/``)
             for a sharded or DCP layout; the suffix picks the format unless
-            ``to`` is given.
-        select: where the weights are (``"state_dict_ema"``); searched when None.
-        transforms: steps such as :class:`~ckptconv.transforms.StripPrefix` or
-            :class:`~ckptconv.transforms.Cast`, applied in order.
-        to: ``"pt"``, ``"safetensors"`` or ``"dcp"`` (a folder).
-        overwrite: replace an existing destination.
-        trust: see :func:`ckptconv.open`. Dangerous.
-        verify: re-read the written file and compare every tensor before it is
-            moved into place; a difference raises and leaves no output.
+            ``options.to`` is given.
+        options: how to convert (:class:`~ckptconv.options.ConversionOptions`:
+            selection, transforms, output format, overwrite, verify, hashing,
+            sharding, ...); defaults when None.
         dry_run: do everything but write; ``renames`` shows the key changes.
         progress: show a progress bar on stderr, or a callable given byte counts.
-        fsync: make the output durable before it appears (see :func:`ckptconv.save`).
-        keep_meta: ``.pt`` output: keep the checkpoint's plain-data entries (epoch,
-            step, hyperparameters, args) beside the weights, which then sit under
-            ``"state_dict"``. safetensors output always keeps them, as JSON
-            strings in its metadata (``checkpoint.<name>``).
-        fit_to: a reference model, checkpoint or key list (see
-            :func:`ckptconv.fit`): after ``transforms``, rename the keys to match it,
-            or raise :class:`~ckptconv.errors.FitError` with the report and write nothing.
-        max_shard_size: write shards of at most this many bytes, with an index.
-        source_hash: record the source file's sha256 in the output's provenance;
-            it is computed on a second core while the tensors are copied, but a
-            large training checkpoint may take longer to hash than to convert.
+        **changes: fields of :class:`~ckptconv.options.ConversionOptions` to set
+            on ``options`` (``transforms=[...]``, ``to="pt"``, ``overwrite=True``).
 
     Returns:
         A :class:`ConversionReport`.
 
     Raises:
         LoadError, SelectionError, TransformError, WriteError, VerifyError.
+        TypeError: a keyword that is not an options field.
 
     Example:
         >>> ckptconv.convert("dp_model.pkl", "model.safetensors",
         ...                  transforms=[ckptconv.StripPrefix("module"), ckptconv.Cast("bf16")])  # doctest: +SKIP
     """
-    pipeline = transforms if isinstance(transforms, Pipeline) else Pipeline.of(transforms)
-    checkpoint = open_checkpoint(source, trust=trust)
+    options = (options or ConversionOptions()).with_changes("convert", **changes)
+    pipeline = options.transforms
+    select, to, fit_to, max_shard_size = options.select, options.to, options.fit_to, options.max_shard_size
+    checkpoint = open_checkpoint(source, trust=options.trust)
     selection = checkpoint.select(select)
     notes: list[str] = []
     if selection.note:
@@ -238,7 +218,7 @@ def convert(
             "ckptconv.transforms": json.dumps(pipeline.describe() + (list(fit_report.plan) if fit_report else [])),
         }
     )
-    extra = entries if kind == "pt" and keep_meta else None
+    extra = entries if kind == "pt" and options.keep_meta else None
 
     def check(written: str) -> None:
         from .verification import compare
@@ -250,7 +230,7 @@ def convert(
     give_up = threading.Event()
     digest: concurrent.futures.Future[str] | None = None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as hasher:
-        if source_hash:
+        if options.source_hash:
             digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
         try:
@@ -258,14 +238,14 @@ def convert(
                 state,
                 destination,
                 format=kind,
-                overwrite=overwrite,
+                overwrite=options.overwrite,
                 metadata=metadata,
                 extra=extra,
                 max_shard_size=max_shard_size,
                 progress=progress,
                 inputs=[checkpoint.path],
-                check=check if verify else None,
-                fsync=fsync,
+                check=check if options.verify else None,
+                fsync=options.fsync,
             )
         except BaseException:
             give_up.set()  # do not make a failed conversion wait for the hash
@@ -284,6 +264,6 @@ def convert(
         aliases=written.aliases,
         files=written.files,
         notes=tuple(notes),
-        verified=True if verify else None,
+        verified=True if options.verify else None,
         source_sha256=digest.result() if digest is not None else None,
     )

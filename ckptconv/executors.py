@@ -44,28 +44,12 @@ from typing import IO, Any, Callable
 from ._worker import read_frame, write_frame
 from .discovery import DCP, FILE, RUN, Item
 from .errors import CkptconvError, LoadError, TransformError, WriteError
+from .options import ConversionOptions
 from .report import CONVERTED, FAILED, ItemResult, OutputFile
-from .transforms import Pipeline
 
-__all__ = ["Job", "Options", "check_sendable", "run_dask", "run_job", "run_local"]
+__all__ = ["Job", "check_sendable", "run_dask", "run_job", "run_local"]
 
 Stop = Callable[[], bool]
-
-
-@dataclass(frozen=True)
-class Options:
-    """How every item of a batch is converted (the arguments of :func:`ckptconv.convert`)."""
-
-    format: str
-    transforms: Pipeline = Pipeline()
-    select: str | None = None
-    overwrite: bool = False
-    trust: bool = False
-    verify: bool = False
-    fsync: bool = True
-    checksums: bool = True
-    keep_meta: bool = False
-    source_hash: bool = True
 
 
 @dataclass(frozen=True)
@@ -76,7 +60,8 @@ class Job:
         item: the input.
         output: the output's absolute path.
         output_name: the same, relative to the output folder.
-        options: how to convert.
+        options: how to convert, as :func:`ckptconv.batch` got it (``to`` is the
+            output's format name).
         replace: replace an existing output even without ``overwrite`` (``resume``:
             no record vouches for it, so an earlier run may have been killed
             after writing it but before recording it).
@@ -85,7 +70,7 @@ class Job:
     item: Item
     output: str
     output_name: str
-    options: Options
+    options: ConversionOptions
     replace: bool = False
 
 
@@ -103,7 +88,7 @@ def _failed(job: Job, error_type: str, message: str, trace: str = "") -> ItemRes
         output=job.output_name,
         source_size=item.size,
         source_mtime_ns=item.mtime_ns,
-        format=job.options.format,
+        format=job.options.to or "",
         error=message,
         error_type=error_type,
         traceback=trace,
@@ -119,7 +104,8 @@ def run_job(job: Job) -> ItemResult:
     """Convert one item; failures, expected or not, come back as a failed result.
 
     Example:
-        >>> run_job(Job(item, "/out/model.safetensors", "model.safetensors", Options("safetensors")))  # doctest: +SKIP
+        >>> options = ConversionOptions(to="safetensors")
+        >>> run_job(Job(item, "/out/model.safetensors", "model.safetensors", options))  # doctest: +SKIP
         ItemResult(source='model.pt', status='converted', ...)
     """
     started = time.perf_counter()
@@ -167,19 +153,7 @@ def _convert(job: Job) -> ItemResult:
     item, options = job.item, job.options
     _prepare_folder(job.output)
     before = _snapshot(item) if os.path.exists(item.path) else None
-    report = convert(
-        item.path,
-        job.output,
-        select=options.select,
-        transforms=options.transforms,
-        to=options.format,
-        overwrite=options.overwrite or job.replace,
-        trust=options.trust,
-        verify=options.verify,
-        fsync=options.fsync,
-        keep_meta=options.keep_meta,
-        source_hash=options.source_hash,
-    )
+    report = convert(item.path, job.output, options=options, overwrite=options.overwrite or job.replace)
     # The provenance hash convert() already took covers the source; hash only if it did not.
     source_sha = (report.source_sha256 or source_sha256(item.path)) if options.checksums else None
     after = _snapshot(item)

@@ -22,6 +22,8 @@ The stand-ins are the safety boundary; the families are a warning about intent
 
 from __future__ import annotations
 
+import _compat_pickle  # CPython's own table of Python 2 names, used by every unpickler for protocols 0-2
+
 from .rebuild import known_global
 
 __all__ = ["FAMILIES", "classify_global", "normalise_global", "unsafe_family"]
@@ -381,9 +383,25 @@ def unsafe_family(module: str, name: str) -> str | None:
     """The unsafe family ``module.name`` belongs to (``"runs processes"``, ...), or None.
 
     A dunder component other than the few a pickle legitimately names
-    (``copyreg.__newobj__``) counts as ``"reaches into the interpreter"``.
+    (``copyreg.__newobj__``) counts as ``"reaches into the interpreter"``. Both
+    spellings count: as written, and as CPython's unpickler renames Python 2
+    names for protocols 0-2 (``commands.getoutput`` is ``subprocess.getoutput``,
+    ``__builtin__.reduce`` is ``functools.reduce``).
     """
-    module, name = normalise_global(module, name)
+    spellings = [normalise_global(module, name)]
+    renamed = _compat_pickle.NAME_MAPPING.get((module, name))
+    if renamed is None and module in _compat_pickle.IMPORT_MAPPING:
+        renamed = (_compat_pickle.IMPORT_MAPPING[module], name)
+    if renamed is not None:
+        spellings.append(renamed)
+    for spelling in spellings:
+        family = _family_of(*spelling)
+        if family is not None:
+            return family
+    return None
+
+
+def _family_of(module: str, name: str) -> str | None:
     name_parts = name.split(".")
     for part in name_parts:
         if part.startswith("__") and part.endswith("__") and part not in _ALLOWED_DUNDERS:

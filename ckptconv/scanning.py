@@ -36,6 +36,7 @@ refused as well. Reading a file to scan it runs nothing from it.
 from __future__ import annotations
 
 import os
+import re
 import struct
 import zipfile
 import zlib
@@ -131,18 +132,23 @@ class ScanSummary:
 
 
 def _dedupe(findings: Iterable[UnsafeFinding]) -> tuple[UnsafeFinding, ...]:
-    seen: set[tuple[str, str, int]] = set()
+    # A zip's data.pkl is read by the format reader and again among the zip's members.
+    seen: set[tuple[str, int]] = set()
     kept = []
     for finding in findings:
-        key = (finding.where, finding.name, finding.offset)
+        key = (finding.name, finding.offset)
         if key not in seen:
             seen.add(key)
             kept.append(finding)
     return tuple(kept)
 
 
-def _unsafe_reason(findings: Sequence[UnsafeFinding]) -> str:
-    shown = "; ".join(finding.describe() for finding in findings[:_SHOWN])
+def _unsafe_reason(findings: Sequence[UnsafeFinding], path: str) -> str:
+    def describe(finding: UnsafeFinding) -> str:
+        inside = finding.where[len(path) :].lstrip(":/ ") if finding.where.startswith(path) else ""
+        return finding.describe() + (f" of {inside}" if inside else "")
+
+    shown = "; ".join(describe(finding) for finding in findings[:_SHOWN])
     more = f"; and {len(findings) - _SHOWN} more" if len(findings) > _SHOWN else ""
     return shown + more
 
@@ -173,7 +179,7 @@ def scan(path: PathLike) -> ScanReport:
         except UnsafeCheckpointError as error:
             # Refusals that are not a name (parser differentials) arrive as errors.
             found = _dedupe(findings)
-            reason = _unsafe_reason(found) + "; " + str(error) if found else str(error)
+            reason = _unsafe_reason(found, path) + "; " + str(error) if found else str(error)
             return ScanReport(path, UNSAFE, reason, unsafe=found)
         except UnsupportedFormatError as error:
             return _refused(path, NOT_A_CHECKPOINT, error, findings)
@@ -184,7 +190,7 @@ def scan(path: PathLike) -> ScanReport:
     found = _dedupe([*findings, *_scan_embedded(path)])
     foreign = dict(checkpoint.foreign_globals)
     if found:
-        return ScanReport(path, UNSAFE, _unsafe_reason(found), checkpoint.format, found, foreign)
+        return ScanReport(path, UNSAFE, _unsafe_reason(found, path), checkpoint.format, found, foreign)
     if foreign:
         names = ", ".join(list(foreign)[:_SHOWN]) + (
             f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else ""
@@ -197,6 +203,10 @@ def scan(path: PathLike) -> ScanReport:
 # Pickles inside other containers are scanned up to this size each.
 _MAX_EMBEDDED = 256 << 20
 _PICKLE_SUFFIXES = (".pkl", ".pickle")
+# Members named otherwise are scanned if they start like a pickle and are at most this big.
+_MAX_UNNAMED = 16 << 20
+_PROTOCOLS = (b"\x02", b"\x03", b"\x04", b"\x05")
+_STORAGE_RECORD = re.compile(r"(^|/)data/\d+$")
 
 
 def _embedded_pickles(path: str) -> list[tuple[str, bytes]]:
@@ -244,10 +254,11 @@ def _zip_pickles(path: str, file: Any) -> list[tuple[str, bytes]]:
     for info in infos:
         if info.is_dir() or info.flag_bits & 1 or info.compress_size > _MAX_EMBEDDED:
             continue
+        named = info.filename.lower().endswith(_PICKLE_SUFFIXES)
+        if not named and (info.file_size > _MAX_UNNAMED or _STORAGE_RECORD.search(info.filename)):
+            continue  # tensor bytes (torch's data/N records), or too big to be a hidden payload
         data = _zip_member_bytes(file, info)
-        if data is None:
-            continue
-        if info.filename.lower().endswith(_PICKLE_SUFFIXES) or data[:1] == b"\x80":
+        if data is not None and (named or (data[:1] == b"\x80" and data[1:2] in _PROTOCOLS)):
             found.append((f"{path}:{info.filename}", data))
     return found
 
@@ -291,7 +302,7 @@ def _refused(path: str, verdict: str, error: Exception, findings: Sequence[Unsaf
     found = _dedupe([*findings, *_scan_embedded(path)])
     if found:
         # A file that names code-running functions is unsafe however broken the rest is.
-        return ScanReport(path, UNSAFE, _unsafe_reason(found) + f" (and: {error})", unsafe=found)
+        return ScanReport(path, UNSAFE, _unsafe_reason(found, path) + f" (and: {error})", unsafe=found)
     return ScanReport(path, verdict, str(error))
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
-from .pickle_policy import classify_global, normalise_global, unsafe_family
+from .pickle_policy import normalise_global, unsafe_family
 from .rebuild import call, check_hashable, fill_numpy_array, instantiate, known_global, malformed
 from .standins import ForeignGlobal, ForeignObject, NumpyArray, NumpyDType
 from .tensor import TensorRef
@@ -278,11 +278,10 @@ class Unpickler:
         cached = self._globals_cache.get(key)
         if cached is not None:
             return cached
+        family = unsafe_family(module, name)  # as written: Python 2 spellings count as CPython renames them
         module, name = normalise_global(module, name)
-        kind = classify_global(module, name)
         full = f"{module}.{name}"
-        if kind == "dangerous":
-            family = unsafe_family(module, name) or "unsafe"
+        if family is not None:
             findings = _RECORDER.get()
             if findings is None:
                 raise UnsafeCheckpointError(
@@ -420,9 +419,8 @@ class Unpickler:
                 frame_end = self.pos + length
             elif op == 0x2E:  # STOP
                 self.end = self.pos
-                if len(stack) != 1 or metastack:
-                    if not stack:
-                        raise malformed("pickle stops with an empty stack")
+                if not stack:
+                    raise malformed("pickle stops with an empty stack")
                 if shared:
                     self._check_expansion(stack[-1])
                 return stack[-1]

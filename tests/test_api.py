@@ -32,7 +32,8 @@ def test_public_functions_take_keyword_only_options() -> None:
         parameters = list(inspect.signature(getattr(ckptconv, name)).parameters.values())
         positional = [p for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
         assert len(positional) <= 2, name
-        assert all(p.kind is p.KEYWORD_ONLY for p in parameters[len(positional) :]), name
+        # convert() also takes ConversionOptions' fields as keywords (**changes): keyword-only too.
+        assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in parameters[len(positional) :]), name
 
 
 def test_conversions_and_inspect_run_without_torch(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -27,8 +27,9 @@ from torch import nn
 
 import ckptconv
 from ckptconv.discovery import Item, discover, plan_outputs
-from ckptconv.executors import Job, Options, run_job, run_local
+from ckptconv.executors import Job, run_job, run_local
 from ckptconv.manifest import MANIFEST_NAME, Manifest, read_records
+from ckptconv.options import ConversionOptions
 from ckptconv.transforms import Pipeline, StripPrefix
 
 from .batch_helpers import Explode, KillWorker
@@ -582,7 +583,7 @@ def test_one_batch_per_output_folder(tmp_path: Path) -> None:
 def _job(zoo: Path, out: Path, name: str, *steps: Any) -> Job:
     item = next(item for item in discover(zoo) if item.name == name)
     output = name.rsplit(".", 1)[0] + ".safetensors"
-    return Job(item, str(out / output), output, Options("safetensors", Pipeline.of(steps)))
+    return Job(item, str(out / output), output, ConversionOptions(to="safetensors", transforms=Pipeline.of(steps)))
 
 
 def test_a_worker_never_raises(small_zoo: Path, tmp_path: Path) -> None:
@@ -612,7 +613,11 @@ def test_the_library_api(small_zoo: Path, tmp_path: Path) -> None:
     assert inspect.isfunction(ckptconv.batch)  # no submodule shadows the function
     parameters = list(inspect.signature(ckptconv.batch).parameters.values())
     assert [p.name for p in parameters[:2]] == ["source_dir", "output_dir"]
-    assert all(p.kind is p.KEYWORD_ONLY for p in parameters[2:])
+    assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in parameters[2:])
+    with pytest.raises(TypeError):
+        ckptconv.batch(small_zoo, tmp_path / "out", ckptconv.ConversionOptions())  # type: ignore[misc]
+    with pytest.raises(TypeError, match=r"^batch\(\) got an unexpected keyword argument 'tranforms'$"):
+        ckptconv.batch(small_zoo, tmp_path / "out", tranforms=[])
     with pytest.raises(ValueError, match="executor must be one of local, dask"):
         ckptconv.batch(small_zoo, tmp_path / "out", executor="ray")
     report = ckptconv.batch(small_zoo, tmp_path / "out", checksums=False, fsync=False)

@@ -381,3 +381,57 @@ def test_convert_a_bare_tensor(tmp_path: Any) -> None:
     renamed = os.path.join(tmp_path, "r.safetensors")
     ckptconv.convert(src, renamed, transforms=ckptconv.Pipeline.of([ckptconv.Rename("^tensor$", "embedding")]))
     assert torch.equal(load_file(renamed)["embedding"], tensor)
+
+
+def test_cli_on_the_gpu_fixtures_folder_groups_sharded_and_dcp_items() -> None:
+    gpu = os.path.join(FIXTURES, "gpu")
+    result = CliRunner().invoke(cli, ["scan", gpu, "--json"])
+    parsed = json.loads(result.stdout)
+    by_name = {os.path.relpath(item["path"], gpu): item["verdict"] for item in parsed["items"]}
+    assert by_name["fsdp2_dcp"] == "safe"
+    assert by_name["hf_sharded_safetensors/model.safetensors.index.json"] == "safe"
+    assert by_name["hf_sharded_bin/pytorch_model.bin.index.json"] == "safe"
+    assert not any(name.startswith("hf_sharded_safetensors/model-0") for name in by_name)
+    assert by_name["torchscript_model.pt"] == "not-a-checkpoint"
+    assert parsed["counts"]["unsafe"] == 0 and parsed["worst"] == "not-a-checkpoint"
+    assert result.exit_code == 3
+
+
+def test_pickles_hidden_in_zip_members_are_named_with_their_member(corpus: list[tuple[Any, str]]) -> None:
+    paths = {sample.name: path for sample, path in corpus}
+    for name, member in [
+        ("ps_zip_crc.pt", "archive/data.pkl"),
+        ("ps_zip_cd_name.pt", "archive/data.pkl"),
+        ("ps_zip_wrong_ext.zip", "archive/data.txt"),
+        ("ps_zip_root_data_pkl.zip", "data.pkl"),
+    ]:
+        report = ckptconv.scan(paths[name])
+        assert report.verdict == "unsafe", (name, report.reason)
+        assert "names builtins.eval (runs code) at pickle byte" in report.reason
+        assert f"of {member}" in report.reason
+    report = ckptconv.scan(paths["ps_dns_exfiltration.npy"])
+    assert report.verdict == "unsafe" and report.unsafe[0].name == "ssl.get_server_certificate"
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "cpython_name"),
+    [("commands", "getoutput", "subprocess.getoutput"), ("__builtin__", "reduce", "functools.reduce")],
+)
+def test_python2_spellings_count_as_cpython_renames_them(
+    tmp_path: Any, module: str, name: str, cpython_name: str
+) -> None:
+    data = call(module, name, "id", protocol=0)
+
+    # CPython's unpickler renames Python 2 modules for protocols 0-2 before importing them.
+    class Renaming(_Recording):
+        def find_class(self, module: str, name: str) -> Any:
+            import _compat_pickle
+
+            module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+            return super().find_class(_compat_pickle.IMPORT_MAPPING.get(module, module), name)
+
+    unpickler = Renaming(io.BytesIO(data))
+    unpickler.load()
+    assert unpickler.names == [cpython_name]
+    with pytest.raises(UnsafeCheckpointError):
+        ckptconv.open(_write(tmp_path, "x.pkl", data))

@@ -165,7 +165,9 @@ def read(folder: str, *, max_items: int | None = None) -> ReadResult:
         raise _damaged(folder, f"its .metadata is larger than {MAX_METADATA_BYTES >> 20} MiB")
     with open(metadata_path, "rb") as file:
         unpickler = Unpickler(file.read(), source=metadata_path, max_items=max_items or DEFAULT_MAX_ITEMS)
-    metadata = _fields(unpickler.load(), folder, ".metadata")
+    tree = unpickler.load()
+    unpickler.check_end()
+    metadata = _fields(tree, folder, ".metadata")
     tensors = metadata.get("state_dict_metadata")
     storage = metadata.get("storage_data")
     if not isinstance(tensors, Mapping) or not isinstance(storage, Mapping):

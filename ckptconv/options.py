@@ -1,0 +1,225 @@
+"""How a checkpoint is converted: one frozen object, built once, passed whole.
+
+:class:`ConversionOptions` holds everything that decides what a conversion
+does: which weights, which transforms, which output format, and how the output
+is written and checked. The CLI builds one from its flags, :func:`ckptconv.convert`
+and :func:`ckptconv.batch` accept it (or its fields as keywords), and a batch
+hands it unchanged to every worker.
+
+Each field that has a command-line flag says so in its metadata (a :class:`Flag`);
+``cli.py`` makes the click options from those, so ``convert``, ``batch`` and the
+other commands cannot drift apart, and ``batch --help`` lists only what batch
+accepts. Adding an option is one field here plus the code that uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .transforms import Pipeline
+
+__all__ = ["BATCH_FORMATS", "OUTPUT_FORMATS", "ConversionOptions", "Flag", "fingerprint_flags", "flags"]
+
+OUTPUT_FORMATS = ("pt", "safetensors", "dcp")
+# A batch writes one file per item: no folder formats.
+BATCH_FORMATS = ("pt", "safetensors")
+
+# Which commands show a flag.
+CONVERSION_COMMANDS = frozenset({"convert", "strip-module", "add-module", "fit", "batch"})
+ONE_FILE_COMMANDS = CONVERSION_COMMANDS - {"batch"}
+# The selection flags also say what `inspect` and `verify` read.
+SELECTION_COMMANDS = CONVERSION_COMMANDS | {"inspect", "verify"}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How an options field appears on the command line (``cli.py`` makes the click option).
+
+    Attributes:
+        name: the flag, e.g. ``"--overwrite"``; a flag named ``--no-...`` sets its field to False.
+        help: the help text.
+        group: ``"selection"`` (also offered by ``inspect``, ``verify``) or ``"output"``.
+        commands: the commands that offer it.
+        kind: ``"flag"`` (on/off), ``"text"``, ``"format"`` (one of the output
+            formats the command can write) or ``"size"`` (5GB, 500MB, 2GiB).
+        metavar: the value's name in ``--help``.
+        batch_help: the help text under ``batch``, where it differs.
+    """
+
+    name: str
+    help: str
+    group: str = "output"
+    commands: frozenset[str] = CONVERSION_COMMANDS
+    kind: str = "flag"
+    metavar: str | None = None
+    batch_help: str | None = None
+
+
+def _option(default: Any, flag: Flag | None = None, *, fingerprint: bool | str = False) -> Any:
+    """A field. ``fingerprint``: the field changes the output's bytes, so an item ``batch --resume``
+    skips must have been made with the same value (a string: the name it is recorded under)."""
+    return field(default=default, metadata={"flag": flag, "fingerprint": fingerprint})
+
+
+@dataclass(frozen=True)
+class ConversionOptions:
+    """How to convert a checkpoint (see :func:`ckptconv.convert` and :func:`ckptconv.batch`).
+
+    Attributes:
+        select: where the weights are (``"state_dict_ema"``, ``"ema"``); searched when None.
+        trust: unpickle with ``torch.load(weights_only=False)``, running any code
+            in the file. Dangerous; see :func:`ckptconv.open`.
+        transforms: steps such as :class:`~ckptconv.transforms.StripPrefix` or
+            :class:`~ckptconv.transforms.Cast`, applied in order (a sequence of
+            steps is made a :class:`~ckptconv.transforms.Pipeline`).
+        fit_to: a reference model, checkpoint or key list (see :func:`ckptconv.fit`):
+            after ``transforms``, rename the keys to match it, or raise
+            :class:`~ckptconv.errors.FitError` with the report and write nothing.
+        to: ``"pt"``, ``"safetensors"`` or ``"dcp"`` (a folder); None follows the
+            destination's suffix (:func:`ckptconv.batch`: safetensors).
+        max_shard_size: write a folder of shards of at most this many bytes, with an index.
+        overwrite: replace an existing destination.
+        verify: re-read the written output and compare every tensor before it is
+            moved into place; a difference raises and leaves no output.
+        keep_meta: ``.pt`` output: keep the checkpoint's plain-data entries (epoch,
+            step, hyperparameters, args) beside the weights, which then sit under
+            ``"state_dict"``. safetensors output always keeps them, as JSON
+            strings in its metadata (``checkpoint.<name>``).
+        source_hash: record the source's sha256 in the output's provenance; it is
+            computed on a second core while the tensors are copied, but a large
+            training checkpoint may take longer to hash than to convert.
+        fsync: make the output durable before it appears (see :func:`ckptconv.save`).
+        checksums: :func:`ckptconv.batch` only: record the sha256 of every input
+            and output in the manifest (one more read of each).
+    """
+
+    select: str | None = _option(
+        None,
+        Flag(
+            "--select",
+            "Where the weights are in a training checkpoint, e.g. 'state_dict_ema' or 'model.state_dict'; "
+            "'ema' picks the EMA copy. Searched when omitted.",
+            group="selection",
+            commands=SELECTION_COMMANDS,
+            kind="text",
+            metavar="PATH",
+        ),
+        fingerprint=True,
+    )
+    trust: bool = _option(
+        False,
+        Flag(
+            "--trust",
+            "DANGEROUS: unpickle with torch.load(weights_only=False), running any code in the file. "
+            "Only for files you made yourself.",
+            group="selection",
+            commands=SELECTION_COMMANDS,
+        ),
+        fingerprint=True,
+    )
+    transforms: Pipeline = _option(Pipeline(), fingerprint=True)
+    fit_to: Any = _option(None)
+    to: str | None = _option(
+        None,
+        Flag(
+            "--to",
+            "Output format; by default it follows DST's suffix (.safetensors, or .pt/.pth/.bin/.pkl). "
+            "A folder DST gets shards (safetensors by default); 'dcp' writes a torch.distributed.checkpoint folder.",
+            kind="format",
+            batch_help="Output format of every item (default: safetensors).",
+        ),
+        fingerprint="format",
+    )
+    max_shard_size: int | None = _option(
+        None,
+        Flag(
+            "--max-shard-size",
+            "Write DST as a folder of shards of at most SIZE (5GB, 500MB, 2GiB) with a Hugging Face index.",
+            kind="size",
+            commands=ONE_FILE_COMMANDS,
+        ),
+    )
+    overwrite: bool = _option(
+        False, Flag("--overwrite", "Replace DST if it exists.", batch_help="Replace outputs that exist.")
+    )
+    verify: bool = _option(False, Flag("--verify", "Re-read the output and compare every tensor before keeping it."))
+    keep_meta: bool = _option(
+        False,
+        Flag(
+            "--keep-meta",
+            "For .pt output: keep the checkpoint's plain data (epoch, step, hyperparameters, args) beside the "
+            "weights, which then sit under 'state_dict'. safetensors output always keeps it as JSON metadata.",
+        ),
+        fingerprint=True,
+    )
+    source_hash: bool = _option(
+        True,
+        Flag(
+            "--no-source-hash",
+            "Do not record the source's sha256 in the output (saves hashing the whole source file).",
+        ),
+        fingerprint=True,
+    )
+    fsync: bool = _option(
+        True,
+        Flag(
+            "--no-fsync",
+            "Do not wait for the output to reach the disk before renaming it into place "
+            "(faster; a power cut may then lose it).",
+        ),
+    )
+    checksums: bool = _option(
+        True,
+        Flag(
+            "--no-checksums",
+            "Do not record the sha256 of inputs and outputs in the manifest (saves reading every file once more).",
+            commands=frozenset({"batch"}),
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.transforms, Pipeline):
+            object.__setattr__(self, "transforms", Pipeline.of(self.transforms))
+
+    def with_changes(self, caller: str = "ConversionOptions", **changes: Any) -> ConversionOptions:
+        """A copy with some fields changed; an unknown name is a TypeError naming ``caller``."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The fields that decide the output's bytes, as plain data (what ``batch --resume`` compares)."""
+        described: dict[str, Any] = {}
+        for option in dataclasses.fields(self):
+            name = option.metadata["fingerprint"]
+            if name:
+                value = getattr(self, option.name)
+                described[option.name if name is True else name] = (
+                    value.describe() if isinstance(value, Pipeline) else value
+                )
+        return described
+
+
+def flags() -> list[tuple[str, Flag]]:
+    """``(field name, flag)`` for every field offered on the command line, in declaration order."""
+    found = []
+    for option in dataclasses.fields(ConversionOptions):
+        flag = option.metadata["flag"]
+        if flag is not None:
+            found.append((option.name, flag))
+    return found
+
+
+def fingerprint_flags() -> dict[str, str]:
+    """How each entry of :meth:`ConversionOptions.fingerprint` is spelled on the command line
+    (its field's name when it has no flag: ``transforms``)."""
+    spelled = {}
+    for option in dataclasses.fields(ConversionOptions):
+        name = option.metadata["fingerprint"]
+        if name:
+            flag = option.metadata["flag"]
+            spelled[option.name if name is True else name] = flag.name if flag is not None else option.name
+    return spelled
