@@ -18,14 +18,10 @@ from typing import Any, Callable, TypeVar
 import click
 
 from ._version import __version__
+from .report import EXIT_FAILED, EXIT_NEGATIVE, EXIT_UNSAFE, human_bytes
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_NEGATIVE = 3
-EXIT_UNSAFE = 4
 
 _EXIT_CODES = """\b
 Exit codes:
@@ -354,14 +350,6 @@ def _say(quiet: bool, message: str) -> None:
         click.echo(message, err=True)
 
 
-def _human_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if count < 1024 or unit == "TiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} TiB"
-
-
 def _run_conversion(
     src: str, dst: str, leading: Sequence[Any], options: dict[str, Any], fit_to: str | None = None
 ) -> None:
@@ -386,7 +374,7 @@ def _run_conversion(
             click.echo(f"... and {len(report.renames) - 20} more")
         _say(
             quiet,
-            f"dry run: would write {report.tensors} tensors ({_human_bytes(report.bytes)}) "
+            f"dry run: would write {report.tensors} tensors ({human_bytes(report.bytes)}) "
             f"as {report.format}; nothing was written",
         )
         return
@@ -394,7 +382,7 @@ def _run_conversion(
     _say(
         quiet,
         f"wrote {report.destination} ({report.format}, {report.tensors} tensors, "
-        f"{_human_bytes(report.bytes)}{verified})",
+        f"{human_bytes(report.bytes)}{verified})",
     )
 
 
@@ -578,7 +566,7 @@ def _print_devices(as_json: bool) -> None:
     for device in devices:
         click.echo(
             f"{device.name}  physical {device.physical}  {device.model}  "
-            f"{_human_bytes(device.free_bytes)} free of {_human_bytes(device.total_bytes)}"
+            f"{human_bytes(device.free_bytes)} free of {human_bytes(device.total_bytes)}"
             + (f"  pci {device.pci_bus_id}" if device.pci_bus_id else "")
         )
 
@@ -628,7 +616,7 @@ def inspect(
         click.echo(json.dumps(info.to_dict(), indent=2))
         return
     devices = ", ".join(info.saved_devices) or "n/a"
-    click.echo(f"{info.path}: {info.format}, {_human_bytes(info.size)}, saved on {devices}")
+    click.echo(f"{info.path}: {info.format}, {human_bytes(info.size)}, saved on {devices}")
     if info.foreign_globals:
         click.echo("stand-ins (classes from code that is not here; nothing was run):")
         for name, count in info.foreign_globals.items():
@@ -648,7 +636,7 @@ def inspect(
     dtypes = ", ".join(f"{name}: {count}" for name, count in info.dtypes.items())
     click.echo(
         f"weights: {where}: {len(info.tensors)} tensors, {info.parameters:,} elements, "
-        f"{_human_bytes(info.tensor_bytes)} ({dtypes})"
+        f"{human_bytes(info.tensor_bytes)} ({dtypes})"
     )
     if info.selection_note:
         click.echo(f"note: {info.selection_note}")

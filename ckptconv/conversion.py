@@ -210,14 +210,15 @@ def convert(
     entries = checkpoint_metadata(checkpoint.tree, selection)
     if kind == "safetensors":
         metadata.update(encode_entries(entries, "checkpoint."))
-    metadata.update(
-        {
-            "ckptconv.version": __version__,
-            "ckptconv.source": os.path.basename(checkpoint.path),
-            "ckptconv.selected": selection.where,
-            "ckptconv.transforms": json.dumps(pipeline.describe() + (list(fit_report.plan) if fit_report else [])),
-        }
-    )
+    if options.provenance:
+        metadata.update(
+            {
+                "ckptconv.version": __version__,
+                "ckptconv.source": os.path.basename(checkpoint.path),
+                "ckptconv.selected": selection.where,
+                "ckptconv.transforms": json.dumps(pipeline.describe() + (list(fit_report.plan) if fit_report else [])),
+            }
+        )
     extra = entries if kind == "pt" and options.keep_meta else None
 
     def check(written: str) -> None:
@@ -230,7 +231,7 @@ def convert(
     give_up = threading.Event()
     digest: concurrent.futures.Future[str] | None = None
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as hasher:
-        if options.source_hash:
+        if options.source_hash and options.provenance:
             digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
         try:

@@ -41,13 +41,13 @@ from __future__ import annotations
 
 import os
 import re
-import zipfile
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Union
 
 from .errors import LoadError
+from .suffixes import CHECKPOINT_SUFFIXES, DCP_DATA_SUFFIX, DCP_METADATA, INDEX_SUFFIX, SAFETENSORS_SUFFIX, TAR_SUFFIX
 
 __all__ = ["Item", "Planned", "discover", "output_name", "plan_outputs", "unread_files"]
 
@@ -59,11 +59,8 @@ DCP = "dcp"
 RUN = "run"
 
 # Longest first, so "x.pth.tar" loses ".pth.tar", not ".tar".
-CHECKPOINT_SUFFIXES = (".pth.tar", ".pt.tar", ".safetensors", ".pickle", ".ckpt", ".pth", ".pkl", ".bin", ".pt")
-_STRIPPED_SUFFIXES = (*CHECKPOINT_SUFFIXES, ".tar")
-_OUTPUT_SUFFIX = {"safetensors": ".safetensors", "pt": ".pt"}
-_INDEX_SUFFIX = ".index.json"
-_DCP_MARKER = ".metadata"
+_STRIPPED_SUFFIXES = (*CHECKPOINT_SUFFIXES, TAR_SUFFIX)
+_OUTPUT_SUFFIX = {"safetensors": SAFETENSORS_SUFFIX, "pt": ".pt"}
 
 
 @dataclass(frozen=True)
@@ -147,14 +144,6 @@ def _stat(path: str) -> tuple[int, int]:
     return info.st_size, info.st_mtime_ns
 
 
-def _head(path: str, count: int = 512) -> bytes:
-    try:
-        with open(path, "rb") as file:
-            return file.read(count)
-    except OSError:
-        return b""
-
-
 def _run_members(folder: str) -> tuple[list[str], bool] | None:
     """The files of the training-run checkpoint ``folder`` holds (relative, ``/``-separated), and
     whether the folders inside it belong to it; None if it holds none."""
@@ -176,7 +165,7 @@ def _run_members(folder: str) -> tuple[list[str], bool] | None:
 def unread_files(item: Item) -> list[str]:
     """The checkpoint files inside a ``run`` item's folder that converting it does not read
     (older tags, optimizer files beside per-rank model files), for a scanner to look at."""
-    from .formats import deepspeed, rank_shards
+    from .formats import deepspeed, is_checkpoint_file, rank_shards
 
     read = set(deepspeed.checkpoint_files(item.path) or rank_shards.find_files(item.path) or [])
     extra = []
@@ -184,28 +173,9 @@ def unread_files(item: Item) -> list[str]:
         subfolders.sort()
         for name in sorted(filenames):
             path = os.path.join(folder, name)
-            if path not in read and _is_checkpoint(path, name):
+            if path not in read and is_checkpoint_file(path):
                 extra.append(path)
     return extra
-
-
-def _is_checkpoint(path: str, name: str) -> bool:
-    """True for files named like checkpoints, and for files whose content is one."""
-    from .formats import safetensors, torch_legacy, torch_zip
-
-    if name.lower().endswith(CHECKPOINT_SUFFIXES):
-        return True
-    head = _head(path)
-    size, _ = _stat(path)
-    if safetensors.looks_safetensors(head, size) or torch_legacy.looks_legacy(head):
-        return True
-    if torch_zip.is_zip(head):
-        try:
-            with zipfile.ZipFile(path) as archive:
-                return any(member.endswith("/data.pkl") or member == "data.pkl" for member in archive.namelist())
-        except (OSError, zipfile.BadZipFile, ValueError):
-            return False
-    return False
 
 
 def _index_shards(path: str) -> list[str] | None:
@@ -232,10 +202,7 @@ def _join(folder: str, name: str) -> str:
 def _group(root: str, folder: str, rel_folder: str, name: str, kind: str, members: Sequence[str]) -> Item:
     sizes = [_stat(os.path.join(folder, member)) for member in members]
     path = os.path.join(folder, name) if kind == SHARDED else folder
-    if kind in (DCP, RUN):
-        rel = rel_folder or os.path.basename(root)
-    else:
-        rel = _join(rel_folder, name)
+    rel = (rel_folder or os.path.basename(root)) if kind in (DCP, RUN) else _join(rel_folder, name)
     return Item(
         name=rel,
         path=path,
@@ -270,6 +237,8 @@ def discover(
         >>> [item.name for item in discover("zoo")]  # doctest: +SKIP
         ['a/model.pth', 'hf/model.safetensors.index.json', 'run1/dcp']
     """
+    from .formats import is_checkpoint_file
+
     root = os.path.abspath(os.fspath(source_dir))
     if not os.path.exists(root):
         raise LoadError(f"{os.fspath(source_dir)!r} does not exist; check the path", path=root)
@@ -296,13 +265,13 @@ def discover(
                 subfolders[:] = []
             found.append(_group(root, folder, rel_folder, "", RUN, members))
             taken.update(members)
-        elif _DCP_MARKER in names and any(name.endswith(".distcp") for name in names):
+        elif DCP_METADATA in names and any(name.endswith(DCP_DATA_SUFFIX) for name in names):
             # torch.distributed.checkpoint writes one folder per checkpoint.
-            members = [_DCP_MARKER] + [name for name in names if name != _DCP_MARKER]
+            members = [DCP_METADATA] + [name for name in names if name != DCP_METADATA]
             found.append(_group(root, folder, rel_folder, "", DCP, members))
             taken.update(names)
         for name in names:
-            if name in taken or not name.endswith(_INDEX_SUFFIX) or name.startswith("."):
+            if name in taken or not name.endswith(INDEX_SUFFIX) or name.startswith("."):
                 continue
             shards = _index_shards(os.path.join(folder, name))
             if shards is None:
@@ -314,7 +283,7 @@ def discover(
             if name in taken or name.startswith("."):
                 continue
             path = os.path.join(folder, name)
-            if _is_checkpoint(path, name):
+            if is_checkpoint_file(path):
                 size, mtime = _stat(path)
                 found.append(Item(_join(rel_folder, name), path, FILE, size, mtime))
         for item in found:
@@ -332,8 +301,8 @@ def output_name(item: Item, format: str, *, full: bool = False) -> str:
         full: keep the item's whole name and add the suffix (the collision rule).
     """
     base = item.name
-    if item.kind == SHARDED and base.endswith(_INDEX_SUFFIX):
-        base = base[: -len(_INDEX_SUFFIX)]
+    if item.kind == SHARDED and base.endswith(INDEX_SUFFIX):
+        base = base[: -len(INDEX_SUFFIX)]
     if not full:
         lowered = base.lower()
         for suffix in _STRIPPED_SUFFIXES:

@@ -152,23 +152,14 @@ def open(path: PathLike, *, trust: bool = False) -> Checkpoint:
         foreign_globals=dict(sorted(result.foreign_globals.items())),
         saved_devices=result.saved_devices,
         metadata=result.metadata,
-        size=_size(path, kind),
+        size=_size(path),
         trusted=trust,
     )
 
 
-def _size(path: str, kind: str) -> int:
+def _size(path: str) -> int:
     """Bytes on disk: the file, or every file of a sharded or DCP checkpoint."""
-    if kind in ("dcp", "deepspeed", "rank-shards", "megatron-torch-dist"):
-        return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
-    if kind == "sharded":
-        folder = os.path.dirname(os.path.abspath(path))
-        return sum(
-            entry.stat().st_size
-            for entry in os.scandir(folder)
-            if entry.is_file() and entry.name.endswith((".safetensors", ".bin", ".pt", ".json"))
-        )
-    return os.stat(path).st_size
+    return sum(os.stat(file).st_size for file in formats.checkpoint_files(path))
 
 
 def load(

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from .selection import Selection, as_tensor
+from .selection import Selection, as_tensor, is_training_state
 from .standins import ForeignGlobal, ForeignObject, NumpyArray
 
 __all__ = ["checkpoint_metadata", "file_sha256"]
@@ -25,29 +25,6 @@ __all__ = ["checkpoint_metadata", "file_sha256"]
 # Entries whose JSON is larger than this are left out (a pickled dataset, say).
 MAX_ENTRY_BYTES = 64 * 1024
 _MAX_DEPTH = 12
-_SKIPPED = frozenset(
-    {
-        "optimizer",
-        "optimizers",
-        "optimizer_states",
-        "optimizer_state_dict",
-        "scheduler",
-        "schedulers",
-        "lr_scheduler",
-        "lr_schedulers",
-        "scaler",
-        "grad_scaler",
-        "rng",
-        "rng_state",
-        "rng_states",
-        "numpy_rng",
-        "torch_rng",
-        "cuda_rng",
-        "random_state",
-        "loops",
-        "callbacks",
-    }
-)
 
 
 class _NotData(Exception):
@@ -99,7 +76,9 @@ def checkpoint_metadata(tree: Any, selection: Selection) -> dict[str, Any]:
     weights_key = selection.path[0] if selection.path else None
     result: dict[str, Any] = {}
     for key, value in items:
-        if not isinstance(key, str) or key == weights_key or key.lower() in _SKIPPED:
+        # Lightning's callback states are bookkeeping, not data worth keeping beside the weights
+        # (the weights search still looks inside them: an EMA callback may hold a copy).
+        if not isinstance(key, str) or key == weights_key or is_training_state(key) or key.lower() == "callbacks":
             continue
         try:
             plain = _plain(value)
@@ -131,20 +110,21 @@ def file_sha256(path: str, chunk_bytes: int = 8 << 20, stop: threading.Event | N
 
 def source_sha256(path: str, stop: threading.Event | None = None) -> str:
     """The sha256 identifying a checkpoint: of the file, or for a sharded or DCP
-    checkpoint, of its files' names and sha256s (sorted), so every shard counts."""
-    if os.path.isfile(path) and not path.endswith(".index.json"):
-        return file_sha256(path, stop=stop)
+    checkpoint, of its files' names (relative to its folder) and sha256s, sorted,
+    so every shard counts (:func:`ckptconv.formats.checkpoint_files` says which)."""
+    from .formats import checkpoint_files
+
+    files = checkpoint_files(path)
+    if len(files) == 1 and os.path.isfile(path):
+        return file_sha256(files[0], stop=stop)
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    named = sorted((os.path.relpath(file, folder).replace(os.sep, "/"), file) for file in files)
     digest = hashlib.sha256()
-    for name in sorted(os.listdir(folder)):
-        member = os.path.join(folder, name)
-        if os.path.isfile(member) and (
-            name == ".metadata" or name.endswith((".distcp", ".index.json", ".safetensors", ".bin", ".pt"))
-        ):
-            value = file_sha256(member, stop=stop)
-            if not value:
-                return ""
-            digest.update(f"{name}\0{value}\n".encode())
+    for name, file in named:
+        value = file_sha256(file, stop=stop)
+        if not value:
+            return ""
+        digest.update(f"{name}\0{value}\n".encode())
     return digest.hexdigest()
 
 

@@ -90,6 +90,11 @@ class ConversionOptions:
         source_hash: record the source's sha256 in the output's provenance; it is
             computed on a second core while the tensors are copied, but a large
             training checkpoint may take longer to hash than to convert.
+        provenance: record where the output came from (ckptconv's version, the
+            source's name and sha256, the selection, the transforms) in its metadata.
+            Without it, safetensors outputs of the same weights are byte-identical
+            whatever the source was called (``.pt`` files still carry torch's random
+            serialization id).
         fsync: make the output durable before it appears (see :func:`ckptconv.save`).
         checksums: :func:`ckptconv.batch` only: record the sha256 of every input
             and output in the manifest (one more read of each).
@@ -162,6 +167,15 @@ class ConversionOptions:
         ),
         fingerprint=True,
     )
+    provenance: bool = _option(
+        True,
+        Flag(
+            "--no-provenance",
+            "Do not record where the output came from (ckptconv version, source name and sha256, transforms); "
+            "safetensors outputs of the same weights are then identical whatever the source was called.",
+        ),
+        fingerprint=True,
+    )
     fsync: bool = _option(
         True,
         Flag(
@@ -191,16 +205,25 @@ class ConversionOptions:
         return dataclasses.replace(self, **changes) if changes else self
 
     def fingerprint(self) -> dict[str, Any]:
-        """The fields that decide the output's bytes, as plain data (what ``batch --resume`` compares)."""
+        """The fields that decide the output's bytes, as plain data (what ``batch --resume`` compares).
+
+        A field added later is left out while it has its default value (it then
+        changes nothing), so the records of earlier batches still match.
+        """
         described: dict[str, Any] = {}
         for option in dataclasses.fields(self):
             name = option.metadata["fingerprint"]
-            if name:
-                value = getattr(self, option.name)
-                described[option.name if name is True else name] = (
-                    value.describe() if isinstance(value, Pipeline) else value
-                )
+            value = getattr(self, option.name)
+            if not name or (option.name not in _FIRST_FINGERPRINT and value == option.default):
+                continue
+            described[option.name if name is True else name] = (
+                value.describe() if isinstance(value, Pipeline) else value
+            )
         return described
+
+
+# The fields the first manifests fingerprinted, always recorded (frozen: a new field never joins).
+_FIRST_FINGERPRINT = frozenset({"select", "trust", "transforms", "to", "keep_meta", "source_hash"})
 
 
 def flags() -> list[tuple[str, Flag]]:

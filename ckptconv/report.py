@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BatchReport", "ItemResult", "OutputFile"]
+__all__ = ["BatchReport", "ItemResult", "OutputFile", "human_bytes"]
 
 CONVERTED = "converted"
 FAILED = "failed"
@@ -21,8 +21,12 @@ CANCELLED = "cancelled"
 PLANNED = "planned"
 STATUSES = (CONVERTED, FAILED, SKIPPED, CANCELLED, PLANNED)
 
-EXIT_OK = 0
-EXIT_NEGATIVE = 3
+# The exit codes of every command (the CLI's --help and the README list them).
+EXIT_OK = 0  # success
+EXIT_FAILED = 1  # the operation failed: bad input, unsafe file, cannot write
+EXIT_USAGE = 2  # usage error
+EXIT_NEGATIVE = 3  # finished with a negative result: differences, no fit, failed batch items
+EXIT_UNSAFE = 4  # scan found an unsafe file
 
 
 @dataclass(frozen=True)
@@ -206,11 +210,12 @@ class BatchReport:
         text = ", ".join(parts) + f" of {_plural(len(self.results), 'item')}"
         if not self.dry_run and self.converted:
             rate = self.bytes_read / self.duration_s if self.duration_s > 0 else 0.0
-            text += f" ({_human(self.bytes_read)} in {self.duration_s:.1f} s, {_human(rate)}/s)"
+            text += f" ({human_bytes(self.bytes_read)} in {self.duration_s:.1f} s, {human_bytes(rate)}/s)"
         return text
 
 
-def _human(count: float) -> str:
+def human_bytes(count: float) -> str:
+    """``"512 B"``, ``"1.9 KiB"``, ``"3.2 GiB"``: a byte count for people."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if count < 1024:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"

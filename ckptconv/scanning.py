@@ -178,7 +178,7 @@ def scan(path: PathLike) -> ScanReport:
             checkpoint = open_checkpoint(path)
         except UnsafeCheckpointError as error:
             # Refusals that are not a name (parser differentials) arrive as errors.
-            found = _dedupe(findings)
+            found = _dedupe([*findings, *_scan_embedded(path)])
             reason = _unsafe_reason(found, path) + "; " + str(error) if found else str(error)
             return ScanReport(path, UNSAFE, reason, unsafe=found)
         except UnsupportedFormatError as error:

@@ -36,7 +36,15 @@ from .errors import SelectionError
 from .standins import ForeignObject, NumpyArray
 from .tensor import TensorRef
 
-__all__ = ["BARE_TENSOR_KEY", "Selection", "as_state_dict", "module_state_dict", "select_weights"]
+__all__ = [
+    "BARE_TENSOR_KEY",
+    "TRAINING_STATE_NAMES",
+    "Selection",
+    "as_state_dict",
+    "is_training_state",
+    "module_state_dict",
+    "select_weights",
+]
 
 PRIMARY_KEYS = (
     "state_dict",
@@ -52,12 +60,15 @@ PRIMARY_KEYS = (
 # The key a file holding one bare tensor (``torch.save(t, "t.pt")``) is written under.
 BARE_TENSOR_KEY = "tensor"
 _EMA_TOKENS = frozenset({"ema", "shadow", "swa", "averaged", "avg"})
-_SKIPPED_TOKENS = frozenset(
+# Entries of a training checkpoint that hold training state, never the model's weights: the
+# weights search does not look inside them, and they are not kept as metadata (metadata.py).
+TRAINING_STATE_NAMES = frozenset(
     {
         "optimizer",
         "optimizers",
         "optim",
         "optimizer_states",
+        "optimizer_state_dict",
         "scheduler",
         "schedulers",
         "lr_scheduler",
@@ -68,6 +79,9 @@ _SKIPPED_TOKENS = frozenset(
         "rng",
         "rng_state",
         "rng_states",
+        "numpy_rng",
+        "torch_rng",
+        "cuda_rng",
         "random_state",
         "loops",
     }
@@ -231,9 +245,10 @@ def _is_ema_name(name: str) -> bool:
     return bool(_tokens(name) & _EMA_TOKENS)
 
 
-def _is_skipped_name(name: str) -> bool:
+def is_training_state(name: str) -> bool:
+    """True for an entry name that holds training state (``optimizer``, ``lr_scheduler``, ``rng_state``...)."""
     lowered = name.lower()
-    return lowered in _SKIPPED_TOKENS or lowered.startswith(("optimizer", "optim_"))
+    return lowered in TRAINING_STATE_NAMES or lowered.startswith(("optimizer", "optim_"))
 
 
 def _as_candidate(value: Any, path: tuple[PathPart, ...]) -> _Candidate | None:
@@ -279,7 +294,7 @@ def _candidates(root: Any, base: tuple[PathPart, ...]) -> list[_Candidate]:
                 found.append(candidate)
                 continue
             for key, child in _children(value):
-                if isinstance(key, str) and _is_skipped_name(key):
+                if isinstance(key, str) and is_training_state(key):
                     continue
                 next_level.append(((*path, key), child))
         level = next_level

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Protocol
 
 from .dtypes import DType, parse_cast_target
 from .errors import KeyCollisionError, TransformError
@@ -246,31 +246,31 @@ class Rename:
 
 
 @dataclass(frozen=True)
-class Keep:
+class _KeyFilter:
+    """Keys that match a regular expression (``re.search``) are kept (:class:`Keep`) or dropped (:class:`Drop`)."""
+
+    pattern: str
+    _keeps_matches: ClassVar[bool]
+
+    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
+        regex = _compile(self.pattern)
+        keeps = self._keeps_matches
+        return _rekey(state, lambda key: key if bool(regex.search(key)) == keeps else None, self.describe())
+
+    def describe(self) -> str:
+        return f"{'keep' if self._keeps_matches else 'drop'} keys matching {self.pattern!r}"
+
+
+class Keep(_KeyFilter):
     """Keep only keys that match a regular expression (``re.search``)."""
 
-    pattern: str
-
-    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
-        regex = _compile(self.pattern)
-        return _rekey(state, lambda key: key if regex.search(key) else None, self.describe())
-
-    def describe(self) -> str:
-        return f"keep keys matching {self.pattern!r}"
+    _keeps_matches = True
 
 
-@dataclass(frozen=True)
-class Drop:
+class Drop(_KeyFilter):
     """Drop keys that match a regular expression (``re.search``)."""
 
-    pattern: str
-
-    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
-        regex = _compile(self.pattern)
-        return _rekey(state, lambda key: None if regex.search(key) else key, self.describe())
-
-    def describe(self) -> str:
-        return f"drop keys matching {self.pattern!r}"
+    _keeps_matches = False
 
 
 @dataclass(frozen=True)

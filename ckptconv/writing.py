@@ -24,8 +24,9 @@ from typing import Any, BinaryIO, Callable, Union
 
 from .errors import CastOverflowError, DestinationError, OutputExistsError, WriteError
 from .formats import dcp, safetensors, sharded, torch_zip
-from .formats._base import MetadataValue, resolve
+from .formats._base import MetadataValue, metadata_text, split_aliases
 from .formats.torch_zip import PlannedStorage
+from .suffixes import SAFETENSORS_SUFFIX, TAR_SUFFIX, TORCH_SUFFIXES
 from .tensor import FileRegion, TensorRef
 
 __all__ = ["WriteReport", "output_format", "save"]
@@ -33,7 +34,6 @@ __all__ = ["WriteReport", "output_format", "save"]
 PathLike = Union[str, "os.PathLike[str]"]
 Progress = Union[bool, Callable[[int], None]]
 
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".tar", ".pth.tar", ".pt.tar")
 _FORMAT_NAMES = {
     "pt": "pt",
     "torch": "pt",
@@ -71,9 +71,9 @@ class WriteReport:
 def _suffix_format(name: str) -> tuple[str, str] | None:
     """The format a file name's suffix names, and the suffix; None for a name without one."""
     lowered = name.lower()
-    if lowered.endswith(".safetensors"):
-        return "safetensors", name[-len(".safetensors") :]
-    for suffix in sorted(_TORCH_SUFFIXES, key=len, reverse=True):
+    if lowered.endswith(SAFETENSORS_SUFFIX):
+        return "safetensors", name[-len(SAFETENSORS_SUFFIX) :]
+    for suffix in (*TORCH_SUFFIXES, TAR_SUFFIX):  # longest first
         if lowered.endswith(suffix):
             return "pt", name[-len(suffix) :]
     return None
@@ -501,7 +501,7 @@ def _save_file(
                     yield count
 
             written = safetensors.write(entries, file, metadata=metadata, write_tensor=write_tensor)
-            aliases = _aliases(entries)
+            aliases = split_aliases(entries)[1]
         else:
             written = torch_zip.write(
                 entries,
@@ -592,7 +592,7 @@ def _save_folder(
                 aliases.update(report.aliases)
                 weight_map.update({key: name for key, _ in shard if key not in report.aliases})
             if len(shard_files) > 1:
-                index_metadata = {k: resolve(v) for k, v in (metadata or {}).items() if k.startswith("ckptconv.")}
+                index_metadata = {k: metadata_text(v) for k, v in (metadata or {}).items() if k.startswith("ckptconv.")}
                 document = sharded.index_document(weight_map, total, index_metadata)
                 with atomic_output(os.path.join(folder, index_file), overwrite=True, fsync=fsync) as file:
                     file.write(document)
@@ -616,17 +616,6 @@ def _with_key(entries: list[tuple[str, TensorRef]], ref: TensorRef, counts: Iter
     except CastOverflowError as error:
         key = next((k for k, r in entries if r is ref), "?")
         raise CastOverflowError(f"tensor {key!r}: {error}", key=key, count=error.count) from None
-
-
-def _aliases(entries: list[tuple[str, TensorRef]]) -> dict[str, str]:
-    kept: dict[TensorRef, str] = {}
-    aliases = {}
-    for key, ref in entries:
-        if ref in kept:
-            aliases[key] = kept[ref]
-        else:
-            kept[ref] = key
-    return aliases
 
 
 def _entries(state: Mapping[str, Any]) -> list[tuple[str, TensorRef]]:

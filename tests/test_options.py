@@ -155,3 +155,36 @@ def test_every_field_is_documented() -> None:
     doc = ConversionOptions.__doc__ or ""
     for option in dataclasses.fields(ConversionOptions):
         assert f"        {option.name}: " in doc, option.name
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_no_provenance_records_nothing_about_the_source(suffix: str, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    state = tiny_state_dict()
+    for name in ("run-a.pt", "other-name.pt"):
+        torch.save(state, tmp_path / name)
+    outputs = []
+    for name, folder in (("run-a.pt", "a"), ("other-name.pt", "b"), ("run-a.pt", "c")):
+        (tmp_path / folder).mkdir()
+        flag = ["--no-provenance"] if folder != "c" else []
+        code, _, stderr = run("convert", str(tmp_path / name), str(tmp_path / folder / f"model{suffix}"), "-q", *flag)
+        assert code == 0, stderr
+        outputs.append((tmp_path / folder / f"model{suffix}").read_bytes())
+    written = tmp_path / "a" / f"model{suffix}"
+    if suffix == ".safetensors":
+        assert outputs[0] == outputs[1]
+        assert outputs[0] != outputs[2]  # by default the source's name and sha256 are recorded
+        assert_same_state(load_file(written), state, ordered=False)
+        assert b"ckptconv.source" not in outputs[0] and b"ckptconv.source" in outputs[2]
+    else:  # .pt files carry torch's random serialization id: no provenance record, same weights
+        assert_same_state(torch.load(written, weights_only=True), state, ordered=False)
+        assert ckptconv.open(written).metadata == {}
+        assert "ckptconv.source" in ckptconv.open(tmp_path / "c" / "model.pt").metadata
+
+
+def test_a_new_option_at_its_default_leaves_the_resume_fingerprint_alone() -> None:
+    from ckptconv.batching import _fingerprint
+
+    assert _fingerprint(ConversionOptions(to="safetensors", provenance=True)) == "95a9dc7a12bce13c"
+    assert ConversionOptions(to="safetensors", provenance=False).fingerprint()["provenance"] is False

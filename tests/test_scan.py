@@ -435,3 +435,40 @@ def test_python2_spellings_count_as_cpython_renames_them(
     assert unpickler.names == [cpython_name]
     with pytest.raises(UnsafeCheckpointError):
         ckptconv.open(_write(tmp_path, "x.pkl", data))
+
+
+def test_two_zip_records_of_one_name(tmp_path: Any) -> None:
+    import warnings
+    import zipfile
+
+    evil = call("posix", "system", "id", protocol=2)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), zipfile.ZipFile(buffer, "w") as archive:
+        warnings.simplefilter("ignore")  # zipfile warns about the duplicate name, as it should
+        archive.writestr("archive/data.pkl", evil)
+        archive.writestr("archive/data.pkl", pickle.dumps({"a": torch.ones(1).numpy()}, protocol=2))
+        archive.writestr("archive/byteorder", "little")
+        archive.writestr("archive/version", "3\n")
+    path = _write(tmp_path, "dup.pt", buffer.getvalue())
+    # torch.load reads the first record: its find_class is asked for posix.system.
+    asked: list[str] = []
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            asked.append(f"{module}.{name}")
+            return lambda *args: None
+
+    class Module:
+        Unpickler = Recording
+        load = staticmethod(pickle.load)
+        __name__ = "recording"
+
+    torch.load(path, weights_only=False, pickle_module=Module)
+    assert asked == ["posix.system"]
+    # Python's zipfile, and so a reader built on it, sees the benign last record.
+    with zipfile.ZipFile(path) as archive:
+        assert archive.read("archive/data.pkl") != evil
+    with pytest.raises(UnsafeCheckpointError, match=r"two records named 'archive/data\.pkl'"):
+        ckptconv.open(path)
+    report = ckptconv.scan(path)
+    assert report.verdict == "unsafe" and report.unsafe[0].name == "posix.system"

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import os
 import stat
+import zipfile
 from typing import Callable
 
 from ..errors import LoadError, UnsupportedFormatError
+from ..suffixes import CHECKPOINT_SUFFIXES, INDEX_SUFFIXES
 from . import dcp, deepspeed, megatron, rank_shards, raw_pickle, safetensors, sharded, torch_legacy, torch_zip
 from ._base import ReadResult
 
-__all__ = ["READERS", "ReadResult", "detect", "resolve"]
+__all__ = ["READERS", "ReadResult", "checkpoint_files", "detect", "is_checkpoint_file", "resolve"]
 
 READERS: dict[str, Callable[[str], ReadResult]] = {
     torch_zip.FORMAT: torch_zip.read,
@@ -30,14 +32,13 @@ READERS: dict[str, Callable[[str], ReadResult]] = {
     megatron.FORMAT: megatron.read,
 }
 
-_SINGLE_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
 
 def resolve(path: str) -> tuple[str, str]:
     """``(format, path to read)`` for a file or a checkpoint folder.
 
     A folder is a DCP checkpoint (it has ``.metadata``), a sharded checkpoint
-    (it has one ``*.index.json``), or a folder holding a single checkpoint file.
+    (it has one ``*.index.json``), or a folder holding a single checkpoint file
+    (one :func:`is_checkpoint_file` accepts, as ``ckptconv batch`` finds them).
 
     Raises:
         LoadError: see :func:`detect`; or the folder holds no checkpoint, or several.
@@ -58,7 +59,9 @@ def resolve(path: str) -> tuple[str, str]:
         candidates = sorted(
             name
             for name in os.listdir(path)
-            if name.endswith(_SINGLE_FILE_SUFFIXES) and os.path.isfile(os.path.join(path, name))
+            if not name.startswith(".")
+            and os.path.isfile(os.path.join(path, name))
+            and is_checkpoint_file(os.path.join(path, name))
         )
         if len(candidates) == 1:
             single = os.path.join(path, candidates[0])
@@ -71,6 +74,49 @@ def resolve(path: str) -> tuple[str, str]:
         )
     kind = detect(path)
     return kind, path
+
+
+def is_checkpoint_file(path: str) -> bool:
+    """True for a file named like a checkpoint (whatever it holds, so a broken one is reported),
+    and for any file whose content is a torch zip checkpoint, a legacy torch file or safetensors.
+    (Plain pickles count by name only: too many other things are pickles.)"""
+    if os.path.basename(path).lower().endswith(CHECKPOINT_SUFFIXES):
+        return True
+    try:
+        with open(path, "rb") as file:
+            head = file.read(_HEAD_BYTES)
+        size = os.stat(path).st_size
+    except OSError:
+        return False
+    if safetensors.looks_safetensors(head, size) or torch_legacy.looks_legacy(head):
+        return True
+    if torch_zip.is_zip(head):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                return any(member.endswith("/data.pkl") or member == "data.pkl" for member in archive.namelist())
+        except (OSError, zipfile.BadZipFile, ValueError):
+            return False
+    return False
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The files a checkpoint is made of: the file itself, a sharded checkpoint's index and every
+    shard it names, a DCP folder's ``.metadata`` and data files, a DeepSpeed tag folder's model and
+    optimizer states, or the per-rank model files.
+
+    Raises:
+        LoadError: see :func:`resolve`; a sharded index is damaged or names a missing shard.
+    """
+    kind, path = resolve(path)
+    if kind in (dcp.FORMAT, megatron.FORMAT):
+        return dcp.checkpoint_files(path)
+    if kind == sharded.FORMAT:
+        return sharded.checkpoint_files(path)
+    if kind == deepspeed.FORMAT:
+        return deepspeed.checkpoint_files(path) or []
+    if kind == rank_shards.FORMAT:
+        return rank_shards.find_files(path) or []
+    return [path]
 
 
 _HEAD_BYTES = 512
@@ -109,7 +155,7 @@ def detect(path: str) -> str:
         raise LoadError(f"{path!r} cannot be read: {error.strerror or error}", path=path) from None
     if stat.S_ISDIR(info.st_mode):
         raise UnsupportedFormatError(f"{path!r} is a folder; give the checkpoint file inside it", path=path)
-    if path.endswith(sharded.INDEX_SUFFIXES):
+    if path.endswith(INDEX_SUFFIXES):
         return sharded.FORMAT
     if not stat.S_ISREG(info.st_mode):
         raise UnsupportedFormatError(f"{path!r} is not a regular file", path=path)

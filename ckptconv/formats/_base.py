@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from ..errors import MalformedCheckpointError
 from ..standins import short_repr
 
-__all__ = ["Deferred", "MetadataValue", "ReadResult", "resolve"]
+if TYPE_CHECKING:
+    from ..tensor import TensorRef
+
+__all__ = ["Deferred", "MetadataValue", "ReadResult", "metadata_text", "split_aliases"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class ReadResult:
 class Deferred:
     """A metadata value known only once the tensors are written (the source's sha256, say).
 
-    Writers reserve ``length`` characters for it and call ``resolve()`` at the end.
+    Writers reserve ``length`` characters for it and call :func:`metadata_text` at the end.
     """
 
     length: int
@@ -50,7 +54,7 @@ class Deferred:
 MetadataValue = Union[str, Deferred]
 
 
-def resolve(value: MetadataValue) -> str:
+def metadata_text(value: MetadataValue) -> str:
     """The final text of a metadata value."""
     if isinstance(value, Deferred):
         text = value.resolve()
@@ -70,3 +74,21 @@ def pickle_location(value: Any, source: str) -> str:
             path=source,
         )
     return value
+
+
+def split_aliases(entries: Sequence[tuple[str, TensorRef]]) -> tuple[list[tuple[str, TensorRef]], dict[str, str]]:
+    """Tied tensors, stored once: ``(entries to store, {alias: stored key})``.
+
+    Keys that hold the same tensor (the same view of the same storage, as tied
+    embeddings do) are stored under the first key; the others become aliases of it.
+    """
+    stored: dict[TensorRef, str] = {}
+    unique: list[tuple[str, TensorRef]] = []
+    aliases: dict[str, str] = {}
+    for key, ref in entries:
+        if ref in stored:
+            aliases[key] = stored[ref]
+        else:
+            stored[ref] = key
+            unique.append((key, ref))
+    return unique, aliases

@@ -34,15 +34,16 @@ from typing import Any, Callable
 
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..standins import ForeignObject
+from ..suffixes import DCP_DATA_SUFFIX, DCP_METADATA
 from ..tensor import ReadInto, Storage, TensorRef, contiguous_strides
 from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
 from . import torch_zip
 from ._base import ReadResult
 
-__all__ = ["METADATA_FILE", "is_dcp_folder", "read", "write"]
+__all__ = ["METADATA_FILE", "checkpoint_files", "is_dcp_folder", "read", "write"]
 
 FORMAT = "dcp"
-METADATA_FILE = ".metadata"
+METADATA_FILE = DCP_METADATA
 DATA_FILE = "__0_0.distcp"
 MAX_METADATA_BYTES = 512 << 20
 
@@ -52,6 +53,12 @@ _DCP_CLASSES = ("torch.distributed.checkpoint.", "torch.serialization._get_layou
 
 def is_dcp_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, METADATA_FILE))
+
+
+def checkpoint_files(folder: str) -> list[str]:
+    """``.metadata`` and the data files: the files the checkpoint is made of."""
+    data = sorted(name for name in os.listdir(folder) if name.endswith(DCP_DATA_SUFFIX))
+    return [os.path.join(folder, name) for name in (METADATA_FILE, *data)]
 
 
 def _damaged(path: str, detail: str) -> MalformedCheckpointError:

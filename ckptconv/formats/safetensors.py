@@ -23,7 +23,7 @@ from typing import Any, BinaryIO, Callable
 from ..dtypes import dtype_by_safetensors_code
 from ..errors import MalformedCheckpointError, WriteError
 from ..tensor import FileRegion, Storage, TensorRef, contiguous_strides
-from ._base import Deferred, MetadataValue, ReadResult, resolve
+from ._base import Deferred, MetadataValue, ReadResult, metadata_text, split_aliases
 
 __all__ = ["ALIASES_KEY", "looks_safetensors", "read", "write"]
 
@@ -189,20 +189,13 @@ def write(
     Raises:
         WriteError: a tensor's dtype has no safetensors equivalent.
     """
-    kept: dict[TensorRef, str] = {}
-    aliases: dict[str, str] = {}
-    unique: list[tuple[str, TensorRef]] = []
     for key, ref in entries:
         if ref.out_dtype.safetensors is None:
             raise WriteError(
                 f"tensor {key!r} is {ref.out_dtype.name}, which safetensors cannot store; "
                 "write a .pt file instead (--to pt)"
             )
-        if ref in kept:
-            aliases[key] = kept[ref]
-            continue
-        kept[ref] = key
-        unique.append((key, ref))
+    unique, aliases = split_aliases(entries)
     # Largest element types first keeps every tensor aligned to its itemsize,
     # as the safetensors library does.
     unique.sort(key=lambda item: (-item[1].out_dtype.itemsize, item[0]))
@@ -237,6 +230,6 @@ def write(
         needle = (json.dumps(key, ensure_ascii=False) + ":" + json.dumps(value.placeholder)).encode("utf-8")
         position = encoded.index(needle) + len(needle) - value.length - 1
         file.seek(8 + position)
-        file.write(resolve(value).encode("ascii"))
+        file.write(metadata_text(value).encode("ascii"))
     file.seek(end)
     return offset

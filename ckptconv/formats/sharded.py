@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import MalformedCheckpointError
+from ..suffixes import INDEX_SUFFIXES
 from ..tensor import TensorRef
 from ._base import ReadResult
 
-__all__ = ["INDEX_SUFFIXES", "ShardPlan", "plan_shards", "read", "shard_names"]
+__all__ = ["ShardPlan", "checkpoint_files", "plan_shards", "read", "shard_names"]
 
 FORMAT = "sharded"
-INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json", ".pt.index.json", ".pth.index.json")
 MAX_INDEX_BYTES = 100_000_000
 
 
@@ -77,6 +77,12 @@ def read_index(index_path: str) -> tuple[dict[str, Any], dict[str, Any]]:
         raise _damaged(index_path, "it has no weight_map of names to shard files")
     metadata = index.get("metadata")
     return weight_map, metadata if isinstance(metadata, dict) else {}
+
+
+def checkpoint_files(index_path: str) -> list[str]:
+    """The index and every shard it names: the files the checkpoint is made of."""
+    weight_map, _ = read_index(index_path)
+    return [index_path, *(shard_path(index_path, name) for name in sorted(set(weight_map.values()), key=str))]
 
 
 def read(index_path: str, *, max_items: int | None = None) -> ReadResult:

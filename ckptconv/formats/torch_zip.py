@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
 
 from ..dtypes import DType
-from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from ..errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from ..standins import StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
 from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
-from ._base import MetadataValue, ReadResult, pickle_location, resolve
+from ._base import MetadataValue, ReadResult, metadata_text, pickle_location
 
 __all__ = ["read", "write"]
 
@@ -200,7 +200,17 @@ def read(path: str, *, max_items: int | None = None, region: tuple[int, int] | N
 
 def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max_items: int | None) -> ReadResult:
     size = file.seek(0, io.SEEK_END)
-    infos = {info.filename: info for info in archive.infolist()}
+    infos: dict[str, zipfile.ZipInfo] = {}
+    for info in archive.infolist():
+        if info.filename in infos:
+            # torch's reader takes the first record of a name, Python's zipfile the last: a
+            # benign copy can hide the pickle torch.load would run.
+            raise UnsafeCheckpointError(
+                f"{path!r} holds two records named {short_repr(info.filename)}; torch reads the first and "
+                "other zip readers the last, so refusing a file that can be read two ways (nothing was executed)",
+                path=path,
+            )
+        infos[info.filename] = info
     root = find_root(infos, path)
     pickle_info = infos[f"{root}data.pkl"]
     if pickle_info.file_size > MAX_PICKLE_BYTES:
@@ -669,7 +679,7 @@ def write(
         )
     writer.write_bytes(f"{ROOT}/version", b"3\n")
     if metadata:
-        resolved = {key: resolve(value) for key, value in metadata.items()}
+        resolved = {key: metadata_text(value) for key, value in metadata.items()}
         writer.write_bytes(f"{ROOT}/{METADATA_RECORD}", json.dumps(resolved, ensure_ascii=False).encode("utf-8"))
     writer.write_bytes(f"{ROOT}/.data/serialization_id", os.urandom(20).hex().encode())
     writer.close()
