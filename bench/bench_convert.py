@@ -8,6 +8,10 @@ file, and each child's peak RSS (from wait4's rusage).
 
     python bench/bench_convert.py                    # 1 and 4 GiB, 5 rounds
     python bench/bench_convert.py --sizes 1 --runs 3 --quick
+    python bench/bench_convert.py --sizes 1 --quick --baseline /path/to/other/checkout
+
+``--baseline`` adds each ckptconv row once more, run from another source tree
+(``PYTHONPATH``), alternating with this tree's: before/after ratios from one run.
 
 Cold-cache rows drop the input from the page cache first
 (posix_fadvise(POSIX_FADV_DONTNEED)), where the OS allows it.
@@ -142,8 +146,10 @@ class Case:
     source: Path
     output: Path | None
     cold: bool = False
+    env: dict[str, str] | None = None
     walls: list[float] = field(default_factory=list)
     rss: list[int] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
 
 
 def drop_from_cache(path: Path) -> bool:
@@ -175,14 +181,30 @@ def run_once(case: Case) -> None:
     # GNU time measures the peak RSS: a child of this Python process would
     # inherit its high-water mark across fork and exec.
     rss_file = case.source.parent / "rss.txt"
-    argv = ["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *case.argv] if TIME else case.argv
+    argv = ["/usr/bin/time", "-f", "%M %U %S", "-o", str(rss_file), *case.argv] if TIME else case.argv
     start = time.perf_counter()
-    process = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.run(argv, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=case.env)
     wall = time.perf_counter() - start
     if process.returncode != 0:
         raise SystemExit(f"{case.name} failed ({process.returncode}): {process.stderr.decode()[-2000:]}")
     case.walls.append(wall)
-    case.rss.append(int(rss_file.read_text().split()[-1]) * 1024 if TIME else 0)
+    if TIME:
+        rss, user, system = rss_file.read_text().split()[-3:]
+        case.rss.append(int(rss) * 1024)
+        case.cpu.append(float(user) + float(system))
+
+
+def with_baseline(cases: list[Case], baseline: Path) -> list[Case]:
+    """Each ckptconv case twice, the second from the ``baseline`` source tree, side by side."""
+    env = {**os.environ, "PYTHONPATH": str(baseline)}
+    result = []
+    for case in cases:
+        result.append(case)
+        if case.name.startswith("ckptconv") and not case.cold:
+            output = case.output.with_name("baseline_" + case.output.name) if case.output else None
+            argv = [str(output) if case.output and arg == str(case.output) else arg for arg in case.argv]
+            result.append(Case(case.name + " [baseline]", argv, case.source, output, env=env))
+    return result
 
 
 def cases_for(paths: dict[str, Path], out: Path, quick: bool) -> list[Case]:
@@ -307,13 +329,14 @@ def report(size: float, cases: list[Case], source_bytes: int) -> list[dict[str, 
     print(
         f"\n### {size:g} GiB checkpoint ({source_bytes / 2**30:.2f} GiB on disk), median of {len(cases[0].walls)} runs\n"
     )
-    print("| approach | wall (s) | x cp | peak RSS (MiB) |")
-    print("|---|---:|---:|---:|")
+    print("| approach | wall (s) | x cp | CPU user+sys (s) | peak RSS (MiB) |")
+    print("|---|---:|---:|---:|---:|")
     for case in cases:
         wall = statistics.median(case.walls)
         base = cp_cold if case.cold and cp_cold else cp
         rss = max(case.rss) / 2**20
-        print(f"| {case.name} | {wall:.2f} | {wall / base:.2f} | {rss:.0f} |")
+        cpu = statistics.median(case.cpu) if case.cpu else float("nan")
+        print(f"| {case.name} | {wall:.2f} | {wall / base:.2f} | {cpu:.2f} | {rss:.0f} |")
         rows.append(
             {
                 "size_gib": size,
@@ -322,6 +345,7 @@ def report(size: float, cases: list[Case], source_bytes: int) -> list[dict[str, 
                 "ratio_to_cp": wall / base,
                 "peak_rss_mib": rss,
                 "walls": case.walls,
+                "cpu_s": case.cpu,
             }
         )
     return rows
@@ -335,6 +359,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="ckptconv rows only, no torch baselines")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints for another run")
+    parser.add_argument("--baseline", type=Path, help="another source tree to run each ckptconv row from too")
     args = parser.parse_args()
 
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -345,6 +370,8 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         cases = cases_for(paths, out, args.quick)
+        if args.baseline:
+            cases = with_baseline(cases, args.baseline)
         for round_number in range(args.runs):
             print(f"{size:g} GiB round {round_number + 1}/{args.runs}", file=sys.stderr)
             for case in cases:

@@ -1,37 +1,47 @@
-"""Benchmark: getting a multi-GB checkpoint onto a GPU, ckptconv against torch.load and safetensors.
+"""Benchmark: a multi-GB checkpoint onto a GPU, ckptconv against the fastest loaders, warm and cold.
 
 Run on a machine with a CUDA GPU, from the repository root:
 
-    PYTHONPATH=. python bench/bench_gpu_load.py --gib 4 --runs 3
+    PYTHONPATH=. python bench/bench_gpu_load.py --gib 8 --runs 3
 
-Each approach runs in a fresh process (so CUDA start-up and page-cache state
-are alike), alternating within each round; the table gives the median wall
-time of the load itself (CUDA already initialised), its ratio to ckptconv's,
-the effective GB/s, and the process's peak host RSS. The physical limit is
-measured in the same run: a host-to-device copy of the same number of bytes
-from pinned memory, and from ordinary (pageable) memory.
+Builds one fp32 checkpoint as safetensors, as ``.pt`` and as a sharded
+safetensors folder (4 shards and an index). Each approach runs in a fresh
+process (CUDA initialised before the clock starts), alternating within each
+round; the table gives the median GB/s of the load itself and the peak host
+RSS. Peers that are not installed are skipped (instanttensor,
+runai-model-streamer, fastsafetensors; their wheels install with pip).
+
+Warm = the files are in the page cache; cold = dropped from it first
+(``posix_fadvise(POSIX_FADV_DONTNEED)``), once per approach. The limits are
+measured in the same run: a host-to-device copy from pinned memory, and the
+disk's own read speed with ``dd iflag=direct``.
+
+Every ckptconv load is checked bit for bit on the GPU against
+``safetensors.torch.load_file`` of the same weights (first round).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 BUILD = textwrap.dedent(
     """
-    import sys, torch
+    import json, os, sys, torch
     from safetensors.torch import save_file
     gib, stem = float(sys.argv[1]), sys.argv[2]
     torch.manual_seed(0)
     d = 4096
-    state, total = {}, 0
-    i = 0
+    state, total, i = {}, 0, 0
     while total < gib * 2**30:
         state[f"layers.{i}.weight"] = torch.randn(d, d)
         state[f"layers.{i}.bias"] = torch.randn(d)
@@ -40,101 +50,248 @@ BUILD = textwrap.dedent(
         i += 1
     torch.save(state, stem + ".pt")
     save_file(state, stem + ".safetensors")
+    os.makedirs(stem + "_sharded", exist_ok=True)
+    names = list(state)
+    per = -(-len(names) // 4)
+    weight_map = {}
+    for s in range(4):
+        part = {k: state[k] for k in names[s * per:(s + 1) * per]}
+        shard = f"model-{s + 1:05d}-of-00004.safetensors"
+        save_file(part, os.path.join(stem + "_sharded", shard))
+        weight_map.update({k: shard for k in part})
+    with open(os.path.join(stem + "_sharded", "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     """
 )
 
-LOADERS = {
-    "ckptconv.load(x.pt, device='cuda:0')": "import ckptconv; state = ckptconv.load(PATH + '.pt', device='cuda:0')",
-    "ckptconv.load(x.safetensors, device='cuda:0')": "import ckptconv; state = ckptconv.load(PATH + '.safetensors', device='cuda:0')",
-    "torch.load(x.pt, map_location='cuda:0')": "state = torch.load(PATH + '.pt', map_location='cuda:0', weights_only=True)",
-    "torch.load(x.pt, map_location='cuda:0', mmap=True)": "state = torch.load(PATH + '.pt', map_location='cuda:0', weights_only=True, mmap=True)",
-    "safetensors.torch.load_file(x.safetensors, device='cuda:0')": "from safetensors.torch import load_file; state = load_file(PATH + '.safetensors', device='cuda:0')",
+# name -> (code that leaves `state` on cuda:0, file suffix it reads, is it ours)
+LOADERS: dict[str, tuple[str, str, bool]] = {
+    "ckptconv.load(x.safetensors, device='cuda:0')": (
+        "import ckptconv; state = ckptconv.load(PATH + '.safetensors', device='cuda:0')",
+        ".safetensors",
+        True,
+    ),
+    "ckptconv.load(x.pt, device='cuda:0')": (
+        "import ckptconv; state = ckptconv.load(PATH + '.pt', device='cuda:0')",
+        ".pt",
+        True,
+    ),
+    "ckptconv.load(sharded folder, device='cuda:0')": (
+        "import ckptconv; state = ckptconv.load(PATH + '_sharded', device='cuda:0')",
+        "_sharded",
+        True,
+    ),
+    "ckptconv.load(x.safetensors), page-cache reads only": (
+        "import ckptconv, ckptconv._transfer as t; t.direct_io = 'buffered'; "
+        "state = ckptconv.load(PATH + '.safetensors', device='cuda:0')",
+        ".safetensors",
+        True,
+    ),
+    "safetensors.torch.load_file(device='cuda:0')": (
+        "from safetensors.torch import load_file; state = load_file(PATH + '.safetensors', device='cuda:0')",
+        ".safetensors",
+        False,
+    ),
+    "instanttensor, buffered back end": (
+        "from instanttensor import safe_open, BackendPolicy\n"
+        "with safe_open(PATH + '.safetensors', 'pt', device='cuda:0', backend=BackendPolicy.BUFFERED) as f:\n"
+        "    state = dict(f.tensors())",
+        ".safetensors",
+        False,
+    ),
+    "instanttensor, default (direct I/O)": (
+        "from instanttensor import safe_open\n"
+        "with safe_open(PATH + '.safetensors', 'pt', device='cuda:0') as f:\n"
+        "    state = dict(f.tensors())",
+        ".safetensors",
+        False,
+    ),
+    "runai-model-streamer": (
+        "from runai_model_streamer import SafetensorsStreamer\n"
+        "with SafetensorsStreamer() as s:\n"
+        "    s.stream_file(PATH + '.safetensors', None, 'cpu')\n"
+        "    state = {k: v.to('cuda:0') for k, v in s.get_tensors()}",
+        ".safetensors",
+        False,
+    ),
+    "fastsafetensors (no GDS)": (
+        "from fastsafetensors import fastsafe_open\n"
+        "with fastsafe_open(PATH + '.safetensors', device='cuda:0', nogds=True) as f:\n"
+        "    state = {k: f.get_tensor(k).clone() for k in f.keys()}",
+        ".safetensors",
+        False,
+    ),
+    "torch.load(x.pt, mmap=True, map_location='cuda:0')": (
+        "state = torch.load(PATH + '.pt', map_location='cuda:0', weights_only=True, mmap=True)",
+        ".pt",
+        False,
+    ),
 }
 
 CHILD = textwrap.dedent(
     """
     import json, resource, sys, time, torch
-    PATH = sys.argv[1]
+    PATH, CHECK = sys.argv[1], sys.argv[2] == "1"
     torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()   # CUDA context outside the timing
     start = time.perf_counter()
     {code}
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     assert all(t.device.type == "cuda" for t in state.values())
-    print(json.dumps({{"wall": wall, "bytes": nbytes,
-                      "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
+    checked = 0
+    if CHECK:
+        from safetensors.torch import load_file
+        ref = load_file(PATH + ".safetensors", device="cuda:0")
+        assert set(ref) == set(state), "keys differ"
+        for key, want in ref.items():
+            got = state[key]
+            assert got.dtype == want.dtype and got.shape == want.shape, key
+            assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), key
+            checked += 1
+    print(json.dumps({{"wall": wall, "bytes": nbytes, "rss": rss, "checked": checked}}))
     """
 )
 
-BANDWIDTH = textwrap.dedent(
+PINNED = textwrap.dedent(
     """
     import json, sys, time, torch
-    n = int(float(sys.argv[1]) * 2**30)
+    n = int(sys.argv[1])
     out = torch.empty(n, dtype=torch.uint8, device="cuda:0")
-    result = {}
-    for kind in ("pinned", "pageable"):
-        host = torch.ones(n, dtype=torch.uint8, pin_memory=(kind == "pinned"))
-        out.copy_(host); torch.cuda.synchronize()
+    host = torch.ones(n, dtype=torch.uint8, pin_memory=True)
+    out.copy_(host); torch.cuda.synchronize()
+    walls = []
+    for _ in range(3):
         start = time.perf_counter(); out.copy_(host, non_blocking=True); torch.cuda.synchronize()
-        result[kind] = n / (time.perf_counter() - start) / 1e9
-        del host
-    print(json.dumps(result))
+        walls.append(time.perf_counter() - start)
+    print(json.dumps({"pinned": n / sorted(walls)[1] / 1e9}))
     """
 )
+
+
+SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
+
+
+def files_of(stem: str, suffix: str) -> list[str]:
+    path = stem + suffix
+    if os.path.isdir(path):
+        return [os.path.join(path, name) for name in sorted(os.listdir(path))]
+    return [path]
+
+
+def drop(paths: list[str]) -> None:
+    os.sync()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm(paths: list[str]) -> None:
+    for path in paths:
+        subprocess.run(["cat", path], stdout=subprocess.DEVNULL, check=True)  # noqa: S607 - cat from PATH, like the bench commands
+
+
+def disk_speed(path: str) -> float:
+    """GB/s of ``dd iflag=direct`` over the whole file (bypasses the page cache)."""
+    start = time.perf_counter()
+    out = subprocess.run(
+        ["dd", f"if={path}", "of=/dev/null", "bs=64M", "iflag=direct"],  # noqa: S607 - dd from PATH
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    wall = time.perf_counter() - start
+    match = re.search(r"(\d+) bytes", out.stderr)
+    return int(match.group(1)) / wall / 1e9 if match else float("nan")
+
+
+def run_child(code: str, stem: str, check: bool) -> dict[str, float] | str:
+    out = subprocess.run(
+        # -P: import ckptconv from PYTHONPATH, not from the current directory (Python 3.11+).
+        [sys.executable, *SAFE_PATH, "-c", CHILD.format(code=code), stem, "1" if check else "0"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode:
+        return (out.stderr.strip().splitlines() or ["failed"])[-1][:200]
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=4)
+    parser.add_argument("--gib", type=float, default=8)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--no-cold", action="store_true")
+    parser.add_argument("--only", nargs="*", help="substrings of the approaches to run")
     args = parser.parse_args()
     stem = str(args.dir / f"gpu_bench_{args.gib:g}gib")
-    subprocess.run([sys.executable, "-c", BUILD, str(args.gib), stem], check=True)
-    for suffix in (".pt", ".safetensors"):
-        subprocess.run(["cat", stem + suffix], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
+    started = time.perf_counter()
+    if not os.path.exists(stem + ".safetensors"):
+        subprocess.run([sys.executable, "-c", BUILD, str(args.gib), stem], check=True)
+    print(f"built in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    loaders = {k: v for k, v in LOADERS.items() if not args.only or any(s in k for s in args.only)}
 
-    walls: dict[str, list[float]] = {name: [] for name in LOADERS}
+    warm_walls: dict[str, list[float]] = {name: [] for name in loaders}
+    cold_walls: dict[str, float] = {}
     rss: dict[str, int] = {}
+    notes: dict[str, str] = {}
     nbytes = 0
     for round_number in range(args.runs):
-        for name, code in LOADERS.items():
-            script = CHILD.format(code=code)
-            out = subprocess.run([sys.executable, "-c", script, stem], capture_output=True, text=True)
-            if out.returncode:
-                print(f"{name} failed: {out.stderr[-800:]}", file=sys.stderr)
+        for name, (code, suffix, ours) in loaders.items():
+            if name in notes:
                 continue
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            walls[name].append(result["wall"])
-            rss[name] = max(rss.get(name, 0), result["rss"])
-            nbytes = result["bytes"]
-        print(f"round {round_number + 1}/{args.runs} done", file=sys.stderr, flush=True)
-    bandwidth = json.loads(
+            warm(files_of(stem, suffix))
+            result = run_child(code, stem, check=ours and round_number == 0)
+            if isinstance(result, str):
+                notes[name] = result
+                print(f"{name} failed: {result}", file=sys.stderr, flush=True)
+                continue
+            warm_walls[name].append(result["wall"])
+            print(f"  warm {name}: {result['bytes'] / result['wall'] / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+            rss[name] = max(rss.get(name, 0), int(result["rss"]))
+            nbytes = int(result["bytes"])
+            if result["checked"]:
+                print(f"  {name}: {result['checked']} tensors bit-exact", file=sys.stderr, flush=True)
+        print(f"warm round {round_number + 1}/{args.runs} done", file=sys.stderr, flush=True)
+    if not args.no_cold:
+        for name, (code, suffix, _) in loaders.items():
+            if name in notes:
+                continue
+            drop(files_of(stem, suffix))
+            result = run_child(code, stem, check=False)
+            if not isinstance(result, str):
+                cold_walls[name] = result["wall"]
+                speed = result["bytes"] / result["wall"] / 1e9
+                print(f"  cold {name}: {speed:.2f} GB/s", file=sys.stderr, flush=True)
+        print("cold runs done", file=sys.stderr, flush=True)
+    drop([stem + ".safetensors"])
+    disk = disk_speed(stem + ".safetensors")
+    pinned = json.loads(
         subprocess.run(
-            [sys.executable, "-c", BANDWIDTH, str(nbytes / 2**30)], capture_output=True, text=True, check=True
-        ).stdout
-    )
+            [sys.executable, "-c", PINNED, str(nbytes)], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    )["pinned"]
 
-    base = statistics.median(walls["ckptconv.load(x.pt, device='cuda:0')"])
-    print(f"\n{nbytes / 2**30:.2f} GiB of tensors, median of {args.runs} runs (page cache warm)\n")
-    print("| approach | wall (s) | x ckptconv | GB/s | peak host RSS (MiB) |")
-    print("|---|---:|---:|---:|---:|")
-    for name, values in walls.items():
-        if not values:
+    print(f"\n{nbytes / 2**30:.2f} GiB of fp32 tensors; warm: median of {args.runs}; cold: one run each\n")
+    print("| loader | warm GB/s | cold GB/s | peak host RSS (MiB) |")
+    print("|---|---:|---:|---:|")
+    print(f"| pinned host-to-device copy (limit) | {pinned:.1f} | | |")
+    print(f"| disk, `dd bs=64M iflag=direct` (limit) | | {disk:.2f} | |")
+    for name in loaders:
+        if name in notes:
+            print(f"| {name} | failed: {notes[name]} | | |")
             continue
-        wall = statistics.median(values)
-        print(f"| {name} | {wall:.2f} | {wall / base:.2f} | {nbytes / wall / 1e9:.2f} | {rss[name] / 2**20:.0f} |")
-    print(
-        f"| host-to-device copy, pinned (physical limit) | {nbytes / bandwidth['pinned'] / 1e9:.2f} | | "
-        f"{bandwidth['pinned']:.2f} | |"
-    )
-    print(
-        f"| host-to-device copy, pageable | {nbytes / bandwidth['pageable'] / 1e9:.2f} | | "
-        f"{bandwidth['pageable']:.2f} | |"
-    )
-    for suffix in (".pt", ".safetensors"):
-        Path(stem + suffix).unlink()
+        w = nbytes / statistics.median(warm_walls[name]) / 1e9
+        cold = f"{nbytes / cold_walls[name] / 1e9:.2f}" if name in cold_walls else ""
+        print(f"| {name} | {w:.2f} | {cold} | {rss[name] / 2**20:.0f} |")
+    print(f"\ntotal {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Why this module exists: ckptconv converts dtypes while streaming tensor bytes
 from disk, and importing torch costs more than a second, so the casts are done
 in numpy on the *storage representation* of each dtype (``float32`` as
 ``np.float32``, ``bfloat16`` as ``np.uint16``, float8 as ``np.uint8``; see
-:func:`storage_dtype`). The output must be the bytes torch itself would write,
+:func:`storage_dtype`); float32 -> bfloat16 rounds through ml_dtypes' cast
+where that package imports (:func:`_ml_bfloat16`). The output must be the bytes torch itself would write,
 so every rule below was measured against torch 2.13 (x86-64, AVX2 kernels;
 torch 2.11's AVX512 kernels behave the same), exhaustively where the input
 space allows it (all 2**32 float32 patterns to float16 and bfloat16, all
@@ -65,6 +66,7 @@ __all__ = [
     "CAST_PAIRS",
     "cast_array",
     "cast_bytes",
+    "cast_counting_overflows",
     "count_overflows",
     "storage_dtype",
 ]
@@ -179,22 +181,46 @@ def _nan_positions(values: np.ndarray, scratch: _Scratch) -> np.ndarray | None:
 # -- to bfloat16 ------------------------------------------------------------------
 
 
-def _f32_to_bf16(src: np.ndarray, out: np.ndarray, scratch: _Scratch, nan_bits: int) -> None:
-    """Round float32 to bfloat16, nearest-even, as ``(u + 0x7FFF + lsb) >> 16``.
+@cache
+def _ml_bfloat16() -> np.dtype[Any] | None:
+    """ml_dtypes' bfloat16, or None where that package does not import.
 
-    The integer form is exact for every finite value and inf, including
-    rounding across a binade and up to inf. NaNs are then overwritten with
-    ``nan_bits`` (torch does not keep NaN payloads here). Sums wrap around for
-    negative NaNs only, which are overwritten anyway.
+    Its float32 -> bfloat16 cast is one vectorised pass, 2-3x faster than the
+    five numpy passes of :func:`_f32_to_bf16`'s fallback, and rounds every
+    non-NaN float32 exactly as torch does (checked against torch for all
+    2**32 patterns with ml_dtypes 0.5.4 and 0.6.0). It encodes NaNs its own way
+    (``0x7FC0`` with the sign), which is overwritten like the fallback's.
     """
-    bits = src.view(np.uint32)
-    tmp = scratch.u32(src.size)
-    np.right_shift(bits, 16, out=tmp)
-    np.bitwise_and(tmp, 1, out=tmp)
-    np.add(tmp, 0x7FFF, out=tmp)
-    np.add(tmp, bits, out=tmp)
-    np.right_shift(tmp, 16, out=tmp)
-    np.copyto(out, tmp, casting="unsafe")
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - ml_dtypes is a dependency; the fallback is tested directly
+        return None
+    dtype: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return dtype
+
+
+def _f32_to_bf16(src: np.ndarray, out: np.ndarray, scratch: _Scratch, nan_bits: int) -> None:
+    """Round float32 to bfloat16, nearest-even; NaNs become ``nan_bits``.
+
+    With ml_dtypes, its cast does the rounding (see :func:`_ml_bfloat16`).
+    Without it, the integer form ``(u + 0x7FFF + lsb) >> 16`` does, which is
+    exact for every finite value and inf, including rounding across a binade
+    and up to inf. NaNs are then overwritten with ``nan_bits`` (torch does not
+    keep NaN payloads here); the integer sums wrap around for negative NaNs
+    only, which are overwritten anyway.
+    """
+    bfloat16 = _ml_bfloat16()
+    if bfloat16 is not None:
+        np.copyto(out.view(bfloat16), src, casting="unsafe")
+    else:
+        bits = src.view(np.uint32)
+        tmp = scratch.u32(src.size)
+        np.right_shift(bits, 16, out=tmp)
+        np.bitwise_and(tmp, 1, out=tmp)
+        np.add(tmp, 0x7FFF, out=tmp)
+        np.add(tmp, bits, out=tmp)
+        np.right_shift(tmp, 16, out=tmp)
+        np.copyto(out, tmp, casting="unsafe")
     nans = _nan_positions(src, scratch)
     if nans is not None:
         out[nans] = nan_bits
@@ -442,11 +468,28 @@ def cast_array(values: np.ndarray, source: str, target: str, *, out: np.ndarray 
     ``out``, if given, receives the result and is returned; reusing one lets
     a streaming caller convert chunk after chunk without allocating.
     """
+    return _cast_blocks(values, source, target, out, count=False)[0]
+
+
+def cast_counting_overflows(
+    values: np.ndarray, source: str, target: str, *, out: np.ndarray | None = None
+) -> tuple[np.ndarray, int]:
+    """:func:`cast_array` and :func:`count_overflows` in one pass over the data.
+
+    Each block is counted while it is still in cache from its cast, which is
+    what the streaming writer needs for every chunk it casts.
+    """
+    return _cast_blocks(values, source, target, out, count=True)
+
+
+def _cast_blocks(
+    values: np.ndarray, source: str, target: str, out: np.ndarray | None, *, count: bool
+) -> tuple[np.ndarray, int]:
     kernel = None if source == target else _kernel(source, target)
     src = _as_storage(values, source).reshape(-1)
     if kernel is None:
         if out is None:
-            return src.reshape(values.shape)
+            return src.reshape(values.shape), 0
         kernel = _k_numpy
     dtype = storage_dtype(target)
     if out is None:
@@ -457,12 +500,16 @@ def cast_array(values: np.ndarray, source: str, target: str, *, out: np.ndarray 
         result = out.reshape(-1)
     n = src.size
     scratch = _Scratch(min(n, BLOCK_ELEMENTS))
+    counter = _OverflowCounter(source, target, min(n, BLOCK_ELEMENTS)) if count and source != target else None
+    overflows = 0
     # Overflow to inf and NaN inputs are expected here, not worth a warning.
     with np.errstate(all="ignore"):
         for start in range(0, n, BLOCK_ELEMENTS):
             stop = min(start + BLOCK_ELEMENTS, n)
             kernel(src[start:stop], result[start:stop], scratch)
-    return result.reshape(values.shape) if out is None else out
+            if counter is not None:
+                overflows += counter.count(src[start:stop])
+    return (result.reshape(values.shape) if out is None else out), overflows
 
 
 @cache
@@ -494,6 +541,44 @@ def _overflow_threshold(source: str, target: str) -> int | None:
     return high
 
 
+class _OverflowCounter:
+    """Counts, block by block, the finite ``source`` values whose cast to ``target`` is ±inf."""
+
+    def __init__(self, source: str, target: str, size: int) -> None:
+        self.threshold = _overflow_threshold(source, target)
+        stored = storage_dtype(source)
+        self.uint = _UINT[stored.itemsize]
+        self.magnitude_mask = self.uint.type((1 << (8 * self.uint.itemsize - 1)) - 1)
+        threshold = self.threshold or 0
+        self.span = self.uint.type(_INF_BITS[source] - threshold)
+        self.low = self.uint.type(threshold)
+        # For numpy float sources, a block whose min and max lie strictly inside
+        # (-threshold, threshold) has no overflow: two read-only reductions
+        # instead of four passes. A NaN makes both comparisons false, so such
+        # blocks (and those holding infs or large values) take the exact count.
+        self.bound = np.array([threshold], self.uint).view(stored)[0] if stored.kind == "f" else None
+        self.size = size
+        self._tmp: np.ndarray | None = None
+        self._hit: np.ndarray | None = None
+
+    def count(self, block: np.ndarray) -> int:
+        """Overflows in ``block`` (at most ``size`` elements in the source's storage dtype)."""
+        if self.threshold is None or block.size == 0:
+            return 0
+        if self.bound is not None and block.max() < self.bound and block.min() > -self.bound:
+            return 0
+        if self._tmp is None or self._hit is None:
+            self._tmp = np.empty(self.size, self.uint)
+            self._hit = np.empty(self.size, np.bool_)
+        t = self._tmp[: block.size]
+        h = self._hit[: block.size]
+        np.bitwise_and(block.view(self.uint), self.magnitude_mask, out=t)
+        # threshold <= |x| < inf, as one unsigned compare after shifting by threshold.
+        np.subtract(t, self.low, out=t)
+        np.less(t, self.span, out=h)
+        return int(np.count_nonzero(h))
+
+
 def count_overflows(values: np.ndarray, source: str, target: str) -> int:
     """How many finite source values become ±inf in target (e.g. fp32 70000.0 -> fp16 inf).
 
@@ -504,27 +589,13 @@ def count_overflows(values: np.ndarray, source: str, target: str) -> int:
     if source == target:
         return 0
     _kernel(source, target)
-    threshold = _overflow_threshold(source, target)
-    if threshold is None:
-        return 0
-    uint = _UINT[storage_dtype(source).itemsize]
-    bits = _as_storage(values, source).reshape(-1).view(uint)
-    magnitude_mask = uint.type((1 << (8 * uint.itemsize - 1)) - 1)
-    span = uint.type(_INF_BITS[source] - threshold)
-    low = uint.type(threshold)
-    n = bits.size
-    tmp = np.empty(min(n, BLOCK_ELEMENTS), uint)
-    hit = np.empty(min(n, BLOCK_ELEMENTS), np.bool_)
+    stored = _as_storage(values, source).reshape(-1)
+    n = stored.size
+    counter = _OverflowCounter(source, target, min(n, BLOCK_ELEMENTS))
     total = 0
-    for start in range(0, n, BLOCK_ELEMENTS):
-        stop = min(start + BLOCK_ELEMENTS, n)
-        t = tmp[: stop - start]
-        h = hit[: stop - start]
-        np.bitwise_and(bits[start:stop], magnitude_mask, out=t)
-        # threshold <= |x| < inf, as one unsigned compare after shifting by threshold.
-        np.subtract(t, low, out=t)
-        np.less(t, span, out=h)
-        total += int(np.count_nonzero(h))
+    with np.errstate(all="ignore"):
+        for start in range(0, n, BLOCK_ELEMENTS):
+            total += counter.count(stored[start : start + BLOCK_ELEMENTS])
     return total
 
 

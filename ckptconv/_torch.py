@@ -7,12 +7,10 @@ a caller asks for real tensors.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import itertools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Union
 
+from ._transfer import Span, read_spans
 from .dtypes import DType, dtype_by_name
 from .errors import CkptconvError
 from .tensor import InMemory, Storage, TensorRef
@@ -38,21 +36,16 @@ def torch_dtype(dtype: DType) -> torch.dtype:
 
 DeviceSpec = Union[None, str, "torch.device", Mapping[str, Union[str, "torch.device"]]]
 
-# Host memory used to stage bytes on their way to a GPU: a few pinned buffers,
-# filled from the file by reader threads (reading from the page cache is a
-# memory copy, faster on several cores) while earlier ones are copied to the GPU.
-STAGING_BYTES = 32 << 20
-STAGING_BUFFERS = 4
-
 
 def to_torch(refs: Mapping[str, TensorRef], *, device: DeviceSpec = None) -> dict[str, torch.Tensor]:
     """Read lazy tensors into torch tensors, keeping shared storages shared.
 
     Each storage is read once, and only the span its tensors use: a small
-    view of a huge tensor does not drag the rest of it into memory. On a GPU
-    the bytes go straight from the file to device memory through two pinned
-    staging buffers, so host memory stays at those buffers however big the
-    checkpoint.
+    view of a huge tensor does not drag the rest of it into memory. Parallel
+    reader threads fill the tensors (see :mod:`ckptconv._transfer`); on a GPU
+    the bytes go from the file to device memory through each reader's two
+    pinned staging buffers, so host memory stays at those buffers however big
+    the checkpoint.
 
     Args:
         refs: names to lazy tensors.
@@ -74,20 +67,15 @@ def to_torch(refs: Mapping[str, TensorRef], *, device: DeviceSpec = None) -> dic
             spans[ref.storage] = (
                 (start, stop, where) if known is None else (min(known[0], start), max(known[1], stop), where)
             )
-    uploader: _Uploader | None = None
     buffers: dict[Storage, tuple[torch.Tensor, int]] = {}
+    work: list[Span] = []
     for storage, (start, stop, where) in spans.items():
-        start -= start % _SPAN_ALIGNMENT
-        if where.type == "cpu":
-            buffer = torch.empty(stop - start, dtype=torch.uint8)
-            if stop > start:
-                storage.read_into(start, buffer.numpy().data)
-        else:
-            uploader = uploader or _Uploader()
-            buffer = uploader.upload(storage, start, stop, where)
-        buffers[storage] = (buffer, start)
-    if uploader is not None:
-        uploader.finish()
+        first = start - start % _SPAN_ALIGNMENT
+        buffer = torch.empty(stop - first, dtype=torch.uint8, device=where)
+        work.append(Span(storage, first, stop, buffer))
+        buffers[storage] = (buffer, first)
+    # Parallel readers; to a GPU through pinned buffers and one CUDA stream per reader.
+    read_spans(work)
 
     result: dict[str, torch.Tensor] = {}
     for key, ref in refs.items():
@@ -103,67 +91,6 @@ def to_torch(refs: Mapping[str, TensorRef], *, device: DeviceSpec = None) -> dic
             tensor = tensor.to(target)
         result[key] = tensor
     return result
-
-
-class _Uploader:
-    """Streams storage bytes into GPU memory through a few pinned host buffers.
-
-    Reader threads fill the buffers (preadv releases the GIL); the calling
-    thread queues each full buffer's copy to the GPU without waiting for it,
-    and a buffer is refilled only once its copy has finished (a CUDA event).
-    """
-
-    def __init__(self) -> None:
-        import torch
-
-        self.pinned = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(STAGING_BUFFERS)]
-        self.free: list[int] = list(range(STAGING_BUFFERS))
-        self.done: dict[int, Any] = {}
-        self.order = itertools.count()
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=STAGING_BUFFERS)
-
-    def _slot(self) -> int:
-        """A buffer whose last copy to the GPU has finished."""
-        if not self.free:
-            oldest = min(self.done, key=lambda slot: self.done[slot][0])
-            self.done.pop(oldest)[1].synchronize()
-            self.free.append(oldest)
-        return self.free.pop()
-
-    def upload(self, storage: Storage, start: int, stop: int, device: torch.device) -> torch.Tensor:
-        import torch
-
-        out = torch.empty(stop - start, dtype=torch.uint8, device=device)
-        with storage.reader() as read_into, torch.cuda.device(device):
-            pending: collections.deque[tuple[int, int, int, concurrent.futures.Future[None]]] = collections.deque()
-            positions = iter(range(start, stop, STAGING_BYTES))
-
-            def submit() -> bool:
-                position = next(positions, None)
-                if position is None:
-                    return False
-                slot = self._slot()
-                count = min(STAGING_BYTES, stop - position)
-                future = self.pool.submit(read_into, position, self.pinned[slot][:count].numpy().data)
-                pending.append((slot, position, count, future))
-                return True
-
-            while len(pending) < STAGING_BUFFERS - 1 and submit():
-                pass
-            while pending:
-                slot, position, count, future = pending.popleft()
-                future.result()
-                out[position - start : position - start + count].copy_(self.pinned[slot][:count], non_blocking=True)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record()
-                self.done[slot] = (next(self.order), event)
-                submit()
-        return out
-
-    def finish(self) -> None:
-        for _, event in self.done.values():
-            event.synchronize()
-        self.pool.shutdown()
 
 
 def _shares_bytes(ref: TensorRef) -> bool:

@@ -143,6 +143,15 @@ def _dedupe(findings: Iterable[UnsafeFinding]) -> tuple[UnsafeFinding, ...]:
     return tuple(kept)
 
 
+def _about(error: Exception, path: str) -> str:
+    """An error's message without the leading file name (the report's line already starts with it)."""
+    text = str(error)
+    for prefix in (repr(path), path):
+        if text.startswith(prefix):
+            return text[len(prefix) :].lstrip(" :")
+    return text
+
+
 def _unsafe_reason(findings: Sequence[UnsafeFinding], path: str) -> str:
     def describe(finding: UnsafeFinding) -> str:
         inside = finding.where[len(path) :].lstrip(":/ ") if finding.where.startswith(path) else ""
@@ -167,7 +176,7 @@ def scan(path: PathLike) -> ScanReport:
     Example:
         >>> report = ckptconv.scan("downloaded.pth")   # doctest: +SKIP
         >>> report.verdict, report.reason              # doctest: +SKIP
-        ('unsafe', 'calls posix.system (runs processes) at byte 24 of data.pkl')
+        ('unsafe', 'names posix.system (runs processes) at pickle byte 24 of archive/data.pkl')
     """
     from .loading import open as open_checkpoint
 
@@ -179,7 +188,7 @@ def scan(path: PathLike) -> ScanReport:
         except UnsafeCheckpointError as error:
             # Refusals that are not a name (parser differentials) arrive as errors.
             found = _dedupe([*findings, *_scan_embedded(path)])
-            reason = _unsafe_reason(found, path) + "; " + str(error) if found else str(error)
+            reason = _unsafe_reason(found, path) + "; " + _about(error, path) if found else _about(error, path)
             return ScanReport(path, UNSAFE, reason, unsafe=found)
         except UnsupportedFormatError as error:
             return _refused(path, NOT_A_CHECKPOINT, error, findings)
@@ -302,8 +311,8 @@ def _refused(path: str, verdict: str, error: Exception, findings: Sequence[Unsaf
     found = _dedupe([*findings, *_scan_embedded(path)])
     if found:
         # A file that names code-running functions is unsafe however broken the rest is.
-        return ScanReport(path, UNSAFE, _unsafe_reason(found, path) + f" (and: {error})", unsafe=found)
-    return ScanReport(path, verdict, str(error))
+        return ScanReport(path, UNSAFE, _unsafe_reason(found, path) + f" (and it {_about(error, path)})", unsafe=found)
+    return ScanReport(path, verdict, _about(error, path))
 
 
 def scan_many(paths: Iterable[PathLike]) -> ScanSummary:

@@ -38,19 +38,20 @@ def _bytes_view(array: np.ndarray) -> memoryview:
 
 
 def _cast(ref: TensorRef, values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    from ._cast import cast_array, count_overflows
+    from ._cast import cast_array, cast_counting_overflows
 
     assert ref.cast_to is not None
-    result = cast_array(values, ref.dtype.name, ref.cast_to.name, out=out)
-    if not ref.allow_overflow:
-        overflows = count_overflows(values, ref.dtype.name, ref.cast_to.name)
-        if overflows:
-            example = _first_overflow(ref, values)
-            raise CastOverflowError(
-                f"casting to {ref.cast_to.name} would turn finite values such as {example} into inf; "
-                "keep this tensor's dtype (--keep-dtype) or pass --allow-overflow",
-                count=overflows,
-            )
+    if ref.allow_overflow:
+        return cast_array(values, ref.dtype.name, ref.cast_to.name, out=out)
+    # The overflow count runs on each block while it is still in cache from the cast.
+    result, overflows = cast_counting_overflows(values, ref.dtype.name, ref.cast_to.name, out=out)
+    if overflows:
+        example = _first_overflow(ref, values)
+        raise CastOverflowError(
+            f"casting to {ref.cast_to.name} would turn finite values such as {example} into inf; "
+            "keep this tensor's dtype (--keep-dtype) or pass --allow-overflow",
+            count=overflows,
+        )
     return result
 
 

@@ -153,7 +153,8 @@ class Sample:
     Attributes:
         name: file name under the corpus folder.
         label: ``malicious``, ``benign`` or ``broken``, as the peer suite labels it.
-        source: ``picklescan``, ``fickling`` or ``modelscan`` (whose suite covers the class).
+        source: ``picklescan``, ``fickling`` or ``modelscan`` (whose suite covers the class), or
+            ``ckptconv`` for the few classes none of them covers.
         attack: the attack class (or what a benign file exercises).
         make: writes the file's bytes.
     """
@@ -767,6 +768,28 @@ def _samples() -> list[Sample]:
         "object .npy whose data pickle runs exec",
         lambda: _npy(call("builtins", "exec", _PAYLOAD, protocol=3)),
     )
+    # --- classes none of the three suites covers, found while building this one -----------
+    add(
+        "ck_zip_duplicate_name.pt",
+        "malicious",
+        "ckptconv",
+        "two zip records of one name (torch reads the first)",
+        _duplicate_zip,
+    )
+    add(
+        "ck_commands_getoutput_v0.pkl",
+        "malicious",
+        "ckptconv",
+        "Python 2 name CPython renames (commands)",
+        lambda: call("commands", "getoutput", "id", protocol=0),
+    )
+    add(
+        "ck_builtin_reduce_v0.pkl",
+        "malicious",
+        "ckptconv",
+        "Python 2 name CPython renames (functools.reduce)",
+        lambda: call("__builtin__", "reduce", G("posix", "system"), ["id"], protocol=0),
+    )
     add("ms_password_zip.zip", "broken", "modelscan", "encrypted zip", _encrypted_zip)
     return s
 
@@ -792,6 +815,19 @@ def _billion_laughs(levels: int = 40) -> bytes:
     """A tuple of two copies of the previous tuple, ``levels`` deep: 2**levels leaves in ~90 bytes."""
     body = pickle.EMPTY_LIST + (pickle.DUP + pickle.TUPLE2) * levels + pickle.STOP
     return pickle.PROTO + b"\x04" + body
+
+
+def _duplicate_zip() -> bytes:
+    import warnings
+
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), zipfile.ZipFile(buffer, "w") as archive:
+        warnings.simplefilter("ignore")
+        archive.writestr("archive/data.pkl", call("posix", "system", "id", protocol=2))
+        archive.writestr("archive/data.pkl", pickle.dumps({"step": 1}, protocol=2))
+        archive.writestr("archive/byteorder", "little")
+        archive.writestr("archive/version", "3\n")
+    return buffer.getvalue()
 
 
 def _encrypted_zip() -> bytes:

@@ -6,6 +6,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import math
 import os
 import pickle
 import shutil
@@ -782,4 +783,7 @@ def test_bench_script_runs(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout)
-    assert figures["jobs"]["1"]["items_per_s"] > 0 and figures["tiny"]["per_item_ms"]["1"] > 0
+    assert figures["jobs"]["1"]["items_per_s"] > 0
+    # per_item_ms is a difference of two timings (9 items minus 3): on a loaded machine it can come out
+    # negative, so only check that it was computed (speed is judged in bench/, never in a test).
+    assert math.isfinite(figures["tiny"]["per_item_ms"]["1"])

@@ -32,6 +32,7 @@ from ckptconv._cast import (  # noqa: E402
     CAST_PAIRS,
     cast_array,
     cast_bytes,
+    cast_counting_overflows,
     count_overflows,
     storage_dtype,
 )
@@ -66,6 +67,23 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="module", params=["ml_dtypes", "numpy"])
+def kernel_backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test runs on both float32 -> bfloat16 kernels: ml_dtypes' cast and the numpy fallback."""
+    original = _cast._ml_bfloat16
+    if request.param == "ml_dtypes":
+        if original() is None:
+            pytest.skip("ml_dtypes is not installed")
+    else:
+        _cast._ml_bfloat16 = lambda: None  # type: ignore[assignment]
+    yield request.param
+    _cast._ml_bfloat16 = original  # type: ignore[assignment]
+
+
+def test_kernel_backend_is_in_use(kernel_backend: str) -> None:
+    assert (_cast._ml_bfloat16() is not None) == (kernel_backend == "ml_dtypes")
 
 
 def bits(array: np.ndarray) -> np.ndarray:
@@ -427,8 +445,27 @@ def test_count_overflows_matches_torch(source: str, target: str) -> None:
     values = overflow_inputs(source, target)
     expected = torch_overflows(values, source, target)
     assert count_overflows(values, source, target) == expected
+    result, counted = cast_counting_overflows(values, source, target)
+    assert counted == expected
+    assert np.array_equal(bits(result), bits(cast_array(values, source, target)))
     if source in ("float32", "float64") and target in ("float16", "bfloat16"):
         assert expected > 0  # the inputs do reach the threshold
+
+
+@pytest.mark.parametrize("source, target", [("float32", "float16"), ("float32", "bfloat16"), ("float64", "float32")])
+def test_count_overflows_across_blocks(source: str, target: str) -> None:
+    """Blocks of in-range values are skipped by min/max; the overflows, infs and NaNs in others still count."""
+    rng = np.random.default_rng(3)
+    n = 3 * _cast.BLOCK_ELEMENTS + 5
+    values = (rng.standard_normal(n) * 0.02).astype(storage_dtype(source))
+    big = {"float16": 7e4, "bfloat16": 3.4e38, "float32": 1e300}[target]
+    values[[7, _cast.BLOCK_ELEMENTS + 1, n - 1]] = [big, -big, big]
+    values[2 * _cast.BLOCK_ELEMENTS + 3] = np.nan
+    values[2 * _cast.BLOCK_ELEMENTS + 4] = -np.inf
+    assert count_overflows(values, source, target) == torch_overflows(values, source, target) == 3
+    out = np.empty(n, storage_dtype(target))
+    assert cast_counting_overflows(values, source, target, out=out)[1] == 3
+    assert np.array_equal(bits(out), torch_cast(values, source, target))
 
 
 def test_count_overflows_examples() -> None:

@@ -1,0 +1,104 @@
+"""Benchmark: the cast kernels alone, against torch's own ``Tensor.to`` on one thread.
+
+Times what ``--dtype`` costs per chunk, in one process, approaches alternating
+within each round: ckptconv's kernel (ml_dtypes where it imports, else the
+numpy fallback) followed by the overflow count, as the streaming writer does,
+and torch's CPU kernel for reference. Every result is first compared bit for
+bit with ``Tensor.to``.
+
+    python bench/bench_cast.py                 # 256 MiB of float32 weights, 9 rounds
+    python bench/bench_cast.py --mib 64 --runs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ckptconv import _cast
+
+CHUNK = 1 << 21  # elements per call, as the streaming writer's 8 MiB chunks of float32
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, default=256, help="float32 input size")
+    parser.add_argument("--runs", type=int, default=9)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    n = args.mib * 2**20 // 4
+    values = (rng.standard_normal(n, dtype=np.float32) * 0.02).astype(np.float32)
+    values[::4099] = 0.0  # zeros and tiny values, as in real checkpoints
+    values[1::4099] = 1e-7
+    out = np.empty(n, np.uint16)
+    targets = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+    ml_bfloat16 = _cast._ml_bfloat16
+
+    def chunked(target: str) -> Callable[[], None]:
+        def run() -> None:
+            for start in range(0, n, CHUNK):
+                piece = values[start : start + CHUNK]
+                dest = out[start : start + CHUNK].view(_cast.storage_dtype(target))
+                _cast.cast_array(piece, "float32", target, out=dest)
+                _cast.count_overflows(piece, "float32", target)
+
+        return run
+
+    def numpy_fallback(target: str) -> Callable[[], None]:
+        inner = chunked(target)
+
+        def run() -> None:
+            _cast._ml_bfloat16 = lambda: None  # type: ignore[assignment]
+            try:
+                inner()
+            finally:
+                _cast._ml_bfloat16 = ml_bfloat16  # type: ignore[assignment]
+
+        return run
+
+    def torch_to(target: str) -> Callable[[], None]:
+        source = torch.from_numpy(values)
+        dest = torch.from_numpy(out.view(np.int16)).view(targets[target])
+
+        def run() -> None:
+            dest.copy_(source)
+
+        return run
+
+    approaches: dict[str, Callable[[], None]] = {}
+    for target in targets:
+        approaches[f"ckptconv {target} (kernel + overflow count)"] = chunked(target)
+        if target == "bfloat16" and ml_bfloat16() is not None:
+            approaches[f"ckptconv {target}, numpy fallback"] = numpy_fallback(target)
+        approaches[f"torch Tensor.to({target}), 1 thread"] = torch_to(target)
+    approaches["memcpy of the float32 input (np.copyto)"] = lambda: np.copyto(np.empty_like(values), values)
+
+    for name, run in approaches.items():
+        if name.startswith("ckptconv"):
+            target = name.split()[1].rstrip(",")
+            run()
+            expected = torch.from_numpy(values).to(targets[target]).view(torch.int16).numpy().view(np.uint16)
+            if not np.array_equal(out, expected):
+                raise SystemExit(f"{name}: differs from Tensor.to")
+    walls: dict[str, list[float]] = {name: [] for name in approaches}
+    for _ in range(args.runs):
+        for name, run in approaches.items():
+            start = time.perf_counter()
+            run()
+            walls[name].append(time.perf_counter() - start)
+    print(f"\n{args.mib} MiB of float32 ({n} elements), median of {args.runs}, bit-exact with Tensor.to\n")
+    print("| approach | ms | GB/s of input |")
+    print("|---|---:|---:|")
+    for name, times in walls.items():
+        wall = statistics.median(times)
+        print(f"| {name} | {wall * 1e3:.1f} | {n * 4 / wall / 1e9:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

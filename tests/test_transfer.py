@@ -1,0 +1,141 @@
+"""Parallel reads into torch tensors (ckptconv._transfer), bit for bit against torch.load and safetensors.
+
+The pieces are made tiny here so that every tensor is cut into many pieces read
+by several threads in any order. The GPU tests run only where CUDA is available.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ckptconv
+from ckptconv import _transfer
+from ckptconv.errors import MalformedCheckpointError
+
+from .conftest import all_dtypes_state, assert_same_state, reference_load, views_state
+
+CUDA = torch.cuda.is_available()
+
+
+def big_state() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    state = {f"w{i}": torch.randn(37 + i, 129, generator=generator) for i in range(6)}
+    state["ids"] = torch.arange(10_001)
+    state["half"] = torch.randn(333, generator=generator).half()
+    state["empty"] = torch.zeros(0)
+    state["scalar"] = torch.tensor(3.5)
+    return state
+
+
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of 12 KiB payload (16 KiB buffers): every tensor above spans several pieces."""
+    monkeypatch.setattr(_transfer, "PIECE_BYTES", 16384)
+    monkeypatch.setattr(_transfer, "_PAYLOAD", 16384 - 2 * _transfer._ALIGN)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors", ".legacy.pt"])
+def test_parallel_cpu_load_equals_reference(tmp_path: Path, suffix: str, small_pieces: None) -> None:
+    state = big_state()
+    path = tmp_path / f"m{suffix}"
+    if suffix == ".safetensors":
+        save_file(state, path)
+        reference = load_file(path)
+    else:
+        torch.save(state, path, _use_new_zipfile_serialization=suffix == ".pt")
+        reference = reference_load(path)
+    assert_same_state(ckptconv.load(path), reference, ordered=False)
+
+
+@pytest.mark.parametrize("builder", [all_dtypes_state, views_state])
+def test_shared_storages_and_views_survive(tmp_path: Path, builder: object, small_pieces: None) -> None:
+    path = tmp_path / "m.pt"
+    torch.save(builder(), path)  # type: ignore[operator]
+    loaded = ckptconv.load(path)
+    assert_same_state(loaded, reference_load(path), ordered=False)
+
+
+def test_compressed_records_are_read_in_order(tmp_path: Path, small_pieces: None) -> None:
+    """A zip whose records are deflated: one thread per record, read front to back."""
+    import zipfile
+
+    path = tmp_path / "m.pt"
+    torch.save(big_state(), path)
+    deflated = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(deflated, "w", zipfile.ZIP_DEFLATED) as target:
+        for info in source.infolist():
+            target.writestr(info.filename, source.read(info))
+    assert_same_state(ckptconv.load(deflated), reference_load(path), ordered=False)
+
+
+def test_truncated_file_raises_one_error(tmp_path: Path, small_pieces: None) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file(big_state(), path)
+    size = path.stat().st_size
+    with open(path, "r+b") as file:
+        file.truncate(size - 20_000)
+    with pytest.raises(MalformedCheckpointError, match="is truncated"):
+        ckptconv.load(path)
+
+
+def test_reader_threads_bounds() -> None:
+    assert 2 <= _transfer.reader_threads() <= 16
+
+
+def test_resident_fraction(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    with open(path, "rb") as file:
+        file.read()
+    assert 0.0 <= _transfer.resident_fraction(str(path)) <= 1.0
+    assert _transfer.resident_fraction(str(path)) > 0.5  # just written and read: in the page cache
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    assert _transfer.resident_fraction(str(empty)) == 1.0
+
+
+@pytest.mark.parametrize("offset, count", [(0, 4096), (1, 10), (4095, 4098), (5000, 9000), (12288, 3)])
+def test_direct_reads_return_the_requested_bytes(tmp_path: Path, offset: int, count: int) -> None:
+    data = os.urandom(20_000)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except (OSError, AttributeError):
+        pytest.skip("O_DIRECT is refused on this filesystem")
+    try:
+        raw = np.zeros(3 * 4096 + 16384, dtype=np.uint8)
+        start = (-raw.ctypes.data) % 4096  # an aligned buffer, as pinned memory is
+        buffer = raw[start : start + 16384 + 8192].data
+        skip = _transfer._read_direct(fd, str(path), offset, count, buffer)
+        assert bytes(buffer[skip : skip + count]) == data[offset : offset + count]
+        with pytest.raises(MalformedCheckpointError, match="is truncated"):
+            _transfer._read_direct(fd, str(path), 19_000, 2000, buffer)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["buffered", "direct", "auto"])
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_gpu_load_equals_cpu_load(
+    tmp_path: Path, suffix: str, mode: str, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_transfer, "direct_io", mode)
+    state = big_state()
+    path = tmp_path / f"m{suffix}"
+    if suffix == ".safetensors":
+        save_file(state, path)
+        reference = load_file(path)
+    else:
+        torch.save(state, path)
+        reference = reference_load(path)
+    loaded = ckptconv.load(path, device="cuda:0")
+    assert all(t.device == torch.device("cuda:0") for t in loaded.values())
+    assert_same_state({k: v.cpu() for k, v in loaded.items()}, reference, ordered=False)
