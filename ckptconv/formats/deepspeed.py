@@ -27,6 +27,11 @@ tensor whose pieces are byte ranges of the rank files, read where they lie.
   dtype (stage 3: concatenated over the ranks' model files), buffers from the
   module (floating-point ones widened to fp32, as ``zero_to_fp32`` does),
   tied parameters (``shared_params``) become one tensor under both names.
+- ``BF16_Optimizer`` files (ZeRO-1 with bf16 and fp32 gradient accumulation)
+  record no stage and ``zero_to_fp32`` refuses them; they are laid out as
+  stage 1, which DeepSpeed's ``param_slice_mappings`` (where each parameter's
+  piece lies in each rank's partition) must confirm. Those mappings are
+  checked for every stage 1 and 2 checkpoint that has them.
 - Stage 1 files record no frozen parameters (``zero_to_fp32`` then drops
   them, and its result does not load with ``strict=True``); ckptconv takes
   them from the module's saved weights, the values they had in training.
@@ -246,14 +251,19 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
         optim.append(state)
     first = optim[0]
     stage = _int(first.get("zero_stage"))
-    if stage is None:
-        if "single_partition_of_fp32_groups" in first:
+    bf16_optimizer = stage is None and "single_partition_of_fp32_groups" in first
+    if bf16_optimizer:
+        # DeepSpeed's BF16_Optimizer (ZeRO-1 with bf16 and fp32 gradient accumulation) records no
+        # stage, and zero_to_fp32 refuses it; its partitions are laid out as stage 1's, which
+        # param_slice_mappings (required here) must confirm.
+        stage = 1
+        if not all(isinstance(state.get("param_slice_mappings"), list) for state in optim):
             raise UnsupportedFormatError(
-                f"{folder!r} was saved by DeepSpeed's BF16_Optimizer (ZeRO stage 1 with fp32 gradient "
-                "accumulation), which records no ZeRO stage; zero_to_fp32 refuses it too, and so does "
-                "ckptconv for now",
+                f"{folder!r} was saved by DeepSpeed's BF16_Optimizer without param_slice_mappings, so its "
+                "layout cannot be checked; zero_to_fp32 refuses it too",
                 path=folder,
             )
+    if stage is None:
         raise _damaged(optim_files[0], "its optimizer state names no ZeRO stage")
     if stage not in (1, 2, 3):
         raise UnsupportedFormatError(f"{folder!r} is a ZeRO stage {stage} checkpoint; stages 1-3 are supported")
@@ -329,7 +339,7 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
             weights, flats=flats, param_shapes=param_shapes, world=world, folder=folder, model_file=model_file
         )
     else:
-        _trainable_stage12(
+        fragments = _trainable_stage12(
             weights,
             flats=flats,
             param_shapes=param_shapes,
@@ -338,6 +348,8 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
             folder=folder,
             model_file=model_file,
         )
+        for rank, state in enumerate(optim):
+            _check_slice_mappings(state.get("param_slice_mappings"), fragments[rank], optim_files[rank])
     shared = model.get("shared_params") or {}
     if isinstance(shared, Mapping):
         for alias, target in shared.items():
@@ -352,7 +364,9 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
     saved = Counter(ref.dtype.name for k, ref in module.items() if isinstance(ref, TensorRef) and k not in buffer_names)
     metadata = {
         "framework": f"DeepSpeed {model.get('ds_version') or ''}".strip(),
-        "zero_stage": str(stage),
+        "zero_stage": "1 (BF16_Optimizer: laid out as stage 1, checked against param_slice_mappings)"
+        if bf16_optimizer
+        else str(stage),
         "world_size": str(world),
         "tag": os.path.basename(os.path.normpath(folder)),
         "master_weights": f"{', '.join(master)} (state_dict: rebuilt from {world} optimizer partitions; default)",
@@ -440,7 +454,14 @@ def _trainable_stage12(
     paddings: Any,
     folder: str,
     model_file: str,
-) -> None:
+) -> list[list[dict[str, tuple[int, int]]]]:
+    """Rebuild the trained parameters of stages 1 and 2 into ``weights``.
+
+    Returns:
+        Per rank, per group: ``{name: (numel, start)}`` of the parameter pieces that rank holds,
+        to compare with DeepSpeed's own ``param_slice_mappings``.
+    """
+    fragments: list[list[dict[str, tuple[int, int]]]] = [[] for _ in flats]
     if len(param_shapes) != len(flats[0]):
         raise _damaged(folder, f"{len(param_shapes)} parameter groups are described but {len(flats[0])} are saved")
     align = 2 * world
@@ -449,8 +470,9 @@ def _trainable_stage12(
         if len({part.dtype for part in partitions}) != 1:
             raise _damaged(folder, f"the ranks' partitions of group {index} have different dtypes")
         starts = [0]
-        for part in partitions:
+        for rank, part in enumerate(partitions):
             starts.append(starts[-1] + part.shape[0])
+            fragments[rank].append({})
         available = starts[-1]
         group_paddings = None
         if isinstance(paddings, list) and index < len(paddings):
@@ -464,10 +486,11 @@ def _trainable_stage12(
             if offset + numel > available:
                 raise _damaged(folder, f"parameter {name!r} lies past the end of group {index}'s partitions")
             pieces = []
-            for start, part in zip(starts, partitions):
+            for rank, (start, part) in enumerate(zip(starts, partitions)):
                 lo, hi = max(offset, start), min(offset + numel, start + part.shape[0])
                 if lo < hi:
                     pieces.append((lo - offset, _piece(part, lo - start, hi - lo)))
+                    fragments[rank][index][name] = (hi - lo, lo - start)
             weights[name] = _joined(pieces, shape, name, partitions[0].dtype)
             offset += numel
             if group_paddings is not None:
@@ -478,6 +501,29 @@ def _trainable_stage12(
         # zero_to_fp32's own sanity check: only padding up to 2 * world_size may be left over.
         if -(-offset // align) * align != -(-available // align) * align:
             raise _damaged(folder, f"group {index} holds {available} elements but its parameters use {offset}")
+    return fragments
+
+
+def _check_slice_mappings(mappings: Any, expected: list[dict[str, tuple[int, int]]], path: str) -> None:
+    """Compare DeepSpeed's record of where each parameter's piece lies in this rank's partitions
+    (``fragment_address(numel, start)`` per group) with the layout ckptconv rebuilt."""
+    if mappings is None:
+        return  # older DeepSpeed versions do not record them
+    if not isinstance(mappings, list) or len(mappings) != len(expected):
+        raise _damaged(path, "its param_slice_mappings do not match its parameter groups")
+    for index, (recorded, computed) in enumerate(zip(mappings, expected)):
+        if not isinstance(recorded, Mapping):
+            raise _damaged(path, f"its param_slice_mappings for group {index} are not a mapping")
+        found: dict[str, tuple[int, int]] = {}
+        for name, address in recorded.items():
+            fields = address.attributes() if isinstance(address, ForeignObject) else {}
+            found[name] = (fields.get("numel"), fields.get("start"))  # type: ignore[assignment]
+        if found != computed:
+            raise _damaged(
+                path,
+                f"group {index} holds its parameters at {found}, not where their shapes place them "
+                f"({computed}); the layout is not one ckptconv knows",
+            )
 
 
 def _trainable_stage3(
