@@ -10,12 +10,13 @@ The data flows one way, one module per stage::
     verification.py  verify(), diff()  compare an output with its source, bit for bit
 
 ``conversion.convert()`` runs them all, as ``options.ConversionOptions`` says;
-``scanning.scan()`` says whether a file is safe to load; ``inspection.inspect()`` describes a
-file. ``batching.batch()`` converts a whole folder: ``discovery.py`` finds the
-items and names their outputs, ``executors.py`` converts them in workers,
-``manifest.py`` records each result, ``report.py`` sums them up. Format details live in ``formats/``. The pickle machine that never runs
-code is ``unpickler.py``; what it may call is decided in ``pickle_policy.py``,
-built by ``rebuild.py`` or stood in for by ``standins.py``.
+``scanning.scan()`` says whether a file is safe to load; ``inspection.inspect()``
+describes a file. ``batching.batch()`` converts a whole folder: ``discovery.py``
+finds the items and names their outputs, ``executors.py`` converts them in
+workers, ``manifest.py`` records each result, ``report.py`` sums them up.
+Format details live in ``formats/``, file names in ``suffixes.py``. The pickle
+machine that never runs code is ``unpickler.py``; what it may call is decided
+in ``pickle_policy.py``, built by ``rebuild.py`` or stood in for by ``standins.py``.
 
 The public names below are imported on first use, so ``ckptconv --help`` and
 ``import ckptconv`` stay fast; importing ckptconv never imports torch. (Modules
@@ -28,9 +29,23 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import errors as _errors
 from ._version import __version__
-from .errors import *
+from .errors import (
+    CastOverflowError,
+    CkptconvError,
+    DestinationError,
+    FitError,
+    KeyCollisionError,
+    LoadError,
+    MalformedCheckpointError,
+    OutputExistsError,
+    SelectionError,
+    TransformError,
+    UnsafeCheckpointError,
+    UnsupportedFormatError,
+    VerifyError,
+    WriteError,
+)
 
 if TYPE_CHECKING:
     from .batching import batch
@@ -86,7 +101,62 @@ _HOMES = {
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
-__all__ = sorted([*_HOME_OF, *_errors.__all__, "__version__"])
+# Checked against _HOMES and errors.__all__ by tests/test_api.py.
+__all__ = [
+    "AddPrefix",
+    "BatchReport",
+    "Canonicalize",
+    "Cast",
+    "CastOverflowError",
+    "Checkpoint",
+    "CheckpointInfo",
+    "CkptconvError",
+    "ConversionOptions",
+    "ConversionReport",
+    "DestinationError",
+    "DiffReport",
+    "Drop",
+    "FitError",
+    "FitReport",
+    "ItemResult",
+    "Keep",
+    "KeyCollisionError",
+    "LoadError",
+    "MalformedCheckpointError",
+    "OutputExistsError",
+    "Pipeline",
+    "Reference",
+    "Rename",
+    "ScanReport",
+    "ScanSummary",
+    "Selection",
+    "SelectionError",
+    "StepReport",
+    "StripPrefix",
+    "TensorInfo",
+    "TensorRef",
+    "TransformError",
+    "UnsafeCheckpointError",
+    "UnsupportedFormatError",
+    "VerifyError",
+    "VerifyReport",
+    "WriteError",
+    "WriteReport",
+    "__version__",
+    "batch",
+    "canonicalize",
+    "convert",
+    "diff",
+    "fit",
+    "inspect",
+    "load",
+    "load_into",
+    "open",
+    "save",
+    "scan",
+    "scan_many",
+    "verify",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Union
@@ -366,15 +367,17 @@ def batch(
         )
         for result in refused:
             manifest.item(result)
-        stopped = fail_fast and bool(refused)
+        stopping = threading.Event()  # read by the executor between items
+        if fail_fast and refused:
+            stopping.set()
         update, close = _progress(progress, sum(job.item.size for job in todo), len(todo))
         try:
-            for result in _execute(todo, executor=executor, scheduler=scheduler, jobs=jobs, stop=lambda: stopped):
+            for result in _execute(todo, executor=executor, scheduler=scheduler, jobs=jobs, stop=stopping.is_set):
                 manifest.item(result)
                 results[result.source] = result
                 update(result)
                 if fail_fast and result.status == FAILED:
-                    stopped = True
+                    stopping.set()
         finally:
             close()
         for job in todo:

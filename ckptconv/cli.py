@@ -13,7 +13,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, ClassVar, TypeVar
 
 import click
 
@@ -125,7 +125,7 @@ class _CastTarget(click.ParamType):  # type: ignore[type-arg]
 
 class _Size(click.ParamType):  # type: ignore[type-arg]
     name = "SIZE"
-    _UNITS = {
+    _UNITS: ClassVar[dict[str, int]] = {
         "": 1,
         "B": 1,
         "KB": 10**3,

@@ -97,9 +97,8 @@ def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> l
         starts = sorted({wrapper for wrapper in _KNOWN_WRAPPERS for key in keys if key.startswith(wrapper)})
         hint = f"; keys start with {', '.join(repr(s) for s in starts)}" if starts else ""
         return [f"no key starts with {prefix!r}, so none was renamed{hint}"]
-    return [
-        f"{report.unchanged} of {report.changed + report.unchanged} keys had no {prefix!r} prefix and were left unchanged"
-    ]
+    total = report.changed + report.unchanged
+    return [f"{report.unchanged} of {total} keys had no {prefix!r} prefix and were left unchanged"]
 
 
 def convert(

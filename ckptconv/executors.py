@@ -195,10 +195,8 @@ def _prepare_folder(output: str) -> None:
     stale = re.compile(rf"\.{re.escape(name)}\.[a-z0-9_]{{8}}\.partial\Z")
     for entry in os.listdir(folder):
         if stale.match(entry):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(folder, entry))
-            except FileNotFoundError:
-                pass
 
 
 # ---------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ An item record (``schema`` 1)::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -50,11 +51,7 @@ def now() -> str:
 
 def read_records(path: str) -> Iterator[dict[str, Any]]:
     """Every complete record in a manifest; a missing file has none, torn lines are skipped."""
-    try:
-        file = open(path, "rb")
-    except FileNotFoundError:
-        return
-    with file:
+    with contextlib.suppress(FileNotFoundError), open(path, "rb") as file:
         for line in file:
             if not line.endswith(b"\n"):
                 continue  # the last line of a run that was killed mid-write

@@ -403,7 +403,7 @@ def _known_torch_value(module: str, name: str) -> Any:
             dtype = dtype_by_name("uint8")
             assert dtype is not None
             return StorageType(dtype, untyped=name == "UntypedStorage")
-        if name == "TypedStorage" or name == "_LegacyStorage":
+        if name in ("TypedStorage", "_LegacyStorage"):
             return None
         if name.endswith("Storage"):
             dtype = dtype_by_storage_class(name)

@@ -200,10 +200,8 @@ class BatchReport:
 
     def summary(self) -> str:
         """One sentence: ``"converted 47, skipped 2, failed 1 (1.2 GiB in 8.1 s)"``."""
-        if self.dry_run:
-            parts = [f"would convert {len(self._with(PLANNED))}"]
-        else:
-            parts = [f"converted {len(self.converted)}"]
+        done = f"would convert {len(self._with(PLANNED))}" if self.dry_run else f"converted {len(self.converted)}"
+        parts = [done]
         parts += [f"skipped {len(self.skipped)}", f"failed {len(self.failed)}"]
         if self.cancelled:
             parts.append(f"cancelled {len(self.cancelled)}")

@@ -360,7 +360,8 @@ def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: st
         note = f"using the EMA weights under {chosen.label[:-6]!r}: they are the only weights in the file"
     elif others:
         choices = ", ".join(repr(label) for label in others)
-        note = f"using the weights under {format_path(chosen.path) or 'the file'!r}; also found {choices} (pass --select to use another)"
+        where = format_path(chosen.path) or "the file"
+        note = f"using the weights under {where!r}; also found {choices} (pass --select to use another)"
     return Selection(chosen.weights, chosen.path, chosen.kind, others, chosen.skipped, note, chosen.is_ema)
 
 

@@ -128,9 +128,9 @@ class NumpyDType:
         """The real ``numpy.dtype``, for plain numeric kinds only (never object dtypes)."""
         import numpy as np
 
-        if len(self.descr) < 2 or self.descr[0] not in "biufc?" or not self.descr[1:].isdigit():
-            if self.descr not in ("?", "b1"):
-                return None
+        plain = len(self.descr) >= 2 and self.descr[0] in "biufc?" and self.descr[1:].isdigit()
+        if not plain and self.descr not in ("?", "b1"):
+            return None
         order = self.byteorder if self.byteorder in "<>" else "<"
         return np.dtype(self.descr if self.descr in ("?", "b1") else order + self.descr)
 

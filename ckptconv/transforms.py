@@ -179,11 +179,12 @@ def canonical_keys(keys: Iterable[str]) -> tuple[dict[str, str], dict[str, int]]
     while parts:
         changed = False
         for index, components in enumerate(parts):
-            while len(components) > 1 and components[0] in _UNAMBIGUOUS_LEADING:
-                count(components[0])
-                components = components[1:]
+            rest = components
+            while len(rest) > 1 and rest[0] in _UNAMBIGUOUS_LEADING:
+                count(rest[0])
+                rest = rest[1:]
                 changed = True
-            parts[index] = components
+            parts[index] = rest
         if all(len(components) > 1 and components[0] == "module" for components in parts):
             for index, components in enumerate(parts):
                 parts[index] = components[1:]

@@ -8,6 +8,7 @@ bounded by the read chunk size and a difference in any single bit is found.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -167,7 +168,7 @@ class DiffReport:
 
 
 def _json_float(value: float) -> object:
-    return value if value == value and abs(value) != float("inf") else repr(value)
+    return value if math.isfinite(value) else repr(value)
 
 
 _DIFF_ELEMENTS = 4 << 20

@@ -30,15 +30,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 sys.path.insert(0, str(ROOT))
 
-import ckptconv  # noqa: E402
-from ckptconv_fixture_models import TinyCNN, TinyLM  # noqa: E402
+from ckptconv_fixture_models import TinyCNN, TinyLM  # noqa: E402 - after sys.path names fixtures/
+
+import ckptconv  # noqa: E402 - after sys.path names this checkout
 
 torch.backends.cudnn.deterministic = True
 torch.backends.cudnn.benchmark = False
@@ -56,12 +57,12 @@ CASES: dict[str, tuple[Callable[[], nn.Module], str | None, str]] = {
     "fsdp2_full_state_dict.pt": (lambda: TinyLM(vocab_size=65, tie_weights=False), None, ""),
 }
 
-failures = 0
+failures: list[str] = []  # the checks that failed
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
-    global failures
-    failures += not ok
+    if not ok:
+        failures.append(name)
     print(f"{'PASS' if ok else 'FAIL'}  {name}" + (f"  ({detail})" if detail else ""), flush=True)
 
 
@@ -93,7 +94,7 @@ def same_outputs(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, str]:
 def converted(fixture: str, folder: Path) -> Path:
     """The fixture converted by ckptconv: canonical names, safetensors."""
     _, where, _ = CASES[fixture]
-    out = folder / (fixture.split(".")[0] + ".safetensors")
+    out = folder / (fixture.split(".", maxsplit=1)[0] + ".safetensors")
     if not out.exists():
         transforms: list[Any] = [ckptconv.Canonicalize()]
         if fixture == "lightning.ckpt":
@@ -147,7 +148,11 @@ torch.backends.cudnn.deterministic = True
 rank = int(os.environ["RANK"]); torch.cuda.set_device(rank)
 dist.init_process_group("nccl")
 path, kind, expected_path = sys.argv[3], sys.argv[4], sys.argv[5]
-factory = {"cnn": TinyCNN, "lm64": lambda: TinyLM(tie_weights=False), "lm65": lambda: TinyLM(vocab_size=65, tie_weights=False)}[kind]
+factory = {
+    "cnn": TinyCNN,
+    "lm64": lambda: TinyLM(tie_weights=False),
+    "lm65": lambda: TinyLM(vocab_size=65, tie_weights=False),
+}[kind]
 model = nn.parallel.DistributedDataParallel(factory().to(rank), device_ids=[rank]).eval()
 report = ckptconv.load_into(model, path, strict=True, device="auto")
 torch.manual_seed(1)
@@ -189,7 +194,7 @@ def distributed(folder: Path) -> None:
                 for rank in range(2)
             ]
             outputs = [p.communicate(timeout=240) for p in processes]
-            line = next((l for l in outputs[0][0].splitlines() if l.startswith("DDPRESULT")), "")
+            line = next((text for text in outputs[0][0].splitlines() if text.startswith("DDPRESULT")), "")
             ok = line.split()[1:2] == ["2"] and all(p.returncode == 0 for p in processes)
             detail = " ".join(line.split()[2:]) or outputs[0][1][-300:].replace("\n", " | ")
             check(f"{fixture} -> DDP, 2 processes, NCCL (both ranks' outputs match)", ok, detail)
@@ -219,6 +224,7 @@ def devices(folder: Path) -> None:
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
     )
     print(listing.stdout.rstrip())
     check("ckptconv inspect --devices lists two GPUs", listing.stdout.count("cuda:") == 2)
@@ -227,6 +233,7 @@ def devices(folder: Path) -> None:
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "1"},
+        check=False,
     )
     print(hidden.stdout.rstrip())
     check(
@@ -246,8 +253,8 @@ def main() -> int:
         single_and_dataparallel(folder)
         distributed(folder)
         devices(folder)
-    print(f"{failures} failures", flush=True)
-    return failures
+    print(f"{len(failures)} failures", flush=True)
+    return len(failures)
 
 
 if __name__ == "__main__":

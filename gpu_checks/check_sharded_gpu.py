@@ -31,15 +31,15 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 sys.path.insert(0, str(ROOT))
 
-import ckptconv  # noqa: E402
+import ckptconv  # noqa: E402 - after sys.path names this checkout
 
-failures = 0
+failures: list[str] = []  # the checks that failed
 DEVICE = os.environ.get("CHECK_DEVICE", "cuda:0")  # "cpu" for a dry run of the transformers checks
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
-    global failures
-    failures += not ok
+    if not ok:
+        failures.append(name)
     print(f"{'PASS' if ok else 'FAIL'}  {name}" + (f"  ({detail})" if detail else ""), flush=True)
 
 
@@ -54,10 +54,10 @@ def transformers_checks(scratch: Path) -> None:
         expected = reference(tokens).logits
 
     layouts = {
-        "merged into one model.safetensors": dict(destination="merged/"),
-        "resharded at 20KB (safetensors + index)": dict(destination="reshard/", max_shard_size=20_000),
-        "as pytorch_model-*.bin shards + index": dict(destination="bin/", max_shard_size=30_000, to="pt"),
-        "via a canonical .pt, then written as a folder": dict(destination="roundtrip/", canonical=True),
+        "merged into one model.safetensors": {"destination": "merged/"},
+        "resharded at 20KB (safetensors + index)": {"destination": "reshard/", "max_shard_size": 20_000},
+        "as pytorch_model-*.bin shards + index": {"destination": "bin/", "max_shard_size": 30_000, "to": "pt"},
+        "via a canonical .pt, then written as a folder": {"destination": "roundtrip/", "canonical": True},
     }
     for name, options in layouts.items():
         try:
@@ -124,12 +124,12 @@ def dcp_checks(scratch: Path) -> None:
     reference = FIXTURES / "gpu" / "fsdp2_full_state_dict.pt"
     for index, (name, source) in enumerate(sources.items()):
         try:
+            single = source
             if source.is_dir():
-                middle = scratch / f"middle{index}.safetensors"
-                ckptconv.convert(source, middle)
-                source = middle
+                single = scratch / f"middle{index}.safetensors"
+                ckptconv.convert(source, single)
             out = scratch / f"dcp{index}"
-            ckptconv.convert(source, out, to="dcp", verify=True)
+            ckptconv.convert(single, out, to="dcp", verify=True)
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29611 + index), "WORLD_SIZE": "2"}
             processes = [
                 subprocess.Popen(
@@ -142,7 +142,7 @@ def dcp_checks(scratch: Path) -> None:
                 for rank in range(2)
             ]
             outputs = [p.communicate(timeout=300) for p in processes]
-            line = next((l for l in outputs[0][0].splitlines() if l.startswith("FSDPRESULT")), "")
+            line = next((text for text in outputs[0][0].splitlines() if text.startswith("FSDPRESULT")), "")
             ok = line.split()[1:2] == ["2"] and all(p.returncode == 0 for p in processes)
             detail = (
                 f"{line.split()[2]} DTensor parameters loaded on 2 ranks, outputs equal"
@@ -161,8 +161,8 @@ def main() -> int:
         transformers_checks(Path(scratch))
         if gpus >= 2 or DEVICE == "cpu":
             dcp_checks(Path(scratch))
-    print(f"{failures} failures", flush=True)
-    return failures
+    print(f"{len(failures)} failures", flush=True)
+    return len(failures)
 
 
 if __name__ == "__main__":

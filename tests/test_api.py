@@ -22,6 +22,11 @@ def test_functions_are_never_shadowed_by_submodules() -> None:
         assert inspect.isfunction(getattr(ckptconv, name)), name
 
 
+def test_all_lists_every_lazy_name_and_every_error() -> None:
+    expected = sorted([*ckptconv._HOME_OF, *ckptconv.errors.__all__, "__version__"])
+    assert ckptconv.__all__ == expected
+
+
 def test_importing_ckptconv_does_not_import_torch_or_numpy() -> None:
     code = "import sys, ckptconv; assert not {'torch', 'numpy'} & set(sys.modules), sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)

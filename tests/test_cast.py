@@ -18,17 +18,15 @@ comparisons then require only that NaNs stay NaNs.
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, List, Tuple
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-torch = pytest.importorskip("torch")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from ckptconv import _cast  # noqa: E402
-from ckptconv._cast import (  # noqa: E402
+from ckptconv import _cast
+from ckptconv._cast import (
     CAST_PAIRS,
     cast_array,
     cast_bytes,
@@ -36,6 +34,8 @@ from ckptconv._cast import (  # noqa: E402
     count_overflows,
     storage_dtype,
 )
+
+torch = pytest.importorskip("torch")
 
 TORCH_DTYPES = {
     "float64": torch.float64,
@@ -92,7 +92,7 @@ def bits(array: np.ndarray) -> np.ndarray:
     return flat
 
 
-def patterns(values: List[int], source: str) -> np.ndarray:
+def patterns(values: list[int], source: str) -> np.ndarray:
     """Bit patterns as an array in ``source``'s storage dtype."""
     width = storage_dtype(source).itemsize
     array: np.ndarray = np.array(values, dtype=UNSIGNED[width]).view(storage_dtype(source))
@@ -312,7 +312,7 @@ def test_nan_at_every_position(source: str, target: str) -> None:
     reference pads them to whole vector blocks (see module docstring).
     """
     payloads = NAN_PAYLOADS[source]
-    for n in list(range(1, 101)) + [1000, 4097]:
+    for n in [*range(1, 101), 1000, 4097]:
         base = patterns((payloads * (n // len(payloads) + 1))[:n], source)
         for shift in range(len(payloads)):
             assert_matches_torch(np.roll(base, shift), source, target)
@@ -385,7 +385,7 @@ HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[Hea
     st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64),
     st.sampled_from(["float64", "float16", "bfloat16"]),
 )
-def test_hypothesis_float32_bits(values: List[int], target: str) -> None:
+def test_hypothesis_float32_bits(values: list[int], target: str) -> None:
     assert_matches_torch(patterns(values, "float32"), "float32", target)
 
 
@@ -394,7 +394,7 @@ def test_hypothesis_float32_bits(values: List[int], target: str) -> None:
     st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True), min_size=1, max_size=64),
     st.sampled_from(["float64", "float16", "bfloat16"]),
 )
-def test_hypothesis_float32_values(values: List[float], target: str) -> None:
+def test_hypothesis_float32_values(values: list[float], target: str) -> None:
     assert_matches_torch(np.array(values, dtype=np.float32), "float32", target)
 
 
@@ -403,7 +403,7 @@ def test_hypothesis_float32_values(values: List[float], target: str) -> None:
     st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=64),
     st.sampled_from(["float32", "float16", "bfloat16"]),
 )
-def test_hypothesis_float64_bits(values: List[int], target: str) -> None:
+def test_hypothesis_float64_bits(values: list[int], target: str) -> None:
     assert_matches_torch(patterns(values, "float64"), "float64", target)
 
 
@@ -412,7 +412,7 @@ def test_hypothesis_float64_bits(values: List[int], target: str) -> None:
     st.lists(st.floats(min_value=-7e4, max_value=7e4, allow_subnormal=True), min_size=1, max_size=64),
     st.sampled_from(["float32", "float16", "bfloat16"]),
 )
-def test_hypothesis_float64_values_in_16bit_range(values: List[float], target: str) -> None:
+def test_hypothesis_float64_values_in_16bit_range(values: list[float], target: str) -> None:
     assert_matches_torch(np.array(values, dtype=np.float64), "float64", target)
 
 
@@ -430,7 +430,7 @@ def overflow_inputs(source: str, target: str) -> np.ndarray:
     """Each source's edge values plus random ones, enough to cross every overflow threshold."""
     rng = np.random.default_rng(7)
     width = storage_dtype(source).itemsize
-    if width == 2 or width == 1:
+    if width in (1, 2):
         return np.arange(2 ** (8 * width), dtype=np.uint32).astype(UNSIGNED[width]).view(storage_dtype(source))
     raw = rng.integers(0, 2 ** (8 * width), size=1 << 16, dtype=UNSIGNED[width]).view(storage_dtype(source))
     if source == "float32":
@@ -500,7 +500,7 @@ def test_cast_bytes_matches_cast_array() -> None:
     st.lists(st.integers(0, 300_000), max_size=6),
     st.integers(0, 2**32 - 1),
 )
-def test_cast_bytes_chunk_boundaries_do_not_matter(pair: Tuple[str, str], cuts: List[int], seed: int) -> None:
+def test_cast_bytes_chunk_boundaries_do_not_matter(pair: tuple[str, str], cuts: list[int], seed: int) -> None:
     source, target = pair
     width = storage_dtype(source).itemsize
     n = 200_003  # several internal blocks, odd length

@@ -121,10 +121,7 @@ def test_weights_are_found_in_training_checkpoints(name: str, importable_fixture
     assert selection.where == where
     assert selection.is_ema is is_ema
     reference = reference_load(GPU / name)
-    if isinstance(reference, torch.nn.Module):
-        expected = reference.state_dict()
-    else:
-        expected = reference[where]
+    expected = reference.state_dict() if isinstance(reference, torch.nn.Module) else reference[where]
     assert_same_state(to_torch(selection.weights), expected)
 
 
@@ -172,7 +169,8 @@ def test_converted_files_load_with_plain_tools(name: str, suffix: str, tmp_path:
     else:
         with safe_open(target, framework="pt") as handle:
             assert handle.metadata()["format"] == "pt"
-            stored = {key: handle.get_tensor(key) for key in handle.keys()}
+            names = handle.keys()
+            stored = {key: handle.get_tensor(key) for key in names}
         for key, tensor in stored.items():
             assert_same_tensor(tensor, expected[key], key)
         assert set(stored) | set(report.aliases) == set(expected)

@@ -64,6 +64,7 @@ def _run_python(code: str, cwd: Path, timeout: float = 120) -> dict[str, bool]:
         text=True,
         timeout=timeout,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
@@ -240,5 +241,5 @@ def test_storage_larger_than_its_record_is_refused(tmp_path: Path) -> None:
 
     source = tmp_path / "grown.pt"
     source.write_bytes(zip_checkpoint(grow))
-    with pytest.raises(LoadError, match="holds 16 bytes but data.pkl expects 16384"):
+    with pytest.raises(LoadError, match=r"holds 16 bytes but data\.pkl expects 16384"):
         ckptconv.open(source)

@@ -132,7 +132,7 @@ def test_data_pkl_claiming_more_than_the_limit_is_refused_unread(tmp_path: Path)
     with zipfile.ZipFile(path) as archive:
         name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
     path.write_bytes(_patch_sizes(path.read_bytes(), name, file_size=torch_zip.MAX_PICKLE_BYTES + 1))
-    with bounded(), pytest.raises(MalformedCheckpointError, match="data.pkl claims"):
+    with bounded(), pytest.raises(MalformedCheckpointError, match=r"data\.pkl claims"):
         ckptconv.open(path)
 
 
@@ -143,7 +143,7 @@ def test_other_compression_methods_are_refused(tmp_path: Path) -> None:
     with zipfile.ZipFile(stored) as old, zipfile.ZipFile(path, "w", zipfile.ZIP_BZIP2) as new:
         for info in old.infolist():
             new.writestr(info.filename, old.read(info))
-    with pytest.raises(LoadError, match="with zip method 12, which torch.load cannot read either"):
+    with pytest.raises(LoadError, match=r"with zip method 12, which torch\.load cannot read either"):
         ckptconv.open(path)
 
 
@@ -244,6 +244,7 @@ def test_runaway_pickles_stop_within_their_budget(pattern: str) -> None:
         capture_output=True,
         timeout=120,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
     )
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     grown, elapsed, message = result.stdout.decode().split(" ", 2)

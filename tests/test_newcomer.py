@@ -31,7 +31,7 @@ def _zoo(root: Path, count: int = 4) -> Path:
 def _python(code: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(
-        [sys.executable, *args], input=code, capture_output=True, text=True, cwd=cwd, env=env, timeout=300
+        [sys.executable, *args], input=code, capture_output=True, text=True, cwd=cwd, env=env, timeout=300, check=False
     )
 
 
@@ -150,7 +150,7 @@ def test_contradictory_destinations_are_usage_errors(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     torch.save({"w": torch.ones(2)}, "model.pt")
-    code, stdout, stderr = run_cli("convert", "model.pt", dst, *options)
+    code, _, stderr = run_cli("convert", "model.pt", dst, *options)
     assert code == 2
     assert stderr.splitlines()[0].endswith(" convert [OPTIONS] SRC DST")
     assert stderr.splitlines()[-1] == f"Error: {message}"

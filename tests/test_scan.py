@@ -137,6 +137,12 @@ def test_unsafe_findings_name_the_global_and_its_opcode_offset(tmp_path: Any) ->
         ("torch.utils._config_module", "ConfigModule.load_config", "loads further pickles"),
         ("fickling.hook", "remove_hook", "tampers with scanners"),
         ("picklescan.scanner", "scan_pickle_bytes", "tampers with scanners"),
+        ("_operator", "attrgetter", "reaches into the interpreter"),
+        ("_functools", "reduce", "runs code"),
+        ("_imp", "create_dynamic", "imports code"),
+        ("numpy.lib.format", "read_array", "loads further pickles"),
+        ("pandas", "read_csv", "touches files"),
+        ("torch.utils.model_zoo", "load_url", "reaches the network"),
     ],
 )
 def test_what_inspect_called_ordinary_is_refused_and_unsafe(tmp_path: Any, module: str, name: str, family: str) -> None:

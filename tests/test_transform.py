@@ -27,7 +27,7 @@ def test_strip_prefix_takes_whole_components_only() -> None:
     result, report = StripPrefix("module").apply(original)
     assert list(result) == ["conv.weight", "modules.0.weight", "module_list.0.bias", "module", "backbone.module.x"]
     assert (report.changed, report.unchanged) == (1, 4)
-    assert list(original)[0] == "module.conv.weight"  # the input is not mutated
+    assert next(iter(original)) == "module.conv.weight"  # the input is not mutated
 
 
 def test_strip_prefix_with_several_components_and_trailing_dot() -> None:

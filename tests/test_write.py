@@ -67,7 +67,8 @@ def test_safetensors_output_loads_with_safe_open(
     report = ckptconv.convert(source, output)
     with safe_open(output, framework="pt") as handle:
         metadata = handle.metadata()
-        stored = {key: handle.get_tensor(key) for key in handle.keys()}
+        names = handle.keys()
+        stored = {key: handle.get_tensor(key) for key in names}
     assert metadata["format"] == "pt"
     assert metadata["ckptconv.source"] == "in.pt"
     assert json.loads(metadata["ckptconv.transforms"]) == []
@@ -85,7 +86,8 @@ def test_tied_weights_in_safetensors(tmp_path: Path) -> None:
     report = ckptconv.convert(source, output)
     assert report.aliases == {"lm_head.weight": "embed.weight"}
     with safe_open(output, framework="pt") as handle:
-        assert "lm_head.weight" not in handle.keys()
+        names = handle.keys()
+        assert "lm_head.weight" not in names
         assert json.loads(handle.metadata()["ckptconv.aliases"]) == {"lm_head.weight": "embed.weight"}
     loaded = ckptconv.load(output)
     assert_same_tensor(loaded["lm_head.weight"], state["embed.weight"])

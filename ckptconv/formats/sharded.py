@@ -111,7 +111,7 @@ def read(index_path: str, *, max_items: int | None = None) -> ReadResult:
             )
         tree[key] = tensor
     # Keys a shard restores beyond its weight_map entries (ckptconv's tied-tensor aliases).
-    for name, weights in shards.items():
+    for weights in shards.values():
         for key, tensor in weights.items():
             if key not in tree:
                 tree[key] = tensor
