@@ -6,7 +6,7 @@ The data flows one way, one module per stage::
     selection.py     Selection         find the weights inside a training checkpoint
     transforms.py    StripPrefix, ...  pure steps over keys and dtypes
     fitting.py       fit()             find the key plan that matches a reference model
-    writing.py       save()            stream to .pt or safetensors, atomically
+    writing.py       save()            stream to .pt, safetensors, shards or DCP, atomically
     verification.py  verify(), diff()  compare an output with its source, bit for bit
 
 ``conversion.convert()`` runs them all, as ``options.ConversionOptions`` says;

@@ -406,12 +406,12 @@ def cli() -> None:
 @cli.command()
 @conversion_arguments("convert")
 def convert(src: str, dst: str, **options: Any) -> None:
-    """Convert a checkpoint to .pt or safetensors, with optional transforms.
+    """Convert a checkpoint to .pt, safetensors, a sharded folder or DCP, with optional transforms.
 
     The weights are found inside training checkpoints automatically (see
-    --select). Transforms apply in this order: --strip-prefix, --rename,
-    --add-prefix, --keep/--drop, --dtype; --keep, --drop and --keep-dtype match
-    the output key names.
+    --select). Transforms apply in this order: --canonical, --strip-prefix,
+    --rename, --add-prefix, --keep, --drop, --dtype; --keep, --drop and
+    --keep-dtype match the output key names.
 
     \b
     Example:

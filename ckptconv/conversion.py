@@ -50,7 +50,8 @@ class ConversionReport:
         source: the input file.
         destination: the output file ("" for a dry run).
         source_format: the input's format.
-        format: the output's format (``"pt"`` or ``"safetensors"``).
+        format: the output's format (``"pt"``, ``"safetensors"`` or ``"dcp"``; a sharded
+            folder has the format of its shards).
         selected: where the weights were found (``""`` for the whole file).
         steps: one report per transform step.
         tensors: keys written.

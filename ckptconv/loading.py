@@ -58,7 +58,7 @@ class Checkpoint:
 
     Attributes:
         path: the file.
-        format: ``"torch-zip"``, ``"torch-legacy"``, ``"safetensors"`` or ``"pickle"``.
+        format: ``"torch-zip"``, ``"torch-legacy"``, ``"safetensors"``, ``"pickle"``, ``"sharded"`` or ``"dcp"``.
         tree: the object the file holds. Tensors are :class:`TensorRef`; objects of
             classes ckptconv does not resolve are inert
             :class:`~ckptconv.standins.ForeignObject` stand-ins.

@@ -254,10 +254,12 @@ def _npy_pickle(path: str, file: Any) -> list[tuple[str, bytes]]:
 
 
 def _zip_pickles(path: str, file: Any) -> list[tuple[str, bytes]]:
+    from .loading import _PARSE_FAILURES
+
     try:
         archive = zipfile.ZipFile(file)
         infos = archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError):
+    except (*_PARSE_FAILURES, OSError):
         return []
     found = []
     for info in infos:
@@ -286,13 +288,14 @@ def _zip_member_bytes(file: Any, info: zipfile.ZipInfo) -> bytes | None:
             return bytes(raw)
         if info.compress_type == zipfile.ZIP_DEFLATED:
             return zlib.decompressobj(-15).decompress(raw, _MAX_EMBEDDED)
-    except (OSError, zlib.error, struct.error):
+    except (OSError, zlib.error, struct.error, ValueError, OverflowError):
         return None
     return None
 
 
 def _scan_embedded(path: str) -> list[UnsafeFinding]:
     """Unsafe names in the pickles :func:`_embedded_pickles` finds (they are only read, never built on)."""
+    from .loading import _PARSE_FAILURES
     from .unpickler import Unpickler
 
     findings: list[UnsafeFinding] = []
@@ -302,7 +305,7 @@ def _scan_embedded(path: str) -> list[UnsafeFinding]:
             try:
                 unpickler.load()
                 unpickler.check_end()
-            except CkptconvError:
+            except (CkptconvError, *_PARSE_FAILURES):
                 continue  # a broken pickle: whatever it named before breaking is recorded
     return findings
 

@@ -7,7 +7,7 @@ converted as they are written. Steps compose in a :class:`Pipeline`, which can
 also describe itself for ``--dry-run`` output and for the provenance recorded in
 written files.
 
-Key rules, learned from real breakage (see LANDSCAPE.md):
+Key rules, learned from real breakage in other projects:
 
 * prefixes are whole dotted components: stripping ``module`` turns
   ``module.conv.weight`` into ``conv.weight`` but leaves ``modules.0.weight``

@@ -52,9 +52,10 @@ __all__ = ["DEFAULT_MAX_ITEMS", "PickleTruncatedError", "Unpickler", "UnsafeFind
 # item and memo entry; an empty set counts 4, a stand-in object 4, and a known
 # callable such as builtins.set counts the items it is given and returns.
 # Without the weights one byte of pickle could build 235 bytes of empty sets, or
-# copy a memoised million-item list again and again. 20 million caps memory
-# near 2 GB and time near 30 s (tests/test_limits.py measures it); torch.save
-# writes ~30 opcodes per tensor, which leaves room for 600,000 tensors.
+# copy a memoised million-item list again and again. tests/test_limits.py
+# measures at most 80 bytes and 2 us per unit, so 20 million bounds a pickle near
+# 1.6 GB and 40 s (SECURITY.md records the figures); torch.save writes ~30 opcodes
+# per tensor, which leaves room for 600,000 tensors.
 DEFAULT_MAX_ITEMS = 20_000_000
 # Bytes made by copying (bytearray(), _codecs.encode, numpy array data) may
 # exceed the pickle's own size by at most this much.
@@ -135,7 +136,7 @@ class Unpickler:
         persistent_load: resolves persistent ids (torch's storage references);
             when None, a persistent id is an error.
         source: the file name, for messages.
-        max_items: refuse pickles that build more container items than this.
+        max_items: the object budget (see ``DEFAULT_MAX_ITEMS``): refuse pickles that build more.
 
     After :meth:`load`, ``end`` is the offset just past the STOP opcode and
     ``foreign_globals`` counts the stand-ins created per global.

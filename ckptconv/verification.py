@@ -187,7 +187,11 @@ def _as_float64(ref: TensorRef, values: np.ndarray) -> np.ndarray:
 
 
 def _max_abs_difference(a: TensorRef, b: TensorRef) -> float:
-    """The largest |a - b|, computed in windows so memory stays bounded; nan if NaNs differ."""
+    """The largest |a - b|; nan if NaNs differ.
+
+    Both tensors are read whole (each bounded by its own size); their float64
+    copies are made ``_DIFF_ELEMENTS`` at a time, so the extra memory is a few windows.
+    """
     import numpy as np
 
     a_values = a.numpy().reshape(-1)

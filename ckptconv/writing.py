@@ -1,4 +1,4 @@
-"""Write: stream a state dict to ``.pt`` or safetensors, atomically.
+"""Write: stream a state dict to ``.pt``, safetensors, a sharded folder or a DCP folder, atomically.
 
 Bytes go from the input file to the output tensor by tensor, in bounded
 chunks, so memory stays bounded by the largest tensor. The output is written to
@@ -52,8 +52,8 @@ class WriteReport:
     """What :func:`save` wrote.
 
     Attributes:
-        path: the output file.
-        format: ``"pt"`` or ``"safetensors"``.
+        path: the output file, or folder.
+        format: ``"pt"``, ``"safetensors"`` or ``"dcp"``.
         tensors: keys written (aliases included).
         bytes: tensor bytes written.
         aliases: for safetensors, keys stored as references to another key's data.

@@ -478,3 +478,29 @@ def test_two_zip_records_of_one_name(tmp_path: Any) -> None:
         ckptconv.open(path)
     report = ckptconv.scan(path)
     assert report.verdict == "unsafe" and report.unsafe[0].name == "posix.system"
+
+
+def test_scan_answers_with_a_verdict_for_damaged_variants(corpus: list[tuple[Any, str]], tmp_path: Any) -> None:
+    """Random byte flips, cuts and insertions in every kind of sample: a verdict, never an exception."""
+    import random
+
+    rng = random.Random(17)
+    files = [path for _sample, path in corpus]
+    target = os.path.join(tmp_path, "mutant.bin")
+    verdicts = Counter()
+    for _ in range(400):
+        with open(rng.choice(files), "rb") as file:
+            data = bytearray(file.read())
+        for _ in range(rng.randint(1, 4)):
+            at = rng.randrange(max(len(data), 1))
+            kind = rng.randrange(3)
+            if kind == 0 and data:
+                data[at] = rng.randrange(256)
+            elif kind == 1:
+                del data[at : at + rng.randint(1, 8)]
+            else:
+                data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        _write(tmp_path, "mutant.bin", bytes(data))
+        verdicts[ckptconv.scan(target).verdict] += 1
+    assert set(verdicts) <= set(ckptconv.scanning.VERDICTS)
+    assert verdicts["unsafe"] and verdicts["damaged"]

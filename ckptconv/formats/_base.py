@@ -21,7 +21,8 @@ class ReadResult:
     """A file's content as a reader found it; :func:`ckptconv.open` wraps it in a Checkpoint.
 
     Attributes:
-        format: the format's name (``"torch-zip"``, ``"torch-legacy"``, ``"safetensors"``, ``"pickle"``).
+        format: the format's name (``"torch-zip"``, ``"torch-legacy"``, ``"safetensors"``, ``"pickle"``,
+            ``"sharded"``, ``"dcp"``).
         tree: the object the file holds, with :class:`~ckptconv.tensor.TensorRef` for tensors
             and stand-ins for foreign objects.
         foreign_globals: stand-in globals found, with how many objects each built.

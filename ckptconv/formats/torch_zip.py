@@ -179,7 +179,7 @@ def read(path: str, *, max_items: int | None = None, region: tuple[int, int] | N
 
     Args:
         path: the file.
-        max_items: limit on objects the pickle may build.
+        max_items: the pickle's object budget (see ``ckptconv.unpickler.DEFAULT_MAX_ITEMS``).
         region: ``(offset, length)`` when the checkpoint is embedded in a larger
             file (a chunk of a DCP ``.distcp`` file); record offsets are then
             reported in the outer file.
