@@ -37,7 +37,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import MalformedCheckpointError
+from . import read_policy
+from .errors import LoadError, MalformedCheckpointError
 from .tensor import FileRegion, Storage
 
 if TYPE_CHECKING:
@@ -108,7 +109,10 @@ def resident_fraction(path: str) -> float:
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     page = mmap.PAGESIZE
     pages = (size + page - 1) // page
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = read_policy.open_descriptor(path)  # regular files only (ckptconv.read_policy)
+    except (OSError, LoadError):
+        return 1.0
     try:
         address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if address is None or address == ctypes.c_void_p(-1).value:
@@ -159,8 +163,8 @@ class _DirectFiles:
         if self.mode == "auto" and resident_fraction(path) >= WARM_FRACTION:
             return None
         try:
-            return os.open(path, os.O_RDONLY | os.O_DIRECT)
-        except OSError:
+            return read_policy.open_descriptor(path, flags=os.O_DIRECT)
+        except (OSError, LoadError):
             return None
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ It prints nothing; progress is a parameter, and the report says what happened.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -22,6 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Union
 
+from . import write_policy
 from ._version import __version__
 from .discovery import FILE, Planned, discover, plan_outputs
 from .errors import DestinationError, OutputExistsError, WriteError
@@ -258,7 +260,8 @@ def batch(
     options = options.with_changes(to=kind)
     source = os.path.abspath(os.fspath(source_dir))
     output = os.path.abspath(os.fspath(output_dir))
-    if output == source:
+    # Compare real paths: SRC or DST spelled through a link is still the same folder.
+    if os.path.realpath(output) == os.path.realpath(source):
         raise WriteError(
             f"the output folder {os.fspath(output_dir)!r} is the source folder; choose another one", path=output
         )
@@ -266,7 +269,8 @@ def batch(
         raise WriteError(f"{os.fspath(output_dir)!r} is a file; the output must be a folder", path=output)
 
     globs = [glob] if isinstance(glob, str) else list(glob or ())
-    planned = plan_outputs(discover(source, globs=globs, exclude=[output]), kind)
+    notes: list[str] = []
+    planned = plan_outputs(discover(source, globs=globs, exclude=[output], notes=notes), kind)
     manifest_path = os.path.join(output, MANIFEST_NAME)
     fingerprint = _fingerprint(options)
     done = latest_conversions(manifest_path) if resume else {}
@@ -325,18 +329,18 @@ def batch(
                 source_mtime_ns=job.item.mtime_ns,
                 format=kind,
             )
-        return _report(source, output, "", planned, results, started, dry_run=dry_run)
+        return _report(source, output, "", planned, results, started, notes=notes, dry_run=dry_run)
     if executor == "local" and jobs > 1 and len(todo) > 1:
         check_sendable(options)  # before the output folder and the manifest exist
 
-    try:
-        os.makedirs(output, exist_ok=True)
-    except OSError as error:
-        raise WriteError(
-            f"cannot create the output folder {output!r}: {error.strerror or error}", path=output
-        ) from None
+    created = _make_output_folder(output)
     run = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + os.urandom(3).hex()
-    with Manifest(manifest_path, run=run, fingerprint=fingerprint) as manifest:
+    with contextlib.ExitStack() as stack:
+        try:
+            manifest = stack.enter_context(Manifest(manifest_path, run=run, fingerprint=fingerprint))
+        except BaseException:
+            write_policy.remove_folders(created)  # nothing was written: leave no empty folder behind
+            raise
         manifest.append(
             "run",
             {
@@ -363,6 +367,7 @@ def batch(
                 "jobs": jobs,
                 "items": len(planned),
                 "to_convert": len(todo),
+                "notes": list(notes),
             },
         )
         for result in refused:
@@ -391,7 +396,7 @@ def batch(
                     source_mtime_ns=job.item.mtime_ns,
                     format=kind,
                 )
-        report = _report(source, output, manifest_path, planned, results, started)
+        report = _report(source, output, manifest_path, planned, results, started, notes=notes)
         manifest.append(
             "end",
             {
@@ -404,6 +409,24 @@ def batch(
             },
         )
     return report
+
+
+def _make_output_folder(output: str) -> list[str]:
+    """Create DST (and missing parents); the folders created, so a failed start can remove them."""
+    missing = []
+    folder = output
+    while not os.path.lexists(folder):
+        missing.append(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    try:
+        os.makedirs(output, exist_ok=True)
+    except OSError as error:
+        write_policy.remove_folders(reversed(missing))
+        raise write_policy.os_error(error, output) from None
+    return list(reversed(missing))
 
 
 def _execute(
@@ -424,6 +447,7 @@ def _report(
     results: dict[str, ItemResult],
     started: float,
     *,
+    notes: Sequence[str] = (),
     dry_run: bool = False,
 ) -> BatchReport:
     ordered = tuple(results[plan.item.name] for plan in planned if plan.item.name in results)
@@ -434,4 +458,5 @@ def _report(
         results=ordered,
         duration_s=time.perf_counter() - started,
         dry_run=dry_run,
+        notes=tuple(notes),
     )

@@ -17,6 +17,7 @@ from typing import Any, Callable, ClassVar, TypeVar
 
 import click
 
+from ._text import shown as _shown
 from ._version import __version__
 from .report import EXIT_FAILED, EXIT_NEGATIVE, EXIT_UNSAFE, human_bytes
 
@@ -32,6 +33,16 @@ Exit codes:
      fit found no plan, batch items failed, scan found files that are
      not safe: foreign, damaged, not a checkpoint)
   4  scan found at least one unsafe file"""
+
+
+# ---------------------------------------------------------------------------------------
+# Printing: names from files reach the terminal escaped
+# ---------------------------------------------------------------------------------------
+
+
+def _echo(message: str, *, err: bool = False) -> None:
+    """One line on stdout (or stderr), escaped; ``--json`` output goes to click.echo unescaped (JSON escapes)."""
+    click.echo(_shown(message), err=err)
 
 
 # ---------------------------------------------------------------------------------------
@@ -55,18 +66,35 @@ class _Group(click.Group):
         except CkptconvError as error:
             if os.environ.get("CKPTCONV_DEBUG"):
                 raise
-            click.echo(f"ckptconv: error: {error}", err=True)
+            _echo(f"ckptconv: error: {error}", err=True)
             # A fit that cannot be made is a negative result with a report, not a failure.
             if isinstance(error, FitError) and error.report is not None:
                 for line in error.report.details():
-                    click.echo(f"  {line}", err=True)
+                    _echo(f"  {line}", err=True)
                 ctx.exit(EXIT_NEGATIVE)
             ctx.exit(EXIT_FAILED)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:
             if os.environ.get("CKPTCONV_DEBUG"):
                 raise
-            click.echo("ckptconv: interrupted; no output was written", err=True)
-            ctx.exit(130)
+            _echo(f"ckptconv: interrupted{_signal_name(interrupt)}; no output was written", err=True)
+            ctx.exit(_interrupted_code(interrupt))
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that it unwinds like Ctrl-C: every partial output is removed."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _signal_name(interrupt: BaseException) -> str:
+    return " (SIGTERM)" if isinstance(interrupt, Terminated) else ""
+
+
+def _interrupted_code(interrupt: BaseException) -> int:
+    """128 + the signal's number, as shells report it: 130 for Ctrl-C, 143 for SIGTERM."""
+    return 143 if isinstance(interrupt, Terminated) else 130
 
 
 # ---------------------------------------------------------------------------------------
@@ -108,6 +136,10 @@ class _RenameRule(click.ParamType):  # type: ignore[type-arg]
             )
             if not known:
                 self.fail(f"replacement {replacement!r} refers to a group {pattern!r} does not have", param, ctx)
+        try:
+            regex.sub(replacement, "")  # parses the template even where nothing matches: bad escapes such as \\x
+        except (re.error, IndexError) as error:
+            self.fail(f"replacement {replacement!r} is invalid: {error}", param, ctx)
         return pattern, replacement
 
 
@@ -143,9 +175,14 @@ class _Size(click.ParamType):  # type: ignore[type-arg]
             return value
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
         unit = match.group(2).upper() if match else ""
-        if not match or unit not in self._UNITS or float(match.group(1)) <= 0:
+        if not match or unit not in self._UNITS:
             self.fail(f"{value!r} is not a size such as 5GB, 500MB or 2GiB", param, ctx)
-        return int(float(match.group(1)) * self._UNITS[unit])
+        from fractions import Fraction
+
+        size = Fraction(match.group(1)) * self._UNITS[unit]  # exact: 0.1GB is 100000000 bytes
+        if size < 1 or size.denominator != 1:
+            self.fail(f"{value!r} is not a whole number of bytes of at least 1 (e.g. 5GB, 500MB, 2GiB)", param, ctx)
+        return int(size)
 
 
 class _Prefix(click.ParamType):  # type: ignore[type-arg]
@@ -347,7 +384,7 @@ def _pipeline(leading: Sequence[Any], options: dict[str, Any]) -> Any:
 
 def _say(quiet: bool, message: str) -> None:
     if not quiet:
-        click.echo(message, err=True)
+        _echo(message, err=True)
 
 
 def _run_conversion(
@@ -369,9 +406,9 @@ def _run_conversion(
         _say(quiet, f"{step.step}: {step.changed} changed, {step.unchanged} unchanged")
     if options["dry_run"]:
         for old, new in report.renames[:20]:
-            click.echo(f"{old} -> {new}")
+            _echo(f"{old} -> {new}")
         if len(report.renames) > 20:
-            click.echo(f"... and {len(report.renames) - 20} more")
+            _echo(f"... and {len(report.renames) - 20} more")
         _say(
             quiet,
             f"dry run: would write {report.tensors} tensors ({human_bytes(report.bytes)}) "
@@ -499,14 +536,14 @@ def verify(src: str, dst: str, select: str | None, trust: bool, **options: Any) 
     from .verification import verify as verify_files
 
     result = verify_files(src, dst, select=select, transforms=_pipeline([], options), trust=trust)
-    click.echo(result.summary())
+    _echo(result.summary())
     if not result.ok:
         for key in result.missing[:20]:
-            click.echo(f"  missing: {key}")
+            _echo(f"  missing: {key}")
         for key in result.unexpected[:20]:
-            click.echo(f"  unexpected: {key}")
+            _echo(f"  unexpected: {key}")
         for key, reason in result.mismatched[:20]:
-            click.echo(f"  differs: {key}: {reason}")
+            _echo(f"  differs: {key}: {reason}")
         sys.exit(EXIT_NEGATIVE)
 
 
@@ -536,16 +573,16 @@ def diff(a: str, b: str, select_a: str | None, select_b: str | None, trust: bool
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
         for key in result.only_in_a:
-            click.echo(f"only in A: {key}")
+            _echo(f"only in A: {key}")
         for key in result.only_in_b:
-            click.echo(f"only in B: {key}")
+            _echo(f"only in B: {key}")
         for item in result.differences:
             if item.reason == "values":
-                click.echo(f"values differ: {item.key}: max abs difference {item.max_abs_diff:g}")
+                _echo(f"values differ: {item.key}: max abs difference {item.max_abs_diff:g}")
             else:
-                click.echo(f"{item.reason} differs: {item.key}: {item.a} vs {item.b}")
+                _echo(f"{item.reason} differs: {item.key}: {item.a} vs {item.b}")
         verdict = "identical" if result.identical else "different"
-        click.echo(
+        _echo(
             f"{verdict}: {result.same} tensors identical, {len(result.differences)} differ, "
             f"{len(result.only_in_a)} only in A, {len(result.only_in_b)} only in B"
         )
@@ -561,10 +598,10 @@ def _print_devices(as_json: bool) -> None:
         click.echo(json.dumps([vars(device) for device in devices], indent=2))
         return
     if not devices:
-        click.echo("no GPU is visible to this process (torch.cuda.is_available() is False); loads go to the CPU")
+        _echo("no GPU is visible to this process (torch.cuda.is_available() is False); loads go to the CPU")
         return
     for device in devices:
-        click.echo(
+        _echo(
             f"{device.name}  physical {device.physical}  {device.model}  "
             f"{human_bytes(device.free_bytes)} free of {human_bytes(device.total_bytes)}"
             + (f"  pci {device.pci_bus_id}" if device.pci_bus_id else "")
@@ -616,43 +653,43 @@ def inspect(
         click.echo(json.dumps(info.to_dict(), indent=2))
         return
     devices = ", ".join(info.saved_devices) or "n/a"
-    click.echo(f"{info.path}: {info.format}, {human_bytes(info.size)}, saved on {devices}")
+    _echo(f"{info.path}: {info.format}, {human_bytes(info.size)}, saved on {devices}")
     if info.foreign_globals:
-        click.echo("stand-ins (classes from code that is not here; nothing was run):")
+        _echo("stand-ins (classes from code that is not here; nothing was run):")
         for name, count in info.foreign_globals.items():
-            click.echo(f"  {name}" + (f" ({count} object{'s' if count != 1 else ''})" if count else ""))
+            _echo(f"  {name}" + (f" ({count} object{'s' if count != 1 else ''})" if count else ""))
     if info.metadata:
-        click.echo("metadata:")
+        _echo("metadata:")
         for key, value in info.metadata.items():
-            click.echo(f"  {key}: {value if len(value) <= 100 else value[:97] + '...'}")
-    click.echo("contents:")
-    width = min(max((len(key) for key, _ in info.outline), default=0), 40)
+            _echo(f"  {key}: {value if len(value) <= 100 else value[:97] + '...'}")
+    _echo("contents:")
+    width = min(max((len(_shown(key)) for key, _ in info.outline), default=0), 40)
     for key, text in info.outline:
-        click.echo(f"  {key:<{width}}  {text}" if key else f"  {text}")
+        _echo(f"  {_shown(key):<{width}}  {text}" if key else f"  {text}")
     if info.selection_error:
-        click.echo(f"weights: not selected: {info.selection_error}")
+        _echo(f"weights: not selected: {info.selection_error}")
         return
     where = repr(info.selected) if info.selected else "the whole file"
     dtypes = ", ".join(f"{name}: {count}" for name, count in info.dtypes.items())
-    click.echo(
+    _echo(
         f"weights: {where}: {len(info.tensors)} tensors, {info.parameters:,} elements, "
         f"{human_bytes(info.tensor_bytes)} ({dtypes})"
     )
     if info.selection_note:
-        click.echo(f"note: {info.selection_note}")
+        _echo(f"note: {info.selection_note}")
     shown = info.tensors if limit is None else info.tensors[:limit]
     if shown:
-        key_width = min(max(len(t.key) for t in shown), 60)
-        click.echo(f"  {'key':<{key_width}}  {'dtype':<9}  shape")
+        key_width = min(max(len(_shown(t.key)) for t in shown), 60)
+        _echo(f"  {'key':<{key_width}}  {'dtype':<9}  shape")
         for tensor in shown:
             extra = ""
             if tensor.shares_with:
                 extra = f"  shares storage with {', '.join(tensor.shares_with[:3])}"
             elif tensor.is_view:
                 extra = "  view"
-            click.echo(f"  {tensor.key:<{key_width}}  {tensor.dtype:<9}  {list(tensor.shape)}{extra}")
+            _echo(f"  {_shown(tensor.key):<{key_width}}  {tensor.dtype:<9}  {list(tensor.shape)}{extra}")
     if limit is not None and len(info.tensors) > limit:
-        click.echo(f"  ... and {len(info.tensors) - limit} more")
+        _echo(f"  ... and {len(info.tensors) - limit} more")
 
 
 def _printable(text: str) -> str:
@@ -748,29 +785,31 @@ def batch(src: str, dst: str, **options: Any) -> None:
             dry_run=options["dry_run"],
             progress=not quiet and sys.stderr.isatty(),
         )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         if os.environ.get("CKPTCONV_DEBUG"):
             raise
         # Not the generic message: finished items are recorded, and --resume carries on.
-        click.echo(
-            f"ckptconv: interrupted; finished items are recorded in the manifest under {dst!r}; "
-            "run again with --resume to carry on",
+        _echo(
+            f"ckptconv: interrupted{_signal_name(interrupt)}; finished items are recorded in the manifest "
+            f"under {dst!r}; run again with --resume to carry on",
             err=True,
         )
-        click.get_current_context().exit(130)
+        click.get_current_context().exit(_interrupted_code(interrupt))
+    for note in report.notes:
+        _say(quiet, f"note: {note}")
     if not report.results:
         _say(quiet, f"found no checkpoints under {src!r}" + (" matching --glob" if options["globs"] else ""))
         return
     if report.dry_run:
         for result in report.results:
             if result.status == "planned":
-                click.echo(f"{result.source} -> {result.output}")
+                _echo(f"{result.source} -> {result.output}")
             elif result.status == "skipped":
-                click.echo(f"{result.source}: converted already, skipped")
+                _echo(f"{result.source}: converted already, skipped")
             else:
-                click.echo(f"{result.source}: cannot convert: {result.error}")
+                _echo(f"{result.source}: cannot convert: {result.error}")
     for result in report.failed:  # errors: shown even with -q
-        click.echo(f"failed: {result.source}: {result.error}", err=True)
+        _echo(f"failed: {result.source}: {result.error}", err=True)
     if report.cancelled:
         _say(quiet, f"stopped after the first failure (--fail-fast); {len(report.cancelled)} items were not started")
     manifest = f"; manifest: {report.manifest}" if report.manifest else "; nothing was written"
@@ -779,5 +818,14 @@ def batch(src: str, dst: str, **options: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the ``ckptconv`` console script and ``python -m ckptconv``."""
+    """Entry point of the ``ckptconv`` console script and ``python -m ckptconv``.
+
+    SIGTERM (``kill``, a job scheduler's time limit) is handled like Ctrl-C:
+    partial outputs are removed and the exit code is 143.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     cli.main(args=list(argv) if argv is not None else None, prog_name="ckptconv")

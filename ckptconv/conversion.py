@@ -85,6 +85,16 @@ class ConversionReport:
     source_sha256: str | None = None
 
 
+def _file_name(path: str) -> str:
+    """A path's last part as text: a name that is not UTF-8 (``caf\\xe9.pt``) shows its bytes as ``\\xNN``."""
+    name = os.path.basename(path)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(name).decode("utf-8", "backslashreplace")
+    return name
+
+
 def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> list[str]:
     if isinstance(step, Canonicalize):
         if not report.details:
@@ -214,7 +224,7 @@ def convert(
         metadata.update(
             {
                 "ckptconv.version": __version__,
-                "ckptconv.source": os.path.basename(checkpoint.path),
+                "ckptconv.source": _file_name(checkpoint.path),
                 "ckptconv.selected": selection.where,
                 "ckptconv.transforms": json.dumps(pipeline.describe() + (list(fit_report.plan) if fit_report else [])),
             }
@@ -244,7 +254,7 @@ def convert(
                 extra=extra,
                 max_shard_size=max_shard_size,
                 progress=progress,
-                inputs=[checkpoint.path],
+                inputs=checkpoint.files,
                 check=check if options.verify else None,
                 fsync=options.fsync,
             )

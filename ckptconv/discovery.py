@@ -28,6 +28,14 @@ Hidden files and folders (``.git``, the ``.partial`` files of unfinished
 writes) and everything else (``config.json``, ``README.md``) are left alone.
 With ``globs``, only items whose relative path matches one of them are kept.
 
+What is never read (:mod:`ckptconv.read_policy`), each skipped with a note:
+a link that leads outside the source folder (a zoo must not pull in files
+from elsewhere: follow it by copying the file in), and a FIFO, device or
+socket with a checkpoint's name (reading one would block or never end).
+Links to files that stay inside the source folder are followed; links to
+folders are never followed. Shards that an index names are part of its item,
+also when they lie in a subfolder, and never items of their own.
+
 Output names: the item's relative path, minus its checkpoint suffix, plus the
 suffix of the output format (``a/b/model.pth`` -> ``a/b/model.safetensors``,
 ``hf/model.safetensors.index.json`` -> ``hf/model.safetensors``,
@@ -41,11 +49,13 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Union
 
+from . import read_policy
 from .errors import LoadError
 from .suffixes import CHECKPOINT_SUFFIXES, DCP_DATA_SUFFIX, DCP_METADATA, INDEX_SUFFIX, SAFETENSORS_SUFFIX, TAR_SUFFIX
 
@@ -178,16 +188,53 @@ def unread_files(item: Item) -> list[str]:
     return extra
 
 
-def _index_shards(path: str) -> list[str] | None:
+def _index_shards(path: str, folder: str) -> list[str] | None:
     """The shard file names a ``*.index.json`` names; None if it is not a readable index."""
     from .errors import CkptconvError
     from .formats.sharded import read_index
 
     try:
-        weight_map, _ = read_index(path)
+        weight_map, _ = read_index(path, folder=folder)
     except (CkptconvError, OSError):
         return None
     return sorted({str(shard) for shard in weight_map.values()})
+
+
+def _refusal(path: str, root: str, excluded: Iterable[str] = ()) -> str:
+    """Why ``path`` (found under ``root``) must not be read, or ``""``."""
+    if os.path.islink(path):
+        if not read_policy.inside(path, root) and not read_policy.hub_blob(path, os.path.dirname(path)):
+            return f"a link that leads outside the source folder (to {os.readlink(path)!r}); not followed"
+        if any(read_policy.inside(path, folder) for folder in excluded):
+            return f"a link into the output folder (to {os.readlink(path)!r}); not followed"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return ""  # a dangling link: converting it says so
+    if not stat.S_ISREG(mode):
+        return f"{read_policy.kind_of(mode)}, not a regular file"
+    return ""
+
+
+def _looks_relevant(name: str) -> bool:
+    return (
+        name.lower().endswith((*CHECKPOINT_SUFFIXES, DCP_DATA_SUFFIX))
+        or name.endswith(INDEX_SUFFIX)
+        or name == DCP_METADATA
+    )
+
+
+def member_paths(item: Item) -> list[str]:
+    """The absolute paths of a sharded, DCP or run item's files (the item's own path for a single file)."""
+    if item.kind == FILE:
+        return [item.path]
+    folder = os.path.dirname(item.path) if item.kind == SHARDED else item.path
+    prefix = item.name.rsplit("/", 1)[0] if item.kind == SHARDED and "/" in item.name else ""
+    if item.kind in (DCP, RUN) and all(member.startswith(item.name + "/") for member in item.members):
+        prefix = item.name
+    return [
+        os.path.join(folder, *(member[len(prefix) + 1 :] if prefix else member).split("/")) for member in item.members
+    ]
 
 
 def _relative(root: str, path: str) -> str:
@@ -218,6 +265,7 @@ def discover(
     *,
     globs: Iterable[str] = (),
     exclude: Iterable[PathLike] = (),
+    notes: list[str] | None = None,
 ) -> list[Item]:
     """Every checkpoint under ``source_dir``, sorted by relative path.
 
@@ -225,7 +273,10 @@ def discover(
         source_dir: the folder to walk (recursively; links to folders are not followed).
         globs: keep only items whose relative path, or one of whose files,
             matches one of these (``"**/*.pth"``, ``"runs/*/last.ckpt"``).
-        exclude: folders to leave out (the output folder, when it is inside).
+        exclude: folders to leave out (the output folder, when it is inside),
+            whatever their spelling (links are resolved).
+        notes: when given, a sentence is appended for every file skipped because
+            it must not be read (a link leading outside, a FIFO): see the module docstring.
 
     Returns:
         One :class:`Item` per checkpoint.
@@ -239,20 +290,34 @@ def discover(
     """
     from .formats import is_checkpoint_file
 
-    root = os.path.abspath(os.fspath(source_dir))
-    if not os.path.exists(root):
-        raise LoadError(f"{os.fspath(source_dir)!r} does not exist; check the path", path=root)
-    if not os.path.isdir(root):
-        raise LoadError(f"{os.fspath(source_dir)!r} is not a folder; use `ckptconv convert` for one file", path=root)
-    excluded = {os.path.abspath(os.fspath(path)) for path in exclude}
+    given = os.path.abspath(os.fspath(source_dir))
+    if not os.path.exists(given):
+        raise LoadError(f"{os.fspath(source_dir)!r} does not exist; check the path", path=given)
+    if not os.path.isdir(given):
+        raise LoadError(f"{os.fspath(source_dir)!r} is not a folder; use `ckptconv convert` for one file", path=given)
+    root = os.path.realpath(given)  # SRC spelled through a link: walk (and compare) the real folder
+    excluded = {os.path.realpath(os.fspath(path)) for path in exclude}
     patterns = [_glob_regex(pattern) for pattern in globs]
     items: list[Item] = []
-    for folder, subfolders, filenames in os.walk(root):
+    claimed: set[str] = set()  # files an index in a folder above claimed as its shards
+    skipped = notes if notes is not None else []
+    for folder, subfolders, found_names in os.walk(root):
         subfolders[:] = sorted(
             name for name in subfolders if not name.startswith(".") and os.path.join(folder, name) not in excluded
         )
         rel_folder = _relative(root, folder)
-        names = sorted(filenames)
+        names = []
+        for name in sorted(found_names):
+            path = os.path.join(folder, name)
+            if path in claimed:
+                continue
+            reason = _refusal(path, root, excluded)
+            if reason:
+                if _looks_relevant(name):
+                    skipped.append(f"skipped {_join(rel_folder, name)!r}: {reason}")
+                continue
+            names.append(name)
+        filenames = set(names)
         taken: set[str] = set()
         found: list[Item] = []
         run = _run_members(folder)
@@ -273,11 +338,20 @@ def discover(
         for name in names:
             if name in taken or not name.endswith(INDEX_SUFFIX) or name.startswith("."):
                 continue
-            shards = _index_shards(os.path.join(folder, name))
+            shards = _index_shards(os.path.join(folder, name), folder)
             if shards is None:
                 continue  # some other *.index.json; not a checkpoint
-            present = [shard for shard in shards if shard in filenames]
-            found.append(_group(root, folder, rel_folder, name, SHARDED, [name, *present]))
+            present = [shard for shard in shards if "/" not in shard and shard in filenames]
+            below = [
+                shard
+                for shard in shards
+                if "/" in shard
+                and ".." not in shard.split("/")
+                and os.path.isfile(os.path.join(folder, *shard.split("/")))
+                and read_policy.within(os.path.join(folder, *shard.split("/")), folder)
+            ]
+            claimed.update(os.path.join(folder, *shard.split("/")) for shard in below)
+            found.append(_group(root, folder, rel_folder, name, SHARDED, [name, *present, *below]))
             taken.update([name, *present])
         for name in names:
             if name in taken or name.startswith("."):

@@ -26,7 +26,6 @@ import importlib
 import io
 import os
 import pickle
-import re
 import signal
 import subprocess
 import sys
@@ -41,9 +40,10 @@ from dataclasses import dataclass
 from queue import Queue
 from typing import IO, Any, Callable
 
+from . import write_policy
 from ._worker import read_frame, write_frame
-from .discovery import DCP, FILE, RUN, Item
-from .errors import CkptconvError, LoadError, TransformError, WriteError
+from .discovery import FILE, Item, member_paths
+from .errors import CkptconvError, LoadError, TransformError
 from .options import ConversionOptions
 from .report import CONVERTED, FAILED, ItemResult, OutputFile
 
@@ -129,17 +129,9 @@ def _snapshot(item: Item) -> tuple[int, int]:
     if item.kind == FILE:
         info = os.stat(item.path)
         return info.st_size, info.st_mtime_ns
-    root = os.path.dirname(item.path) if item.kind != DCP else item.path
-    if item.kind == RUN:
-        from .formats.deepspeed import checkpoint_files
-        from .formats.rank_shards import find_files
-
-        paths = checkpoint_files(item.path) or find_files(item.path) or []
-    else:
-        paths = [os.path.join(root, os.path.basename(member)) for member in item.members]
     size = mtime = 0
-    for path in paths:
-        info = os.stat(path)
+    for member in member_paths(item):  # shards in subfolders included
+        info = os.stat(member)
         size += info.st_size
         mtime = max(mtime, info.st_mtime_ns)
     return size, mtime
@@ -151,9 +143,13 @@ def _convert(job: Job) -> ItemResult:
     from .metadata import file_sha256, source_sha256
 
     item, options = job.item, job.options
-    _prepare_folder(job.output)
-    before = _snapshot(item) if os.path.exists(item.path) else None
-    report = convert(item.path, job.output, options=options, overwrite=options.overwrite or job.replace)
+    created = _prepare_folder(job)
+    try:
+        before = _snapshot(item) if os.path.exists(item.path) else None
+        report = convert(item.path, job.output, options=options, overwrite=options.overwrite or job.replace)
+    except BaseException:
+        write_policy.remove_folders(created)  # the folders made for an output that was not written
+        raise
     # The provenance hash convert() already took covers the source; hash only if it did not.
     source_sha = (report.source_sha256 or source_sha256(item.path)) if options.checksums else None
     after = _snapshot(item)
@@ -181,22 +177,18 @@ def _convert(job: Job) -> ItemResult:
     )
 
 
-def _prepare_folder(output: str) -> None:
-    """Create the output's folder, and remove what an earlier, killed run left there half-written."""
-    folder, name = os.path.split(output)
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as error:
-        raise WriteError(
-            f"cannot create the folder {folder!r}: {error.strerror or error}; nothing was written", path=output
-        ) from None
-    # writing.atomic_output writes to tempfile.mkstemp(prefix=".NAME.", suffix=".partial"): 8 random
-    # characters. The batch holds the manifest's lock and gives each output to one job, so these are ours.
-    stale = re.compile(rf"\.{re.escape(name)}\.[a-z0-9_]{{8}}\.partial\Z")
-    for entry in os.listdir(folder):
-        if stale.match(entry):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(folder, entry))
+def _prepare_folder(job: Job) -> list[str]:
+    """Create the output's folders inside DST (never through a link), and remove what an earlier,
+    killed run left there half-written; return the folders created."""
+    root = job.output
+    for _ in job.output_name.split("/"):
+        root = os.path.dirname(root)
+    from .writing import remove_abandoned
+
+    folder = os.path.dirname(job.output)
+    created = write_policy.make_folders(folder, root=root)
+    remove_abandoned(folder, os.path.basename(job.output))
+    return created
 
 
 # ---------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
-from .errors import FitError, KeyCollisionError, LoadError, UnsupportedFormatError
+from . import read_policy
+from .errors import CkptconvError, FitError, KeyCollisionError, LoadError, UnsupportedFormatError
 from .transforms import AddPrefix, Canonicalize, StripPrefix, Transform, canonical_keys
 
 if TYPE_CHECKING:
@@ -157,6 +158,8 @@ def reference_from(reference: Any) -> Reference:
 def _reference_from_file(path: str) -> Reference:
     from .loading import open as open_checkpoint
 
+    if not os.path.isdir(path):
+        read_policy.check_file(path)  # a FIFO or a device would hang or never end
     try:
         weights = open_checkpoint(path).select().weights
     except UnsupportedFormatError:
@@ -170,10 +173,10 @@ def _reference_from_file(path: str) -> Reference:
 def _key_list(path: str) -> tuple[str, ...] | None:
     """Keys from a text file, one per line ('#' comments and blank lines ignored), or None."""
     try:
-        with open(path, encoding="utf-8") as file:
-            lines = [line.strip() for line in file.read(50_000_000).splitlines()]
-    except (UnicodeDecodeError, OSError):
+        text = read_policy.read_limited(path, what="key list").decode("utf-8")
+    except (UnicodeDecodeError, CkptconvError):
         return None
+    lines = [line.strip() for line in text.splitlines()]
     keys = tuple(line.split()[0] for line in lines if line and not line.startswith("#"))
     return keys if keys and all(key.isprintable() for key in keys) else None
 

@@ -16,7 +16,7 @@ from typing import Any, Union
 
 from .errors import SelectionError
 from .loading import open as open_checkpoint
-from .selection import as_tensor, is_module
+from .selection import as_tensor, is_module, part_text
 from .standins import ForeignGlobal, ForeignObject, NumpyArray
 from .tensor import TensorRef
 
@@ -122,15 +122,15 @@ def describe_value(value: Any) -> str:
         text = repr(value)
         return text if len(text) <= 60 else text[:57] + "..."
     if value is None or isinstance(value, (bool, int, float, complex)):
-        return repr(value)
+        return part_text(value)
     return type(value).__name__
 
 
 def _outline(tree: Any) -> tuple[tuple[str, str], ...]:
     if isinstance(tree, Mapping) and not (as_tensor(next(iter(tree.values()), None)) is not None):
-        return tuple((str(key), describe_value(value)) for key, value in list(tree.items())[:200])
+        return tuple((part_text(key), describe_value(value)) for key, value in list(tree.items())[:200])
     if isinstance(tree, ForeignObject) and not is_module(tree):
-        return tuple((str(key), describe_value(value)) for key, value in list(tree.attributes().items())[:200])
+        return tuple((part_text(key), describe_value(value)) for key, value in list(tree.attributes().items())[:200])
     return (("", describe_value(tree)),)
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Union
 from . import formats
 from .errors import CkptconvError, LoadError, MalformedCheckpointError
 from .formats._base import ReadResult
-from .selection import Selection, children, select_weights
+from .selection import Selection, children, part_text, select_weights
 from .standins import NumpyArray
 from .tensor import TensorRef
 
@@ -69,6 +69,9 @@ class Checkpoint:
         metadata: the file's string metadata (safetensors ``__metadata__``).
         size: the file's size in bytes.
         trusted: True when the file was unpickled by torch with ``trust=True``.
+        files: every file the checkpoint consists of: the file itself, or the index
+            and all its shards, or ``.metadata`` and the chunk files. Writers never
+            replace or delete any of them.
     """
 
     path: str
@@ -79,6 +82,7 @@ class Checkpoint:
     metadata: Mapping[str, str] = field(default_factory=dict)
     size: int = 0
     trusted: bool = False
+    files: tuple[str, ...] = ()
 
     def select(self, select: str | None = None) -> Selection:
         """The model weights in this checkpoint; see :func:`ckptconv.selection.select_weights`."""
@@ -101,7 +105,7 @@ class Checkpoint:
                 continue
             seen.add(id(value))
             for key, child in reversed(children(value)):
-                stack.append((f"{path}.{key}" if path else str(key), child))
+                stack.append((f"{path}.{part_text(key)}" if path else part_text(key), child))
 
 
 def open(path: PathLike, *, trust: bool = False) -> Checkpoint:
@@ -145,6 +149,7 @@ def open(path: PathLike, *, trust: bool = False) -> Checkpoint:
             ) from error
         except OSError as error:
             raise LoadError(f"{path!r} cannot be read: {error.strerror or error}", path=path) from error
+    files = result.files or (path,)
     return Checkpoint(
         path=path,
         format=result.format,
@@ -152,14 +157,21 @@ def open(path: PathLike, *, trust: bool = False) -> Checkpoint:
         foreign_globals=dict(sorted(result.foreign_globals.items())),
         saved_devices=result.saved_devices,
         metadata=result.metadata,
-        size=_size(path),
+        size=_size(files),
         trusted=trust,
+        files=files,
     )
 
 
-def _size(path: str) -> int:
-    """Bytes on disk: the file, or every file of a sharded or DCP checkpoint."""
-    return sum(os.stat(file).st_size for file in formats.checkpoint_files(path))
+def _size(files: tuple[str, ...]) -> int:
+    """Bytes on disk of every file of the checkpoint."""
+    total = 0
+    for file in files:
+        try:
+            total += os.stat(file).st_size
+        except OSError as error:
+            raise LoadError(f"{file!r} cannot be read: {error.strerror or error}", path=file) from None
+    return total
 
 
 def load(

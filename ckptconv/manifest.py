@@ -27,15 +27,15 @@ An item record (``schema`` 1)::
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
+from . import read_policy, write_policy
 from ._version import __version__
-from .errors import WriteError
+from .errors import LoadError, WriteError
 from .report import CONVERTED, ItemResult
 
 __all__ = ["MANIFEST_NAME", "Manifest", "latest_conversions", "read_records"]
@@ -51,7 +51,14 @@ def now() -> str:
 
 def read_records(path: str) -> Iterator[dict[str, Any]]:
     """Every complete record in a manifest; a missing file has none, torn lines are skipped."""
-    with contextlib.suppress(FileNotFoundError), open(path, "rb") as file:
+    if not os.path.lexists(path):
+        return
+    write_policy.check_not_a_link(path)
+    try:
+        file = read_policy.open_file(path)
+    except LoadError as error:
+        raise WriteError(f"cannot use the manifest: {error}", path=path) from None
+    with file:
         for line in file:
             if not line.endswith(b"\n"):
                 continue  # the last line of a run that was killed mid-write
@@ -88,20 +95,14 @@ class Manifest:
         self._file: BinaryIO | None = None
 
     def __enter__(self) -> Manifest:
-        try:
-            file = open(self.path, "ab")
-        except OSError as error:
-            raise WriteError(
-                f"cannot write the manifest {self.path!r}: {error.strerror or error}", path=self.path
-            ) from None
+        # Never through a link, never a FIFO: see ckptconv.write_policy.
+        file = write_policy.open_append(self.path)
         try:
             _lock(file, self.path)
             # A run that was killed mid-line leaves a torn last line; start on a fresh one.
-            if file.tell() > 0:
-                with open(self.path, "rb") as reader:
-                    reader.seek(-1, os.SEEK_END)
-                    if reader.read(1) != b"\n":
-                        file.write(b"\n")
+            end = os.fstat(file.fileno()).st_size
+            if end > 0 and os.pread(file.fileno(), 1, end - 1) != b"\n":
+                file.write(b"\n")
         except BaseException:
             file.close()
             raise
@@ -120,9 +121,14 @@ class Manifest:
         record = {"record": kind, "schema": SCHEMA, "run": self.run, **fields}
         if kind == "item":
             record.update(finished_at=now(), options=self.fingerprint, ckptconv_version=__version__)
-        line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
         try:
-            self._file.write(line.encode("utf-8"))
+            data = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+        except UnicodeEncodeError:
+            # A file name that is not UTF-8 (or a lone surrogate in a name): JSON's \udcXX
+            # escapes keep it exact, and json.loads gives back the same str.
+            data = (json.dumps(record, ensure_ascii=True, separators=(",", ":")) + "\n").encode("ascii")
+        try:
+            self._file.write(data)
             self._file.flush()
             os.fsync(self._file.fileno())
         except OSError as error:

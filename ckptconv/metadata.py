@@ -17,6 +17,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from . import read_policy
+from .formats._base import json_bytes
 from .selection import Selection, as_tensor, is_training_state
 from .standins import ForeignGlobal, ForeignObject, NumpyArray
 
@@ -82,9 +84,13 @@ def checkpoint_metadata(tree: Any, selection: Selection) -> dict[str, Any]:
             continue
         try:
             plain = _plain(value)
-        except _NotData:
+        except (_NotData, ValueError):  # ValueError: str() of an integer key of thousands of digits
             continue
-        if len(json.dumps(plain)) <= MAX_ENTRY_BYTES:
+        try:
+            size = len(json.dumps(plain))
+        except ValueError:
+            continue  # e.g. an integer of more digits than Python converts to text (sys.get_int_max_str_digits)
+        if size <= MAX_ENTRY_BYTES:
             result[key] = plain
     return result
 
@@ -97,7 +103,7 @@ def file_sha256(path: str, chunk_bytes: int = 8 << 20, stop: threading.Event | N
     digest = hashlib.sha256()
     buffer = bytearray(chunk_bytes)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as file:
+    with read_policy.open_file(path) as file:
         while True:
             if stop is not None and stop.is_set():
                 return ""
@@ -130,4 +136,4 @@ def source_sha256(path: str, stop: threading.Event | None = None) -> str:
 
 def encode_entries(entries: Mapping[str, Any], prefix: str) -> dict[str, str]:
     """Metadata entries as strings (JSON), each under ``prefix + key``."""
-    return {f"{prefix}{key}": json.dumps(value, ensure_ascii=False) for key, value in entries.items()}
+    return {f"{prefix}{key}": json_bytes(value).decode("utf-8", "surrogatepass") for key, value in entries.items()}

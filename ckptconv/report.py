@@ -160,6 +160,8 @@ class BatchReport:
         results: one :class:`ItemResult` per item found, sorted by source path.
         duration_s: wall-clock seconds for the whole batch.
         dry_run: nothing was converted or written.
+        notes: sentences about the search itself: files skipped because they must
+            not be read (a link leading outside the source folder, a FIFO).
     """
 
     source_dir: str
@@ -168,6 +170,7 @@ class BatchReport:
     results: tuple[ItemResult, ...] = field(default_factory=tuple)
     duration_s: float = 0.0
     dry_run: bool = False
+    notes: tuple[str, ...] = ()
 
     def _with(self, status: str) -> tuple[ItemResult, ...]:
         return tuple(result for result in self.results if result.status == status)

@@ -44,6 +44,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from . import read_policy
 from .errors import CkptconvError, LoadError, MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from .unpickler import UnsafeFinding, recording_unsafe
 
@@ -228,13 +229,13 @@ def _embedded_pickles(path: str) -> list[tuple[str, bytes]]:
     disagrees with the local header) does not hide them.
     """
     try:
-        with open(path, "rb") as file:
+        with read_policy.open_file(path) as file:  # regular files only: a FIFO would never end
             head = file.read(8)
             if head.startswith(b"\x93NUMPY"):
                 return _npy_pickle(path, file)
             if head.startswith(b"PK\x03\x04"):
                 return _zip_pickles(path, file)
-    except OSError:
+    except (OSError, LoadError):
         return []
     return []
 

@@ -120,8 +120,16 @@ class Selection:
         return format_path(self.path)
 
 
+def part_text(part: Any) -> str:
+    """A key as text; an integer of more digits than Python turns into text shows its size instead."""
+    try:
+        return str(part)
+    except ValueError:  # sys.get_int_max_str_digits()
+        return f"<int of {abs(part).bit_length()} bits>"
+
+
 def format_path(path: tuple[PathPart, ...]) -> str:
-    return ".".join(str(part) for part in path)
+    return ".".join(part_text(part) for part in path)
 
 
 def as_tensor(value: Any) -> TensorRef | None:
@@ -316,9 +324,54 @@ def _holds_shards(root: Any) -> bool:
     return False
 
 
+# Tensors torch pickles through functions of their own, which ckptconv does not rebuild: they
+# stay inert stand-ins, so a state dict holding one is no state dict of plain tensors.
+_UNSUPPORTED_TENSORS = {
+    "torch._utils._rebuild_qtensor": "quantized",
+    "torch._utils._rebuild_sparse_tensor": "sparse",
+    "torch._utils._rebuild_sparse_csr_tensor": "sparse",
+    "torch._utils._rebuild_nested_tensor": "nested",
+    "torch._utils._rebuild_wrapper_subclass": "tensor-subclass",
+    "torch._utils._rebuild_mkldnn_tensor": "MKL-DNN",
+}
+_HINTS = {
+    "quantized": "dequantize them (tensor.dequantize())",
+    "sparse": "make them dense (tensor.to_dense())",
+    "nested": "unbind them into ordinary tensors (tensor.unbind())",
+}
+
+
+def _unsupported_tensors(root: Any, base: tuple[PathPart, ...], limit: int = 100_000) -> dict[str, list[str]]:
+    """Kinds of tensors ckptconv cannot read found under ``root``, with the paths of a few of each."""
+    found: dict[str, list[str]] = {}
+    seen: set[int] = set()
+    queue: list[tuple[tuple[PathPart, ...], Any]] = [(base, root)]
+    while queue and len(seen) < limit:
+        path, value = queue.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, ForeignObject):
+            kind = _UNSUPPORTED_TENSORS.get(value.qualname)
+            if kind is not None:
+                found.setdefault(kind, []).append(format_path(path))
+                continue
+        queue.extend(((*path, key), child) for key, child in _children(value))
+    return found
+
+
 def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: str, root: Any = None) -> Selection:
     if not candidates:
         where = f" under {format_path(base)!r}" if base else ""
+        unsupported = _unsupported_tensors(root, base) if root is not None else {}
+        if unsupported:
+            kinds = sorted(unsupported)
+            examples = ", ".join(repr(path) for kind in kinds for path in sorted(unsupported[kind])[:2])
+            hints = "; ".join(_HINTS[kind] for kind in kinds if kind in _HINTS) or "make them ordinary dense tensors"
+            raise SelectionError(
+                f"{source} holds {' and '.join(kinds)} tensors ({examples}), which ckptconv cannot convert; "
+                f"{hints} with torch and save again"
+            )
         if _holds_shards(root):
             raise SelectionError(
                 f"{source} holds DTensor/ShardedTensor shards: one rank's part of an FSDP or tensor-parallel "

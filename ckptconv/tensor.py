@@ -63,7 +63,9 @@ class FileRegion:
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[ReadInto]:
-        with open(self.path, "rb") as file:
+        from .read_policy import open_file
+
+        with open_file(self.path) as file:
             fd = file.fileno()
 
             def read_into(start: int, out: memoryview) -> None:
@@ -91,11 +93,18 @@ class ZipMember:
     def opened(self) -> Iterator[ReadInto]:
         """Reads over one open member: chunk after chunk decompresses the member once
         (reopening it per chunk made a large record cost quadratic time)."""
+        from .read_policy import open_file
+
+        file = open_file(self.path)
         try:
-            archive = zipfile.ZipFile(self.path)
+            archive = zipfile.ZipFile(file)
             member = archive.open(self.name)
         except _DECOMPRESS_ERRORS as error:
+            file.close()
             raise self._damaged(error) from None
+        except BaseException:
+            file.close()
+            raise
 
         def read_into(start: int, out: memoryview) -> None:
             try:
@@ -111,7 +120,7 @@ class ZipMember:
                 )
             out.cast("B")[:] = data
 
-        with archive, member:
+        with file, archive, member:
             yield read_into
 
     def paths(self) -> frozenset[str]:

@@ -16,16 +16,20 @@ import functools
 import mmap
 import os
 import re
+import stat
 import tempfile
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Union
 
+from . import write_policy
+from ._text import shown
 from .errors import CastOverflowError, DestinationError, OutputExistsError, WriteError
 from .formats import dcp, safetensors, sharded, torch_zip
 from .formats._base import MetadataValue, metadata_text, split_aliases
 from .formats.torch_zip import PlannedStorage
+from .read_policy import open_file
 from .suffixes import SAFETENSORS_SUFFIX, TAR_SUFFIX, TORCH_SUFFIXES
 from .tensor import FileRegion, TensorRef
 
@@ -120,14 +124,124 @@ def _source_paths(entries: Iterable[tuple[str, TensorRef]]) -> set[str]:
     return paths
 
 
-def _check_not_an_input(path: str, inputs: Iterable[str]) -> None:
-    for source in inputs:
-        same = os.path.abspath(source) == path
-        if not same and os.path.exists(path):
-            with contextlib.suppress(OSError):
-                same = os.path.samefile(source, path)
-        if same:
-            raise WriteError(f"refusing to write {path!r} onto its own input; choose another output path", path=path)
+# Temporary files are created with O_TMPFILE where the file system supports it: they
+# have no name until the finished file is linked into place, so a process killed by
+# SIGKILL leaves nothing behind. Elsewhere they are named ``.NAME.<random>.partial``
+# and locked (flock) for as long as their writer lives; a later write of the same
+# output removes the ones whose lock it can take, as their writer is provably gone.
+_USE_TMPFILE = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
+_PARTIAL = ".partial"
+
+
+def _lock(fd: int) -> bool:
+    """Take an exclusive lock without waiting; False when another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; stale partial files are then left for the user
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held by a live writer, or no locks on this file system
+    return True
+
+
+def remove_abandoned(folder: str, name: str) -> list[str]:
+    """Remove ``.NAME.*.partial`` files in ``folder`` whose writer is gone (their lock is free).
+
+    Returns:
+        The paths removed.
+    """
+    pattern = re.compile(rf"\.{re.escape(name)}\.[A-Za-z0-9_]{{8}}{re.escape(_PARTIAL)}\Z")
+    removed: list[str] = []
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return removed
+    for entry in entries:
+        if not pattern.match(entry):
+            continue
+        path = os.path.join(folder, entry)
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and _lock(fd):
+                current = os.lstat(path)
+                if (current.st_dev, current.st_ino) == (info.st_dev, info.st_ino):
+                    os.unlink(path)
+                    removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _temporary(folder: str, name: str) -> tuple[BinaryIO, str | None]:
+    """An open file to write the output to, and its name (None: it has none yet, O_TMPFILE)."""
+    if _USE_TMPFILE:
+        try:
+            fd = os.open(folder, os.O_TMPFILE | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except OSError as error:
+            if error.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+                raise
+        else:
+            _lock(fd)  # a name linked to it for a moment (overwrite) is then provably in use
+            file = os.fdopen(fd, "r+b")
+            file.raw.name = f"/proc/self/fd/{fd}"  # type: ignore[attr-defined]
+            return file, None
+    fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=_PARTIAL, dir=folder)
+    _lock(fd)
+    if hasattr(os, "fchmod"):
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; outputs get the usual mode
+    file = os.fdopen(fd, "r+b")
+    file.raw.name = temporary  # type: ignore[attr-defined]
+    return file, temporary
+
+
+def _publish(file: BinaryIO, temporary: str | None, target: str, *, overwrite: bool, shown: str) -> None:
+    """Give the finished temporary file its final name."""
+    folder, name = os.path.split(target)
+    exists = f"{shown!r} already exists; pass --overwrite to replace it"
+    if temporary is None:
+        directory = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            if not overwrite:
+                try:
+                    # linkat(AT_SYMLINK_FOLLOW) through /proc: the nameless file gets its name.
+                    os.link(file.name, name, dst_dir_fd=directory, follow_symlinks=True)
+                except FileExistsError:
+                    raise OutputExistsError(exists, path=target) from None
+                return
+            staged = f".{name}.{os.urandom(4).hex()}{_PARTIAL}"
+            os.link(file.name, staged, dst_dir_fd=directory, follow_symlinks=True)
+            try:
+                os.replace(staged, name, src_dir_fd=directory, dst_dir_fd=directory)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(staged, dir_fd=directory)
+                raise
+        finally:
+            os.close(directory)
+        return
+    if overwrite:
+        os.replace(temporary, target)
+        return
+    # link() refuses to replace, so a file that appeared meanwhile is never clobbered.
+    try:
+        os.link(temporary, target)
+    except FileExistsError:
+        raise OutputExistsError(exists, path=target) from None
+    except OSError:
+        if os.path.lexists(target):
+            raise
+        os.replace(temporary, target)  # filesystems without hard links
+    else:
+        os.unlink(temporary)
 
 
 def _umask() -> int:
@@ -147,6 +261,12 @@ def _umask() -> int:
 def atomic_output(path: PathLike, *, overwrite: bool = False, fsync: bool = True) -> Iterator[BinaryIO]:
     """A file to write; it appears at ``path`` only if the block finishes without error.
 
+    The file has no name while it is written (``O_TMPFILE``) where the file
+    system allows, so even SIGKILL leaves nothing; elsewhere it is a locked
+    ``.NAME.<random>.partial`` file, removed on any error, and by a later write
+    of the same output if its writer was killed. ``file.name`` is a path that
+    reads the unfinished file (for verification before it is published).
+
     With ``fsync`` the bytes reach the disk before the rename, so even a power
     cut never leaves a truncated file under the final name; without it the
     rename still protects against crashes and kills of the process.
@@ -155,42 +275,32 @@ def atomic_output(path: PathLike, *, overwrite: bool = False, fsync: bool = True
         OutputExistsError: ``path`` exists and ``overwrite`` is False.
         WriteError: the folder is missing or not writable, the disk is full, ...
     """
-    target = os.path.abspath(os.fspath(path))
+    shown = os.fspath(path)
+    target = os.path.abspath(shown)
     folder = os.path.dirname(target)
     if os.path.isdir(target):
-        raise WriteError(f"{os.fspath(path)!r} is a folder; give a file name for the output", path=target)
+        raise WriteError(f"{shown!r} is a folder; give a file name for the output", path=target)
     if not os.path.isdir(folder):
+        try:
+            os.stat(folder)
+        except OSError as error:
+            if error.errno == errno.ENAMETOOLONG:
+                raise write_policy.os_error(error, target) from None
         raise WriteError(f"folder {folder!r} does not exist; create it first", path=target)
     if os.path.lexists(target) and not overwrite:
-        raise OutputExistsError(f"{os.fspath(path)!r} already exists; pass --overwrite to replace it", path=target)
+        raise OutputExistsError(f"{shown!r} already exists; pass --overwrite to replace it", path=target)
+    remove_abandoned(folder, os.path.basename(target))
     try:
-        fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".partial", dir=folder)
+        file, temporary = _temporary(folder, os.path.basename(target))
     except OSError as error:
-        raise _write_error(error, target) from None
+        raise write_policy.os_error(error, target) from None
     try:
-        os.close(fd)
-        with open(temporary, "r+b") as file:  # by name, so file.name is the temporary path
+        with file:
             yield file
             file.flush()
             if fsync:
                 os.fsync(file.fileno())
-        os.chmod(temporary, 0o666 & ~_umask())
-        if overwrite:
-            os.replace(temporary, target)
-        else:
-            # link() refuses to replace, so a file that appeared meanwhile is never clobbered.
-            try:
-                os.link(temporary, target)
-            except FileExistsError:
-                raise OutputExistsError(
-                    f"{os.fspath(path)!r} already exists; pass --overwrite to replace it", path=target
-                ) from None
-            except OSError:
-                if os.path.lexists(target):
-                    raise
-                os.replace(temporary, target)  # filesystems without hard links
-            else:
-                os.unlink(temporary)
+            _publish(file, temporary, target, overwrite=overwrite, shown=shown)
         with contextlib.suppress(OSError):
             if not fsync:
                 raise OSError  # skip the directory sync too
@@ -200,29 +310,17 @@ def atomic_output(path: PathLike, *, overwrite: bool = False, fsync: bool = True
             finally:
                 os.close(directory)
     except BaseException as error:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
         if isinstance(error, OSError) and not isinstance(error, WriteError):
-            raise _write_error(error, target) from None
+            raise write_policy.os_error(error, target) from None
         raise
-
-
-def _write_error(error: OSError, path: str) -> WriteError:
-    reasons = {
-        errno.ENOSPC: "the disk is full",
-        errno.EDQUOT: "the disk quota is exceeded",
-        errno.EFBIG: "the file would exceed the allowed size",
-        errno.EACCES: "permission denied",
-        errno.EPERM: "permission denied",
-        errno.EROFS: "the file system is read-only",
-    }
-    reason = reasons.get(error.errno or 0, error.strerror or str(error))
-    return WriteError(f"cannot write {path!r}: {reason}; nothing was written", path=path)
 
 
 def _copy_file_region(source: FileRegion, start: int, length: int, file: BinaryIO) -> Iterator[int]:
     """Copy bytes file to file in the kernel where possible (no trip through Python)."""
-    with open(source.path, "rb") as src:
+    with open_file(source.path) as src:
         yield from _copy_range(src.fileno(), source.offset + start, length, file, source.path)
 
 
@@ -296,7 +394,7 @@ def _copy_file_region_with_crc(
     one window however large the tensor (mapped file pages count as RSS).
     """
     crc = 0
-    with open(source.path, "rb") as src, concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    with open_file(source.path) as src, concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         position = source.offset + start
         end = position + length
         while position < end:
@@ -349,7 +447,7 @@ def _progress_callback(progress: Progress, total: int, path: str) -> tuple[Calla
         unit="B",
         unit_scale=True,
         unit_divisor=1024,
-        desc=os.path.basename(path),
+        desc=shown(os.path.basename(path)),  # a file name could hold terminal escape sequences
         leave=False,
         dynamic_ncols=True,
     )
@@ -397,7 +495,9 @@ def save(
         max_shard_size: split into shards of at most this many bytes (a tensor
             larger than that gets a shard of its own).
         progress: show a progress bar on stderr, or a callable given byte counts.
-        inputs: other files that must not be overwritten (the checkpoint read).
+        inputs: other files that must never be written, replaced or deleted (every
+            file of the checkpoint read, :attr:`ckptconv.Checkpoint.files`); a folder
+            output may not be a folder that holds one of them.
         check: called with the finished output's path (the temporary file, or
             the folder once written); an exception from it leaves no output behind.
         fsync: flush the output to disk before it appears under its name
@@ -417,7 +517,7 @@ def save(
     """
     entries = _entries(state)
     target = os.path.abspath(os.fspath(path))
-    inputs = {*_source_paths(entries), *inputs}
+    protected = write_policy.Inputs([*_source_paths(entries), *inputs])
     folder_output = is_folder_destination(path, format, max_shard_size)
     kind = output_format(path, format, folder=folder_output)
     total = sum(ref.nbytes for _, ref in entries)
@@ -433,11 +533,11 @@ def save(
                 extra=extra,
                 max_shard_size=max_shard_size,
                 update=update,
-                inputs=inputs,
+                inputs=protected,
                 check=check,
                 fsync=fsync,
             )
-        _check_not_an_input(target, inputs)
+        protected.check_file(target)
         return _save_file(
             entries,
             target,
@@ -526,16 +626,14 @@ def _save_folder(
     extra: Mapping[str, Any] | None,
     max_shard_size: int | None,
     update: Callable[[int], None],
-    inputs: set[str],
+    inputs: write_policy.Inputs,
     check: Callable[[str], None] | None,
     fsync: bool,
 ) -> WriteReport:
     """Write a sharded or DCP folder: each file atomically, the index last, stale shards only with overwrite."""
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise WriteError(f"{folder!r} is a file; give a folder for a sharded or DCP output", path=folder)
-    parent = os.path.dirname(folder.rstrip(os.sep)) or "."
-    if not os.path.isdir(parent):
-        raise WriteError(f"folder {parent!r} does not exist; create it first", path=folder)
+    inputs.check_folder(folder)
     if kind == "dcp":
         plan = None
         names = [dcp.DATA_FILE, dcp.METADATA_FILE]
@@ -557,10 +655,10 @@ def _save_folder(
             path=folder,
         )
     for name in names:
-        _check_not_an_input(os.path.join(folder, name), inputs)
+        inputs.check_file(os.path.join(folder, name), action="replace")
     for name in stale:
-        _check_not_an_input(os.path.join(folder, name), inputs)
-    os.makedirs(folder, exist_ok=True)
+        inputs.check_file(os.path.join(folder, name), action="delete")
+    created = write_policy.make_folders(folder)
     written_files: list[str] = []
     aliases: dict[str, str] = {}
     try:
@@ -598,11 +696,13 @@ def _save_folder(
                     file.write(document)
                 written_files.append(os.path.join(folder, index_file))
         if check is not None:
-            check(folder)
+            # The files this write made, not whatever else the folder holds.
+            check(folder if plan is None else written_files[-1])
     except BaseException:
         for path in written_files:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        write_policy.remove_folders(created)
         raise
     for name in stale:
         with contextlib.suppress(FileNotFoundError):

@@ -84,54 +84,135 @@ def test_output_symlink_is_replaced_not_followed(source: Path, tmp_path: Path) -
     assert target.read_bytes() == b"precious" and not link.is_symlink()
 
 
-# A conversion slowed to one tensor per 20 ms, so the test can kill it mid-write.
+# A conversion slowed to one tensor per 20 ms, so the test can kill it mid-write. It touches
+# STARTED once a few tensors are written; CKPTCONV_TEST_NO_TMPFILE=1 makes it use named
+# temporary files, as on file systems without O_TMPFILE.
 _SLOW_CONVERT = """
-import sys, time
+import os, sys, time
 import ckptconv.writing as writing
+if os.environ.get("CKPTCONV_TEST_NO_TMPFILE"):
+    writing._USE_TMPFILE = False
 write_tensor, write_storage = writing._write_tensor, writing._write_planned_storage
+calls = []
+def started():
+    calls.append(1)
+    if len(calls) == 20:
+        open(os.environ["STARTED"], "w").close()
 def slow_tensor(*args, **kwargs):
     time.sleep(0.02)
+    started()
     yield from write_tensor(*args, **kwargs)
 def slow_storage(*args, **kwargs):
     time.sleep(0.02)
+    started()
     return write_storage(*args, **kwargs)
 writing._write_tensor, writing._write_planned_storage = slow_tensor, slow_storage
+import ckptconv._torch as torch_bridge
+to_torch = torch_bridge.to_torch
+def slow_to_torch(*args, **kwargs):  # DCP outputs are written by torch.save, one tensor at a time
+    time.sleep(0.02)
+    started()
+    return to_torch(*args, **kwargs)
+torch_bridge.to_torch = slow_to_torch
 from ckptconv.cli import main
 main(sys.argv[1:])
 """
 
 
+def _start_slow(tmp_path: Path, *args: str, tmpfile: bool = True) -> tuple[subprocess.Popen[str], Path]:
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    marker = work / "started"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "STARTED": str(marker)}
+    if not tmpfile:
+        env["CKPTCONV_TEST_NO_TMPFILE"] = "1"
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CONVERT, *args],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.poll() is None and not marker.exists():
+        time.sleep(0.01)
+    assert marker.exists() and process.poll() is None, "the write finished before it could be interrupted"
+    return process, marker
+
+
+@pytest.mark.parametrize("tmpfile", [True, False], ids=["O_TMPFILE", "named temporary"])
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 @pytest.mark.parametrize("previous", [False, True], ids=["no previous output", "previous output"])
-def test_sigkill_during_a_write_never_leaves_a_torn_output(suffix: str, previous: bool, tmp_path: Path) -> None:
+def test_sigkill_during_a_write_never_leaves_a_torn_output(
+    suffix: str, previous: bool, tmpfile: bool, tmp_path: Path
+) -> None:
     source = tmp_path / "many.pt"
     torch.save({f"t{i}": torch.full((4096,), float(i)) for i in range(300)}, source)
     output = tmp_path / f"out{suffix}"
     if previous:
         output.write_bytes(b"the previous complete output")
-    process = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_CONVERT, "convert", str(source), str(output), "--overwrite", "-q"],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    deadline = time.monotonic() + 60
-    partial: list[Path] = []
-    while time.monotonic() < deadline and process.poll() is None:
-        partial = [p for p in tmp_path.glob(f".{output.name}.*.partial") if p.stat().st_size > 100_000]
-        if partial:
-            break
-        time.sleep(0.01)
-    assert partial and process.poll() is None, "the write finished before it could be interrupted"
+    process, _ = _start_slow(tmp_path, "convert", str(source), str(output), "--overwrite", "-q", tmpfile=tmpfile)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
     if previous:
         assert output.read_bytes() == b"the previous complete output"
     else:
         assert not output.exists()
-    # The killed process's temporary file stays (see SECURITY.md); it never has the output's name,
-    # and the next conversion is not disturbed by it.
-    assert [p.name for p in tmp_path.glob(f".{output.name}.*.partial")] == [partial[0].name]
+    partial = list(tmp_path.glob(f".{output.name}.*.partial"))
+    if tmpfile:
+        assert partial == []  # the unfinished file never had a name
+    else:
+        assert len(partial) == 1 and partial[0].stat().st_size > 10_000
+    # The next write of the same output removes what a writer that is provably gone (its lock is
+    # free) left behind.
     assert _run("convert", str(source), str(output), "--overwrite", "-q") == (0, "")
-    assert len(list(tmp_path.glob(f".{output.name}.*.partial"))) == 1
+    assert list(tmp_path.glob(f".{output.name}.*.partial")) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["many.pt", output.name, "work"])
+
+
+def test_a_live_writers_temporary_file_is_never_removed(tmp_path: Path) -> None:
+    from ckptconv.writing import atomic_output, remove_abandoned
+
+    output = tmp_path / "out.pt"
+    from ckptconv import writing
+
+    saved = writing._USE_TMPFILE
+    writing._USE_TMPFILE = False
+    try:
+        with atomic_output(output) as file:
+            file.write(b"x" * 1000)
+            (partial,) = tmp_path.glob(".out.pt.*.partial")
+            # Another process (or this one) cleaning up must leave a file whose writer holds its lock.
+            code = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys; from ckptconv.writing import remove_abandoned as r; "
+                    "sys.exit(len(r(sys.argv[1], 'out.pt')))",
+                    str(tmp_path),
+                ],
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                timeout=60,
+                check=False,
+            ).returncode
+            assert code == 0 and partial.exists()
+    finally:
+        writing._USE_TMPFILE = saved
+    assert output.read_bytes() == b"x" * 1000 and remove_abandoned(str(tmp_path), "out.pt") == []
+
+
+@pytest.mark.parametrize("tmpfile", [True, False], ids=["O_TMPFILE", "named temporary"])
+@pytest.mark.parametrize("layout", ["file", "shards", "dcp"])
+def test_sigterm_is_handled_like_ctrl_c(layout: str, tmpfile: bool, tmp_path: Path) -> None:
+    source = tmp_path / "many.pt"
+    torch.save({f"t{i}": torch.full((4096,), float(i)) for i in range(300)}, source)
+    output = tmp_path / ("out.safetensors" if layout == "file" else "out")
+    extra = {"file": [], "shards": ["--max-shard-size", "100KB"], "dcp": ["--to", "dcp"]}[layout]
+    process, _ = _start_slow(tmp_path, "convert", str(source), str(output), *extra, tmpfile=tmpfile)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr
+    assert stderr == "ckptconv: interrupted (SIGTERM); no output was written\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many.pt", "work"]
 
 
 _LIMITED = """

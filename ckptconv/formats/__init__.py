@@ -9,10 +9,10 @@ checkpoints and ``pytorch_model.bin`` is sometimes a Lightning checkpoint.
 from __future__ import annotations
 
 import os
-import stat
 import zipfile
 from typing import Callable
 
+from .. import read_policy
 from ..errors import LoadError, UnsupportedFormatError
 from ..suffixes import CHECKPOINT_SUFFIXES, INDEX_SUFFIXES
 from . import dcp, deepspeed, megatron, rank_shards, raw_pickle, safetensors, sharded, torch_legacy, torch_zip
@@ -55,6 +55,7 @@ def resolve(path: str) -> tuple[str, str]:
             return rank_shards.FORMAT, path
         index = sharded.find_index(path)
         if index is not None:
+            read_policy.check_file(index, folder=path)
             return sharded.FORMAT, index
         candidates = sorted(
             name
@@ -65,6 +66,7 @@ def resolve(path: str) -> tuple[str, str]:
         )
         if len(candidates) == 1:
             single = os.path.join(path, candidates[0])
+            read_policy.check_file(single, folder=path)
             return detect(single), single
         found = f" it holds {', '.join(candidates[:6])}" if candidates else " it holds no checkpoint files"
         raise UnsupportedFormatError(
@@ -83,19 +85,16 @@ def is_checkpoint_file(path: str) -> bool:
     if os.path.basename(path).lower().endswith(CHECKPOINT_SUFFIXES):
         return True
     try:
-        with open(path, "rb") as file:
+        with read_policy.open_file(path) as file:  # regular files only: never block on a FIFO
             head = file.read(_HEAD_BYTES)
-        size = os.stat(path).st_size
-    except OSError:
+            size = os.fstat(file.fileno()).st_size
+            if safetensors.looks_safetensors(head, size) or torch_legacy.looks_legacy(head):
+                return True
+            if torch_zip.is_zip(head):
+                with zipfile.ZipFile(file) as archive:
+                    return any(member.endswith("/data.pkl") or member == "data.pkl" for member in archive.namelist())
+    except (OSError, LoadError, zipfile.BadZipFile, ValueError):
         return False
-    if safetensors.looks_safetensors(head, size) or torch_legacy.looks_legacy(head):
-        return True
-    if torch_zip.is_zip(head):
-        try:
-            with zipfile.ZipFile(path) as archive:
-                return any(member.endswith("/data.pkl") or member == "data.pkl" for member in archive.namelist())
-        except (OSError, zipfile.BadZipFile, ValueError):
-            return False
     return False
 
 
@@ -145,28 +144,15 @@ def detect(path: str) -> str:
         LoadError: the path is missing, unreadable or a folder.
         UnsupportedFormatError: the file is empty, a placeholder, or another kind of file.
     """
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise LoadError(f"{path!r} does not exist; check the path", path=path) from None
-    except PermissionError:
-        raise LoadError(f"{path!r} cannot be read: permission denied", path=path) from None
-    except OSError as error:
-        raise LoadError(f"{path!r} cannot be read: {error.strerror or error}", path=path) from None
-    if stat.S_ISDIR(info.st_mode):
-        raise UnsupportedFormatError(f"{path!r} is a folder; give the checkpoint file inside it", path=path)
     if path.endswith(INDEX_SUFFIXES):
+        read_policy.check_file(path)
         return sharded.FORMAT
-    if not stat.S_ISREG(info.st_mode):
-        raise UnsupportedFormatError(f"{path!r} is not a regular file", path=path)
-    try:
-        with open(path, "rb") as file:
+    with read_policy.open_file(path) as file:
+        try:
             head = file.read(_HEAD_BYTES)
-    except PermissionError:
-        raise LoadError(f"{path!r} cannot be read: permission denied", path=path) from None
-    except OSError as error:
-        raise LoadError(f"{path!r} cannot be read: {error.strerror or error}", path=path) from None
-    size = info.st_size
+            size = os.fstat(file.fileno()).st_size
+        except OSError as error:
+            raise LoadError(f"{path!r} cannot be read: {error.strerror or error}", path=path) from None
     if size == 0:
         raise UnsupportedFormatError(f"{path!r} is empty (0 bytes); the download or save did not finish", path=path)
     if torch_zip.is_zip(head):

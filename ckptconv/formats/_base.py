@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ class ReadResult:
         foreign_globals: stand-in globals found, with how many objects each built.
         saved_devices: devices the storages were saved from (``"cuda:1"``).
         metadata: string metadata carried by the format (safetensors ``__metadata__``).
+        files: every file the checkpoint consists of (index and shards, ``.metadata``
+            and chunk files); empty for a single file.
     """
 
     format: str
@@ -35,6 +38,7 @@ class ReadResult:
     foreign_globals: Counter[str] = field(default_factory=Counter)
     saved_devices: frozenset[str] = frozenset()
     metadata: dict[str, str] = field(default_factory=dict)
+    files: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,15 @@ def metadata_text(value: MetadataValue) -> str:
             raise AssertionError(f"deferred metadata resolved to {text!r}, not {value.length} ASCII characters")
         return text
     return value
+
+
+def json_bytes(value: Any, **options: Any) -> bytes:
+    """``value`` as UTF-8 JSON; strings holding lone surrogates (from names that are not UTF-8)
+    fall back to JSON's ``\\uXXXX`` escapes, which ``json.loads`` reads back exactly."""
+    try:
+        return json.dumps(value, ensure_ascii=False, **options).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value, ensure_ascii=True, **options).encode("ascii")
 
 
 def pickle_location(value: Any, source: str) -> str:

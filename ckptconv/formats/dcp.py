@@ -32,6 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .. import read_policy
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..standins import ForeignObject
 from ..suffixes import DCP_DATA_SUFFIX, DCP_METADATA
@@ -52,12 +53,20 @@ _DCP_CLASSES = ("torch.distributed.checkpoint.", "torch.serialization._get_layou
 
 
 def is_dcp_folder(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, METADATA_FILE))
+    """True when ``path`` holds a ``.metadata`` entry (whatever it is: :func:`read` checks it)."""
+    return os.path.lexists(os.path.join(path, METADATA_FILE))
 
 
 def checkpoint_files(folder: str) -> list[str]:
     """``.metadata`` and the data files: the files the checkpoint is made of."""
-    data = sorted(name for name in os.listdir(folder) if name.endswith(DCP_DATA_SUFFIX))
+    data = sorted(
+        name
+        for name in os.listdir(folder)
+        if name.endswith(DCP_DATA_SUFFIX)
+        # only what may be read: regular files inside the folder (see ckptconv.read_policy)
+        and os.path.isfile(os.path.join(folder, name))
+        and read_policy.within(os.path.join(folder, name), folder)
+    )
     return [os.path.join(folder, name) for name in (METADATA_FILE, *data)]
 
 
@@ -154,24 +163,17 @@ class Assembled:
 
 
 def _chunk_file(folder: str, relative: Any) -> str:
-    """The data file a chunk lives in; never anything outside the checkpoint folder."""
-    if not isinstance(relative, str) or not relative or os.path.isabs(relative) or ".." in relative.split("/"):
-        raise _damaged(folder, f"a chunk points to {relative!r}, outside the checkpoint folder")
-    target = os.path.join(folder, relative)
-    if os.path.commonpath([os.path.realpath(target), os.path.realpath(folder)]) != os.path.realpath(folder):
-        raise _damaged(folder, f"chunk file {relative!r} resolves outside the checkpoint folder")
-    if not os.path.isfile(target):
-        raise MalformedCheckpointError(f"{folder!r} is incomplete: data file {relative!r} is missing", path=folder)
-    return target
+    """The data file a chunk lives in; never anything outside the checkpoint folder (:mod:`.read_policy`)."""
+    return read_policy.member(folder, relative, source=folder, what="data file")
 
 
 def read(folder: str, *, max_items: int | None = None) -> ReadResult:
     """Read a DCP folder lazily: every tensor is a chunk of a data file, or several chunks read as one."""
-    metadata_path = os.path.join(folder, METADATA_FILE)
+    metadata_path = read_policy.member(folder, METADATA_FILE, source=folder, what="metadata file")
     if os.path.getsize(metadata_path) > MAX_METADATA_BYTES:
         raise _damaged(folder, f"its .metadata is larger than {MAX_METADATA_BYTES >> 20} MiB")
-    with open(metadata_path, "rb") as file:
-        unpickler = Unpickler(file.read(), source=metadata_path, max_items=max_items or DEFAULT_MAX_ITEMS)
+    raw = read_policy.read_limited(metadata_path, limit=MAX_METADATA_BYTES, folder=folder, what="DCP .metadata")
+    unpickler = Unpickler(raw, source=metadata_path, max_items=max_items or DEFAULT_MAX_ITEMS)
     tree = unpickler.load()
     unpickler.check_end()
     metadata = _fields(tree, folder, ".metadata")
@@ -201,12 +203,14 @@ def read(folder: str, *, max_items: int | None = None) -> ReadResult:
         if type(start) is not int or type(length) is not int or start < 0 or length <= 0:
             raise _damaged(folder, f"{fqn!r} has data at offset {start!r}, length {length!r}")
         path = _chunk_file(folder, info.get("relative_path"))
+        files[path] = None
         if start + length > os.path.getsize(path):
             raise MalformedCheckpointError(f"{path!r} is truncated: {fqn!r} ends past its end", path=path)
         return path, start, length
 
     flat: dict[str, Any] = {}
     devices: set[str] = set()
+    files: dict[str, None] = {metadata_path: None}
     for fqn, entry in tensors.items():
         if not isinstance(fqn, str):
             raise _damaged(folder, f"it names an entry {fqn!r}")
@@ -218,7 +222,13 @@ def read(folder: str, *, max_items: int | None = None) -> ReadResult:
             flat[fqn] = torch_zip.read(path, region=(start, length), max_items=max_items).tree
     tree = _nest(flat, metadata.get("planner_data"))
     foreign = {name: count for name, count in unpickler.foreign_globals.items() if not name.startswith(_DCP_CLASSES)}
-    return ReadResult(FORMAT, tree, foreign_globals=foreign, saved_devices=frozenset(devices))  # type: ignore[arg-type]
+    return ReadResult(
+        FORMAT,
+        tree,
+        foreign_globals=foreign,  # type: ignore[arg-type]
+        saved_devices=frozenset(devices),
+        files=tuple(files),
+    )
 
 
 def _tensor(
@@ -328,7 +338,15 @@ def write(
         for key, ref in entries:
             tensor = to_torch({key: ref})[key]
             start = data_file.tell()
-            torch.save(tensor, data_file)
+            try:
+                torch.save(tensor, data_file)
+            except RuntimeError as error:
+                # An interruption (Ctrl-C, SIGTERM) or a failed write inside torch.save is replaced by
+                # the RuntimeError its zip writer raises while closing ("unexpected pos"): report the cause.
+                cause = error.__context__
+                if isinstance(cause, (KeyboardInterrupt, OSError)):
+                    raise cause from None
+                raise
             length = data_file.tell() - start
             origin = torch.Size([0] * tensor.dim())
             state_dict_metadata[key] = dcp.TensorStorageMetadata(

@@ -7,7 +7,9 @@ arrays. The file is read into memory once; arrays become in-memory tensors.
 
 from __future__ import annotations
 
+from .. import read_policy
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from ..standins import short_repr
 from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
 from ._base import ReadResult
 
@@ -17,7 +19,7 @@ FORMAT = "pickle"
 
 
 def read(path: str, *, max_items: int | None = None) -> ReadResult:
-    with open(path, "rb") as file:
+    with read_policy.open_file(path) as file:
         data = file.read()
     unpickler = Unpickler(data, source=path, max_items=max_items or DEFAULT_MAX_ITEMS)
     try:
@@ -31,5 +33,12 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
             f"{data[:8].hex(' ')}); expected a torch.save file, a pickle or safetensors",
             path=path,
         ) from None
+    if data[unpickler.end : unpickler.end + 1] == b"\x80" and not isinstance(tree, (dict, list)):
+        # A plain pickle is one pickle; a legacy torch.save file is several, the first of them a magic number.
+        raise MalformedCheckpointError(
+            f"{path!r} holds several pickles one after another, as a legacy torch.save file does, but the "
+            f"first is {short_repr(tree)} instead of torch's magic number; the file is damaged",
+            path=path,
+        )
     unpickler.check_end()
     return ReadResult(FORMAT, tree, unpickler.foreign_globals)

@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, BinaryIO, Callable
 
+from .. import read_policy
 from ..dtypes import dtype_by_safetensors_code
 from ..errors import MalformedCheckpointError, WriteError
 from ..tensor import FileRegion, Storage, TensorRef, contiguous_strides
@@ -41,6 +42,19 @@ def looks_safetensors(head: bytes, size: int) -> bool:
     return 2 <= header_length <= size - 8 and head[8:9] == b"{"
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _utf8_text(text: str) -> str:
+    """Metadata text as UTF-8 can store it: lone surrogates become ``\\udcXX`` escapes."""
+    return text if _is_utf8(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _damaged(path: str, detail: str) -> MalformedCheckpointError:
     return MalformedCheckpointError(f"{path!r} is a damaged safetensors file: {detail}", path=path)
 
@@ -56,8 +70,8 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def read_header(path: str) -> tuple[dict[str, Any], int, int]:
     """The parsed JSON header, the offset where tensor data starts, and the file size."""
-    size = os.stat(path).st_size
-    with open(path, "rb") as file:
+    with read_policy.open_file(path) as file:
+        size = os.fstat(file.fileno()).st_size
         prefix = file.read(8)
         if len(prefix) < 8:
             raise _damaged(path, "it is shorter than its 8-byte header length")
@@ -200,11 +214,20 @@ def write(
     # as the safetensors library does.
     unique.sort(key=lambda item: (-item[1].out_dtype.itemsize, item[0]))
 
+    for key, _ in entries:
+        if not _is_utf8(key):
+            raise WriteError(
+                f"tensor {key!r} has a name that is not valid Unicode (a lone surrogate), and safetensors "
+                "stores names as UTF-8; rename it (--rename) or write a .pt file (--to pt)"
+            )
     header: dict[str, Any] = {}
     deferred = {key: value for key, value in (metadata or {}).items() if isinstance(value, Deferred)}
     all_metadata = {
         "format": "pt",
-        **{k: v.placeholder if isinstance(v, Deferred) else v for k, v in (metadata or {}).items()},
+        **{
+            _utf8_text(k): v.placeholder if isinstance(v, Deferred) else _utf8_text(v)
+            for k, v in (metadata or {}).items()
+        },
     }
     if aliases:
         all_metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)

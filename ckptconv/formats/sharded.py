@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import read_policy
 from ..errors import MalformedCheckpointError
 from ..suffixes import INDEX_SUFFIXES
 from ..tensor import TensorRef
-from ._base import ReadResult
+from ._base import ReadResult, json_bytes
 
 __all__ = ["ShardPlan", "checkpoint_files", "plan_shards", "read", "shard_names"]
 
@@ -38,38 +39,27 @@ def _damaged(path: str, detail: str) -> MalformedCheckpointError:
 
 
 def shard_path(index_path: str, name: Any) -> str:
-    """The file a ``weight_map`` entry names; never anything outside the index's folder."""
+    """The file a ``weight_map`` entry names; never anything outside the index's folder (:mod:`.read_policy`)."""
     folder = os.path.dirname(os.path.abspath(index_path))
-    if (
-        not isinstance(name, str)
-        or not name
-        or os.path.isabs(name)
-        or "\\" in name
-        or any(part in ("", ".", "..") for part in name.split("/"))
-    ):
-        raise _damaged(index_path, f"its weight_map names {name!r}, which is not a file inside its folder")
-    target = os.path.join(folder, name)
-    real_folder = os.path.realpath(folder)
-    if os.path.commonpath([os.path.realpath(target), real_folder]) != real_folder:
-        raise _damaged(index_path, f"shard {name!r} is a link that leads outside the checkpoint folder")
-    if not os.path.isfile(target):
-        raise MalformedCheckpointError(
-            f"{index_path!r} lists shard {name!r}, which is missing; download or copy every shard", path=index_path
-        )
-    return target
+    if isinstance(name, str) and name.endswith(INDEX_SUFFIXES):
+        raise _damaged(index_path, f"its weight_map names the index {name!r} as a shard")
+    return read_policy.member(folder, name, source=index_path, what="shard")
 
 
-def read_index(index_path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_index(index_path: str, *, folder: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """An index's ``weight_map`` (names to shard files, not yet checked) and its ``metadata``.
 
+    Args:
+        index_path: the index file (a regular file of at most :data:`MAX_INDEX_BYTES`).
+        folder: when given, the index must lie inside it (links included).
+
     Raises:
+        LoadError: the file is not a regular file (a FIFO, a device), or leads out of ``folder``.
         MalformedCheckpointError: the file is too large, not JSON, or has no weight_map.
     """
-    if os.path.getsize(index_path) > MAX_INDEX_BYTES:
-        raise _damaged(index_path, f"it is larger than {MAX_INDEX_BYTES} bytes")
+    raw = read_policy.read_limited(index_path, limit=MAX_INDEX_BYTES, folder=folder, what="shard index")
     try:
-        with open(index_path, encoding="utf-8") as file:
-            index = json.load(file)
+        index = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise _damaged(index_path, f"it is not valid JSON ({error})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -94,9 +84,14 @@ def read(index_path: str, *, max_items: int | None = None) -> ReadResult:
     shards: dict[str, dict[str, Any]] = {}
     foreign: dict[str, int] = {}
     devices: set[str] = set()
+    files = [index_path]
     for name in dict.fromkeys(weight_map.values()):
         path = shard_path(index_path, name)
-        result = READERS[detect(path)](path)
+        files.append(path)
+        kind = detect(path)
+        if kind in (FORMAT, "dcp"):
+            raise _damaged(index_path, f"its weight_map names {name!r}, which is not a single checkpoint file")
+        result = READERS[kind](path)
         shards[name] = select_weights(result.tree, source=repr(path)).weights
         for global_name, count in result.foreign_globals.items():
             foreign[global_name] = foreign.get(global_name, 0) + count
@@ -116,7 +111,7 @@ def read(index_path: str, *, max_items: int | None = None) -> ReadResult:
             if key not in tree:
                 tree[key] = tensor
     text_metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
-    return ReadResult(FORMAT, tree, foreign, frozenset(devices), text_metadata)  # type: ignore[arg-type]
+    return ReadResult(FORMAT, tree, foreign, frozenset(devices), text_metadata, tuple(files))  # type: ignore[arg-type]
 
 
 def find_index(folder: str) -> str | None:
@@ -194,4 +189,4 @@ def family_pattern(kind: str) -> re.Pattern[str]:
 
 def index_document(weight_map: dict[str, str], total_size: int, metadata: dict[str, str]) -> bytes:
     document = {"metadata": {"total_size": total_size, **metadata}, "weight_map": dict(sorted(weight_map.items()))}
-    return (json.dumps(document, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    return json_bytes(document, indent=2) + b"\n"

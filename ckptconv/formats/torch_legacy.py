@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Literal
 
+from .. import read_policy
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..standins import ForeignGlobal, StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, read_exactly_into
@@ -66,9 +67,9 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
     The pickles come first and are usually small, so they are parsed from a
     buffer that grows only if a pickle runs past it.
     """
-    size = os.stat(path).st_size
-    buffer_size = min(size, _FIRST_READ)
-    with open(path, "rb") as file:
+    with read_policy.open_file(path) as file:
+        size = os.fstat(file.fileno()).st_size
+        buffer_size = min(size, _FIRST_READ)
         while True:
             file.seek(0)
             head = file.read(buffer_size)

@@ -32,12 +32,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
 
+from .. import read_policy
 from ..dtypes import DType
 from ..errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from ..standins import StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
 from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
-from ._base import MetadataValue, ReadResult, metadata_text, pickle_location
+from ._base import MetadataValue, ReadResult, json_bytes, metadata_text, pickle_location
 
 __all__ = ["read", "write"]
 
@@ -187,7 +188,7 @@ def read(path: str, *, max_items: int | None = None, region: tuple[int, int] | N
     Raises:
         LoadError: the archive is not a torch checkpoint, is damaged, or is unsafe.
     """
-    with open(path, "rb") as outer:
+    with read_policy.open_file(path) as outer:
         base = region[0] if region else 0
         source: Any = _Window(outer, region[0], region[1]) if region else outer
         try:
@@ -680,7 +681,7 @@ def write(
     writer.write_bytes(f"{ROOT}/version", b"3\n")
     if metadata:
         resolved = {key: metadata_text(value) for key, value in metadata.items()}
-        writer.write_bytes(f"{ROOT}/{METADATA_RECORD}", json.dumps(resolved, ensure_ascii=False).encode("utf-8"))
+        writer.write_bytes(f"{ROOT}/{METADATA_RECORD}", json_bytes(resolved))
     writer.write_bytes(f"{ROOT}/.data/serialization_id", os.urandom(20).hex().encode())
     writer.close()
     return sum(storage.nbytes for storage in storages)
