@@ -482,3 +482,12 @@ def test_a_layout_that_disagrees_with_param_slice_mappings_is_refused(tmp_path: 
         state["optimizer_state_dict"]["param_slice_mappings"] = [mapping]
         torch.save(state, path)
     _refused(tmp_path / "run", tmp_path, "group 0 holds its parameters at {'a': (11, 0)}")
+
+
+def test_a_tag_folder_linked_from_outside_the_run_is_refused(tmp_path: Path) -> None:
+    outside = _copy("ds_zero2_bf16", tmp_path / "elsewhere")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "global_step9").symlink_to(outside / "global_step3", target_is_directory=True)
+    (run / "latest").write_text("global_step9")
+    _refused(run, tmp_path, "its 'latest' names 'global_step9', a link that leads outside the run folder")

@@ -51,6 +51,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from .. import read_policy
 from ..dtypes import DType, parse_cast_target
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..standins import ForeignObject
@@ -63,6 +64,7 @@ __all__ = ["FORMAT", "checkpoint_files", "find_checkpoint", "read"]
 
 FORMAT = "deepspeed"
 LATEST = "latest"
+_MAX_LATEST_BYTES = 4096
 
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -110,12 +112,14 @@ def find_checkpoint(path: str) -> str | None:
     if _is_tag_folder(path):
         return path
     latest = os.path.join(path, LATEST)
-    if os.path.isfile(latest) and os.path.getsize(latest) <= 4096:
-        with open(latest, "rb") as file:
-            tag = file.read().decode("utf-8", "replace").strip()
-        if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
+    if os.path.isfile(latest) and os.path.getsize(latest) <= _MAX_LATEST_BYTES:
+        raw = read_policy.read_limited(latest, limit=_MAX_LATEST_BYTES, folder=path, what="DeepSpeed 'latest' file")
+        tag = raw.decode("utf-8", "replace").strip()
+        if not tag or "/" in tag or "\\" in tag or "\x00" in tag or tag in (".", ".."):
             raise _damaged(path, f"its 'latest' file names {tag!r}, not a tag folder")
         folder = os.path.join(path, tag)
+        if os.path.exists(folder) and not read_policy.inside(folder, path):
+            raise _damaged(path, f"its 'latest' names {tag!r}, a link that leads outside the run folder")
         if not _is_tag_folder(folder):
             raise MalformedCheckpointError(
                 f"{path!r} is a DeepSpeed checkpoint whose 'latest' names {tag!r}, but {folder!r} holds no "
@@ -155,7 +159,7 @@ def _rank_files(folder: str, pattern: re.Pattern[str], what: str) -> dict[int, s
                 "ckptconv merges data-parallel (ZeRO) ranks only",
                 path=folder,
             )
-        found[rank] = os.path.join(folder, name)
+        found[rank] = read_policy.member(folder, name, source=folder, what=f"{what} file")
     if len(prefixes) > 1:
         raise MalformedCheckpointError(
             f"{folder!r} holds both bf16_zero_pp_rank_* and zero_pp_rank_* {what} files (left over from "
@@ -290,9 +294,9 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
     if stage == 3:
         model_files = _rank_files(folder, _MODEL3, "model states")
     else:
-        single = os.path.join(folder, "mp_rank_00_model_states.pt")
-        if not os.path.isfile(single):
+        if not os.path.lexists(os.path.join(folder, "mp_rank_00_model_states.pt")):
             raise MalformedCheckpointError(f"{folder!r} is incomplete: mp_rank_00_model_states.pt is missing")
+        single = read_policy.member(folder, "mp_rank_00_model_states.pt", source=folder, what="model states file")
         model_files = {0: single}
     if stage == 3 and len(model_files) != world:
         raise MalformedCheckpointError(

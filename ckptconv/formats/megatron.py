@@ -36,7 +36,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import MalformedCheckpointError
+from .. import read_policy
+from ..errors import CkptconvError, MalformedCheckpointError
 from ..tensor import ReadInto, Storage, TensorRef, contiguous_strides
 from . import dcp
 from ._base import ReadResult
@@ -59,9 +60,8 @@ def is_torch_dist_folder(path: str) -> bool:
     if not dcp.is_dcp_folder(path) or not os.path.isfile(marker) or os.path.getsize(marker) > 65536:
         return False
     try:
-        with open(marker, encoding="utf-8") as file:
-            config = json.load(file)
-    except (OSError, ValueError):
+        config = json.loads(read_policy.read_limited(marker, limit=65536, folder=path, what="metadata.json"))
+    except (CkptconvError, OSError, ValueError):
         return False
     return isinstance(config, dict) and config.get("sharded_backend") == "torch_dist"
 

@@ -28,7 +28,8 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from .. import read_policy
+from ..errors import CkptconvError, MalformedCheckpointError, UnsupportedFormatError
 from ..standins import ForeignObject
 from ..tensor import Storage, TensorRef, contiguous_strides
 from . import torch_zip
@@ -107,12 +108,12 @@ _MAX_PROBE_BYTES = 64 << 20
 def _holds_dtensors(path: str) -> bool:
     """True when the torch zip file at ``path`` pickles DTensors (read from its content, not its name)."""
     try:
-        with zipfile.ZipFile(path) as archive:
+        with read_policy.open_file(path, folder=os.path.dirname(path)) as file, zipfile.ZipFile(file) as archive:
             for info in archive.infolist():
                 if info.filename.endswith("data.pkl") and info.file_size <= _MAX_PROBE_BYTES:
                     data = archive.read(info)
                     return any(module in data for module in _DTENSOR_MODULES)
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError, zlib.error):
+    except (CkptconvError, OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError, zlib.error):
         return False
     return False
 
@@ -221,6 +222,7 @@ def read(folder: str, *, max_items: int | None = None) -> ReadResult:
     foreign: Counter[str] = Counter()
     devices: set[str] = set()
     trees: list[Mapping[str, Any]] = []
+    files = [read_policy.member(folder, os.path.basename(path), source=folder, what="rank file") for path in files]
     for path in files:
         result = torch_zip.read(path, max_items=max_items)
         foreign.update(result.foreign_globals)
