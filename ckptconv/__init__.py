@@ -17,6 +17,9 @@ workers, ``manifest.py`` records each result, ``report.py`` sums them up.
 Format details live in ``formats/``, file names in ``suffixes.py``. The pickle
 machine that never runs code is ``unpickler.py``; what it may call is decided
 in ``pickle_policy.py``, built by ``rebuild.py`` or stood in for by ``standins.py``.
+Which files may be read is decided in ``read_policy.py`` (regular files, inside
+the checkpoint's folder, size caps), which may be written in ``write_policy.py``
+(never an input, never through a link, nothing outside DST).
 
 The public names below are imported on first use, so ``ckptconv --help`` and
 ``import ckptconv`` stay fast; importing ckptconv never imports torch. (Modules

@@ -84,6 +84,9 @@ _STORAGE: dict[str, np.dtype[Any]] = {
     "bfloat16": np.dtype(np.uint16),
     "float8_e4m3fn": np.dtype(np.uint8),
     "float8_e5m2": np.dtype(np.uint8),
+    "float8_e4m3fnuz": np.dtype(np.uint8),
+    "float8_e5m2fnuz": np.dtype(np.uint8),
+    "float8_e8m0fnu": np.dtype(np.uint8),
 }
 
 # The unsigned integer type of the same width, to work on bit patterns.
@@ -386,6 +389,61 @@ def _e5m2_to_f32_table() -> np.ndarray:
     return out.view(np.uint32)
 
 
+def _fnuz_to_f32_table(exponent_bits: int, bias: int) -> np.ndarray:
+    """float32 bits of all 256 patterns of a "fnuz" float8 (no inf, no -0: 0x80 is the one NaN)."""
+    code = np.arange(256, dtype=np.uint32)
+    mantissa_bits = 7 - exponent_bits
+    exponent = ((code >> mantissa_bits) & ((1 << exponent_bits) - 1)).astype(np.float64)
+    mantissa = (code & ((1 << mantissa_bits) - 1)).astype(np.float64)
+    scale = float(1 << mantissa_bits)
+    magnitude = np.where(
+        exponent == 0,
+        mantissa / scale * 2.0 ** (1 - bias),  # subnormal
+        (1.0 + mantissa / scale) * np.exp2(exponent - bias),
+    )
+    value = np.where(code >= 0x80, -magnitude, magnitude).astype(np.float32)
+    bits = value.view(np.uint32).copy()
+    bits[0x80] = _FLOAT8_NAN_F32
+    return bits
+
+
+def _e8m0_to_f32_table() -> np.ndarray:
+    """float32 bits of all 256 float8_e8m0fnu patterns: 2**(code - 127), 0xFF is NaN (no sign, no zero)."""
+    code = np.arange(255, dtype=np.float64)
+    bits = np.empty(256, np.uint32)
+    bits[:255] = np.exp2(code - 127.0).astype(np.float32).view(np.uint32)
+    bits[0xFF] = _FLOAT8_NAN_F32
+    return bits
+
+
+# What torch widens the NaN of the fnuz and e8m0 float8 types to: a signalling NaN
+# (c10's fp8_fnuz/e8m0 conversions build it from bits), as the tests check against torch.
+_FLOAT8_NAN_F32 = 0x7F800001
+
+
+def _float8_to_f32_table(source: str) -> np.ndarray:
+    if source == "float8_e4m3fn":
+        return _e4m3fn_to_f32_table()
+    if source == "float8_e5m2":
+        return _e5m2_to_f32_table()
+    if source == "float8_e4m3fnuz":
+        return _fnuz_to_f32_table(4, 8)
+    if source == "float8_e5m2fnuz":
+        return _fnuz_to_f32_table(5, 16)
+    return _e8m0_to_f32_table()
+
+
+@cache
+def _float8_overflows(source: str, target: str) -> np.ndarray:
+    """For each of the 256 patterns: True when a finite value becomes inf in ``target``."""
+    wide = _float8_to_f32_table(source).view(np.float32)
+    narrow = _float8_table(source, target)
+    uint = _UINT[narrow.dtype.itemsize]
+    magnitude = narrow.view(uint) & uint.type((1 << (8 * uint.itemsize - 1)) - 1)
+    hits: np.ndarray = np.isfinite(wide) & (magnitude == uint.type(_INF_BITS[target]))
+    return hits
+
+
 @cache
 def _float8_table(source: str, target: str) -> np.ndarray:
     """Result of casting every float8 pattern, in ``target``'s storage dtype.
@@ -393,7 +451,7 @@ def _float8_table(source: str, target: str) -> np.ndarray:
     torch widens float8 to float32 and casts that; bfloat16 NaNs come out as
     ``0x7FC0`` (its scalar path), float16 NaNs as F16C gives them.
     """
-    wide = (_e4m3fn_to_f32_table() if source == "float8_e4m3fn" else _e5m2_to_f32_table()).view(np.float32)
+    wide = _float8_to_f32_table(source).view(np.float32)
     out = np.empty(256, _STORAGE[target])
     scratch = _Scratch(256)
     with np.errstate(all="ignore"):
@@ -430,7 +488,7 @@ _KERNELS: dict[tuple[str, str], _Kernel] = {
     ("bfloat16", "float32"): _k_bf16_f32,
     ("bfloat16", "float16"): _k_bf16_f16,
 }
-for _source in ("float8_e4m3fn", "float8_e5m2"):
+for _source in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"):
     for _target in ("float64", "float32", "float16", "bfloat16"):
         _KERNELS[(_source, _target)] = _table_kernel(_source, _target)
 
@@ -545,8 +603,13 @@ class _OverflowCounter:
     """Counts, block by block, the finite ``source`` values whose cast to ``target`` is ±inf."""
 
     def __init__(self, source: str, target: str, size: int) -> None:
-        self.threshold = _overflow_threshold(source, target)
         stored = storage_dtype(source)
+        # float8: all 256 patterns are looked up (the fnuz and e8m0 layouts have no
+        # sign-magnitude threshold to compare with).
+        self.table = _float8_overflows(source, target) if stored.itemsize == 1 else None
+        if self.table is not None:
+            return
+        self.threshold = _overflow_threshold(source, target)
         self.uint = _UINT[stored.itemsize]
         self.magnitude_mask = self.uint.type((1 << (8 * self.uint.itemsize - 1)) - 1)
         threshold = self.threshold or 0
@@ -563,6 +626,8 @@ class _OverflowCounter:
 
     def count(self, block: np.ndarray) -> int:
         """Overflows in ``block`` (at most ``size`` elements in the source's storage dtype)."""
+        if self.table is not None:
+            return int(np.count_nonzero(np.take(self.table, block)))
         if self.threshold is None or block.size == 0:
             return 0
         if self.bound is not None and block.max() < self.bound and block.min() > -self.bound:

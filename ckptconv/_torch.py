@@ -84,6 +84,11 @@ def to_torch(refs: Mapping[str, TensorRef], *, device: DeviceSpec = None) -> dic
             itemsize = ref.dtype.itemsize
             tensor = torch.empty(0, dtype=torch_dtype(ref.dtype), device=buffer.device)
             tensor.set_(buffer.untyped_storage(), (ref.offset * itemsize - start) // itemsize, ref.shape, ref.stride)
+            # The bits, as torch.load sets them: views stay views, whatever they expand to.
+            if ref.conj:
+                tensor = tensor.conj()
+            if ref.neg:
+                tensor = torch._neg_view(tensor)
         else:
             tensor = _from_numpy(ref)
         target = device_of(key)
@@ -94,8 +99,11 @@ def to_torch(refs: Mapping[str, TensorRef], *, device: DeviceSpec = None) -> dic
 
 
 def _shares_bytes(ref: TensorRef) -> bool:
-    """True when the stored bytes can back a torch tensor as they are."""
-    return ref.cast_to is None and ref.storage.byteorder == "little"
+    """True when the stored bytes can back a torch tensor as they are (conj/neg bits set on the view)."""
+    import torch
+
+    bits_ok = not ref.neg or hasattr(torch, "_neg_view")
+    return ref.cast_to is None and ref.storage.byteorder == "little" and bits_ok
 
 
 def _from_numpy(ref: TensorRef) -> torch.Tensor:
@@ -133,4 +141,12 @@ def from_torch(tensor: Any, cache: dict[Any, Storage] | None = None) -> TensorRe
         storage = Storage(cpu.nbytes(), InMemory(as_bytes.detach().numpy().data))
         if cache is not None:
             cache[key] = storage
-    return TensorRef.checked(storage, dtype, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset()))
+    return TensorRef.checked(
+        storage,
+        dtype,
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        int(tensor.storage_offset()),
+        conj=bool(tensor.is_conj()),
+        neg=bool(tensor.is_neg()),
+    )

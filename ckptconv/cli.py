@@ -50,7 +50,22 @@ def _echo(message: str, *, err: bool = False) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+class _Command(click.Command):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # `--verify` takes an optional value (`--verify=torch`); click would take the next
+        # word (`--verify SRC DST`) as that value. Only a reference's name is one.
+        from .verification import REFERENCES
+
+        args = [
+            "--verify=ckptconv" if arg == "--verify" and (i + 1 == len(args) or args[i + 1] not in REFERENCES) else arg
+            for i, arg in enumerate(args)
+        ]
+        return super().parse_args(ctx, args)
+
+
 class _Group(click.Group):
+    command_class = _Command
+
     def invoke(self, ctx: click.Context) -> Any:
         from .errors import CkptconvError, DestinationError, FitError
 
@@ -213,6 +228,7 @@ def _field_options(group: str, command: str) -> Callable[[F], F]:
     ``command`` offers, made from the fields' :class:`~ckptconv.options.Flag` metadata. The click
     parameter takes the field's name, so the values go straight into the options object."""
     from .options import BATCH_FORMATS, OUTPUT_FORMATS, flags
+    from .verification import REFERENCES
 
     decorators = []
     for name, flag in flags():
@@ -223,6 +239,10 @@ def _field_options(group: str, command: str) -> Callable[[F], F]:
             negated = flag.name.startswith("--no-")  # --no-fsync sets fsync to False
             option = click.option(
                 flag.name, name, is_flag=True, flag_value=not negated, default=negated, help=help_text
+            )
+        elif flag.kind == "reference":  # --verify (ckptconv's readers) or --verify=torch
+            option = click.option(
+                flag.name, name, type=click.Choice(REFERENCES), is_flag=False, flag_value="ckptconv", help=help_text
             )
         else:
             kinds: dict[str, Any] = {
@@ -239,7 +259,7 @@ def _conversion_options(options: dict[str, Any], leading: Sequence[Any] = (), fi
     """The :class:`~ckptconv.options.ConversionOptions` a command's flags ask for."""
     from .options import ConversionOptions, flags
 
-    values = {name: options[name] for name, _ in flags() if name in options}
+    values = {name: options[name] for name, _ in flags() if options.get(name) is not None}  # None: not given
     return ConversionOptions(transforms=_pipeline(leading, options), fit_to=fit_to, **values)
 
 
@@ -415,7 +435,9 @@ def _run_conversion(
             f"as {report.format}; nothing was written",
         )
         return
-    verified = ", verified bit for bit" if report.verified else ""
+    verified = ""
+    if report.verified:
+        verified = ", verified bit for bit" + (" by torch" if report.verified_with == "torch" else "")
     _say(
         quiet,
         f"wrote {report.destination} ({report.format}, {report.tensors} tensors, "
@@ -521,21 +543,32 @@ def fit(src: str, dst: str, reference: str, **options: Any) -> None:
 @click.argument("dst", type=click.Path(dir_okay=True))
 @_field_options("selection", "verify")
 @transform_options
-def verify(src: str, dst: str, select: str | None, trust: bool, **options: Any) -> None:
+@click.option(
+    "--reference",
+    type=click.Choice(["ckptconv", "torch"]),
+    default="ckptconv",
+    show_default=True,
+    help="Who reads the tensors: ckptconv's readers, or torch.load(weights_only=True) and the "
+    "safetensors library (where they can read the file; the result line says who read what).",
+)
+def verify(src: str, dst: str, select: str | None, trust: bool, reference: str, **options: Any) -> None:
     """Prove DST holds SRC's weights after the given transforms, bit for bit.
 
     Pass the transform options the conversion used. Compares keys, dtypes,
     shapes and every byte (after the cast, if one was applied). Exits 0 when
-    they match and 3 when they do not.
+    they match and 3 when they do not. With --reference torch, a bug in
+    ckptconv's own readers cannot hide behind itself: use it to check a
+    conversion independently, or when a file looks odd.
 
     \b
     Example:
       ckptconv verify dp_model.pkl model.pt --strip-prefix module
       ckptconv verify model.pt model_bf16.safetensors --dtype bf16
+      ckptconv verify model.pt model.safetensors --reference torch
     """
     from .verification import verify as verify_files
 
-    result = verify_files(src, dst, select=select, transforms=_pipeline([], options), trust=trust)
+    result = verify_files(src, dst, select=select, transforms=_pipeline([], options), trust=trust, reference=reference)
     _echo(result.summary())
     if not result.ok:
         for key in result.missing[:20]:

@@ -19,10 +19,13 @@ from typing import Any, Union
 from ._version import __version__
 from .errors import FitError, VerifyError
 from .formats._base import Deferred, MetadataValue
+from .integrity import check_record_crcs
 from .loading import open as open_checkpoint
 from .metadata import checkpoint_metadata, encode_entries, source_sha256
 from .options import ConversionOptions
+from .tensor import TensorRef
 from .transforms import Canonicalize, StepReport, StripPrefix, Transform
+from .verification import REFERENCES
 from .writing import Progress, is_folder_destination, output_format, save
 
 __all__ = ["ConversionReport", "convert"]
@@ -65,6 +68,7 @@ class ConversionReport:
         files: every file written (one, or the shards and the index of a folder).
         source_sha256: the source's sha256 recorded in the provenance (None with
             ``source_hash=False``; for folders, see :func:`ckptconv.metadata.source_sha256`).
+        verified_with: ``"ckptconv"`` or ``"torch"``: whose readers verified the output.
     """
 
     source: str
@@ -83,6 +87,7 @@ class ConversionReport:
     renames: tuple[tuple[str, str], ...] = ()
     files: tuple[str, ...] = ()
     source_sha256: str | None = None
+    verified_with: str = ""
 
 
 def _file_name(path: str) -> str:
@@ -150,6 +155,9 @@ def convert(
     options = (options or ConversionOptions()).with_changes("convert", **changes)
     pipeline = options.transforms
     select, to, fit_to, max_shard_size = options.select, options.to, options.fit_to, options.max_shard_size
+    reference = "ckptconv" if options.verify is True else (options.verify or None)
+    if reference is not None and reference not in REFERENCES:
+        raise ValueError(f"verify must be True, False or one of {', '.join(REFERENCES)}, not {options.verify!r}")
     checkpoint = open_checkpoint(source, trust=options.trust)
     selection = checkpoint.select(select)
     notes: list[str] = []
@@ -231,16 +239,35 @@ def convert(
         )
     extra = entries if kind == "pt" and options.keep_meta else None
 
-    def check(written: str) -> None:
-        from .verification import compare
+    def transform_again(weights: dict[str, TensorRef]) -> Mapping[str, TensorRef]:
+        """The same steps, on the weights an independent reader gives."""
+        result, _ = pipeline.apply(weights)
+        if fit_to is not None:
+            from .fitting import fit
 
-        result = compare(state, open_checkpoint(written).select().weights)
+            result, _ = fit(result, fit_to)
+        return result
+
+    def check(written: str) -> None:
+        from .verification import compare, compare_with_reference
+
+        if crcs is not None:
+            crcs.result()  # the source's records are what the archive recorded, or nothing appears
+        if reference is None:
+            return
+        if reference == "torch":
+            result = compare_with_reference(checkpoint, selection, open_checkpoint(written), transform=transform_again)
+        else:
+            result = compare(state, open_checkpoint(written).select().weights)
         if not result.ok:
             raise VerifyError(f"{result.summary()}; the output was not written")
 
     give_up = threading.Event()
     digest: concurrent.futures.Future[str] | None = None
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as hasher:
+    crcs: concurrent.futures.Future[None] | None = None
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as hasher:
+        if options.check_crc:
+            crcs = hasher.submit(check_record_crcs, list(state.items()), stop=give_up)
         if options.source_hash and options.provenance:
             digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
@@ -255,7 +282,7 @@ def convert(
                 max_shard_size=max_shard_size,
                 progress=progress,
                 inputs=checkpoint.files,
-                check=check if options.verify else None,
+                check=check if (reference is not None or crcs is not None) else None,
                 fsync=options.fsync,
             )
         except BaseException:
@@ -275,6 +302,7 @@ def convert(
         aliases=written.aliases,
         files=written.files,
         notes=tuple(notes),
-        verified=True if options.verify else None,
+        verified=True if reference is not None else None,
+        verified_with=reference or "",
         source_sha256=digest.result() if digest is not None else None,
     )

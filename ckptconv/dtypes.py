@@ -19,7 +19,8 @@ class DType:
     Attributes:
         name: torch's name without the ``torch.`` prefix (``"bfloat16"``).
         itemsize: bytes per element.
-        kind: ``"float"``, ``"int"``, ``"uint"``, ``"bool"``, ``"complex"`` or ``"quantized"``.
+        kind: ``"float"``, ``"int"``, ``"uint"``, ``"bool"``, ``"complex"``, ``"quantized"`` or
+            ``"bits"`` (opaque: packed float4, ``bits8``).
         storage_class: torch's legacy typed-storage class (``"FloatStorage"``), or
             ``None`` for dtypes torch saves through ``UntypedStorage`` and
             ``_rebuild_tensor_v3``.
@@ -37,6 +38,14 @@ class DType:
     numpy: str
 
     @property
+    def negatable(self) -> bool:
+        """True for the types torch can give a negative bit (``torch._neg_view``): signed
+        ints, uint8, float, complex; not bool, float8 or the wider unsigned ints."""
+        if self.kind == "float":
+            return self.itemsize > 1
+        return self.kind in ("int", "complex") or self.name == "uint8"
+
+    @property
     def is_floating_point(self) -> bool:
         """True for the types a ``--dtype`` cast applies to (not ints, bools or complex)."""
         return self.kind == "float"
@@ -52,8 +61,8 @@ DTYPES: tuple[DType, ...] = (
     DType("bfloat16", 2, "float", "BFloat16Storage", "BF16", "<u2"),
     DType("float8_e4m3fn", 1, "float", None, "F8_E4M3", "u1"),
     DType("float8_e5m2", 1, "float", None, "F8_E5M2", "u1"),
-    DType("float8_e4m3fnuz", 1, "float", None, None, "u1"),
-    DType("float8_e5m2fnuz", 1, "float", None, None, "u1"),
+    DType("float8_e4m3fnuz", 1, "float", None, "F8_E4M3FNUZ", "u1"),
+    DType("float8_e5m2fnuz", 1, "float", None, "F8_E5M2FNUZ", "u1"),
     DType("float8_e8m0fnu", 1, "float", None, "F8_E8M0", "u1"),
     DType("int64", 8, "int", "LongStorage", "I64", "<i8"),
     DType("int32", 4, "int", "IntStorage", "I32", "<i4"),
@@ -67,6 +76,14 @@ DTYPES: tuple[DType, ...] = (
     DType("complex64", 8, "complex", "ComplexFloatStorage", "C64", "<c8"),
     DType("complex128", 16, "complex", "ComplexDoubleStorage", None, "<c16"),
     DType("complex32", 4, "complex", None, None, "<u4"),
+    # Opaque bit containers: copied as they are, never cast. safetensors' F4 counts 4-bit
+    # elements, torch's float4_e2m1fn_x2 bytes of two (formats/safetensors.py converts the shape).
+    DType("float4_e2m1fn_x2", 1, "bits", None, "F4", "u1"),
+    DType("bits8", 1, "bits", None, None, "u1"),
+    DType("bits16", 2, "bits", None, None, "<u2"),
+    DType("bits1x8", 1, "bits", None, None, "u1"),
+    DType("bits2x4", 1, "bits", None, None, "u1"),
+    DType("bits4x2", 1, "bits", None, None, "u1"),
     DType("qint8", 1, "quantized", "QInt8Storage", None, "i1"),
     DType("quint8", 1, "quantized", "QUInt8Storage", None, "u1"),
     DType("qint32", 4, "quantized", "QInt32Storage", None, "<i4"),

@@ -180,6 +180,7 @@ def load(
     select: str | None = None,
     trust: bool = False,
     device: Any = None,
+    check_crc: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The model weights of a checkpoint as torch tensors: a safe ``torch.load``.
 
@@ -196,6 +197,9 @@ def load(
             pinned buffer, so host memory stays bounded), or ``"auto"``: the
             visible GPU with the most free memory, else the CPU (with a
             :class:`~ckptconv.devices.DeviceFallbackWarning`).
+        check_crc: compare every zip record read with the CRC-32 the archive
+            records (torch.load does not), on a second thread while the tensors
+            are read; False loads a damaged file's bytes as they are.
 
     Returns:
         A dict of names to tensors, ready for ``model.load_state_dict``.
@@ -203,11 +207,19 @@ def load(
     Example:
         >>> model.load_state_dict(ckptconv.load("dp_model.pkl"))  # doctest: +SKIP
     """
+    import concurrent.futures
+
     from ._torch import to_torch
     from .devices import pick_device
+    from .integrity import check_record_crcs
 
-    checkpoint = open(path, trust=trust)
-    return to_torch(checkpoint.select(select).weights, device=pick_device(device))
+    weights = open(path, trust=trust).select(select).weights
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        crcs = pool.submit(check_record_crcs, list(weights.items())) if check_crc else None
+        tensors = to_torch(weights, device=pick_device(device))
+        if crcs is not None:
+            crcs.result()
+    return tensors
 
 
 def _read_trusted(path: str, kind: str) -> ReadResult:

@@ -43,7 +43,8 @@ class Flag:
         group: ``"selection"`` (also offered by ``inspect``, ``verify``) or ``"output"``.
         commands: the commands that offer it.
         kind: ``"flag"`` (on/off), ``"text"``, ``"format"`` (one of the output
-            formats the command can write) or ``"size"`` (5GB, 500MB, 2GiB).
+            formats the command can write), ``"size"`` (5GB, 500MB, 2GiB) or
+            ``"reference"`` (alone: ckptconv; ``=torch``: torch's readers).
         metavar: the value's name in ``--help``.
         batch_help: the help text under ``batch``, where it differs.
     """
@@ -82,7 +83,14 @@ class ConversionOptions:
         max_shard_size: write a folder of shards of at most this many bytes, with an index.
         overwrite: replace an existing destination.
         verify: re-read the written output and compare every tensor before it is
-            moved into place; a difference raises and leaves no output.
+            moved into place; a difference raises and leaves no output. ``True`` or
+            ``"ckptconv"`` reads both sides with ckptconv's readers, ``"torch"`` with
+            ``torch.load(weights_only=True)`` or the safetensors library wherever
+            they can read them (see :func:`ckptconv.verify`).
+        check_crc: read every zip record the weights use and compare it with the
+            CRC-32 the archive records, on a worker thread during the write; a
+            mismatch raises and leaves no output. False converts a damaged file's
+            bytes as they are (to rescue what can be rescued).
         keep_meta: ``.pt`` output: keep the checkpoint's plain-data entries (epoch,
             step, hyperparameters, args) beside the weights, which then sit under
             ``"state_dict"``. safetensors output always keeps them, as JSON
@@ -149,7 +157,24 @@ class ConversionOptions:
     overwrite: bool = _option(
         False, Flag("--overwrite", "Replace DST if it exists.", batch_help="Replace outputs that exist.")
     )
-    verify: bool = _option(False, Flag("--verify", "Re-read the output and compare every tensor before keeping it."))
+    verify: bool | str = _option(
+        False,
+        Flag(
+            "--verify",
+            "Re-read the output and compare every tensor with the source before keeping it. --verify=torch "
+            "reads both with torch.load(weights_only=True) / the safetensors library instead of ckptconv's "
+            "readers, where they can read them.",
+            kind="reference",
+        ),
+    )
+    check_crc: bool = _option(
+        True,
+        Flag(
+            "--no-crc-check",
+            "Convert a zip checkpoint whose records do not match their CRC-32 anyway (to rescue a damaged "
+            "file: its tensors are copied as their bytes are).",
+        ),
+    )
     keep_meta: bool = _option(
         False,
         Flag(

@@ -83,21 +83,45 @@ def _typed_storage(value: Any) -> TypedStorage:
     return value
 
 
-def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *_ignored: Any) -> TensorRef:
+def _tensor_bits(metadata: Any) -> tuple[bool, bool]:
+    """The conj and neg bits of ``torch._utils.get_tensor_metadata``: ``{}``, ``{"conj": True}``, ``{"neg": True}``.
+
+    Anything else torch.save never writes, and torch.load reads it in ways
+    nobody would guess (``{"neg": False}`` sets the bit), so it is refused.
+    """
+    if metadata is None or metadata == {}:
+        return False, False
+    if not isinstance(metadata, dict) or not all(k in ("conj", "neg") and v is True for k, v in metadata.items()):
+        raise malformed(f"tensor metadata {short_repr(metadata)} is not the conj/neg flags torch.save writes")
+    return "conj" in metadata, "neg" in metadata
+
+
+def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> TensorRef:
+    # v2's rest: requires_grad, backward_hooks[, metadata]; the legacy _rebuild_tensor has none.
     typed = _typed_storage(storage)
     if type(offset) is not int:
         raise malformed(f"tensor storage offset {short_repr(offset)} is not an integer")
+    conj, neg = _tensor_bits(rest[2] if len(rest) > 2 else None)
     return TensorRef.checked(
         typed.storage,
         typed.dtype,
         _as_shape(size, "size"),
         _as_shape(stride, "stride"),
         typed.element_offset + offset,
+        conj=conj,
+        neg=neg,
     )
 
 
 def _rebuild_tensor_v3(
-    storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any, *_: Any
+    storage: Any,
+    offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    hooks: Any,
+    dtype: Any,
+    metadata: Any = None,
 ) -> TensorRef:
     # v3 carries the dtype separately: the storage is untyped bytes.
     typed = _typed_storage(storage)
@@ -108,12 +132,15 @@ def _rebuild_tensor_v3(
     base = typed.element_offset * typed.dtype.itemsize
     if base % dtype.itemsize:
         raise malformed("tensor storage offset is not aligned to its dtype")
+    conj, neg = _tensor_bits(metadata)
     return TensorRef.checked(
         typed.storage,
         dtype,
         _as_shape(size, "size"),
         _as_shape(stride, "stride"),
         base // dtype.itemsize + offset,
+        conj=conj,
+        neg=neg,
     )
 
 

@@ -34,7 +34,35 @@ DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 
 def _bytes_view(array: np.ndarray) -> memoryview:
     """A contiguous array's bytes, without a copy."""
+    if array.size == 0:
+        return memoryview(b"")  # memoryview cannot cast a view with a zero in its shape
     return array.data.cast("B")
+
+
+def apply_bits(ref: TensorRef, array: np.ndarray) -> np.ndarray:
+    """``array`` (contiguous, little-endian, ``ref.dtype``'s storage form) with ``ref``'s conj and neg bits applied.
+
+    Floats negate by flipping the sign bit (what torch's ``neg`` does, NaNs
+    included), complex numbers conjugate by flipping the imaginary part's, and
+    integers negate in two's complement, wrapping as torch does.
+    """
+    if not (ref.conj or ref.neg):
+        return array
+    import numpy as np
+
+    out = np.array(array, copy=True).reshape(-1)
+    kind = ref.dtype.kind
+    if kind in ("float", "complex"):
+        half = ref.dtype.itemsize // (2 if kind == "complex" else 1)
+        words = out.view(np.dtype(f"<u{half}"))
+        sign = words.dtype.type(1 << (8 * half - 1))
+        if ref.neg:
+            words ^= sign
+        if ref.conj:
+            words[1::2] ^= sign
+    else:  # the integers torch can negate (TensorRef.checked refuses the rest)
+        np.negative(out, out=out)
+    return out.reshape(array.shape)
 
 
 def _cast(ref: TensorRef, values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -92,7 +120,7 @@ def read_array(ref: TensorRef) -> np.ndarray:
             writeable=False,
         )
     # Writers store little-endian whatever the machine or the source.
-    array = np.ascontiguousarray(array, dtype=stored.newbyteorder("<"))
+    array = apply_bits(ref, np.ascontiguousarray(array, dtype=stored.newbyteorder("<")))
     if ref.cast_to is not None:
         array = _cast(ref, array.reshape(-1)).reshape(ref.shape)
     return array
@@ -112,10 +140,8 @@ def iter_bytes(ref: TensorRef, chunk_bytes: int | None = None) -> Iterator[memor
     for: consume it (write, hash) before advancing.
     """
     chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
-    if not (ref.is_contiguous and ref.storage.byteorder == "little"):
-        data = _bytes_view(read_array(ref))
-        for offset in range(0, len(data), chunk_bytes):
-            yield data[offset : offset + chunk_bytes]
+    if not (ref.is_contiguous and ref.storage.byteorder == "little" and not (ref.conj or ref.neg)):
+        yield from _iter_gathered(ref, chunk_bytes)
         return
     import numpy as np
 
@@ -142,6 +168,48 @@ def iter_bytes(ref: TensorRef, chunk_bytes: int | None = None) -> Iterator[memor
                 yield _bytes_view(_cast(ref, raw.view(np.dtype(ref.dtype.numpy))))
         return
     yield from _iter_cast_chunks(ref, start, end, max(chunk // 2 // itemsize, 1) * itemsize)
+
+
+def _iter_gathered(ref: TensorRef, chunk_bytes: int) -> Iterator[memoryview]:
+    """Strided, big-endian, conj or neg tensors: the bytes the view spans are read
+    once, and the elements gathered from them in blocks of about ``chunk_bytes``.
+
+    Memory stays at the span the view touches plus one block: a view that repeats
+    a few stored bytes (stride 0) into terabytes never allocates those terabytes.
+    """
+    import numpy as np
+
+    if ref.numel == 0:
+        return
+    stored = np.dtype(ref.dtype.numpy)
+    if ref.storage.byteorder == "big":
+        stored = stored.newbyteorder(">")
+    start, end = ref.byte_span
+    base = np.frombuffer(ref.storage.read(start, end - start), dtype=stored)
+    view = np.lib.stride_tricks.as_strided(
+        base, shape=ref.shape, strides=tuple(s * stored.itemsize for s in ref.stride), writeable=False
+    )
+    for block in _blocks(view, max(chunk_bytes // stored.itemsize, 1)):
+        array = apply_bits(ref, np.ascontiguousarray(block, dtype=stored.newbyteorder("<")).reshape(-1))
+        if ref.cast_to is not None:
+            array = _cast(ref, array)
+        yield _bytes_view(array)
+
+
+def _blocks(view: np.ndarray, limit: int) -> Iterator[np.ndarray]:
+    """Consecutive pieces of ``view`` in row-major order, each of at most ``limit`` elements
+    (or one element row of the innermost dimension)."""
+    if view.size <= limit or view.ndim == 0:
+        yield view
+        return
+    inner = view.size // view.shape[0]
+    if inner <= limit:
+        step = limit // inner
+        for index in range(0, view.shape[0], step):
+            yield view[index : index + step]
+    else:
+        for index in range(view.shape[0]):
+            yield from _blocks(view[index], limit)
 
 
 def _iter_cast_chunks(ref: TensorRef, start: int, end: int, chunk: int) -> Iterator[memoryview]:

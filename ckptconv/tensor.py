@@ -84,10 +84,14 @@ _DECOMPRESS_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedEr
 
 @dataclass(frozen=True)
 class ZipMember:
-    """A compressed zip member: read by decompressing from its start."""
+    """A compressed zip member: read by decompressing from its start.
+
+    ``crc32`` is the CRC-32 the archive records for the member's bytes.
+    """
 
     path: str
     name: str
+    crc32: int | None = None
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[ReadInto]:
@@ -246,6 +250,11 @@ class TensorRef:
         origin: ``"torch"`` for tensors, ``"numpy"`` for numpy arrays found in a pickle.
         allow_overflow: under a cast, let finite values beyond the target's
             range become inf instead of raising :class:`CastOverflowError`.
+        conj: the conjugate bit (``Tensor.is_conj()``): the tensor's values are
+            the complex conjugates of the stored ones.
+        neg: the negative bit (``Tensor.is_neg()``): the values are the stored
+            ones negated. Readers apply both bits, so every byte a writer gets
+            is a value torch would show.
     """
 
     storage: Storage
@@ -256,6 +265,8 @@ class TensorRef:
     cast_to: DType | None = None
     origin: str = "torch"
     allow_overflow: bool = False
+    conj: bool = False
+    neg: bool = False
 
     @classmethod
     def checked(
@@ -267,19 +278,32 @@ class TensorRef:
         offset: int = 0,
         *,
         origin: str = "torch",
+        conj: bool = False,
+        neg: bool = False,
     ) -> TensorRef:
         """A TensorRef after the bounds checks ``torch.Tensor.set_`` does.
 
         Raises:
-            MalformedCheckpointError: the view reaches outside its storage or
-                its sizes are not non-negative integers.
+            MalformedCheckpointError: the view reaches outside its storage, its
+                sizes are not non-negative integers, or it carries a conj or neg
+                bit its dtype cannot have.
         """
+        if conj and dtype.kind != "complex":
+            raise MalformedCheckpointError(
+                f"a {dtype.name} tensor carries the conjugate bit, which only complex tensors have; "
+                "the checkpoint is damaged"
+            )
+        if neg and not dtype.negatable:
+            raise MalformedCheckpointError(
+                f"a {dtype.name} tensor carries the negative bit, which torch cannot apply to {dtype.name}; "
+                "the checkpoint is damaged"
+            )
         ints_ok = all(type(v) is int and v >= 0 for v in (*shape, *stride, offset))
         if not ints_ok or len(shape) != len(stride) or len(shape) > 64:
             raise MalformedCheckpointError(
                 f"tensor view (size {shape}, stride {stride}, offset {offset}) is invalid; the checkpoint is damaged"
             )
-        ref = cls(storage, dtype, tuple(shape), tuple(stride), offset, origin=origin)
+        ref = cls(storage, dtype, tuple(shape), tuple(stride), offset, origin=origin, conj=conj, neg=neg)
         end = ref.byte_span[1]
         if end > storage.nbytes:
             raise MalformedCheckpointError(
@@ -291,7 +315,8 @@ class TensorRef:
 
     def __repr__(self) -> str:
         cast = f" -> {self.cast_to.name}" if self.cast_to else ""
-        return f"<TensorRef {self.dtype.name}{list(self.shape)}{cast} in {self.storage!r}>"
+        bits = (" conj" if self.conj else "") + (" neg" if self.neg else "")
+        return f"<TensorRef {self.dtype.name}{list(self.shape)}{bits}{cast} in {self.storage!r}>"
 
     # -- shape facts -----------------------------------------------------------------
 
@@ -332,6 +357,11 @@ class TensorRef:
         return start, start + (last + 1) * itemsize
 
     @property
+    def is_stored_as_is(self) -> bool:
+        """True when the stored bytes are the values: no conj or neg bit to apply, no cast."""
+        return not (self.conj or self.neg) and self.cast_to is None
+
+    @property
     def is_whole_storage(self) -> bool:
         """True when this tensor is contiguous and covers its storage exactly."""
         return self.is_contiguous and self.byte_span == (0, self.storage.nbytes)
@@ -340,13 +370,14 @@ class TensorRef:
     def verbatim_region(self) -> tuple[FileRegion, int, int] | None:
         """``(region, start, length)`` when the bytes this tensor writes are a run of its file as stored.
 
-        That is, a file-backed, contiguous, little-endian tensor with no cast:
-        writers move those bytes in the kernel instead of through Python.
+        That is, a file-backed, contiguous, little-endian tensor with no cast
+        and no conj or neg bit: writers move those bytes in the kernel instead
+        of through Python.
         """
         source = self.storage.source
         if (
             isinstance(source, FileRegion)
-            and self.cast_to is None
+            and self.is_stored_as_is
             and self.is_contiguous
             and self.storage.byteorder == "little"
         ):

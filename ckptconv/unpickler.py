@@ -762,6 +762,11 @@ class Unpickler:
             # torch's state_dict() carries `_metadata` (module versions) as an attribute.
             attrs = state[0] if isinstance(state, tuple) and len(state) == 2 else state
             if isinstance(attrs, dict) and all(isinstance(k, str) for k in attrs):
+                # An attribute named like a method (`items`, `keys`) would hide it from
+                # every later reader of this mapping.
+                shadowing = sorted(k for k in attrs if hasattr(type(target), k) or k.startswith("__"))
+                if shadowing:
+                    raise malformed(f"OrderedDict state sets {shadowing[0][:64]!r}, which is one of its methods")
                 target.__dict__.update(attrs)
             elif attrs is not None:
                 raise malformed("OrderedDict state is not a dict of attributes")

@@ -7,18 +7,23 @@ bounded by the read chunk size and a difference in any single bit is found.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
+from .integrity import check_record_crcs
 from .tensor import TensorRef
 from .transforms import Pipeline, Transform
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from .loading import Checkpoint
+    from .selection import Selection
 
 __all__ = ["DiffReport", "TensorDifference", "VerifyReport", "compare", "diff", "verify"]
 
@@ -42,11 +47,13 @@ class VerifyReport:
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[tuple[str, str], ...] = ()
+    readers: tuple[str, str] = ("", "")
 
     def summary(self) -> str:
-        """One sentence: what matched, or the first differences."""
+        """One sentence: what matched, or the first differences (and who read each side, when asked)."""
+        read = f" (source read by {self.readers[0]}; output by {self.readers[1]})" if any(self.readers) else ""
         if self.ok:
-            return f"verified: all {self.checked} tensors match bit for bit"
+            return f"verified: all {self.checked} tensors match bit for bit{read}"
         parts = []
         if self.missing:
             parts.append(f"{len(self.missing)} missing (e.g. {self.missing[0]!r})")
@@ -55,7 +62,7 @@ class VerifyReport:
         if self.mismatched:
             key, reason = self.mismatched[0]
             parts.append(f"{len(self.mismatched)} differ (e.g. {key!r}: {reason})")
-        return "verification failed: " + "; ".join(parts)
+        return "verification failed: " + "; ".join(parts) + read
 
 
 def _digest(ref: TensorRef) -> bytes:
@@ -86,6 +93,9 @@ def compare(expected: Mapping[str, TensorRef], actual: Mapping[str, TensorRef]) 
     return VerifyReport(ok, checked, missing, unexpected, tuple(mismatched))
 
 
+REFERENCES = ("ckptconv", "torch")
+
+
 def verify(
     source: PathLike,
     output: PathLike,
@@ -93,6 +103,7 @@ def verify(
     select: str | None = None,
     transforms: Pipeline | Sequence[Transform] = (),
     trust: bool = False,
+    reference: str = "ckptconv",
 ) -> VerifyReport:
     """Check that ``output`` is ``source``'s weights after ``transforms``, bit for bit.
 
@@ -102,20 +113,59 @@ def verify(
         select: where the weights are in ``source`` (searched when None).
         transforms: the steps the conversion applied.
         trust: see :func:`ckptconv.open`. Dangerous.
+        reference: who reads the tensors. ``"ckptconv"`` uses ckptconv's readers
+            (fast, memory bounded by a chunk). ``"torch"`` reads both sides with
+            ``torch.load(weights_only=True)`` or the safetensors library wherever
+            they can read the file, so a bug in ckptconv's readers cannot hide
+            behind itself; :attr:`VerifyReport.readers` says who read what.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` says whether they match.
 
+    Raises:
+        ValueError: ``reference`` is not one of :data:`REFERENCES`.
+
     Example:
         >>> ckptconv.verify("dp.pkl", "model.pt", transforms=[ckptconv.StripPrefix("module")]).ok  # doctest: +SKIP
         True
+        >>> ckptconv.verify("cn.pt", "cn.safetensors", reference="torch").readers  # doctest: +SKIP
+        ('torch.load(weights_only=True)', 'the safetensors library')
     """
     from .loading import open as open_checkpoint
 
     pipeline = transforms if isinstance(transforms, Pipeline) else Pipeline.of(transforms)
-    expected, _ = pipeline.apply(open_checkpoint(source, trust=trust).select(select).weights)
+    source_checkpoint = open_checkpoint(source, trust=trust)
+    selection = source_checkpoint.select(select)
+    if reference == "torch":
+        return compare_with_reference(
+            source_checkpoint, selection, open_checkpoint(output), transform=lambda weights: pipeline.apply(weights)[0]
+        )
+    if reference != "ckptconv":
+        raise ValueError(f"reference must be one of {', '.join(REFERENCES)}, not {reference!r}")
+    check_record_crcs(selection.weights.items())
+    expected, _ = pipeline.apply(selection.weights)
     actual = open_checkpoint(output).select().weights
     return compare(expected, actual)
+
+
+def compare_with_reference(
+    source: Checkpoint,
+    selection: Selection,
+    output: Checkpoint,
+    *,
+    transform: Callable[[dict[str, TensorRef]], Mapping[str, TensorRef]],
+) -> VerifyReport:
+    """Compare ``output`` with ``transform`` of its source's weights, both sides read by torch
+    or the safetensors library where they can (see :mod:`ckptconv.reference`)."""
+    from .reference import CKPTCONV_READER, reference_weights
+
+    source_read = reference_weights(source, selection)
+    if source_read.reader.startswith(CKPTCONV_READER):
+        check_record_crcs(source_read.weights.items())
+    expected = transform(source_read.weights)
+    output_read = reference_weights(output, output.select())
+    report = compare(expected, output_read.weights)
+    return dataclasses.replace(report, readers=(source_read.reader, output_read.reader))
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,11 @@ import functools
 import mmap
 import os
 import re
+import shutil
 import stat
 import tempfile
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Union
 
@@ -401,14 +402,19 @@ def _copy_file_region_with_crc(
             window = min(_COPY_CHUNK, end - position)
             aligned = position - position % mmap.ALLOCATIONGRANULARITY
             mapped = mmap.mmap(src.fileno(), position + window - aligned, offset=aligned, access=mmap.ACCESS_READ)
+            view = memoryview(mapped)[position - aligned :]
             try:
-                view = memoryview(mapped)[position - aligned :]
                 pending = pool.submit(zlib.crc32, view, crc)
-                for count in _copy_range(src.fileno(), position, window, file, source.path):
-                    update(count)
-                crc = pending.result()
-                view.release()
+                try:
+                    for count in _copy_range(src.fileno(), position, window, file, source.path):
+                        update(count)
+                finally:
+                    # The checksum thread reads the map: it must be done before the map can close.
+                    crc = pending.result()
             finally:
+                # Released before closing, also when the copy failed (a full disk), so that
+                # the copy's own error surfaces instead of BufferError from close().
+                view.release()
                 mapped.close()
             position += window
     return crc
@@ -520,6 +526,7 @@ def save(
     protected = write_policy.Inputs([*_source_paths(entries), *inputs])
     folder_output = is_folder_destination(path, format, max_shard_size)
     kind = output_format(path, format, folder=folder_output)
+    _check_room(entries, target, kind)
     total = sum(ref.nbytes for _, ref in entries)
     update, close = _progress_callback(progress, total, target)
     try:
@@ -716,6 +723,45 @@ def _with_key(entries: list[tuple[str, TensorRef]], ref: TensorRef, counts: Iter
     except CastOverflowError as error:
         key = next((k for k, r in entries if r is ref), "?")
         raise CastOverflowError(f"tensor {key!r}: {error}", key=key, count=error.count) from None
+
+
+def planned_bytes(entries: Sequence[tuple[str, TensorRef]], kind: str) -> int:
+    """Tensor bytes an output of ``kind`` will hold: ``.pt`` keeps views and ties as torch.save
+    does; the other formats store each distinct tensor once, contiguous."""
+    if kind == "pt":
+        storages, _ = torch_zip.plan_storages(entries)
+        return sum(storage.nbytes for storage in storages)
+    return sum(ref.nbytes for ref in {ref: None for _, ref in entries})
+
+
+def _check_room(entries: Sequence[tuple[str, TensorRef]], target: str, kind: str) -> None:
+    """Refuse, before anything is allocated or written, an output larger than the free space.
+
+    A view can repeat a few stored bytes (stride 0) into terabytes: a 600-byte
+    ``.pt`` can ask for more than any disk holds once written contiguously.
+    """
+    from .report import human_bytes
+
+    needed = planned_bytes(entries, kind)
+    folder = os.path.dirname(target)
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    try:
+        free = shutil.disk_usage(folder or ".").free
+    except OSError:
+        return  # no answer from the file system: the write itself will say
+    if needed <= free:
+        return
+    key, ref = max(entries, key=lambda entry: entry[1].nbytes)
+    start, stop = ref.byte_span
+    largest = f"; tensor {key!r} alone is {human_bytes(ref.nbytes)}"
+    if ref.nbytes > 2 * (stop - start):
+        largest += f", a view that repeats {human_bytes(stop - start)} of stored bytes"
+    raise WriteError(
+        f"writing {target!r} as {kind} needs {human_bytes(needed)} but only {human_bytes(free)} "
+        f"are free there{largest}",
+        path=target,
+    )
 
 
 def _entries(state: Mapping[str, Any]) -> list[tuple[str, TensorRef]]:

@@ -44,6 +44,9 @@ TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
+    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+    "float8_e5m2fnuz": torch.float8_e5m2fnuz,
+    "float8_e8m0fnu": torch.float8_e8m0fnu,
 }
 # torch has full support for signed integer views only, numpy compares unsigned.
 SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -51,7 +54,7 @@ UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 WIDE = ("float64", "float32", "float16", "bfloat16")
 PAIRS = [(s, t) for s, t in itertools.permutations(WIDE, 2)]
-FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
+FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 
 # NaN encodings were measured on these torch CPU kernels only (module docstring).
 NAN_EXACT = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")

@@ -244,3 +244,27 @@ def test_a_full_disk_gives_one_line_and_no_file(suffix: str, tmp_path: Path) -> 
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt"]
     assert _sha(source) == before
+
+
+def test_sigterm_stops_a_batch_like_ctrl_c(tmp_path: Path) -> None:
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    for index in range(3):
+        torch.save({f"t{i}": torch.full((4096,), float(i)) for i in range(300)}, zoo / f"m{index}.pt")
+    out = tmp_path / "out"
+    process, _ = _start_slow(tmp_path, "batch", str(zoo), str(out), "-q")
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr
+    assert stderr == (
+        f"ckptconv: interrupted (SIGTERM); finished items are recorded in the manifest under {str(out)!r}; "
+        "run again with --resume to carry on\n"
+    )
+    assert [p.name for p in out.iterdir() if p.name.endswith(".partial")] == []
+    assert _run("batch", str(zoo), str(out), "--resume", "-q") == (0, "")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "ckptconv-manifest.jsonl",
+        "m0.safetensors",
+        "m1.safetensors",
+        "m2.safetensors",
+    ]

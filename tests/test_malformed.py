@@ -253,15 +253,19 @@ def test_damaged_zip_checkpoints(case: str, tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt"]
 
 
-def test_wrong_crc_on_a_stored_record_is_carried_not_hidden(tmp_path: Path) -> None:
-    """torch.load ignores CRCs of stored records, and so does ckptconv (see SECURITY.md).
+def test_wrong_crc_on_a_stored_record_is_refused_or_carried_not_hidden(tmp_path: Path) -> None:
+    """torch.load ignores CRCs of stored records; ckptconv refuses them (see SECURITY.md).
 
-    A .pt to .pt conversion copies the record with its recorded CRC, so a reader
-    that checks CRCs still sees the damage in the output.
+    With check_crc=False (--no-crc-check, to rescue a damaged file) a .pt to .pt
+    conversion copies the record with its recorded CRC, so a reader that checks
+    CRCs still sees the damage in the output.
     """
     source = tmp_path / "crc.pt"
     source.write_bytes(_set_crc(_torch_file(), "data/0"))
-    ckptconv.convert(source, tmp_path / "out.pt")
+    with pytest.raises(MalformedCheckpointError, match=r"has CRC-32 [0-9a-f]{8} but the archive records"):
+        ckptconv.convert(source, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+    ckptconv.convert(source, tmp_path / "out.pt", check_crc=False)
     with zipfile.ZipFile(tmp_path / "out.pt") as archive:
         assert archive.testzip() is not None  # the bad CRC is still there to be found
 

@@ -290,3 +290,26 @@ def test_pt_output_loads_when_torch_computes_record_offsets(tmp_path: Path, monk
         check=True,
         env={**os.environ, "TORCH_SERIALIZATION_DEBUG": "1"},
     )
+
+
+def test_full_disk_during_a_checksummed_copy_reports_the_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors -> .pt copies in the kernel while a thread checksums a map of the source; when the
+    copy fails the map must still close cleanly, so the user sees the disk error and no partial file."""
+    import errno
+
+    from safetensors.torch import save_file
+
+    from ckptconv import writing
+
+    source = tmp_path / "m.safetensors"
+    save_file({"w": torch.randn(64, 64), "b": torch.randn(64)}, source)
+
+    def full_disk(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+        yield 0  # a generator, like the real one
+
+    monkeypatch.setattr(writing, "_copy_range", full_disk)
+    output = tmp_path / "out.pt"
+    with pytest.raises(ckptconv.errors.WriteError, match="the disk is full"):
+        ckptconv.convert(source, output, source_hash=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Union
 
 from ..errors import MalformedCheckpointError
-from ..standins import short_repr
+from ..standins import StorageType, short_repr
 
 if TYPE_CHECKING:
     from ..tensor import TensorRef
@@ -88,6 +88,29 @@ def pickle_location(value: Any, source: str) -> str:
             path=source,
         )
     return value
+
+
+def check_same_storage_type(
+    path: str, key: str, first: tuple[StorageType, int], again: tuple[StorageType, int]
+) -> None:
+    """Refuse a storage referred to with two types or sizes.
+
+    torch.save never writes that ("Cannot save multiple tensors or storages that
+    view the same data as different types"), and torch.load would give every
+    tensor the first reference's dtype: an int32 view of a float storage comes
+    back as floats. Either reading is a guess, so neither is made.
+    """
+    if first == again:
+        return
+
+    def describe(kind: StorageType, numel: int) -> str:
+        return f"{'untyped' if kind.untyped else kind.dtype.name} x {numel}"
+
+    raise MalformedCheckpointError(
+        f"{path!r} is damaged: storage {key!r} is referred to as {describe(*first)} and as "
+        f"{describe(*again)}; torch.save never writes that and readers disagree on its values",
+        path=path,
+    )
 
 
 def split_aliases(entries: Sequence[tuple[str, TensorRef]]) -> tuple[list[tuple[str, TensorRef]], dict[str, str]]:

@@ -108,7 +108,12 @@ class Assembled:
         row = math.prod(self.shape[1:]) * self.itemsize
         rows = []
         for offsets, chunk in self.chunks:
-            if any(offsets[1:]) or tuple(chunk.shape[1:]) != tuple(self.shape[1:]) or not chunk.is_contiguous:
+            if (
+                any(offsets[1:])
+                or tuple(chunk.shape[1:]) != tuple(self.shape[1:])
+                or not chunk.is_contiguous
+                or not chunk.is_stored_as_is
+            ):
                 return None
             rows.append((offsets[0] * row, (offsets[0] + chunk.shape[0]) * row, chunk))
         rows.sort(key=lambda item: item[0])
@@ -187,7 +192,10 @@ def read(folder: str, *, max_items: int | None = None) -> ReadResult:
         index_fields = _fields(index, folder, "storage index")
         offset = index_fields.get("offset")
         key = (index_fields.get("fqn"), tuple(offset) if isinstance(offset, (tuple, list)) else ())
+        if key in locations:
+            raise _damaged(folder, f"it lists the data of {key[0]!r} at {list(key[1])} twice")
         locations[key] = _fields(info, folder, "storage info")  # type: ignore[index]
+    claimed: list[tuple[str, int, int, str]] = []
 
     def region(fqn: str, offsets: tuple[int, ...]) -> tuple[str, int, int]:
         info = locations.get((fqn, offsets))
@@ -206,6 +214,7 @@ def read(folder: str, *, max_items: int | None = None) -> ReadResult:
         files[path] = None
         if start + length > os.path.getsize(path):
             raise MalformedCheckpointError(f"{path!r} is truncated: {fqn!r} ends past its end", path=path)
+        claimed.append((path, start, start + length, fqn))
         return path, start, length
 
     flat: dict[str, Any] = {}
@@ -220,6 +229,7 @@ def read(folder: str, *, max_items: int | None = None) -> ReadResult:
         else:
             path, start, length = region(fqn, ())
             flat[fqn] = torch_zip.read(path, region=(start, length), max_items=max_items).tree
+    _check_disjoint(folder, claimed)
     tree = _nest(flat, metadata.get("planner_data"))
     foreign = {name: count for name, count in unpickler.foreign_globals.items() if not name.startswith(_DCP_CLASSES)}
     return ReadResult(
@@ -273,11 +283,48 @@ def _tensor(
     dtype = pieces[0][1].dtype
     if any(piece.dtype != dtype for _, piece in pieces) or covered != math.prod(shape):
         raise _damaged(folder, f"the chunks of {fqn!r} do not tile a {dtype.name} tensor of size {list(shape)}")
+    # Equal volumes are not enough: an overlap (or a chunk listed twice) can hide a hole.
+    overlap = _overlapping_chunks([(offsets, piece.shape) for offsets, piece in pieces])
+    if overlap is not None:
+        first, second = overlap
+        raise _damaged(
+            folder,
+            f"the chunks of {fqn!r} at {list(first)} and {list(second)} overlap, so part of the tensor has two "
+            "values and part none",
+        )
     if len(pieces) == 1 and pieces[0][1].shape == shape:
         return pieces[0][1]
     source = Assembled(tuple(pieces), shape, dtype.itemsize)
     storage = Storage(math.prod(shape) * dtype.itemsize, source, name=fqn)
     return TensorRef(storage, dtype, shape, contiguous_strides(shape))
+
+
+def _overlapping_chunks(
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]],
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The offsets of two chunks that share an element, if any (a sweep along the first dimension)."""
+    ordered = sorted((box for box in boxes if all(box[1])), key=lambda box: box[0][:1])
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for offsets, sizes in ordered:
+        start = offsets[0] if offsets else 0
+        active = [box for box in active if not box[0] or box[0][0] + box[1][0] > start]
+        for other_offsets, other_sizes in active:
+            if all(o < p + m and p < o + n for o, n, p, m in zip(offsets, sizes, other_offsets, other_sizes)):
+                return other_offsets, offsets
+        active.append((offsets, sizes))
+    return None
+
+
+def _check_disjoint(folder: str, claimed: list[tuple[str, int, int, str]]) -> None:
+    """Refuse two tensors (or chunks) whose bytes lie on top of each other in a data file."""
+    claimed.sort()
+    for (path, _, end, first), (other_path, start, _, second) in zip(claimed, claimed[1:]):
+        if path == other_path and start < end:
+            raise _damaged(
+                folder,
+                f"{first!r} and {second!r} are stored in the same bytes of {os.path.basename(path)!r}; "
+                "one of them would be read as the other",
+            )
 
 
 def _nest(flat: dict[str, Any], planner_data: Any) -> Any:

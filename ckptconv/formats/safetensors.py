@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Callable
 
 from .. import read_policy
 from ..dtypes import dtype_by_safetensors_code
-from ..errors import MalformedCheckpointError, WriteError
+from ..errors import MalformedCheckpointError, UnsupportedFormatError, WriteError
 from ..tensor import FileRegion, Storage, TensorRef, contiguous_strides
 from ._base import Deferred, MetadataValue, ReadResult, metadata_text, split_aliases
 
@@ -96,7 +96,8 @@ def read_header(path: str) -> tuple[dict[str, Any], int, int]:
 def read(path: str) -> ReadResult:
     """Read a safetensors file lazily; every tensor is a region of the file."""
     header, data_start, size = read_header(path)
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
@@ -115,6 +116,16 @@ def read(path: str) -> ReadResult:
         offsets = entry.get("data_offsets")
         if not (isinstance(shape, list) and len(shape) <= 64 and all(type(s) is int and s >= 0 for s in shape)):
             raise _damaged(path, f"tensor {key!r} has shape {shape!r}")
+        if code == _PACKED_F4:
+            # The safetensors library stores torch's float4_e2m1fn_x2 (two 4-bit floats a byte)
+            # as F4 with the last dimension counted in 4-bit elements.
+            if not shape or shape[-1] % 2:
+                raise UnsupportedFormatError(
+                    f"{path!r}: tensor {key!r} is F4 of shape {shape}, which no torch dtype holds "
+                    "(torch packs two 4-bit floats a byte)",
+                    path=path,
+                )
+            shape = [*shape[:-1], shape[-1] // 2]
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
             raise _damaged(path, f"tensor {key!r} has data_offsets {offsets!r}")
         begin, end = offsets
@@ -130,12 +141,24 @@ def read(path: str) -> ReadResult:
         spans.append((begin, end, key))
         storage = Storage(end - begin, FileRegion(path, data_start + begin), name=key)
         tree[key] = TensorRef(storage, dtype, tuple(shape), contiguous_strides(tuple(shape)))
-    spans.sort()
-    for (_, previous_end, previous), (begin, end, key) in zip(spans, spans[1:]):
-        if begin < previous_end and begin != end:
-            raise _damaged(path, f"tensors {previous!r} and {key!r} overlap")
+    _check_buffer_indexed(path, spans, data_length)
     _restore_aliases(path, tree, metadata)
     return ReadResult(FORMAT, tree, metadata=dict(metadata))
+
+
+def _check_buffer_indexed(path: str, spans: list[tuple[int, int, str]], data_length: int) -> None:
+    """The format's rule, as the reference reader applies it: the tensors, sorted by
+    offsets, tile the data buffer exactly. No hole, no overlap (not even one hidden
+    behind an empty tensor), no trailing bytes: a buffer that is entirely indexed
+    leaves no room for a second file hidden inside (a polyglot)."""
+    position = 0
+    for begin, end, key in sorted(spans):
+        if begin != position:
+            what = "overlaps the tensor before it" if begin < position else f"leaves bytes {position}-{begin} unindexed"
+            raise _damaged(path, f"tensor {key!r} at data_offsets [{begin}, {end}] {what}")
+        position = end
+    if position != data_length:
+        raise _damaged(path, f"{data_length - position} bytes after the last tensor belong to no tensor")
 
 
 def _restore_aliases(path: str, tree: dict[str, TensorRef], metadata: dict[str, str]) -> None:
@@ -152,6 +175,19 @@ def _restore_aliases(path: str, tree: dict[str, TensorRef], metadata: dict[str, 
         if not isinstance(target, str) or target not in tree or alias in tree:
             raise _damaged(path, f"alias {alias!r} -> {target!r} does not match the tensors")
         tree[alias] = tree[target]
+
+
+_PACKED_F4 = "F4"
+
+
+def _header_shape(key: str, ref: TensorRef) -> list[int]:
+    """The shape the header records: F4 counts 4-bit elements, two to each float4_e2m1fn_x2 byte."""
+    shape = list(ref.shape)
+    if ref.out_dtype.safetensors == _PACKED_F4:
+        if not shape:
+            raise WriteError(f"tensor {key!r} is a 0-dim float4_e2m1fn_x2, which safetensors cannot store; use --to pt")
+        shape[-1] *= 2
+    return shape
 
 
 def _header_padding(data_start: int, tensors: Sequence[tuple[str, TensorRef]]) -> int:
@@ -236,7 +272,7 @@ def write(
     for key, ref in unique:
         header[key] = {
             "dtype": ref.out_dtype.safetensors,
-            "shape": list(ref.shape),
+            "shape": _header_shape(key, ref),
             "data_offsets": [offset, offset + ref.nbytes],
         }
         offset += ref.nbytes

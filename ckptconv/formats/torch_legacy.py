@@ -24,7 +24,7 @@ from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..standins import ForeignGlobal, StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, read_exactly_into
 from ..unpickler import DEFAULT_MAX_ITEMS, PickleTruncatedError, Unpickler, recording_unsafe
-from ._base import ReadResult, pickle_location
+from ._base import ReadResult, check_same_storage_type, pickle_location
 from .torch_zip import MAX_PICKLE_BYTES
 
 __all__ = ["MAGIC_NUMBER", "looks_legacy", "read"]
@@ -108,6 +108,7 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
 
     storages: dict[str, Storage] = {}
     itemsizes: dict[str, int] = {}
+    types: dict[str, tuple[StorageType, int]] = {}
     devices: set[str] = set()
 
     def persistent_load(pid: Any) -> Any:
@@ -126,7 +127,10 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
             raise _damaged(path, f"storage {root_key!r} has size {numel!r}")
         dtype = storage_type.dtype
         storage = storages.get(root_key)
-        if storage is None:
+        if storage is not None:
+            check_same_storage_type(path, root_key, types[root_key], (storage_type, numel))
+        else:
+            types[root_key] = (storage_type, numel)
             location_tag = pickle_location(location, path)
             devices.add(location_tag)
             storage = Storage(numel * dtype.itemsize, _PendingRegion(), location_tag, byteorder, root_key)

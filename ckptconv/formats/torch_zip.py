@@ -38,7 +38,7 @@ from ..errors import MalformedCheckpointError, UnsafeCheckpointError, Unsupporte
 from ..standins import StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
 from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
-from ._base import MetadataValue, ReadResult, json_bytes, metadata_text, pickle_location
+from ._base import MetadataValue, ReadResult, check_same_storage_type, json_bytes, metadata_text, pickle_location
 
 __all__ = ["read", "write"]
 
@@ -138,6 +138,14 @@ def record_data_offset(file: BinaryIO, info: zipfile.ZipInfo, path: str) -> int:
     name_length: int
     extra_length: int
     name_length, extra_length = struct.unpack("<HH", header[26:30])
+    flags: int
+    method: int
+    flags, method = struct.unpack("<HH", header[6:10])
+    local_name = file.read(name_length).decode("utf-8" if flags & 0x800 else "cp437", "replace")
+    # The central directory and the local header must describe the same record:
+    # readers that trust one or the other would otherwise read different bytes.
+    if local_name != info.orig_filename or method != info.compress_type:
+        raise _damaged(path, f"the local header of {info.filename!r} disagrees with its directory entry")
     return int(info.header_offset) + 30 + name_length + extra_length
 
 
@@ -229,6 +237,7 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
         raise _damaged(path, f"its byteorder record says {short_repr(byteorder)}")
 
     storages: dict[str, Storage] = {}
+    types: dict[str, tuple[StorageType, int]] = {}
     devices: set[str] = set()
 
     def persistent_load(pid: Any) -> TypedStorage:
@@ -241,7 +250,10 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
             raise _damaged(path, f"storage reference {short_repr(pid)} is malformed")
         dtype = storage_type.dtype
         storage = storages.get(key)
-        if storage is None:
+        if storage is not None:
+            check_same_storage_type(path, key, types[key], (storage_type, numel))
+        else:
+            types[key] = (storage_type, numel)
             name = f"{root}data/{key}"
             info = infos.get(name)
             if info is None:
@@ -263,7 +275,7 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
                     f"{path!r} embeds a compressed checkpoint, which ckptconv cannot read in place", path=path
                 )
             else:
-                source = ZipMember(path, name)
+                source = ZipMember(path, name, crc32=info.CRC)
             location_tag = pickle_location(location, path)
             devices.add(location_tag)
             storage = Storage(nbytes, source, location_tag, byteorder, name)
@@ -348,9 +360,11 @@ def plan_storages(entries: Sequence[tuple[str, TensorRef]]) -> tuple[list[Planne
     are sparse (a column of a big matrix spans almost all of it), each distinct
     view is gathered into its own compact storage instead.
     """
-    groups: dict[tuple[int, str, str, bool], list[tuple[int, str, TensorRef]]] = {}
+    # Views share an output storage only when their bytes are written alike: the
+    # same dtypes, cast and conj/neg bits (the bits are applied to the bytes).
+    groups: dict[tuple[int, str, str, bool, bool, bool], list[tuple[int, str, TensorRef]]] = {}
     for index, (key, ref) in enumerate(entries):
-        group_key = (id(ref.storage), ref.dtype.name, ref.out_dtype.name, ref.allow_overflow)
+        group_key = (id(ref.storage), ref.dtype.name, ref.out_dtype.name, ref.allow_overflow, ref.conj, ref.neg)
         groups.setdefault(group_key, []).append((index, key, ref))
 
     storages: list[PlannedStorage] = []

@@ -1,0 +1,524 @@
+"""Exact or refused: inputs that readers could resolve two ways, or that hold other bytes than they claim.
+
+Each case is refused with one line (naming what is wrong) by the library, the CLI and ``ckptconv.load``;
+none may produce other values than ``torch.load(weights_only=True)`` gives.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptconv
+from ckptconv.errors import LoadError, MalformedCheckpointError
+
+from .conftest import run_cli
+
+
+def assert_refused(source: Path, tmp_path: Path, message: str) -> None:
+    """The library, ckptconv.load and the CLI all refuse ``source`` with one line containing ``message``."""
+    with pytest.raises(LoadError) as caught:
+        ckptconv.load(source)
+    assert message in str(caught.value)
+    for suffix in ("pt", "safetensors"):
+        output = tmp_path / f"out.{suffix}"
+        code, stdout, stderr = run_cli("convert", str(source), str(output))
+        assert (code, stdout) == (1, ""), stderr
+        assert stderr.count("\n") == 1 and stderr.startswith("ckptconv: error: ") and message in stderr, stderr
+        assert not output.exists()
+
+
+def rewrite_zip(
+    source: Path, target: Path, change: dict[str, bytes], *, append: dict[str, bytes] | None = None
+) -> None:
+    """Copy a zip checkpoint record by record (stored), replacing some records and appending others."""
+    with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as new:
+        for info in old.infolist():
+            new.writestr(info.filename, change.get(info.filename, old.read(info)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Duplicate name"
+            for name, data in (append or {}).items():
+                new.writestr(name, data)
+
+
+def test_duplicate_record_names_are_refused(tmp_path: Path) -> None:
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.arange(4, dtype=torch.float32)}, plain)
+    with zipfile.ZipFile(plain) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("/data/0"))
+    source = tmp_path / "dup.pt"
+    rewrite_zip(plain, source, {}, append={name: torch.full((4,), 7.0).numpy().tobytes()})
+    # torch reads the first record; zipfile's directory (and ckptconv before this check) the last.
+    assert torch.equal(torch.load(source, weights_only=True)["w"], torch.arange(4, dtype=torch.float32))
+    assert_refused(source, tmp_path, f"holds two records named {name!r}; torch reads the first")
+
+
+def test_local_header_that_disagrees_with_the_directory_is_refused(tmp_path: Path) -> None:
+    source = tmp_path / "renamed.pt"
+    torch.save({"w": torch.arange(4, dtype=torch.float32)}, source)
+    with zipfile.ZipFile(source) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+    data = bytearray(source.read_bytes())
+    name_length = struct.unpack("<H", data[info.header_offset + 26 : info.header_offset + 28])[0]
+    name_at = info.header_offset + 30 + name_length - 1
+    data[name_at : name_at + 1] = b"9"  # local header says .../data/9
+    source.write_bytes(bytes(data))
+    assert_refused(source, tmp_path, "disagrees with its directory entry")
+
+
+# ---------------------------------------------------------------------------------------
+# safetensors: the reference reader's rules (the installed safetensors library is the oracle)
+# ---------------------------------------------------------------------------------------
+
+
+def _f32(begin: int, end: int, shape: list[int] | None = None) -> dict[str, object]:
+    return {"dtype": "F32", "shape": [1] if shape is None else shape, "data_offsets": [begin, end]}
+
+
+SAFETENSORS_CASES = {
+    # name: (header, data length, what ckptconv's refusal says; "" where the reference reads the file)
+    "hole between tensors": ({"a": _f32(0, 4), "b": _f32(8, 12)}, 12, "leaves bytes 4-8 unindexed"),
+    "hole before the first tensor": ({"a": _f32(4, 8)}, 8, "leaves bytes 0-4 unindexed"),
+    "trailing bytes": ({"a": _f32(0, 4)}, 8, "4 bytes after the last tensor belong to no tensor"),
+    "trailing bytes, no tensors": ({}, 1, "1 bytes after the last tensor"),
+    "two tensors on the same bytes": ({"a": _f32(0, 4), "b": _f32(0, 4)}, 4, "overlaps the tensor before it"),
+    "overlap hidden behind an empty tensor": (
+        {"a": _f32(0, 8, [2]), "e": _f32(4, 4, [0]), "b": _f32(4, 8)},
+        8,
+        "overlaps the tensor before it",
+    ),
+    "empty tensor inside another": ({"a": _f32(0, 4), "e": _f32(2, 2, [0]), "b": _f32(4, 8)}, 8, "overlaps"),
+    "empty tensor past the end": ({"a": _f32(0, 4), "e": _f32(8, 8, [0])}, 4, "is truncated"),
+    "__metadata__ is a list": ({"__metadata__": [], "a": _f32(0, 4)}, 4, "not a map of strings to strings"),
+    "__metadata__ is an empty string": ({"__metadata__": "", "a": _f32(0, 4)}, 4, "not a map of strings"),
+    "__metadata__ has a number": ({"__metadata__": {"x": 1}, "a": _f32(0, 4)}, 4, "not a map of strings"),
+    "empty tensor at the end": ({"a": _f32(0, 4), "e": _f32(4, 4, [0])}, 4, ""),
+    "__metadata__ is null": ({"__metadata__": None, "a": _f32(0, 4)}, 4, ""),
+    "tensors listed out of order": ({"b": _f32(4, 8), "a": _f32(0, 4)}, 8, ""),
+}
+
+
+@pytest.mark.parametrize("case", SAFETENSORS_CASES)
+def test_safetensors_files_follow_the_reference_readers_rules(tmp_path: Path, case: str) -> None:
+    import json
+
+    import safetensors.torch
+
+    header, length, message = SAFETENSORS_CASES[case]
+    encoded = json.dumps(header).encode()
+    source = tmp_path / "x.safetensors"
+    source.write_bytes(len(encoded).to_bytes(8, "little") + encoded + bytes(range(length)))
+    if message:
+        with pytest.raises(safetensors.SafetensorError):
+            safetensors.torch.load_file(source)
+        assert_refused(source, tmp_path, message)
+    else:
+        reference = safetensors.torch.load_file(source)
+        ours = ckptconv.load(source)
+        assert sorted(ours) == sorted(reference)
+        for key, tensor in reference.items():
+            assert torch.equal(ours[key], tensor)
+
+
+# ---------------------------------------------------------------------------------------
+# Storages and tensor bits torch.save never writes
+# ---------------------------------------------------------------------------------------
+
+
+def _retarget_storage(source: Path, target: Path, old_key: str, new_key: str) -> None:
+    """Point every reference to storage ``old_key`` at ``new_key`` (same-length keys keep the pickle valid)."""
+    with zipfile.ZipFile(source) as archive:
+        pickle_name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+        data = archive.read(pickle_name)
+    needle = b"X" + struct.pack("<I", len(old_key)) + old_key.encode()
+    assert data.count(needle) == 1
+    rewrite_zip(
+        source, target, {pickle_name: data.replace(needle, b"X" + struct.pack("<I", len(new_key)) + new_key.encode())}
+    )
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (torch.float32, torch.int32),
+        (torch.int64, torch.float64),
+        (torch.float32, torch.uint32),
+        (torch.uint16, torch.float16),
+    ],
+)
+def test_one_storage_referred_to_with_two_dtypes_is_refused(
+    tmp_path: Path, first: torch.dtype, second: torch.dtype
+) -> None:
+    plain = tmp_path / "plain.pt"
+    torch.save({"x": torch.arange(4).to(first), "y": torch.arange(4, 8).to(second)}, plain)
+    source = tmp_path / "two.pt"
+    _retarget_storage(plain, source, "1", "0")
+    # torch.load gives "y" the first reference's storage type: other values than y's own.
+    loaded = torch.load(source, weights_only=True)
+    assert loaded["y"].dtype != second or not torch.equal(loaded["y"], torch.arange(4, 8).to(second))
+    assert_refused(source, tmp_path, "storage '0' is referred to as")
+
+
+class _Rebuilt:
+    """Pickles as a tensor rebuilt with chosen conj/neg metadata (what a crafted file can say)."""
+
+    def __init__(self, tensor: torch.Tensor, metadata: object) -> None:
+        self.tensor, self.metadata = tensor, metadata
+
+    def __reduce_ex__(self, protocol: int) -> tuple[object, tuple[object, ...]]:
+        import collections
+
+        t = self.tensor
+        if (t.dtype.is_floating_point and t.dtype.itemsize == 1) or t.dtype in (torch.uint16, torch.uint32):
+            args = (t.untyped_storage(), 0, tuple(t.shape), t.stride(), False, collections.OrderedDict(), t.dtype)
+            return (torch._utils._rebuild_tensor_v3, (*args, self.metadata))
+        typed = torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
+        args = (typed, 0, tuple(t.shape), t.stride(), False, collections.OrderedDict())
+        return (torch._utils._rebuild_tensor_v2, (*args, self.metadata))
+
+
+@pytest.mark.parametrize(
+    ("tensor", "metadata", "message"),
+    [
+        (torch.tensor([1.0, -2.0]), {"conj": True}, "carries the conjugate bit"),
+        (torch.tensor([True, False]), {"neg": True}, "carries the negative bit"),
+        (torch.tensor([1.0, 2.0]).to(torch.float8_e4m3fn), {"neg": True}, "carries the negative bit"),
+        (torch.tensor([1, 2]).to(torch.uint16), {"neg": True}, "carries the negative bit"),
+        (torch.tensor([1.0, 2.0]), {"neg": False}, "is not the conj/neg flags"),  # torch.load sets the bit anyway
+        (torch.tensor([1.0, 2.0]), {"zero": True}, "is not the conj/neg flags"),
+        (torch.tensor([1.0, 2.0]), [1], "is not the conj/neg flags"),
+    ],
+)
+def test_tensor_bits_torch_save_never_writes_are_refused(
+    tmp_path: Path, tensor: torch.Tensor, metadata: object, message: str
+) -> None:
+    source = tmp_path / "bits.pt"
+    torch.save({"x": _Rebuilt(tensor, metadata)}, source)
+    assert_refused(source, tmp_path, message)
+
+
+def test_save_resolves_conj_and_neg_bits_of_the_tensors_it_is_given(tmp_path: Path) -> None:
+    c = torch.tensor([1 + 2j, 3 - 4j, -0.5 + 0j])
+    state = {"c": c.conj(), "n": c.clone().conj().imag, "neg": torch._neg_view(torch.arange(-3, 3, dtype=torch.int8))}
+    for suffix in ("pt", "safetensors"):
+        output = tmp_path / f"out.{suffix}"
+        ckptconv.save(state, output)
+        loaded = (
+            torch.load(output, weights_only=True)
+            if suffix == "pt"
+            else __import__("safetensors.torch").torch.load_file(output)
+        )
+        for key, tensor in state.items():
+            assert torch.equal(loaded[key].resolve_conj().resolve_neg(), tensor.resolve_conj().resolve_neg()), (
+                suffix,
+                key,
+            )
+            assert loaded[key].dtype == tensor.dtype
+
+
+# ---------------------------------------------------------------------------------------
+# CRC-32 of the records read
+# ---------------------------------------------------------------------------------------
+
+
+def _damaged_checkpoint(tmp_path: Path) -> tuple[Path, str]:
+    """A torch zip whose record for ``w`` has one flipped bit; torch.load reads it without a word."""
+    source = tmp_path / "damaged.pt"
+    torch.save({"w": torch.arange(16, dtype=torch.float32), "b": torch.ones(2)}, source)
+    with zipfile.ZipFile(source) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+    data = bytearray(source.read_bytes())
+    name_length, extra_length = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    data[info.header_offset + 30 + name_length + extra_length + 9] ^= 0x10
+    source.write_bytes(bytes(data))
+    return source, info.filename
+
+
+def test_records_that_do_not_match_their_crc_are_refused(tmp_path: Path) -> None:
+    source, record = _damaged_checkpoint(tmp_path)
+    damaged = torch.load(source, weights_only=True)
+    assert not torch.equal(damaged["w"], torch.arange(16, dtype=torch.float32))  # torch launders it
+    assert_refused(source, tmp_path, f"record {record!r} (tensor 'w') has CRC-32")
+    _, _, stderr = run_cli("convert", str(source), str(tmp_path / "x.safetensors"))
+    assert stderr.rstrip().endswith("pass --no-crc-check to convert its bytes anyway")
+    with pytest.raises(MalformedCheckpointError, match="tensor 'w'"):
+        ckptconv.verify(source, tmp_path / "anything.pt")
+
+
+def test_no_crc_check_rescues_a_damaged_file_as_torch_reads_it(tmp_path: Path) -> None:
+    import safetensors.torch
+
+    source, _ = _damaged_checkpoint(tmp_path)
+    output = tmp_path / "rescued.safetensors"
+    code, _, stderr = run_cli("convert", str(source), str(output), "--no-crc-check", "-q")
+    assert (code, stderr) == (0, "")
+    damaged = torch.load(source, weights_only=True)
+    rescued = safetensors.torch.load_file(output)
+    assert all(torch.equal(rescued[key], damaged[key]) for key in damaged)
+    loaded = ckptconv.load(source, check_crc=False)
+    assert all(torch.equal(loaded[key], damaged[key]) for key in damaged)
+
+
+def test_compressed_records_are_checked_too(tmp_path: Path) -> None:
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.arange(64, dtype=torch.float32)}, plain)
+    source = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(plain) as old, zipfile.ZipFile(source, "w", zipfile.ZIP_DEFLATED) as new:
+        for info in old.infolist():
+            new.writestr(info.filename, old.read(info))
+    with zipfile.ZipFile(source) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+    data = bytearray(source.read_bytes())
+    wrong = struct.pack("<I", info.CRC ^ 1)
+    data[info.header_offset + 14 : info.header_offset + 18] = wrong  # local header
+    position = data.index(b"PK\x01\x02")
+    while position >= 0:
+        name_length = struct.unpack("<H", data[position + 28 : position + 30])[0]
+        if data[position + 46 : position + 46 + name_length].decode() == info.filename:
+            data[position + 16 : position + 20] = wrong  # central directory
+        position = data.find(b"PK\x01\x02", position + 4)
+    source.write_bytes(bytes(data))
+    # zipfile checks a deflated record's CRC as it decompresses; whoever reads first reports it.
+    assert_refused(source, tmp_path, f"record {info.filename!r}")
+    code, _, stderr = run_cli("convert", str(source), str(tmp_path / "x.pt"))
+    assert code == 1 and "CRC-32" in stderr
+
+
+# ---------------------------------------------------------------------------------------
+# verify --reference torch: an independent reader
+# ---------------------------------------------------------------------------------------
+
+
+def _conj_example(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    c = torch.tensor([1 + 2j, 3 - 4j])
+    source = tmp_path / "cn.pt"
+    torch.save({"c": c.conj(), "n": c.clone().conj().imag}, source)
+    # What main's convert wrote (the conj and neg bits dropped): the stored values.
+    return source, {"c": c.clone(), "n": c.imag.clone()}
+
+
+def test_verify_reference_torch_disagrees_with_the_old_convert_on_the_conj_example(tmp_path: Path) -> None:
+    import safetensors.torch
+
+    source, old_output = _conj_example(tmp_path)
+    output = tmp_path / "cn.safetensors"
+    safetensors.torch.save_file(old_output, output)
+    code, stdout, _ = run_cli("verify", str(source), str(output), "--reference", "torch")
+    assert code == 3
+    assert stdout.splitlines() == [
+        "verification failed: 2 differ (e.g. 'c': values differ) (source read by torch.load(weights_only=True); "
+        "output by the safetensors library)",
+        "  differs: c: values differ",
+        "  differs: n: values differ",
+    ]
+    assert run_cli("convert", str(source), str(output), "--overwrite", "-q") == (0, "", "")
+    code, stdout, _ = run_cli("verify", str(source), str(output), "--reference", "torch")
+    assert (code, stdout) == (
+        0,
+        "verified: all 2 tensors match bit for bit (source read by torch.load(weights_only=True); "
+        "output by the safetensors library)\n",
+    )
+
+
+def test_a_reader_bug_hides_from_ckptconv_verify_but_not_from_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Simulate the bug this issue fixed (a reader dropping the conj/neg bits): only --verify=torch sees it."""
+    import ckptconv.rebuild
+
+    source, _ = _conj_example(tmp_path)
+    monkeypatch.setattr(ckptconv.rebuild, "_tensor_bits", lambda metadata: (False, False))
+    output = tmp_path / "out.pt"
+    code, _, stderr = run_cli("convert", str(source), str(output), "--verify")
+    assert code == 0 and "verified bit for bit" in stderr  # the bug checks itself
+    assert run_cli("verify", str(source), str(output))[0] == 0
+    code, _, stderr = run_cli("convert", str(source), str(output), "--overwrite", "--verify=torch")
+    assert code == 1
+    assert stderr == (
+        "ckptconv: error: verification failed: 2 differ (e.g. 'c': values differ) (source read by "
+        "torch.load(weights_only=True); output by torch.load(weights_only=True)); the output was not written\n"
+    )
+    assert run_cli("verify", str(source), str(output), "--reference", "torch")[0] == 3
+
+
+def test_verify_reference_torch_says_when_it_falls_back_to_ckptconv(tmp_path: Path) -> None:
+    import pickle
+
+    source = tmp_path / "raw.pkl"
+    source.write_bytes(pickle.dumps({"w": __import__("numpy").arange(3, dtype="float32")}))
+    output = tmp_path / "out.safetensors"
+    assert run_cli("convert", str(source), str(output), "-q")[0] == 0
+    code, stdout, _ = run_cli("verify", str(source), str(output), "--reference", "torch")
+    assert code == 0
+    assert stdout == (
+        "verified: all 1 tensors match bit for bit (source read by ckptconv's reader (neither "
+        "torch.load(weights_only=True) nor safetensors reads pickle input); output by the safetensors library)\n"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# --dtype on every float8
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float8_e4m3fn"])
+@pytest.mark.parametrize("target", ["bf16", "fp32"])
+def test_dtype_casts_every_float8_as_torch_does(tmp_path: Path, source: str, target: str) -> None:
+    import safetensors.torch
+
+    every_pattern = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(getattr(torch, source))
+    path = tmp_path / "f8.pt"
+    torch.save({"w": every_pattern}, path)
+    output = tmp_path / "out.safetensors"
+    code, _, stderr = run_cli("convert", str(path), str(output), "--dtype", target, "-q")
+    assert (code, stderr) == (0, "")
+    want = every_pattern.to({"bf16": torch.bfloat16, "fp32": torch.float32}[target])
+    got = safetensors.torch.load_file(output)["w"]
+    assert got.dtype == want.dtype
+    assert (
+        got.view(torch.int16 if want.itemsize == 2 else torch.int32).tolist()
+        == want.view(torch.int16 if want.itemsize == 2 else torch.int32).tolist()
+    )
+
+
+def test_dtype_fp16_on_e8m0_refuses_the_overflow_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "scales.pt"
+    torch.save({"scale": torch.tensor([0, 127, 200], dtype=torch.uint8).view(torch.float8_e8m0fnu)}, path)
+    code, _, stderr = run_cli("convert", str(path), str(tmp_path / "out.pt"), "--dtype", "fp16")
+    assert code == 1
+    assert stderr == (
+        "ckptconv: error: casting to float16 would turn finite values such as 9.44473296573929e+21 into inf; "
+        "keep this tensor's dtype (--keep-dtype) or pass --allow-overflow\n"
+    )
+
+
+@pytest.mark.parametrize("name", ["items", "keys", "values", "get", "__class__"])
+def test_build_state_that_shadows_a_method_is_refused_in_one_line(tmp_path: Path, name: str) -> None:
+    encoded = name.encode()
+    source = tmp_path / "shadow.pkl"
+    # OrderedDict() with BUILD {name: 1}: a 45-byte pickle for "items".
+    source.write_bytes(
+        b"\x80\x02ccollections\nOrderedDict\n)R}X" + struct.pack("<I", len(encoded)) + encoded + b"K\x01sb."
+    )
+    assert_refused(source, tmp_path, f"OrderedDict state sets {name!r}, which is one of its methods")
+
+
+# ---------------------------------------------------------------------------------------
+# DCP folders whose chunks do not tile their tensors exactly
+# ---------------------------------------------------------------------------------------
+
+GPU_DCP = Path(__file__).resolve().parent.parent / "fixtures" / "gpu" / "fsdp2_dcp"
+
+
+def _edit_dcp(tmp_path: Path, edit: object) -> Path:
+    """A copy of the FSDP2 DCP fixture with its .metadata changed by ``edit(metadata)``."""
+    import pickle
+    import shutil
+
+    import torch.distributed.checkpoint  # noqa: F401 (the classes .metadata pickles)
+
+    folder = tmp_path / "dcp"
+    shutil.copytree(GPU_DCP, folder)
+    with open(folder / ".metadata", "rb") as file:
+        metadata = pickle.load(file)
+    edit(metadata)  # type: ignore[operator]
+    with open(folder / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+    return folder
+
+
+def _move_chunk(metadata: object, fqn: str, old: tuple[int, ...], new: tuple[int, ...]) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    entry = metadata.state_dict_metadata[fqn]  # type: ignore[attr-defined]
+    entry.chunks = [
+        ChunkStorageMetadata(torch.Size(new), chunk.sizes) if tuple(chunk.offsets) == old else chunk
+        for chunk in entry.chunks
+    ]
+    storage = metadata.storage_data  # type: ignore[attr-defined]
+    info = storage.pop(MetadataIndex(fqn, torch.Size(old), 0))
+    storage[MetadataIndex(fqn, torch.Size(new), 0)] = info
+
+
+def test_dcp_chunks_that_overlap_and_leave_a_hole_are_refused(tmp_path: Path) -> None:
+    # Rows 8-15 move to 4-11: the same volume, rows 4-7 twice, rows 12-15 never (zeros, before).
+    folder = _edit_dcp(tmp_path, lambda m: _move_chunk(m, "model.pos_emb.weight", (8, 0), (4, 0)))
+    with pytest.raises(
+        MalformedCheckpointError, match=r"the chunks of 'model.pos_emb.weight' at \[0, 0\] and \[4, 0\]"
+    ):
+        ckptconv.open(folder)
+    code, _, stderr = run_cli("convert", str(folder), str(tmp_path / "out.safetensors"))
+    assert code == 1 and stderr.count("\n") == 1 and "overlap, so part of the tensor has two values" in stderr
+
+
+def test_dcp_chunk_listed_twice_is_refused(tmp_path: Path) -> None:
+    def repeat(metadata: object) -> None:
+        entry = metadata.state_dict_metadata["model.block.ln1.weight"]  # type: ignore[attr-defined]
+        entry.chunks = [entry.chunks[0], entry.chunks[0]]
+
+    folder = _edit_dcp(tmp_path, repeat)
+    with pytest.raises(MalformedCheckpointError, match="at \\[0\\] and \\[0\\] overlap"):
+        ckptconv.open(folder)
+
+
+def test_two_dcp_tensors_stored_in_the_same_bytes_are_refused(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    def alias(metadata: object) -> None:
+        storage = metadata.storage_data  # type: ignore[attr-defined]
+        for offset in (0, 8):
+            index = torch.Size([offset])
+            storage[MetadataIndex("model.block.ln1.bias", index, 0)] = storage[
+                MetadataIndex("model.block.ln1.weight", index, 0)
+            ]
+
+    folder = _edit_dcp(tmp_path, alias)
+    with pytest.raises(MalformedCheckpointError, match=r"are stored in the same bytes of '__0_0\.distcp'"):
+        ckptconv.open(folder)
+
+
+# ---------------------------------------------------------------------------------------
+# Sizes before allocation
+# ---------------------------------------------------------------------------------------
+
+
+def test_a_view_that_expands_to_terabytes_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    source = tmp_path / "huge.pt"
+    torch.save({"x": torch.ones(1).expand(2**40, 2**4), "b": torch.zeros(3)}, source)
+    assert source.stat().st_size < 2000
+    output = tmp_path / "huge.safetensors"
+    code, stdout, stderr = run_cli("convert", str(source), str(output))
+    assert (code, stdout) == (1, "")
+    assert stderr.startswith(f"ckptconv: error: writing {str(output)!r} as safetensors needs 64.0 TiB but only ")
+    assert stderr.endswith("are free there; tensor 'x' alone is 64.0 TiB, a view that repeats 4 B of stored bytes\n")
+    assert list(tmp_path.iterdir()) == [source]
+    # .pt keeps the view as torch.save does, and ckptconv.load returns a view: nothing expands.
+    pt = tmp_path / "huge.pt.pt"
+    assert run_cli("convert", str(source), str(pt), "-q") == (0, "", "")
+    assert pt.stat().st_size < 2000
+    for tensor in (torch.load(pt, weights_only=True)["x"], ckptconv.load(source)["x"]):
+        assert tuple(tensor.shape) == (2**40, 2**4) and tensor.stride() == (0, 0) and tensor[123, 4].item() == 1.0
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["--verify", "{src}", "{dst}"], "verified bit for bit)"),
+        (["{src}", "{dst}", "--verify"], "verified bit for bit)"),
+        (["--verify", "torch", "{src}", "{dst}"], "verified bit for bit by torch)"),
+        (["{src}", "{dst}", "--verify=torch"], "verified bit for bit by torch)"),
+        (["{src}", "{dst}", "--verify=ckptconv"], "verified bit for bit)"),
+    ],
+)
+def test_verify_takes_an_optional_reader_wherever_it_stands(tmp_path: Path, arguments: list[str], said: str) -> None:
+    source, _ = _conj_example(tmp_path)
+    output = tmp_path / "out.safetensors"
+    filled = [a.format(src=source, dst=output) for a in arguments]
+    code, _, stderr = run_cli("convert", *filled)
+    assert code == 0, stderr
+    assert stderr.rstrip().endswith(said)
