@@ -17,7 +17,12 @@ What counts as one item:
 * a **sharded checkpoint**: a ``*.index.json`` with a ``weight_map`` and the
   shards it names count as one item, the shards are never items of their own;
 * a **DCP folder** (``torch.distributed.checkpoint``: ``.metadata`` and
-  ``*.distcp``) is one item.
+  ``*.distcp``) is one item;
+* a **training run's folder** as DeepSpeed writes it (``latest`` naming a tag
+  folder of per-rank model and optimizer states, or the tag folder itself) is
+  one item: its latest checkpoint; the folders inside it are not walked. So is
+  a folder of per-rank DTensor files (``model_world_size_2_rank_0.pt`` ...); the
+  other files beside them (verl's ``optim_*``/``extra_state_*``) are not items.
 
 Hidden files and folders (``.git``, the ``.partial`` files of unfinished
 writes) and everything else (``config.json``, ``README.md``) are left alone.
@@ -54,13 +59,14 @@ from . import read_policy
 from .errors import LoadError
 from .suffixes import CHECKPOINT_SUFFIXES, DCP_DATA_SUFFIX, DCP_METADATA, INDEX_SUFFIX, SAFETENSORS_SUFFIX, TAR_SUFFIX
 
-__all__ = ["Item", "Planned", "discover", "output_name", "plan_outputs"]
+__all__ = ["Item", "Planned", "discover", "output_name", "plan_outputs", "unread_files"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 FILE = "file"
 SHARDED = "sharded"
 DCP = "dcp"
+RUN = "run"
 
 # Longest first, so "x.pth.tar" loses ".pth.tar", not ".tar".
 _STRIPPED_SUFFIXES = (*CHECKPOINT_SUFFIXES, TAR_SUFFIX)
@@ -75,7 +81,7 @@ class Item:
         name: its path relative to the source folder, ``/``-separated: the file,
             the ``*.index.json`` of a sharded checkpoint, or the DCP folder.
         path: the absolute path of the same.
-        kind: ``"file"``, ``"sharded"`` or ``"dcp"``.
+        kind: ``"file"``, ``"sharded"``, ``"dcp"`` or ``"run"`` (a DeepSpeed run folder).
         size: bytes, summed over every file of the item.
         mtime_ns: the latest modification time among its files.
         members: for sharded and DCP items, every file it consists of (relative
@@ -148,6 +154,40 @@ def _stat(path: str) -> tuple[int, int]:
     return info.st_size, info.st_mtime_ns
 
 
+def _run_members(folder: str) -> tuple[list[str], bool] | None:
+    """The files of the training-run checkpoint ``folder`` holds (relative, ``/``-separated), and
+    whether the folders inside it belong to it; None if it holds none."""
+    from .errors import CkptconvError
+    from .formats import deepspeed, rank_shards
+
+    try:
+        files = deepspeed.checkpoint_files(folder)
+    except (CkptconvError, OSError):
+        return None
+    if files is not None:
+        return [os.path.relpath(path, folder).replace(os.sep, "/") for path in files], True
+    shards = rank_shards.find_files(folder)
+    if shards is not None:
+        return [os.path.basename(path) for path in shards + rank_shards.sibling_files(folder, shards)], False
+    return None
+
+
+def unread_files(item: Item) -> list[str]:
+    """The checkpoint files inside a ``run`` item's folder that converting it does not read
+    (older tags, optimizer files beside per-rank model files), for a scanner to look at."""
+    from .formats import deepspeed, is_checkpoint_file, rank_shards
+
+    read = set(deepspeed.checkpoint_files(item.path) or rank_shards.find_files(item.path) or [])
+    extra = []
+    for folder, subfolders, filenames in os.walk(item.path):
+        subfolders.sort()
+        for name in sorted(filenames):
+            path = os.path.join(folder, name)
+            if path not in read and is_checkpoint_file(path):
+                extra.append(path)
+    return extra
+
+
 def _index_shards(path: str, folder: str) -> list[str] | None:
     """The shard file names a ``*.index.json`` names; None if it is not a readable index."""
     from .errors import CkptconvError
@@ -185,12 +225,12 @@ def _looks_relevant(name: str) -> bool:
 
 
 def member_paths(item: Item) -> list[str]:
-    """The absolute paths of a sharded or DCP item's files (the item's own path for a single file)."""
+    """The absolute paths of a sharded, DCP or run item's files (the item's own path for a single file)."""
     if item.kind == FILE:
         return [item.path]
     folder = os.path.dirname(item.path) if item.kind == SHARDED else item.path
     prefix = item.name.rsplit("/", 1)[0] if item.kind == SHARDED and "/" in item.name else ""
-    if item.kind == DCP and all(member.startswith(item.name + "/") for member in item.members):
+    if item.kind in (DCP, RUN) and all(member.startswith(item.name + "/") for member in item.members):
         prefix = item.name
     return [
         os.path.join(folder, *(member[len(prefix) + 1 :] if prefix else member).split("/")) for member in item.members
@@ -209,7 +249,7 @@ def _join(folder: str, name: str) -> str:
 def _group(root: str, folder: str, rel_folder: str, name: str, kind: str, members: Sequence[str]) -> Item:
     sizes = [_stat(os.path.join(folder, member)) for member in members]
     path = os.path.join(folder, name) if kind == SHARDED else folder
-    rel = (rel_folder or os.path.basename(root)) if kind == DCP else _join(rel_folder, name)
+    rel = (rel_folder or os.path.basename(root)) if kind in (DCP, RUN) else _join(rel_folder, name)
     return Item(
         name=rel,
         path=path,
@@ -280,7 +320,17 @@ def discover(
         filenames = set(names)
         taken: set[str] = set()
         found: list[Item] = []
-        if DCP_METADATA in names and any(name.endswith(DCP_DATA_SUFFIX) for name in names):
+        run = _run_members(folder)
+        if run is not None:
+            # One checkpoint of a training run: its latest (older DeepSpeed tags inside are not
+            # items), or its per-rank model files (their optimizer files beside them are not
+            # either). Other checkpoints beside it (an exported pytorch_model.bin) still are.
+            members, owns_subfolders = run
+            if owns_subfolders:
+                subfolders[:] = []
+            found.append(_group(root, folder, rel_folder, "", RUN, members))
+            taken.update(members)
+        elif DCP_METADATA in names and any(name.endswith(DCP_DATA_SUFFIX) for name in names):
             # torch.distributed.checkpoint writes one folder per checkpoint.
             members = [DCP_METADATA] + [name for name in names if name != DCP_METADATA]
             found.append(_group(root, folder, rel_folder, "", DCP, members))

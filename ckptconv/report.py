@@ -56,7 +56,7 @@ class ItemResult:
             (``resume`` found it converted already); ``"cancelled"`` (never
             started, because ``fail_fast`` stopped the batch); ``"planned"``
             (a dry run).
-        kind: ``"file"``, ``"sharded"`` or ``"dcp"``.
+        kind: ``"file"``, ``"sharded"``, ``"dcp"`` or ``"run"`` (a DeepSpeed run folder).
         output: where the output goes, relative to the output folder.
         source_size: bytes of the input (all its files).
         source_mtime_ns: the input's modification time when it was read.

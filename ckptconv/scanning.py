@@ -329,7 +329,7 @@ def scan_many(paths: Iterable[PathLike]) -> ScanSummary:
     Raises:
         LoadError: a path does not exist.
     """
-    from .discovery import discover
+    from .discovery import RUN, discover, unread_files
     from .formats import dcp, sharded
 
     reports = []
@@ -340,6 +340,10 @@ def scan_many(paths: Iterable[PathLike]) -> ScanSummary:
         if os.path.isdir(path) and not dcp.is_dcp_folder(path) and sharded.find_index(path) is None:
             for item in discover(path):
                 reports.append(scan(item.path))
+                if item.kind == RUN:
+                    # A training run is one item to convert, but every pickle in it is scanned:
+                    # older tags, optimizer files beside per-rank model files.
+                    reports.extend(scan(extra) for extra in unread_files(item))
         else:
             reports.append(scan(path))
     return ScanSummary(tuple(reports))

@@ -30,13 +30,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @contextmanager
 def bounded(seconds: float = 2.0, megabytes: float = 16.0) -> Iterator[None]:
-    """The block allocates at most ``megabytes`` (Python allocations) and takes at most ``seconds``."""
+    """The block allocates at most ``megabytes`` (Python allocations) and uses at most ``seconds`` of CPU.
+
+    CPU time rather than wall time: the bound catches work proportional to a size the file claims,
+    which would take minutes, and must not trip on a machine busy with other processes.
+    """
     tracemalloc.start()
-    started = time.perf_counter()
+    started = time.process_time()
     try:
         yield
     finally:
-        elapsed = time.perf_counter() - started
+        elapsed = time.process_time() - started
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
     assert elapsed < seconds, f"took {elapsed:.2f} s"
@@ -220,19 +224,19 @@ from ckptconv.errors import MalformedCheckpointError
 from ckptconv.unpickler import Unpickler
 data = sys.stdin.buffer.read()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-started = time.perf_counter()
+started = time.process_time()
 try:
     Unpickler(data, max_items=1_000_000).load()
     print("loaded")
 except MalformedCheckpointError as error:
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-    print(f"{grown * 1024} {time.perf_counter() - started} {error}")
+    print(f"{grown * 1024} {time.process_time() - started} {error}")
 """
 
 
 @pytest.mark.parametrize("pattern", _PATTERNS)
 def test_runaway_pickles_stop_within_their_budget(pattern: str) -> None:
-    """Measured in a fresh process: peak memory grows <= 80 bytes per budget unit, time <= 2 us per unit.
+    """Measured in a fresh process: peak memory grows <= 80 bytes per budget unit, CPU time <= 10 us per unit.
 
     With the default budget (20 million) that is <= 1.6 GB and ~40 s for the worst
     pattern; here the budget is 1 million to keep the test quick.
@@ -250,7 +254,9 @@ def test_runaway_pickles_stop_within_their_budget(pattern: str) -> None:
     grown, elapsed, message = result.stdout.decode().split(" ", 2)
     assert "refusing to exhaust memory" in message
     assert int(grown) <= 80 * 1_000_000 + (32 << 20), f"{int(grown) >> 20} MiB"
-    assert float(elapsed) <= 2e-6 * 1_000_000 * 2
+    # CPU time, not wall time, and a generous bound: this guards against quadratic work (which would
+    # take minutes at a million units), not a speed figure, so a loaded machine must not fail it.
+    assert float(elapsed) <= 10e-6 * 1_000_000
 
 
 def test_deeply_nested_containers_do_not_crash_select_or_inspect(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from typing import Callable
 from .. import read_policy
 from ..errors import LoadError, UnsupportedFormatError
 from ..suffixes import CHECKPOINT_SUFFIXES, INDEX_SUFFIXES
-from . import dcp, raw_pickle, safetensors, sharded, torch_legacy, torch_zip
+from . import dcp, deepspeed, megatron, rank_shards, raw_pickle, safetensors, sharded, torch_legacy, torch_zip
 from ._base import ReadResult
 
 __all__ = ["READERS", "ReadResult", "checkpoint_files", "detect", "is_checkpoint_file", "resolve"]
@@ -27,6 +27,9 @@ READERS: dict[str, Callable[[str], ReadResult]] = {
     raw_pickle.FORMAT: raw_pickle.read,
     sharded.FORMAT: sharded.read,
     dcp.FORMAT: dcp.read,
+    deepspeed.FORMAT: deepspeed.read,
+    rank_shards.FORMAT: rank_shards.read,
+    megatron.FORMAT: megatron.read,
 }
 
 
@@ -41,8 +44,15 @@ def resolve(path: str) -> tuple[str, str]:
         LoadError: see :func:`detect`; or the folder holds no checkpoint, or several.
     """
     if os.path.isdir(path):
+        if megatron.is_torch_dist_folder(path):
+            return megatron.FORMAT, path
         if dcp.is_dcp_folder(path):
             return dcp.FORMAT, path
+        run = deepspeed.find_checkpoint(path)
+        if run is not None:
+            return deepspeed.FORMAT, run
+        if rank_shards.find_files(path) is not None:
+            return rank_shards.FORMAT, path
         index = sharded.find_index(path)
         if index is not None:
             read_policy.check_file(index, folder=path)
@@ -90,16 +100,21 @@ def is_checkpoint_file(path: str) -> bool:
 
 def checkpoint_files(path: str) -> list[str]:
     """The files a checkpoint is made of: the file itself, a sharded checkpoint's index and every
-    shard it names, or a DCP folder's ``.metadata`` and data files.
+    shard it names, a DCP folder's ``.metadata`` and data files, a DeepSpeed tag folder's model and
+    optimizer states, or the per-rank model files.
 
     Raises:
         LoadError: see :func:`resolve`; a sharded index is damaged or names a missing shard.
     """
     kind, path = resolve(path)
-    if kind == dcp.FORMAT:
+    if kind in (dcp.FORMAT, megatron.FORMAT):
         return dcp.checkpoint_files(path)
     if kind == sharded.FORMAT:
         return sharded.checkpoint_files(path)
+    if kind == deepspeed.FORMAT:
+        return deepspeed.checkpoint_files(path) or []
+    if kind == rank_shards.FORMAT:
+        return rank_shards.find_files(path) or []
     return [path]
 
 

@@ -1,0 +1,289 @@
+"""Per-rank files of a sharded model saved with ``torch.save``: FSDP2 DTensor state dicts, read as one.
+
+Training frameworks that shard a model with FSDP2 (``fully_shard``) often save
+``model.state_dict()`` on every rank with plain ``torch.save``, one file per
+rank, without DCP's ``.metadata``: verl writes ``model_world_size_N_rank_R.pt``
+beside ``optim_world_size_N_rank_R.pt`` and ``extra_state_world_size_N_rank_R.pt``.
+Each value is a ``DTensor``: the rank's local shard (``_local_tensor``) and a
+spec naming the device mesh, the rank's coordinates on it and the placements
+(``Shard(dim)`` or ``Replicate()`` per mesh dimension).
+
+:func:`read` puts each tensor back together from every rank's shard, read in
+place where the shards split the first dimension (the usual ``Shard(0)``), and
+pasted once per tensor otherwise. Shards are placed by torch's own rule
+(``torch.chunk``: ``ceil(size / n)`` per rank, the last ones shorter or empty),
+checked against each shard's shape, and must tile the tensor exactly; partial
+(unreduced) and strided placements are refused. Plain tensors (buffers) are
+taken from rank 0. Tensors tied in the files stay tied.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import zipfile
+import zlib
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from .. import read_policy
+from ..errors import CkptconvError, MalformedCheckpointError, UnsupportedFormatError
+from ..standins import ForeignObject
+from ..tensor import Storage, TensorRef, contiguous_strides
+from . import torch_zip
+from ._base import ReadResult
+from .dcp import Assembled
+
+__all__ = ["FORMAT", "find_files", "read", "sibling_files"]
+
+FORMAT = "rank-shards"
+
+_RANK_FILE = re.compile(r"^(?P<prefix>.*?)(?:world_size_(?P<world>\d+)_)?rank_?(?P<rank>\d+)\.(?:pt|pth|bin)$")
+
+
+def _damaged(path: str, detail: str) -> MalformedCheckpointError:
+    return MalformedCheckpointError(f"{path!r} holds damaged per-rank shards: {detail}", path=path)
+
+
+def find_files(folder: str) -> list[str] | None:
+    """The per-rank model files in ``folder`` (rank order), or None if it holds no complete set.
+
+    Files are grouped by the name before ``rank_R`` (``model_world_size_2_``); a
+    group counts when it has ranks ``0..N-1`` (and ``N`` matches a
+    ``world_size_N`` in the name), at least two of them. With several groups,
+    the one whose name starts with ``model`` is taken; otherwise none is. The
+    files must be torch zip files whose pickle makes DTensors: per-rank copies
+    of a plain state dict (DDP's) are not a sharded model.
+    """
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    groups: dict[str, dict[int, str]] = {}
+    worlds: dict[str, set[int]] = {}
+    for name in names:
+        match = _RANK_FILE.match(name)
+        if not match or not os.path.isfile(os.path.join(folder, name)):
+            continue
+        prefix = match["prefix"] + (f"world_size_{match['world']}_" if match["world"] else "")
+        groups.setdefault(prefix, {})[int(match["rank"])] = name
+        if match["world"]:
+            worlds.setdefault(prefix, set()).add(int(match["world"]))
+    complete = {
+        prefix: ranks
+        for prefix, ranks in groups.items()
+        if len(ranks) >= 2
+        and sorted(ranks) == list(range(len(ranks)))
+        and worlds.get(prefix, {len(ranks)}) == {len(ranks)}
+    }
+    if len(complete) > 1:
+        complete = {prefix: ranks for prefix, ranks in complete.items() if prefix.startswith("model")}
+    if len(complete) != 1:
+        return None
+    (ranks,) = complete.values()
+    files = [os.path.join(folder, ranks[rank]) for rank in range(len(ranks))]
+    return files if _holds_dtensors(files[0]) else None
+
+
+def sibling_files(folder: str, files: list[str]) -> list[str]:
+    """The other per-rank files of the same run beside ``files`` (verl's ``optim_*`` and
+    ``extra_state_*``): same number of ranks, same ``world_size_N`` if named."""
+    world = len(files)
+    siblings = []
+    for name in sorted(os.listdir(folder)):
+        match = _RANK_FILE.match(name)
+        path = os.path.join(folder, name)
+        if match and path not in files and int(match["rank"]) < world and int(match["world"] or world) == world:
+            siblings.append(path)
+    return siblings
+
+
+# A pickle that makes DTensors names their class; torch.save writes the pickle as data.pkl.
+_DTENSOR_MODULES = (b"torch.distributed.tensor", b"torch.distributed._tensor")
+_MAX_PROBE_BYTES = 64 << 20
+
+
+def _holds_dtensors(path: str) -> bool:
+    """True when the torch zip file at ``path`` pickles DTensors (read from its content, not its name)."""
+    try:
+        with read_policy.open_file(path, folder=os.path.dirname(path)) as file, zipfile.ZipFile(file) as archive:
+            for info in archive.infolist():
+                if info.filename.endswith("data.pkl") and info.file_size <= _MAX_PROBE_BYTES:
+                    data = archive.read(info)
+                    return any(module in data for module in _DTENSOR_MODULES)
+    except (CkptconvError, OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError, zlib.error):
+        return False
+    return False
+
+
+def _is_dtensor(value: Any) -> bool:
+    return isinstance(value, ForeignObject) and value.qualname.endswith(".DTensor")
+
+
+def _placements(spec: dict[str, Any], path: str, key: str) -> list[int | None]:
+    """Per mesh dimension: the tensor dimension it shards, or None for Replicate."""
+    placements = spec.get("placements")
+    if not isinstance(placements, (tuple, list)) or not placements:
+        raise _damaged(path, f"{key!r} has no placements")
+    result: list[int | None] = []
+    for placement in placements:
+        name = placement.qualname.rsplit(".", 1)[-1] if isinstance(placement, ForeignObject) else repr(placement)
+        if name == "Replicate":
+            result.append(None)
+        elif name == "Shard":
+            dim = placement.attributes().get("dim")
+            if type(dim) is not int or dim < 0:
+                raise _damaged(path, f"{key!r} is sharded along dimension {dim!r}")
+            result.append(dim)
+        else:
+            raise UnsupportedFormatError(
+                f"{path!r} stores {key!r} with placement {name}, which is not a plain shard or replica "
+                "(a partial sum or a strided shard); gather it with torch first",
+                path=path,
+            )
+    return result
+
+
+def _mesh(spec: dict[str, Any], path: str, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The device mesh's shape and this rank's coordinates on it."""
+    mesh = spec.get("mesh")
+    fields = mesh.attributes() if isinstance(mesh, ForeignObject) else {}
+    shape: Any = None
+    layout = fields.get("_layout")
+    if isinstance(layout, ForeignObject):
+        shape = layout.attributes().get("shape")
+    elif isinstance(fields.get("mesh"), TensorRef):
+        shape = fields["mesh"].shape
+    coordinates = fields.get("_coordinate_on_dim")
+    if (
+        not isinstance(shape, (tuple, list))
+        or not isinstance(coordinates, (tuple, list))
+        or len(shape) != len(coordinates)
+        or not all(type(s) is int and type(c) is int and 0 <= c < s for s, c in zip(shape, coordinates))
+    ):
+        raise _damaged(path, f"{key!r} has no readable device mesh (shape {shape!r}, coordinates {coordinates!r})")
+    return tuple(shape), tuple(coordinates)
+
+
+def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
+    """``(start, length)`` of chunk ``index`` when ``torch.chunk`` splits ``size`` into ``parts``."""
+    full = -(-size // parts) if parts else 0
+    start = min(index * full, size)
+    return start, max(0, min(size, start + full) - start)
+
+
+def _shard(value: ForeignObject, path: str, key: str) -> tuple[tuple[int, ...], tuple[int, ...], TensorRef]:
+    """``(global shape, offsets, local shard)`` of one rank's DTensor."""
+    fields = value.attributes()
+    local, spec = fields.get("_local_tensor"), fields.get("_spec")
+    if not isinstance(local, TensorRef) or not isinstance(spec, ForeignObject):
+        raise _damaged(path, f"{key!r} is a DTensor without its local tensor or spec")
+    spec_fields = spec.attributes()
+    meta = spec_fields.get("tensor_meta")
+    shape: Any = meta.args[0] if isinstance(meta, ForeignObject) and meta.args else None
+    if shape is None and len(value.args) > 2:
+        shape = value.args[2]
+    if not isinstance(shape, (tuple, list)) or not all(type(s) is int and s >= 0 for s in shape):
+        raise _damaged(path, f"{key!r} has global shape {shape!r}")
+    shape = tuple(shape)
+    placements = _placements(spec_fields, path, key)
+    mesh_shape, coordinates = _mesh(spec_fields, path, key)
+    if len(placements) != len(mesh_shape):
+        raise _damaged(path, f"{key!r} has {len(placements)} placements for a {len(mesh_shape)}-D mesh")
+    offsets = [0] * len(shape)
+    sizes = list(shape)
+    for dim, parts, index in zip(placements, mesh_shape, coordinates):
+        if dim is None:
+            continue
+        if dim >= len(shape):
+            raise _damaged(path, f"{key!r} of {len(shape)} dimensions is sharded along dimension {dim}")
+        start, length = _chunk(sizes[dim], parts, index)
+        offsets[dim] += start
+        sizes[dim] = length
+    if tuple(sizes) != local.shape:
+        raise _damaged(
+            path, f"{key!r}: this rank's shard is {list(local.shape)}, but its placement gives {sizes} of {list(shape)}"
+        )
+    return shape, tuple(offsets), local
+
+
+def read(folder: str, *, max_items: int | None = None) -> ReadResult:
+    """Read a folder of per-rank DTensor state dicts as one state dict; see the module docstring.
+
+    Raises:
+        UnsupportedFormatError: the files hold no DTensors, or placements ckptconv cannot place.
+        MalformedCheckpointError: the ranks disagree or their shards do not tile a tensor.
+    """
+    files = find_files(folder)
+    if files is None:
+        raise UnsupportedFormatError(f"{folder!r} holds no complete set of per-rank files", path=folder)
+    foreign: Counter[str] = Counter()
+    devices: set[str] = set()
+    trees: list[Mapping[str, Any]] = []
+    files = [read_policy.member(folder, os.path.basename(path), source=folder, what="rank file") for path in files]
+    for path in files:
+        result = torch_zip.read(path, max_items=max_items)
+        foreign.update(result.foreign_globals)
+        devices.update(result.saved_devices)
+        if not isinstance(result.tree, Mapping):
+            raise _damaged(path, "it does not hold a state dict")
+        trees.append(result.tree)
+    first = trees[0]
+    if not any(_is_dtensor(value) for value in first.values()):
+        raise UnsupportedFormatError(
+            f"{folder!r} holds per-rank files ({os.path.basename(files[0])}, ...) without DTensors; "
+            "give the file of one rank to read it alone",
+            path=folder,
+        )
+    for path, tree in zip(files[1:], trees[1:]):
+        if list(tree) != list(first):
+            raise _damaged(path, f"its keys differ from those of {os.path.basename(files[0])}")
+    weights: dict[str, Any] = {}
+    built: dict[Any, TensorRef] = {}
+    placements: Counter[str] = Counter()
+    for key, value in first.items():
+        if not _is_dtensor(value):
+            weights[key] = value  # buffers and plain values: rank 0's
+            continue
+        # Tied parameters are separate DTensors whose local shards view the same storage.
+        local = value.attributes().get("_local_tensor")
+        tie = (id(local.storage), local.offset, local.shape, local.stride) if isinstance(local, TensorRef) else key
+        if tie in built:
+            weights[key] = built[tie]
+            continue
+        pieces: dict[tuple[int, ...], TensorRef] = {}
+        shape: tuple[int, ...] = ()
+        for path, tree in zip(files, trees):
+            other = tree[key]
+            if not _is_dtensor(other):
+                raise _damaged(path, f"{key!r} is not a DTensor here but is on rank 0")
+            rank_shape, offsets, local = _shard(other, path, str(key))
+            if path is files[0]:
+                shape = rank_shape
+            elif rank_shape != shape:
+                raise _damaged(path, f"{key!r} has global shape {list(rank_shape)} here, {list(shape)} on rank 0")
+            if local.numel:
+                pieces.setdefault(offsets, local)  # replicas of a shard: the first rank's
+        dtypes = {piece.dtype for piece in pieces.values()}
+        if len(dtypes) > 1 or sum(piece.numel for piece in pieces.values()) != math.prod(shape):
+            raise _damaged(folder, f"the ranks' shards of {key!r} do not tile a tensor of size {list(shape)}")
+        spec = value.attributes()["_spec"].attributes()
+        placements[
+            ", ".join("Replicate()" if d is None else f"Shard({d})" for d in _placements(spec, folder, key))
+        ] += 1
+        dtype = next(iter(dtypes)) if dtypes else value.attributes()["_local_tensor"].dtype
+        source = Assembled(tuple(pieces.items()), shape, dtype.itemsize)
+        ref = TensorRef(
+            Storage(math.prod(shape) * dtype.itemsize, source, name=str(key)), dtype, shape, contiguous_strides(shape)
+        )
+        built[tie] = ref
+        weights[key] = ref
+    metadata = {
+        "framework": "FSDP2 / DTensor state dicts saved per rank with torch.save",
+        "world_size": str(len(files)),
+        "files": f"{os.path.basename(files[0])} ... {os.path.basename(files[-1])}",
+        "placements": "; ".join(f"{text}: {count} tensors" for text, count in placements.items()),
+    }
+    return ReadResult(FORMAT, weights, foreign_globals=foreign, saved_devices=frozenset(devices), metadata=metadata)

@@ -1,0 +1,493 @@
+"""Multi-GPU training runs read as one set of weights: DeepSpeed ZeRO folders.
+
+The fixtures under ``fixtures/runs/`` were written by real DeepSpeed on 2 GPUs
+(``fixtures/make_training_run_fixtures.py``); each holds the framework's own
+consolidation as golden: ``golden_fp32.pt`` from
+``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` and
+``golden_module.pt`` from ``engine.module.state_dict()``. Goldens are read with
+``torch.load(weights_only=True)``; outputs with torch or the safetensors library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import ckptconv
+from ckptconv.cli import cli
+from ckptconv.dtypes import dtype_by_name
+from ckptconv.transforms import AddPrefix, Cast, Keep, Rename
+
+from .conftest import FIXTURES, assert_same_state, assert_same_tensor
+
+RUNS = FIXTURES / "runs"
+ROOT = Path(__file__).resolve().parent.parent
+ZERO = [f"ds_zero{stage}_{dtype}" for stage in (1, 2, 3) for dtype in ("bf16", "fp16")]
+FROZEN = ("frozen.weight", "frozen.bias")
+
+
+def golden(run: str, name: str = "golden_fp32.pt") -> dict[str, torch.Tensor]:
+    return torch.load(RUNS / run / name, map_location="cpu", weights_only=True)
+
+
+def expected_fp32(run: str) -> dict[str, torch.Tensor]:
+    """zero_to_fp32's result; for stage 1, which records no frozen parameters (so zero_to_fp32
+    drops them), plus the frozen parameters as the module saved them."""
+    expected = golden(run)
+    if run.startswith("ds_zero1"):
+        module = golden(run, "golden_module.pt")
+        assert not set(FROZEN) & set(expected)
+        ordered = {k: v for k, v in expected.items() if k in ("pos_scale", "seen")}
+        ordered.update({k: module[k] for k in FROZEN})
+        ordered.update({k: v for k, v in expected.items() if k not in ordered})
+        expected = ordered
+    return expected
+
+
+@pytest.mark.parametrize("run", ZERO)
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_zero_master_weights_equal_zero_to_fp32(run: str, suffix: str, tmp_path: Path) -> None:
+    out = tmp_path / f"model{suffix}"
+    ckptconv.convert(RUNS / run, out)
+    expected = expected_fp32(run)
+    if suffix == ".pt":
+        ours = torch.load(out, weights_only=True)
+        assert_same_state(ours, expected)
+        assert ours["head.weight"].data_ptr() == ours["emb.weight"].data_ptr()  # still tied
+    else:
+        ours = load_file(out)
+        with safe_open(out, "pt") as file:
+            aliases = json.loads(file.metadata()["ckptconv.aliases"])
+        assert aliases == {"head.weight": "emb.weight"}
+        assert_same_state(ours, {k: v for k, v in expected.items() if k != "head.weight"}, ordered=False)
+
+
+@pytest.mark.parametrize("run", [r for r in ZERO if "zero3" not in r])
+def test_select_module_gives_the_saved_16_bit_weights(run: str, tmp_path: Path) -> None:
+    out = tmp_path / "module.pt"
+    ckptconv.convert(RUNS / run, out, select="module")
+    assert_same_state(torch.load(out, weights_only=True), golden(run, "golden_module.pt"))
+
+
+@pytest.mark.parametrize("run", ZERO)
+def test_the_tag_folder_and_the_run_folder_read_alike(run: str) -> None:
+    from_run = ckptconv.load(RUNS / run)
+    from_tag = ckptconv.load(RUNS / run / "global_step3")
+    assert_same_state(from_run, expected_fp32(run))
+    assert_same_state(from_tag, from_run)
+
+
+def test_transforms_apply_to_the_rebuilt_weights(tmp_path: Path) -> None:
+    out = tmp_path / "bf16.safetensors"
+    ckptconv.convert(
+        RUNS / "ds_zero3_bf16",
+        out,
+        transforms=[AddPrefix("model"), Keep(r"^model\.fc"), Cast(dtype_by_name("bfloat16"))],
+    )
+    ours = load_file(out)
+    expected = {f"model.{k}": v.to(torch.bfloat16) for k, v in golden("ds_zero3_bf16").items() if k.startswith("fc")}
+    assert_same_state(ours, expected, ordered=False)
+
+
+def test_inspect_names_framework_stage_world_size_and_outputs() -> None:
+    info = ckptconv.inspect(RUNS / "ds_zero2_bf16")
+    assert info.format == "deepspeed"
+    assert info.metadata["framework"] == "DeepSpeed 0.19.8"
+    assert info.metadata["zero_stage"] == "2"
+    assert info.metadata["world_size"] == "2"
+    assert info.metadata["tag"] == "global_step3"
+    assert info.metadata["master_weights"].startswith("float32 (state_dict")
+    assert info.metadata["module_weights"].startswith("bfloat16 (module")
+    assert info.selected == "state_dict"
+    assert info.alternatives == ("module",)
+    assert "frozen_parameters" not in info.metadata
+    assert ckptconv.inspect(RUNS / "ds_zero1_fp16").metadata["frozen_parameters"].startswith("2 taken from the module")
+    assert {"cuda:0", "cuda:1"} <= set(info.saved_devices)
+    assert "deepspeed.runtime.zero.config.ZeroStageEnum" in info.foreign_globals
+    three = ckptconv.inspect(RUNS / "ds_zero3_fp16")
+    assert three.metadata["zero_stage"] == "3"
+    assert three.metadata["module_weights"].startswith("not saved")
+    assert three.dtypes == {"float32": 8, "int64": 1, "float16": 2}
+
+
+def test_cli_inspect_and_convert(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(cli, ["inspect", str(RUNS / "ds_zero3_bf16")])
+    assert result.exit_code == 0, result.output
+    assert "deepspeed" in result.output and "zero_stage: 3" in result.output
+    out = tmp_path / "m.safetensors"
+    result = runner.invoke(cli, ["convert", str(RUNS / "ds_zero3_bf16"), str(out)])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(cli, ["convert", str(RUNS / "ds_zero3_bf16"), str(tmp_path / "x.pt"), "--select", "module"])
+    assert result.exit_code == 1
+    assert result.output.count("\n") == 1 and "module" in result.output
+
+
+def test_zero_checkpoints_read_without_deepspeed_installed() -> None:
+    code = (
+        "import sys, ckptconv; ckptconv.load(sys.argv[1]); "
+        "assert not any(m.split('.')[0] in ('deepspeed', 'megatron') for m in sys.modules)"
+    )
+    result = subprocess.run(  # noqa: PLW1510 - the return code is asserted
+        [sys.executable, "-c", code, str(RUNS / "ds_zero3_fp16")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_batch_treats_a_run_folder_as_one_item(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copytree(RUNS / "ds_zero2_fp16", src / "run_a")
+    shutil.copytree(RUNS / "ds_zero3_fp16", src / "nested" / "run_b")
+    for golden_file in src.rglob("golden_*.pt"):
+        golden_file.unlink()
+    report = ckptconv.batch(src, tmp_path / "out")
+    assert report.exit_code == 0, report.summary()
+    assert [(r.source, r.kind, r.output, r.status) for r in report.results] == [
+        ("nested/run_b", "run", "nested/run_b.safetensors", "converted"),
+        ("run_a", "run", "run_a.safetensors", "converted"),
+    ]
+    ours = load_file(tmp_path / "out" / "run_a.safetensors")
+    assert_same_tensor(ours["fc1.weight"], golden("ds_zero2_fp16")["fc1.weight"])
+
+
+# -- refusals: one line, nothing written ---------------------------------------------------
+
+
+def _copy(run: str, tmp_path: Path) -> Path:
+    target = tmp_path / run
+    shutil.copytree(RUNS / run, target)
+    return target
+
+
+def _refused(path: Path, tmp_path: Path, expected: str) -> None:
+    out = tmp_path / "out.safetensors"
+    result = CliRunner().invoke(cli, ["convert", str(path), str(out)])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("ckptconv: error: ") and result.output.count("\n") == 1, result.output
+    assert expected in result.output
+    assert not out.exists()
+
+
+def test_a_missing_rank_is_refused(tmp_path: Path) -> None:
+    run = _copy("ds_zero2_bf16", tmp_path)
+    (run / "global_step3" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    _refused(run, tmp_path, "ZeRO was run on 2 ranks but 1 optimizer files are there")
+
+
+def test_a_missing_stage3_model_file_is_refused(tmp_path: Path) -> None:
+    run = _copy("ds_zero3_bf16", tmp_path)
+    (run / "global_step3" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    _refused(run, tmp_path, "is incomplete: 1 model states files for 2 ranks")
+
+
+def test_latest_may_not_point_outside_the_run(tmp_path: Path) -> None:
+    run = _copy("ds_zero2_bf16", tmp_path)
+    (run / "latest").write_text("../elsewhere")
+    _refused(run, tmp_path, "its 'latest' file names '../elsewhere'")
+
+
+def test_tensor_parallel_runs_are_refused(tmp_path: Path) -> None:
+    run = _copy("ds_zero2_bf16", tmp_path)
+    step = run / "global_step3"
+    shutil.copy(step / "mp_rank_00_model_states.pt", step / "mp_rank_01_model_states.pt")
+    shutil.copy(
+        step / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        step / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+    )
+    _refused(run, tmp_path, "with tensor or pipeline parallelism")
+
+
+@pytest.mark.parametrize("run", ["ds_zero1_bf16_fp32accum", *[r for r in ZERO if "zero3" not in r]])
+def test_master_weights_rounded_are_the_module_weights_deepspeed_saved(run: str) -> None:
+    """DeepSpeed copies the fp32 masters into the 16-bit module after each step: rounding ours
+    must give its saved module weights exactly. For BF16_Optimizer checkpoints (ZeRO-1 with fp32
+    gradient accumulation), which zero_to_fp32 refuses, this and DeepSpeed's param_slice_mappings
+    are the independent checks."""
+    ours = ckptconv.load(RUNS / run)
+    module = golden(run, "golden_module.pt")
+    assert sorted(ours) == sorted(module)
+    for key, value in module.items():
+        rounded = ours[key].to(value.dtype) if value.is_floating_point() else ours[key]
+        assert_same_tensor(rounded, value, key)
+    if run == "ds_zero1_bf16_fp32accum":
+        info = ckptconv.inspect(RUNS / run)
+        assert info.metadata["zero_stage"].startswith("1 (BF16_Optimizer")
+        assert info.dtypes == {"float32": 8, "int64": 1, "bfloat16": 2}
+
+
+# -- memory: bounded by the largest tensor, not by a rank's optimizer file ------------------
+
+
+def write_zero2_run(folder: Path, shapes: dict[str, tuple[int, ...]], world: int = 2) -> dict[str, torch.Tensor]:
+    """A ZeRO-2 checkpoint laid out as DeepSpeed lays it out (plain dicts instead of its classes):
+    one parameter group, each rank's fp32 partition beside Adam moments of the same size.
+    Returns the parameters, to compare against."""
+    generator = torch.Generator().manual_seed(0)
+    params = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+    flat = torch.cat([p.reshape(-1) for p in params.values()])
+    align = 2 * world
+    flat = torch.cat([flat, torch.zeros(-len(flat) % align)])
+    parts = flat.chunk(world)
+    step = folder / "global_step7"
+    step.mkdir(parents=True)
+    (folder / "latest").write_text("global_step7")
+    module = {name: p.to(torch.bfloat16) for name, p in params.items()}
+    torch.save(
+        {
+            "module": module,
+            "buffer_names": [],
+            "param_shapes": [{name: torch.Size(shape) for name, shape in shapes.items()}],
+            "frozen_param_shapes": None,
+            "frozen_param_fragments": None,
+            "shared_params": {},
+            "optimizer": None,
+            "global_steps": 7,
+            "ds_version": "0.0.synthetic",
+        },
+        step / "mp_rank_00_model_states.pt",
+    )
+    for rank, part in enumerate(parts):
+        state = {
+            "zero_stage": 2,
+            "partition_count": [world],
+            "single_partition_of_fp32_groups": [part.clone()],
+            "base_optimizer_state": {"state": {0: {"exp_avg": part * 0.5, "exp_avg_sq": part * part}}},
+        }
+        torch.save({"optimizer_state_dict": state}, step / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    return params
+
+
+def test_synthetic_zero2_layout_rebuilds_exactly(tmp_path: Path) -> None:
+    shapes = {"a": (3, 5), "b": (7,), "c": (2, 2, 3), "d": (1,)}  # 37 elements: padded, split mid-tensor
+    params = write_zero2_run(tmp_path / "run", shapes, world=4)
+    assert_same_state(ckptconv.load(tmp_path / "run"), params)
+
+
+_MEASURE_RSS = """
+import resource, sys
+import ckptconv, numpy
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+ckptconv.convert(sys.argv[1], sys.argv[2], source_hash=False)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_peak_memory_stays_near_the_largest_tensor_not_the_optimizer_files(tmp_path: Path) -> None:
+    """Each rank's optimizer file holds 192 MiB (a 64 MiB fp32 partition and Adam's moments) and
+    the largest tensor is 1 MiB: converting grows the peak RSS of a fresh process by far less
+    than one partition (about 11 MiB measured, the same with 16 MiB partitions)."""
+    shapes = {f"layer{i}.weight": (512, 512) for i in range(128)}
+    write_zero2_run(tmp_path / "run", shapes)
+    partition = 64 << 20
+    assert (tmp_path / "run" / "global_step7" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").stat().st_size > (
+        3 * partition
+    )
+    out = tmp_path / "out.safetensors"
+    result = subprocess.run(  # noqa: PLW1510 - the return code is asserted
+        [sys.executable, "-c", _MEASURE_RSS, str(tmp_path / "run"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    grown = int(result.stdout.strip())
+    assert grown < partition // 4, f"peak RSS grew by {grown / 2**20:.1f} MiB"
+    with safe_open(out, "pt") as file:
+        assert len(file.keys()) == 128
+
+
+# -- FSDP2: DTensor state dicts saved per rank with torch.save (verl's layout) ---------------
+
+FSDP2 = ["fsdp2_dtensor", "fsdp2_dtensor_bf16"]
+
+
+@pytest.mark.parametrize("run", FSDP2)
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_fsdp2_rank_files_merge_to_the_gathered_full_state_dict(run: str, suffix: str, tmp_path: Path) -> None:
+    out = tmp_path / f"model{suffix}"
+    ckptconv.convert(RUNS / run, out)
+    expected = golden(run, "golden_full.pt")
+    if suffix == ".pt":
+        ours = torch.load(out, weights_only=True)
+        assert_same_state(ours, expected)
+        assert ours["head.weight"].data_ptr() == ours["emb.weight"].data_ptr()  # tied in the model
+    else:
+        assert_same_state(load_file(out), {k: v for k, v in expected.items() if k != "head.weight"}, ordered=False)
+
+
+def test_fsdp2_inspect_and_verl_sibling_files(tmp_path: Path) -> None:
+    """verl saves optimizer and extra state per rank beside the model: the model files are taken."""
+    run = _copy("fsdp2_dtensor", tmp_path)
+    for rank in range(2):
+        torch.save({"lr": 0.1}, run / f"optim_world_size_2_rank_{rank}.pt")
+        torch.save({"rng": 1}, run / f"extra_state_world_size_2_rank_{rank}.pt")
+    info = ckptconv.inspect(run)
+    assert info.format == "rank-shards"
+    assert info.metadata["world_size"] == "2"
+    assert info.metadata["placements"] == "Shard(0): 8 tensors"  # the tied pair counts once
+    assert info.metadata["files"] == "model_world_size_2_rank_0.pt ... model_world_size_2_rank_1.pt"
+    assert_same_state(ckptconv.load(run), golden("fsdp2_dtensor", "golden_full.pt"))
+
+
+def test_fsdp2_a_missing_rank_is_not_a_set(tmp_path: Path) -> None:
+    run = _copy("fsdp2_dtensor", tmp_path)
+    (run / "model_world_size_2_rank_1.pt").unlink()
+    (run / "golden_full.pt").unlink()
+    # One rank's file alone is an ordinary file: it reads, with its DTensors as stand-ins.
+    assert ckptconv.open(run).format == "torch-zip"
+
+
+def test_fsdp2_a_shard_that_does_not_fit_its_placement_is_refused(tmp_path: Path) -> None:
+    run = _copy("fsdp2_dtensor", tmp_path)
+    # rank 1's file in place of rank 0's: its shards sit where rank 0's belong by the mesh coordinates
+    shutil.copy(run / "model_world_size_2_rank_1.pt", run / "model_world_size_2_rank_0.pt")
+    _refused(run, tmp_path, "do not tile a tensor of size [37, 12]")
+
+
+def test_batch_treats_per_rank_files_as_one_item(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(RUNS / "fsdp2_dtensor", src / "global_step_5" / "actor")
+    (src / "global_step_5" / "actor" / "golden_full.pt").unlink()
+    for rank in range(2):
+        torch.save({"lr": 0.1}, src / "global_step_5" / "actor" / f"optim_world_size_2_rank_{rank}.pt")
+    report = ckptconv.batch(src, tmp_path / "out")
+    assert [(r.source, r.kind, r.status) for r in report.results] == [("global_step_5/actor", "run", "converted")]
+    assert_same_state(
+        load_file(tmp_path / "out" / "global_step_5" / "actor.safetensors"),
+        {k: v for k, v in golden("fsdp2_dtensor", "golden_full.pt").items() if k != "head.weight"},
+        ordered=False,
+    )
+
+
+# -- Megatron-Core torch_dist: TP=2, stacked layers ------------------------------------------
+
+# Megatron's checkpoints use Transformer Engine's names for the layer norms fused into the next
+# linear layer; the golden model was built with the local spec, which names them apart.
+LOCAL_SPEC = [
+    Rename(r"self_attention\.linear_qkv\.layer_norm_", "input_layernorm."),
+    Rename(r"mlp\.linear_fc1\.layer_norm_", "pre_mlp_layernorm."),
+]
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_megatron_tp2_torch_dist_equals_megatrons_own_loader(suffix: str, tmp_path: Path) -> None:
+    out = tmp_path / f"model{suffix}"
+    ckptconv.convert(RUNS / "megatron_tp2", out, transforms=LOCAL_SPEC)
+    ours = torch.load(out, weights_only=True) if suffix == ".pt" else load_file(out)
+    assert_same_state(ours, golden("megatron_tp2", "golden_full.pt"), ordered=suffix == ".pt")
+
+
+def test_megatron_inspect_names_the_stacked_layers() -> None:
+    info = ckptconv.inspect(RUNS / "megatron_tp2")
+    assert info.format == "megatron-torch-dist"
+    assert info.metadata["layers"] == "decoder.layers: 2 (saved stacked, split per layer)"
+    keys = [t.key for t in info.tensors]
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in keys
+    assert not any(t.shares_with for t in info.tensors)  # each layer is a tensor of its own
+    assert not any("_extra_state" in key for key in keys)
+    # Row-parallel weights are split along their last dimension: each layer is assembled from its
+    # own two pieces, so reading it pastes one layer together, never the whole stack.
+    proj = ckptconv.open(RUNS / "megatron_tp2").tree["decoder.layers.1.self_attention.linear_proj.weight"]
+    assert proj.storage.nbytes == 16 * 16 * 4
+    assert [(offsets, piece.shape) for offsets, piece in proj.storage.source.chunks] == [
+        ((0, 0), (16, 8)),
+        ((0, 8), (16, 8)),
+    ]
+
+
+def test_megatron_layers_disagreeing_on_their_count_are_refused(tmp_path: Path) -> None:
+    from ckptconv.formats import megatron
+
+    bad = {"decoder.layers.a.weight": torch.zeros(2, 3), "decoder.layers.b.weight": torch.zeros(3, 3)}
+    folder = tmp_path / "ckpt"
+    torch.distributed.checkpoint.save(bad, checkpoint_id=str(folder), no_dist=True)
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    assert megatron.is_torch_dist_folder(str(folder))
+    _refused(folder, tmp_path, "'decoder.layers.b.weight' stacks 3 layers, other decoder.layers keys 2")
+
+
+def test_megatron_optimizer_state_beside_the_model_is_not_selected(tmp_path: Path) -> None:
+    state = {
+        "decoder.layers.mlp.weight": torch.arange(12.0).reshape(2, 2, 3),
+        "optimizer.state.exp_avg.decoder.layers.mlp.weight": torch.ones(2, 2, 3),
+        "output_layer.weight": torch.full((4, 3), 2.0),
+    }
+    folder = tmp_path / "iter_0000010"
+    torch.distributed.checkpoint.save(state, checkpoint_id=str(folder), no_dist=True)
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    ours = ckptconv.load(folder)
+    assert list(ours) == ["decoder.layers.0.mlp.weight", "decoder.layers.1.mlp.weight", "output_layer.weight"]
+    assert_same_tensor(ours["decoder.layers.1.mlp.weight"], state["decoder.layers.mlp.weight"][1])
+    assert_same_tensor(ours["output_layer.weight"], state["output_layer.weight"])
+
+
+def test_scan_looks_at_every_pickle_of_a_run_folder(tmp_path: Path) -> None:
+    """Converting a verl folder reads only the model files; scanning it reads the others too."""
+    run = _copy("fsdp2_dtensor", tmp_path / "runs")
+    (run / "optim_world_size_2_rank_0.pt").write_bytes(b"\x80\x02cposix\nsystem\nX\x02\x00\x00\x00idq\x01\x85R.")
+    summary = ckptconv.scan_many([tmp_path / "runs"])
+    verdicts = {Path(report.path).name: report.verdict for report in summary.reports}
+    assert verdicts["optim_world_size_2_rank_0.pt"] == "unsafe"
+    assert verdicts["fsdp2_dtensor"] == "foreign"
+
+
+def test_per_rank_copies_of_a_plain_state_dict_are_not_a_sharded_model(tmp_path: Path) -> None:
+    """DDP saves the same state dict on every rank: those files stay separate items."""
+    for rank in range(2):
+        torch.save({"w": torch.ones(2)}, tmp_path / f"ddp_rank{rank}.pt")
+    assert ckptconv.open(tmp_path / "ddp_rank0.pt").format == "torch-zip"
+    from ckptconv.discovery import discover
+
+    assert [(item.name, item.kind) for item in discover(tmp_path)] == [
+        ("ddp_rank0.pt", "file"),
+        ("ddp_rank1.pt", "file"),
+    ]
+    with pytest.raises(ckptconv.UnsupportedFormatError, match=r"it holds ddp_rank0\.pt, ddp_rank1\.pt"):
+        ckptconv.open(tmp_path)
+
+
+# Named as DeepSpeed names it; pickled by reference, so ckptconv reads it as a stand-in.
+class fragment_address:
+    def __init__(self, numel: int, start: int) -> None:
+        self.numel = numel
+        self.start = start
+
+
+def test_a_layout_that_disagrees_with_param_slice_mappings_is_refused(tmp_path: Path) -> None:
+    params = write_zero2_run(tmp_path / "run", {"a": (3, 5), "b": (7,)}, world=2)
+    assert list(ckptconv.load(tmp_path / "run")) == list(params)
+    step = tmp_path / "run" / "global_step7"
+    for rank, mapping in enumerate(
+        [{"a": fragment_address(11, 0)}, {"a": fragment_address(4, 0), "b": fragment_address(7, 4)}]
+    ):
+        path = step / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        state = torch.load(path, weights_only=False)
+        state["optimizer_state_dict"]["param_slice_mappings"] = [mapping]
+        torch.save(state, path)
+    _refused(tmp_path / "run", tmp_path, "group 0 holds its parameters at {'a': (11, 0)}")
+
+
+def test_a_tag_folder_linked_from_outside_the_run_is_refused(tmp_path: Path) -> None:
+    outside = _copy("ds_zero2_bf16", tmp_path / "elsewhere")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "global_step9").symlink_to(outside / "global_step3", target_is_directory=True)
+    (run / "latest").write_text("global_step9")
+    _refused(run, tmp_path, "its 'latest' names 'global_step9', a link that leads outside the run folder")
