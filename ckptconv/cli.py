@@ -82,6 +82,12 @@ class _Group(click.Group):
         except CkptconvError as error:
             if os.environ.get("CKPTCONV_DEBUG"):
                 raise
+            interrupt = _interruption(error)
+            if interrupt is not None:
+                # An error raised while Ctrl-C or SIGTERM unwound the work (a worker thread's read of a
+                # file the unwinding had closed) is a consequence of the interruption, not the failure.
+                _echo(f"ckptconv: interrupted{_signal_name(interrupt)}; no output was written", err=True)
+                ctx.exit(_interrupted_code(interrupt))
             _echo(f"ckptconv: error: {error}", err=True)
             # A fit that cannot be made is a negative result with a report, not a failure.
             if isinstance(error, FitError) and error.report is not None:
@@ -102,6 +108,18 @@ class Terminated(KeyboardInterrupt):
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
+
+
+def _interruption(error: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM that ``error`` was raised while handling, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _signal_name(interrupt: BaseException) -> str:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,33 @@ def test_sigterm_stops_a_batch_like_ctrl_c(tmp_path: Path) -> None:
         "m1.safetensors",
         "m2.safetensors",
     ]
+
+
+@pytest.mark.parametrize("interrupt", ["SIGTERM", "Ctrl-C"])
+def test_an_error_raised_while_an_interruption_unwinds_reports_the_interruption(
+    interrupt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's read of a file the unwinding closed fails with EBADF: that is the interruption, not a failure."""
+    from ckptconv import cli, writing
+    from ckptconv.errors import WriteError
+
+    signalled = cli.Terminated() if interrupt == "SIGTERM" else KeyboardInterrupt()
+
+    def interrupted_write(*args: object, **kwargs: object) -> Iterator[int]:
+        try:
+            raise signalled
+        except KeyboardInterrupt:
+            raise WriteError("cannot write 'out.safetensors': Bad file descriptor") from None
+        yield 0
+
+    monkeypatch.setattr(writing, "_write_tensor", interrupted_write)
+    source = tmp_path / "many.pt"
+    torch.save({"w": torch.ones(4)}, source)
+    output = tmp_path / "out.safetensors"
+    code, _stdout, stderr = run_cli("convert", str(source), str(output))
+    name = " (SIGTERM)" if interrupt == "SIGTERM" else ""
+    assert (code, stderr) == (
+        143 if interrupt == "SIGTERM" else 130,
+        f"ckptconv: interrupted{name}; no output was written\n",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many.pt"]
