@@ -284,36 +284,33 @@ def batch(
     results: dict[str, ItemResult] = {}
     refused: list[ItemResult] = []
     todo: list[Job] = []
+
+    def refuse(plan: Planned, error: str, error_type: str) -> None:
+        item = plan.item
+        refused.append(
+            ItemResult(
+                source=item.name,
+                status=FAILED,
+                kind=item.kind,
+                output=plan.output,
+                source_size=item.size,
+                source_mtime_ns=item.mtime_ns,
+                format=kind,
+                error=error,
+                error_type=error_type,
+            )
+        )
+
     for plan in planned:
         item = plan.item
         if plan.problem:
-            refused.append(
-                ItemResult(
-                    source=item.name,
-                    status=FAILED,
-                    kind=item.kind,
-                    output=plan.output,
-                    source_size=item.size,
-                    source_mtime_ns=item.mtime_ns,
-                    format=kind,
-                    error=plan.problem,
-                    error_type="WriteError",
-                )
-            )
+            refuse(plan, plan.problem, "WriteError")
         elif not (resume or options.overwrite) and os.path.lexists(os.path.join(output, *plan.output.split("/"))):
-            refused.append(
-                ItemResult(
-                    source=item.name,
-                    status=FAILED,
-                    kind=item.kind,
-                    output=plan.output,
-                    source_size=item.size,
-                    source_mtime_ns=item.mtime_ns,
-                    format=kind,
-                    error=f"{plan.output!r} already exists in the output folder; pass --resume to skip what an "
-                    "earlier batch converted, or --overwrite to convert it again",
-                    error_type=OutputExistsError.__name__,
-                )
+            refuse(
+                plan,
+                f"{plan.output!r} already exists in the output folder; pass --resume to skip what an "
+                "earlier batch converted, or --overwrite to convert it again",
+                OutputExistsError.__name__,
             )
         elif resume and _still_done(plan, done.get(item.name), output, fingerprint):
             previous = ItemResult.from_record(done[item.name])
