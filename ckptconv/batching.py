@@ -26,7 +26,7 @@ from typing import Any, Callable, Union
 from . import write_policy
 from ._text import plural
 from ._version import __version__
-from .discovery import FILE, Planned, discover, plan_outputs
+from .discovery import FILE, Item, Planned, discover, plan_outputs
 from .errors import DestinationError, OutputExistsError, WriteError
 from .executors import Job, check_sendable, run_dask, run_local
 from .manifest import MANIFEST_NAME, Manifest, latest_conversions, now, read_records
@@ -284,33 +284,17 @@ def batch(
     results: dict[str, ItemResult] = {}
     refused: list[ItemResult] = []
     todo: list[Job] = []
-
-    def refuse(plan: Planned, error: str, error_type: str) -> None:
-        item = plan.item
-        refused.append(
-            ItemResult(
-                source=item.name,
-                status=FAILED,
-                kind=item.kind,
-                output=plan.output,
-                source_size=item.size,
-                source_mtime_ns=item.mtime_ns,
-                format=kind,
-                error=error,
-                error_type=error_type,
-            )
-        )
-
     for plan in planned:
         item = plan.item
         if plan.problem:
-            refuse(plan, plan.problem, "WriteError")
+            refused.append(_not_run(item, plan.output, kind, FAILED, error=plan.problem, error_type="WriteError"))
         elif not (resume or options.overwrite) and os.path.lexists(os.path.join(output, *plan.output.split("/"))):
-            refuse(
-                plan,
+            error = (
                 f"{plan.output!r} already exists in the output folder; pass --resume to skip what an "
-                "earlier batch converted, or --overwrite to convert it again",
-                OutputExistsError.__name__,
+                "earlier batch converted, or --overwrite to convert it again"
+            )
+            refused.append(
+                _not_run(item, plan.output, kind, FAILED, error=error, error_type=OutputExistsError.__name__)
             )
         elif resume and _still_done(plan, done.get(item.name), output, fingerprint):
             previous = ItemResult.from_record(done[item.name])
@@ -321,15 +305,7 @@ def batch(
 
     if dry_run or not planned:  # nothing to do: no output folder, no manifest
         for job in todo:
-            results[job.item.name] = ItemResult(
-                source=job.item.name,
-                status=PLANNED,
-                kind=job.item.kind,
-                output=job.output_name,
-                source_size=job.item.size,
-                source_mtime_ns=job.item.mtime_ns,
-                format=kind,
-            )
+            results[job.item.name] = _not_run(job.item, job.output_name, kind, PLANNED)
         return _report(source, output, "", planned, results, started, notes=notes, dry_run=dry_run)
     if executor == "local" and jobs > 1 and len(todo) > 1:
         check_sendable(options)  # before the output folder and the manifest exist
@@ -388,15 +364,7 @@ def batch(
             close()
         for job in todo:
             if job.item.name not in results:
-                results[job.item.name] = ItemResult(
-                    source=job.item.name,
-                    status=CANCELLED,
-                    kind=job.item.kind,
-                    output=job.output_name,
-                    source_size=job.item.size,
-                    source_mtime_ns=job.item.mtime_ns,
-                    format=kind,
-                )
+                results[job.item.name] = _not_run(job.item, job.output_name, kind, CANCELLED)
         report = _report(source, output, manifest_path, planned, results, started, notes=notes)
         manifest.append(
             "end",
@@ -438,6 +406,21 @@ def _execute(
     if executor == "dask":
         return run_dask(todo, scheduler=scheduler, workers=jobs, stop=stop)
     return run_local(todo, workers=jobs, stop=stop)
+
+
+def _not_run(item: Item, output: str, kind: str, status: str, *, error: str = "", error_type: str = "") -> ItemResult:
+    """The result of an item no worker converted: refused up front, only planned, or cancelled."""
+    return ItemResult(
+        source=item.name,
+        status=status,
+        kind=item.kind,
+        output=output,
+        source_size=item.size,
+        source_mtime_ns=item.mtime_ns,
+        format=kind,
+        error=error,
+        error_type=error_type,
+    )
 
 
 def _report(
