@@ -11,7 +11,7 @@ import click
 
 from .._text import plural
 from ..report import human_bytes
-from .failures import interrupted_code, signal_name
+from .failures import Command, interrupted_code, signal_name
 from .option_sets import (
     batch_options,
     conversion_arguments,
@@ -61,7 +61,7 @@ def run_conversion(
     )
 
 
-@click.command()
+@click.command(cls=Command)
 @conversion_arguments("convert")
 def convert(src: str, dst: str, **options: Any) -> None:
     """Convert a checkpoint to .pt, safetensors, a sharded folder or DCP, with optional transforms.
@@ -79,7 +79,7 @@ def convert(src: str, dst: str, **options: Any) -> None:
     run_conversion(src, dst, [], options)
 
 
-@click.command("strip-module")
+@click.command("strip-module", cls=Command)
 @conversion_arguments("strip-module")
 def strip_module(src: str, dst: str, **options: Any) -> None:
     """Remove the 'module.' prefix DataParallel and DDP add to every key.
@@ -96,7 +96,7 @@ def strip_module(src: str, dst: str, **options: Any) -> None:
     run_conversion(src, dst, [StripPrefix("module")], options)
 
 
-@click.command("add-module")
+@click.command("add-module", cls=Command)
 @conversion_arguments("add-module")
 def add_module(src: str, dst: str, **options: Any) -> None:
     """Add the 'module.' prefix, to load into a DataParallel or DDP model.
@@ -110,7 +110,7 @@ def add_module(src: str, dst: str, **options: Any) -> None:
     run_conversion(src, dst, [AddPrefix("module")], options)
 
 
-@click.command()
+@click.command(cls=Command)
 @conversion_arguments("fit")
 @click.option(
     "--like",
@@ -138,7 +138,7 @@ def fit(src: str, dst: str, reference: str, **options: Any) -> None:
     run_conversion(src, dst, [], options, fit_to=reference)
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("src", type=click.Path(file_okay=False))
 @click.argument("dst", type=click.Path(file_okay=False))
 @field_options("selection", "batch")

@@ -10,11 +10,12 @@ import click
 
 from .._text import plural, shown
 from ..report import EXIT_NEGATIVE, EXIT_UNSAFE, human_bytes
+from .failures import Command
 from .option_sets import field_options, pipeline, transform_options
 from .terminal import echo, printable
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("src", type=click.Path(dir_okay=True))
 @click.argument("dst", type=click.Path(dir_okay=True))
 @field_options("selection", "verify")
@@ -56,7 +57,7 @@ def verify(src: str, dst: str, select: str | None, trust: bool, reference: str, 
         sys.exit(EXIT_NEGATIVE)
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("a", type=click.Path(dir_okay=True))
 @click.argument("b", type=click.Path(dir_okay=True))
 @click.option("--select-a", metavar="PATH", help="Where the weights are in A (searched when omitted).")
@@ -122,7 +123,7 @@ def print_devices(as_json: bool) -> None:
         )
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("src", type=click.Path(dir_okay=True), required=False)
 @field_options("selection", "inspect")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
@@ -206,7 +207,7 @@ def inspect(
         echo(f"  ... and {len(info.tensors) - limit} more")
 
 
-@click.command()
+@click.command(cls=Command)
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the items that are not safe, and the summary.")

@@ -28,6 +28,8 @@ Exit codes:
 
 
 class Command(click.Command):
+    """Every ckptconv command: ``--verify`` takes its reader only as ``--verify=NAME`` or a reader's name."""
+
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # `--verify` takes an optional value (`--verify=torch`); click would take the next
         # word (`--verify SRC DST`) as that value. Only a reference's name is one.
@@ -41,8 +43,6 @@ class Command(click.Command):
 
 
 class Group(click.Group):
-    command_class = Command
-
     def invoke(self, ctx: click.Context) -> Any:
         from ..errors import CkptconvError, DestinationError, FitError
 
