@@ -15,10 +15,19 @@ optimizer state, EMA copies and hyperparameters, or a whole pickled module.
    nested ones such as ``model`` → ``state_dict`` count under their top key).
    With none of those, a single candidate is taken and several are an error
    that lists them.
+5. With no state dict anywhere, a mapping that holds tensors beside plain
+   values (``{"fc.weight": ..., "epoch": 3}``) gives its tensors; the plain
+   values are left out and counted (``skipped``). Only when none of those
+   values holds a tensor, so that no weight is dropped, and only when one
+   such mapping exists.
 4. EMA / averaged copies (``state_dict_ema``, ``model_ema``, ``ema``,
    ``params_ema``, ``shadow``, SWA ...) are never preferred: they are picked
    only when they are the only weights, and the selection's ``note`` always
    names them so the caller can say which copy was used.
+
+When the search picks the weights, the tensors it leaves out (outside the
+chosen weights, not training state, not 0-dim counters) are counted in the
+selection's ``note``, so a tensor is never dropped without a word.
 
 An explicit ``select="state_dict_ema"`` (a dotted path; keys that contain dots
 are matched whole) or ``select="ema"`` overrides the search.
@@ -32,6 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from ._text import plural
 from .errors import SelectionError
 from .standins import ForeignObject, NumpyArray
 from .tensor import TensorRef
@@ -309,6 +319,87 @@ def _candidates(root: Any, base: tuple[PathPart, ...]) -> list[_Candidate]:
     return found
 
 
+def _holds_tensor(value: Any, limit: int = 10_000) -> bool:
+    """True if a tensor (or a stand-in of one ckptconv cannot read) sits anywhere inside ``value``."""
+    seen: set[int] = set()
+    queue = [value]
+    while queue and len(seen) < limit:
+        node = queue.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if as_tensor(node) is not None or (isinstance(node, ForeignObject) and node.qualname in _UNSUPPORTED_TENSORS):
+            return True
+        queue.extend(child for _, child in children(node))
+    return len(seen) >= limit  # too large to tell: treat as holding one, so nothing is dropped unseen
+
+
+def _as_loose_candidate(value: Any, path: tuple[PathPart, ...]) -> _Candidate | None:
+    """A mapping of names to tensors beside plain values (``{"w": ..., "epoch": 3}``): its tensors,
+    with the other keys skipped, provided none of those holds a tensor."""
+    items = _mapping_items(value)
+    if not items or not all(isinstance(key, str) for key, _ in items):
+        return None
+    weights = {key: tensor for key, item in items if (tensor := as_tensor(item)) is not None}
+    others = [(key, item) for key, item in items if key not in weights]
+    if not weights or any(_holds_tensor(item) for _, item in others):
+        return None
+    return _Candidate(path, weights, tuple(key for key, _ in others), "state_dict")
+
+
+def _loose_candidates(root: Any, base: tuple[PathPart, ...]) -> list[_Candidate]:
+    found: list[_Candidate] = []
+    seen: set[int] = set()
+    level: list[tuple[tuple[PathPart, ...], Any]] = [(base, root)]
+    for _depth in range(_MAX_DEPTH + 1):
+        next_level: list[tuple[tuple[PathPart, ...], Any]] = []
+        for path, value in level:
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            candidate = _as_loose_candidate(value, path)
+            if candidate is not None:
+                found.append(candidate)
+                continue
+            next_level.extend(
+                ((*path, key), child)
+                for key, child in _children(value)
+                if not (isinstance(key, str) and is_training_state(key))
+            )
+        level = next_level
+    return found
+
+
+def _left_out(root: Any, chosen: tuple[PathPart, ...], limit: int = 100_000) -> list[str]:
+    """Paths of the tensors under ``root`` outside the weights at ``chosen``: not training state, not in
+    another set of weights (the selection names those), and not 0-dim (step counters, best scores),
+    which no one expects among the weights."""
+    chosen_node: Any = root
+    for part in chosen:
+        chosen_node = dict(children(chosen_node)).get(part)
+    found: list[str] = []
+    seen: set[int] = {id(chosen_node)} if chosen else set()
+    queue: list[tuple[tuple[PathPart, ...], Any]] = [((), root)]
+    while queue and len(seen) < limit:
+        path, value = queue.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        tensor = as_tensor(value)
+        if tensor is not None:
+            if tensor.shape:
+                found.append(format_path(path))
+            continue
+        if path and _as_candidate(value, path) is not None:
+            continue
+        queue.extend(
+            ((*path, key), child)
+            for key, child in _children(value)
+            if not (isinstance(key, str) and is_training_state(key))
+        )
+    return sorted(found)
+
+
 def _primary_rank(candidate: _Candidate, base: int) -> int | None:
     if len(candidate.path) <= base:
         return None
@@ -333,11 +424,13 @@ _UNSUPPORTED_TENSORS = {
     "torch._utils._rebuild_nested_tensor": "nested",
     "torch._utils._rebuild_wrapper_subclass": "tensor-subclass",
     "torch._utils._rebuild_mkldnn_tensor": "MKL-DNN",
+    "torch._utils._rebuild_meta_tensor_no_storage": "meta-device",
 }
 _HINTS = {
     "quantized": "dequantize them (tensor.dequantize())",
     "sparse": "make them dense (tensor.to_dense())",
     "nested": "unbind them into ordinary tensors (tensor.unbind())",
+    "meta-device": "materialise them (model.to_empty(device='cpu'), then load the real weights)",
 }
 
 
@@ -378,6 +471,12 @@ def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: st
                 "model, not whole weights; convert the DCP checkpoint folder, or save a full state dict "
                 "(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
             )
+        loose = _loose_candidates(root, base) if root is not None else []
+        if len(loose) == 1:
+            (only,) = loose
+            return Selection(only.weights, only.path, only.kind, (), only.skipped)
+        if len(loose) > 1:
+            _ambiguous(loose, source)
         raise SelectionError(
             f"{source} holds no state dict or model{where}", hint="run `ckptconv inspect` to see what it contains"
         )
@@ -553,6 +652,15 @@ def select_weights(tree: Any, select: str | None = None, *, source: str = "the c
         selection = Selection(whole.weights, (), whole.kind, (), whole.skipped)
     else:
         selection = _choose(_candidates(tree, ()), (), source, tree)
+    if selection.path:
+        left_out = _left_out(tree, selection.path)
+        if left_out:
+            examples = ", ".join(repr(path) for path in left_out[:3]) + (", ..." if len(left_out) > 3 else "")
+            extra = (
+                f"left out {plural(len(left_out), 'tensor')} outside {selection.where!r} ({examples}); "
+                "pass --select to choose other weights"
+            )
+            selection = dataclasses.replace(selection, note=f"{selection.note}; {extra}" if selection.note else extra)
     if LIT_EMA_MARKER in selection.weights and not selection.note:
         selection = dataclasses.replace(
             selection,
