@@ -276,3 +276,21 @@ def test_numpy_arrays_cannot_claim_more_bytes_than_they_hold() -> None:
     with pytest.raises(MalformedCheckpointError, match="holds 8 bytes"):
         Unpickler(header + state).load()
     assert np.dtype("f4").itemsize == 4
+
+
+@pytest.mark.parametrize("cast", [None, "bf16"])
+def test_a_file_truncated_after_it_was_opened_is_refused_not_crashed(cast: str | None, tmp_path: Path) -> None:
+    """Casts and CRC checks read files through memory maps, where a read past the end would be SIGBUS:
+    a file cut short after it was opened still gets the one-line truncation error."""
+    from ckptconv.integrity import check_record_crcs
+
+    path = tmp_path / "model.pt"
+    torch.save({"w": torch.arange(1 << 20, dtype=torch.float32)}, path)
+    ref = ckptconv.open(path).select().weights["w"]
+    os.truncate(path, os.path.getsize(path) // 2)
+    if cast:
+        ref = ref.cast(ckptconv.Cast(cast).target)
+    with pytest.raises(MalformedCheckpointError, match=r"is truncated: .* bytes missing at offset"):
+        b"".join(bytes(chunk) for chunk in ref.iter_bytes(chunk_bytes=1 << 16))
+    with pytest.raises(MalformedCheckpointError, match=r"is truncated: .* bytes missing at offset"):
+        check_record_crcs([("w", ref)])
