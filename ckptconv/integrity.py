@@ -14,14 +14,20 @@ nothing to compare and are skipped. This module does not import torch.
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Iterable
 
 from .errors import MalformedCheckpointError
 from .read_policy import mapped_windows, open_file
 from .tensor import FileRegion, Storage, TensorRef, ZipMember
 
-__all__ = ["CRC_OPT_OUT", "check_record_crcs"]
+__all__ = ["CRC_OPT_OUT", "check_record_crcs", "crc32"]
+
+try:
+    # ISA-L's CRC-32 (carry-less multiply, vpclmulqdq where the CPU has it): the same
+    # values as zlib's, 4x faster on the 2-core VM (18 vs 4.2 GB/s); it releases the GIL too.
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - isal has wheels where we run; zlib everywhere else
+    from zlib import crc32
 
 #: What a user passes to convert a damaged file anyway.
 CRC_OPT_OUT = "--no-crc-check"
@@ -40,7 +46,7 @@ def _mapped_crc(source: FileRegion, nbytes: int, stop: threading.Event | None) -
         for view in windows:
             if stop is not None and stop.is_set():
                 return None
-            crc = zlib.crc32(view, crc)
+            crc = crc32(view, crc)
         return crc
 
 
@@ -52,7 +58,7 @@ def _read_crc(storage: Storage, key: str, buffer: memoryview) -> int:
             for position in range(0, storage.nbytes, _BLOCK):
                 piece = buffer[: min(_BLOCK, storage.nbytes - position)]
                 read_into(position, piece)
-                crc = zlib.crc32(piece, crc)
+                crc = crc32(piece, crc)
     except MalformedCheckpointError as error:
         # zipfile checks a compressed record's CRC itself, at its end.
         raise MalformedCheckpointError(

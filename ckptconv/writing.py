@@ -20,7 +20,6 @@ import shutil
 import stat
 import tempfile
 import warnings
-import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Union
@@ -31,6 +30,7 @@ from .errors import CastOverflowError, DestinationError, OutputExistsError, Writ
 from .formats import dcp, safetensors, sharded, torch_zip
 from .formats._base import MetadataValue, metadata_text, split_aliases
 from .formats.torch_zip import PlannedStorage
+from .integrity import crc32
 from .options import TIED
 from .read_policy import open_file
 from .suffixes import SAFETENSORS_SUFFIX, TAR_SUFFIX, TORCH_SUFFIXES
@@ -406,7 +406,7 @@ def _copy_file_region_with_crc(
             mapped = mmap.mmap(src.fileno(), position + window - aligned, offset=aligned, access=mmap.ACCESS_READ)
             view = memoryview(mapped)[position - aligned :]
             try:
-                pending = pool.submit(zlib.crc32, view, crc)
+                pending = pool.submit(crc32, view, crc)
                 try:
                     for count in _copy_range(src.fileno(), position, window, file, source.path):
                         update(count)
@@ -425,7 +425,7 @@ def _copy_file_region_with_crc(
 def _write_with_crc(chunks: Iterable[memoryview], file: BinaryIO, update: Callable[[int], None]) -> int:
     """Write chunks and return their CRC-32, checksumming one chunk while the kernel writes it.
 
-    zlib.crc32 and os.write both release the GIL, so on two cores the checksum
+    crc32 and os.write both release the GIL, so on two cores the checksum
     costs almost nothing on top of the write.
     """
     file.flush()
@@ -433,7 +433,7 @@ def _write_with_crc(chunks: Iterable[memoryview], file: BinaryIO, update: Callab
     crc = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         for chunk in chunks:
-            pending = pool.submit(zlib.crc32, chunk, crc)
+            pending = pool.submit(crc32, chunk, crc)
             view = chunk
             while view.nbytes:
                 view = view[os.write(fd, view) :]

@@ -294,3 +294,17 @@ def test_a_file_truncated_after_it_was_opened_is_refused_not_crashed(cast: str |
         b"".join(bytes(chunk) for chunk in ref.iter_bytes(chunk_bytes=1 << 16))
     with pytest.raises(MalformedCheckpointError, match=r"is truncated: .* bytes missing at offset"):
         check_record_crcs([("w", ref)])
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 4096, (1 << 20) + 3])
+def test_the_fast_crc32_is_zlibs(size: int) -> None:
+    """integrity.crc32 (ISA-L's where installed) gives zlib's values, also continued from a running value."""
+    import zlib
+
+    from ckptconv.integrity import crc32
+
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(data, 0x12345678) == zlib.crc32(data, 0x12345678)
+    half = size // 2
+    assert crc32(data[half:], crc32(data[:half])) == zlib.crc32(data)
