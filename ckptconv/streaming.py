@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import itertools
-import mmap
-import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from .errors import CastOverflowError
-from .tensor import FileRegion, ZipMember
+from .tensor import ZipMember
 
 if TYPE_CHECKING:
     import numpy as np
@@ -216,13 +213,7 @@ def _blocks(view: np.ndarray, limit: int) -> Iterator[np.ndarray]:
 
 
 def _iter_cast_chunks(ref: TensorRef, start: int, end: int, chunk: int) -> Iterator[memoryview]:
-    """Cast chunk by chunk, two chunks in flight on worker threads, results in order.
-
-    A tensor stored uncompressed in a file is cast straight from memory maps of
-    the page cache, window by window (no ``pread`` copy into a buffer first: that
-    copy cost about as much CPU as the bfloat16 cast itself); others are read
-    into reused buffers.
-    """
+    """Cast chunk by chunk, two chunks in flight on worker threads, results in order."""
     import numpy as np
 
     from ._cast import storage_dtype
@@ -232,42 +223,20 @@ def _iter_cast_chunks(ref: TensorRef, start: int, end: int, chunk: int) -> Itera
     target_dtype = storage_dtype(ref.cast_to.name)
     itemsize = ref.dtype.itemsize
     in_flight = 2
-    region = ref.storage.source if isinstance(ref.storage.source, FileRegion) else None
-    with contextlib.ExitStack() as stack:
-        mapped_fd = None
-        if region is not None:
-            from .read_policy import open_file
-
-            file = stack.enter_context(open_file(region.path))
-            if region.offset + end <= os.fstat(file.fileno()).st_size:
-                mapped_fd = file.fileno()
-        read_into = stack.enter_context(ref.storage.reader()) if mapped_fd is None else None
-        pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(max_workers=in_flight))
-        # One spare buffer set beyond those in flight: the one the caller is consuming.
-        free = [
-            (
-                np.empty(chunk if read_into is not None else 0, dtype=np.uint8),
-                np.empty(chunk // itemsize, dtype=target_dtype),
-            )
-            for _ in range(in_flight + 1)
-        ]
-        positions = iter(range(start, end, chunk))
+    # One spare buffer pair beyond those in flight: the one the caller is consuming.
+    free = [
+        (np.empty(chunk, dtype=np.uint8), np.empty(chunk // itemsize, dtype=target_dtype)) for _ in range(in_flight + 1)
+    ]
+    positions = iter(range(start, end, chunk))
+    with ref.storage.reader() as read_into, concurrent.futures.ThreadPoolExecutor(max_workers=in_flight) as pool:
 
         def work(
             position: int, buffers: tuple[np.ndarray, np.ndarray]
         ) -> tuple[memoryview, tuple[np.ndarray, np.ndarray]]:
             raw, out = buffers
             length = min(chunk, end - position)
-            if mapped_fd is not None and region is not None:
-                # Unmapped when the last view of it goes (the cast writes into ``out``).
-                at = region.offset + position
-                aligned = at - at % mmap.ALLOCATIONGRANULARITY
-                mapped = mmap.mmap(mapped_fd, at + length - aligned, offset=aligned, access=mmap.ACCESS_READ)
-                values = np.frombuffer(mapped, dtype=source_dtype, count=length // itemsize, offset=at - aligned)
-            else:
-                assert read_into is not None
-                read_into(position, raw[:length].data)
-                values = raw[:length].view(source_dtype)
+            read_into(position, raw[:length].data)
+            values = raw[:length].view(source_dtype)
             return _bytes_view(_cast(ref, values, out=out[: len(values)])), buffers
 
         pending: collections.deque[concurrent.futures.Future[tuple[memoryview, tuple[np.ndarray, np.ndarray]]]]
