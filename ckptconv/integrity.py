@@ -17,7 +17,6 @@ import threading
 from collections.abc import Iterable
 
 from .errors import MalformedCheckpointError
-from .read_policy import mapped_windows, open_file
 from .tensor import FileRegion, Storage, TensorRef, ZipMember
 
 __all__ = ["CRC_OPT_OUT", "check_record_crcs", "crc32"]
@@ -33,39 +32,6 @@ except ImportError:  # pragma: no cover - isal has wheels where we run; zlib eve
 CRC_OPT_OUT = "--no-crc-check"
 
 _BLOCK = 8 << 20
-
-
-def _mapped_crc(source: FileRegion, nbytes: int, stop: threading.Event | None) -> int | None:
-    """The CRC-32 of a stored record read in place through memory maps, or None
-    when it cannot be mapped (empty, or past the end of the file) or ``stop`` was set."""
-    with open_file(source.path) as file:
-        windows = mapped_windows(file.fileno(), source.offset, nbytes, _BLOCK)
-        if windows is None:
-            return None
-        crc = 0
-        for view in windows:
-            if stop is not None and stop.is_set():
-                return None
-            crc = crc32(view, crc)
-        return crc
-
-
-def _read_crc(storage: Storage, key: str, buffer: memoryview) -> int:
-    """The CRC-32 of a record read through its reader (compressed records, unmappable spans)."""
-    crc = 0
-    try:
-        with storage.reader() as read_into:
-            for position in range(0, storage.nbytes, _BLOCK):
-                piece = buffer[: min(_BLOCK, storage.nbytes - position)]
-                read_into(position, piece)
-                crc = crc32(piece, crc)
-    except MalformedCheckpointError as error:
-        # zipfile checks a compressed record's CRC itself, at its end.
-        raise MalformedCheckpointError(
-            f"{error.message} (tensor {key!r}); pass {CRC_OPT_OUT} to convert what can be read anyway",
-            path=error.path,
-        ) from None
-    return crc
 
 
 def check_record_crcs(entries: Iterable[tuple[str, TensorRef]], *, stop: threading.Event | None = None) -> None:
@@ -85,20 +51,23 @@ def check_record_crcs(entries: Iterable[tuple[str, TensorRef]], *, stop: threadi
         source = ref.storage.source
         if isinstance(source, (FileRegion, ZipMember)) and source.crc32 is not None:
             records.setdefault(id(ref.storage), (ref.storage, key, source))
-    buffer: memoryview | None = None
+    buffer = memoryview(bytearray(min(_BLOCK, max((r[0].nbytes for r in records.values()), default=0))))
     for storage, key, source in records.values():
         if stop is not None and stop.is_set():
             return
-        if isinstance(source, FileRegion):
-            crc = _mapped_crc(source, storage.nbytes, stop)
-            if crc is None and stop is not None and stop.is_set():
-                return
-        else:
-            crc = None
-        if crc is None:
-            if buffer is None:
-                buffer = memoryview(bytearray(min(_BLOCK, max((r[0].nbytes for r in records.values()), default=0))))
-            crc = _read_crc(storage, key, buffer)
+        crc = 0
+        try:
+            with storage.reader() as read_into:
+                for position in range(0, storage.nbytes, _BLOCK):
+                    piece = buffer[: min(_BLOCK, storage.nbytes - position)]
+                    read_into(position, piece)
+                    crc = crc32(piece, crc)
+        except MalformedCheckpointError as error:
+            # zipfile checks a compressed record's CRC itself, at its end.
+            raise MalformedCheckpointError(
+                f"{error.message} (tensor {key!r}); pass {CRC_OPT_OUT} to convert what can be read anyway",
+                path=error.path,
+            ) from None
         if crc != source.crc32:
             raise MalformedCheckpointError(
                 f"{source.path!r} is damaged: record {storage.name!r} (tensor {key!r}) has CRC-32 {crc:08x} "

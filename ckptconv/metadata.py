@@ -10,12 +10,11 @@ not plain data (tensors, optimizer state, RNG state) is left out.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from . import read_policy
@@ -103,21 +102,17 @@ def file_sha256(path: str, chunk_bytes: int = 8 << 20, stop: threading.Event | N
     Returns "" if ``stop`` is set before the end (the caller gave up).
     """
     digest = hashlib.sha256()
+    buffer = bytearray(chunk_bytes)
+    view = memoryview(buffer)
     with read_policy.open_file(path) as file:
-        # In place through memory maps (no copy into a buffer), or read where the file cannot be mapped.
-        size = os.fstat(file.fileno()).st_size
-        pieces = read_policy.mapped_windows(file.fileno(), 0, size, chunk_bytes) or _read_pieces(file, chunk_bytes)
-        for piece in pieces:
+        while True:
             if stop is not None and stop.is_set():
                 return ""
-            digest.update(piece)
+            count = file.readinto(view)
+            if not count:
+                break
+            digest.update(view[:count])
     return digest.hexdigest()
-
-
-def _read_pieces(file: io.BufferedReader, chunk_bytes: int) -> Iterator[memoryview]:
-    view = memoryview(bytearray(chunk_bytes))
-    while count := file.readinto(view):
-        yield view[:count]
 
 
 def source_sha256(path: str, stop: threading.Event | None = None) -> str:

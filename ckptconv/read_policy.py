@@ -24,12 +24,9 @@ checksums, the byte sources of lazy tensors). The rules:
 
 from __future__ import annotations
 
-import contextlib
 import io
-import mmap
 import os
 import stat
-from collections.abc import Iterator
 
 from .errors import LoadError, MalformedCheckpointError, UnsupportedFormatError
 
@@ -39,7 +36,6 @@ __all__ = [
     "hub_blob",
     "inside",
     "kind_of",
-    "mapped_windows",
     "member",
     "open_descriptor",
     "open_file",
@@ -180,38 +176,6 @@ def open_file(path: str, *, folder: str | None = None) -> io.BufferedReader:
     except BaseException:
         os.close(fd)
         raise
-
-
-def mapped_windows(fd: int, offset: int, length: int, window: int) -> Iterator[memoryview] | None:
-    """``length`` bytes of the open file ``fd`` from ``offset``, as read-only views of
-    memory maps of at most ``window`` bytes, or None where the span cannot be mapped.
-
-    A checksum reads the page cache in place this way: no copy into a buffer (a
-    ``pread`` of 1 GiB costs about 0.2 s of CPU here), and resident memory stays at
-    one window. Each view is valid only until the next is asked for. None when
-    the span runs past the end of the file (reading it would raise SIGBUS): the
-    caller then reads with ``pread``, whose short read names the damage.
-    """
-    if length <= 0 or offset < 0 or offset + length > os.fstat(fd).st_size:
-        return None
-    return _windows(fd, offset, length, window)
-
-
-def _windows(fd: int, offset: int, length: int, window: int) -> Iterator[memoryview]:
-    end = offset + length
-    position = offset
-    while position < end:
-        size = min(window, end - position)
-        aligned = position - position % mmap.ALLOCATIONGRANULARITY
-        mapped = mmap.mmap(fd, position + size - aligned, offset=aligned, access=mmap.ACCESS_READ)
-        with contextlib.closing(mapped):
-            view = memoryview(mapped)[position - aligned :]
-            try:
-                yield view
-            finally:
-                # Released before the map closes (an exported view makes close() fail).
-                view.release()
-        position += size
 
 
 def read_limited(path: str, *, limit: int = MAX_TEXT_BYTES, folder: str | None = None, what: str = "file") -> bytes:

@@ -280,8 +280,8 @@ def test_numpy_arrays_cannot_claim_more_bytes_than_they_hold() -> None:
 
 @pytest.mark.parametrize("cast", [None, "bf16"])
 def test_a_file_truncated_after_it_was_opened_is_refused_not_crashed(cast: str | None, tmp_path: Path) -> None:
-    """Casts and CRC checks read files through memory maps, where a read past the end would be SIGBUS:
-    a file cut short after it was opened still gets the one-line truncation error."""
+    """Casts and CRC checks of a file cut short after it was opened (a read past its end) get
+    the one-line truncation error."""
     from ckptconv.integrity import check_record_crcs
 
     path = tmp_path / "model.pt"
