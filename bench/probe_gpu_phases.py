@@ -18,6 +18,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -145,31 +146,14 @@ def child(code: str, args: dict[str, object]) -> dict[str, float] | str:
     return (out.stderr.strip().splitlines() or ["failed"])[-1][:300]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--gib", type=float, default=8)
-    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
-    parser.add_argument("--old", help="folder holding old_transfer.py (a previous _transfer) to time beside")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    stem = str(args.dir / f"gpu_bench_{args.gib:g}gib")
-    if not os.path.exists(stem + ".safetensors"):
-        started = time.perf_counter()
-        subprocess.run([sys.executable, "-c", BUILD, str(args.gib), stem], check=True)
-        print(f"built in {time.perf_counter() - started:.0f} s", flush=True)
-    st, pt, sharded = stem + ".safetensors", stem + ".pt", stem + "_sharded"
-    warm([st, pt, *(os.path.join(sharded, n) for n in os.listdir(sharded))])
-    results: dict[str, object] = {}
-
-    def show(title: str, value: object) -> None:
-        results[title] = value
-        print(f"{title}: {value}", flush=True)
-
+def measure_phases(show: Callable[[str, object], None], stem: str, gib: float) -> None:
+    """Each phase alone: pinning, device allocation, host-to-device copies, page-cache reads."""
+    st, pt = stem + ".safetensors", stem + ".pt"
     show("pinned allocation (s)", child(PINNED, {}))
     for reserve in (False, True):
         show(f"device allocation, reserve={reserve}", child(DEVALLOC, {"path": st, "reserve": reserve}))
     for streams, block in ((1, 8 << 20), (16, 8 << 20), (16, 32 << 20)):
-        total = int(args.gib * 2**30)
+        total = int(gib * 2**30)
         show(
             f"h2d streams={streams} block={block >> 20}MiB",
             child(H2D, {"streams": streams, "block": block, "total": total}),
@@ -184,22 +168,49 @@ def main() -> None:
             f"pread+crc32 threads={threads} block=8MiB",
             child(READS, {"path": pt, "threads": threads, "block": 8 << 20, "crc": True}),
         )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--gib", type=float, default=8)
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--old", help="folder holding old_transfer.py (a previous _transfer) to time beside")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--loads-only", action="store_true", help="only the whole loads, one round")
+    args = parser.parse_args()
+    stem = str(args.dir / f"gpu_bench_{args.gib:g}gib")
+    if not os.path.exists(stem + ".safetensors"):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", BUILD, str(args.gib), stem], check=True)
+        print(f"built in {time.perf_counter() - started:.0f} s", flush=True)
+    st, pt, sharded = stem + ".safetensors", stem + ".pt", stem + "_sharded"
+    warm([st, pt, *(os.path.join(sharded, n) for n in os.listdir(sharded))])
+    results: dict[str, object] = {}
+
+    def show(title: str, value: object) -> None:
+        results[title] = value
+        print(f"{title}: {value}", flush=True)
+
+    phases = not args.loads_only
+    if phases:
+        measure_phases(show, stem, args.gib)
     variants: list[tuple[str, str, dict[str, object], bool]] = [
         ("safetensors 8MiB x16", st, {}, True),
+        ("safetensors 8MiB x8", st, {"MAX_THREADS": 8}, True),
+        ("safetensors 4MiB x16", st, {"PIECE_BYTES": 4 << 20}, True),
+        ("safetensors 8MiB x16 depth3", st, {"DEPTH": 3}, True),
+        ("safetensors 4MiB x32", st, {"MAX_THREADS": 32, "PIECE_BYTES": 4 << 20}, True),
         ("safetensors 32MiB x16", st, {"PIECE_BYTES": 32 << 20}, True),
-        ("safetensors 8MiB x32", st, {"MAX_THREADS": 32}, True),
-        ("safetensors 16MiB x32", st, {"MAX_THREADS": 32, "PIECE_BYTES": 16 << 20}, True),
         ("pt crc 8MiB x16", pt, {}, True),
-        ("pt crc 16MiB x32", pt, {"MAX_THREADS": 32, "PIECE_BYTES": 16 << 20}, True),
         ("pt no crc 8MiB x16", pt, {}, False),
-        ("sharded 16MiB x32", sharded, {"MAX_THREADS": 32, "PIECE_BYTES": 16 << 20}, True),
+        ("sharded 8MiB x16", sharded, {}, True),
     ]
     if args.old:
         show(
             "safetensors OLD _transfer (before this probe)",
             child(LOAD, {"path": st, "knobs": {}, "old": args.old}),
         )
-    for rounds in range(2):
+    for rounds in range(2 if phases else 1):
         for title, path, knobs, crc in variants:
             show(f"load {title} #{rounds}", child(LOAD, {"path": path, "knobs": knobs, "crc": crc}))
         for name in ("instanttensor, buffered back end",):
