@@ -428,11 +428,13 @@ class _Worker:
             stream = self.streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             # After whatever the caller queued before (the destinations were allocated on its stream).
             stream.wait_stream(self.shared.callers[device])
-        with torch.cuda.stream(stream):
-            destination = span.out[position - span.start : position - span.start + count]
-            destination.copy_(self.buffers[slot][skip : skip + count], non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
+            # This reader thread's current stream on that device from now on (PyTorch keeps
+            # current streams per thread), so no stream context is entered per piece.
+            torch.cuda.set_stream(stream)
+        destination = span.out[position - span.start : position - span.start + count]
+        destination.copy_(self.buffers[slot][skip : skip + count], non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
         self.events[slot] = event
 
     def finish(self) -> None:
