@@ -4,6 +4,7 @@ The data flows one way, one module per stage::
 
     loading.py       open() / load()   detect the format, read the structure, lazy tensors
     selection.py     Selection         find the weights inside a training checkpoint
+                                       (what a state dict or a module is: ``state_dicts.py``)
     transforms.py    StripPrefix, ...  pure steps over keys and dtypes
     fitting.py       fit()             find the key plan that matches a reference model
     writing.py       save()            stream to .pt, safetensors, shards or DCP, atomically

@@ -203,7 +203,8 @@ def convert(
     elif selection.kind == "module":
         notes.append("the file is a whole pickled model; using its parameters and persistent buffers")
     if selection.skipped:
-        notes.append(f"left out {len(selection.skipped)} non-tensor entries (e.g. {selection.skipped[0]!r})")
+        left_out = plural(len(selection.skipped), "non-tensor entry", "non-tensor entries")
+        notes.append(f"left out {left_out} (e.g. {selection.skipped[0]!r})")
 
     state = dict(selection.weights)
     reports: list[StepReport] = []

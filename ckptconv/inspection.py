@@ -16,8 +16,8 @@ from typing import Any, Union
 
 from .errors import SelectionError
 from .loading import open as open_checkpoint
-from .selection import as_tensor, is_module, part_text
 from .standins import ForeignGlobal, ForeignObject, NumpyArray
+from .state_dicts import as_tensor, is_module, part_text
 from .tensor import TensorRef
 
 __all__ = ["CheckpointInfo", "TensorInfo", "inspect"]

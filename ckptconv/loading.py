@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any, Union
 from . import formats
 from .errors import CkptconvError, LoadError, MalformedCheckpointError
 from .formats._base import ReadResult
-from .selection import Selection, children, part_text, select_weights
+from .selection import Selection, select_weights
 from .standins import NumpyArray
+from .state_dicts import children, part_text
 from .tensor import TensorRef
 
 if TYPE_CHECKING:

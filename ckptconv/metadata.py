@@ -19,8 +19,9 @@ from typing import Any
 
 from . import read_policy
 from .formats._base import json_bytes
-from .selection import Selection, as_tensor, is_training_state
+from .selection import Selection
 from .standins import ForeignGlobal, ForeignObject, NumpyArray
+from .state_dicts import as_tensor, is_training_state
 
 __all__ = ["checkpoint_metadata", "file_sha256"]
 

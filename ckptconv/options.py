@@ -7,7 +7,7 @@ and :func:`ckptconv.batch` accept it (or its fields as keywords), and a batch
 hands it unchanged to every worker.
 
 Each field that has a command-line flag says so in its metadata (a :class:`Flag`);
-``cli.py`` makes the click options from those, so ``convert``, ``batch`` and the
+``cli/option_sets.py`` makes the click options from those, so ``convert``, ``batch`` and the
 other commands cannot drift apart, and ``batch --help`` lists only what batch
 accepts. Adding an option is one field here plus the code that uses it.
 """
@@ -46,7 +46,7 @@ SELECTION_COMMANDS = CONVERSION_COMMANDS | {"inspect", "verify"}
 
 @dataclass(frozen=True)
 class Flag:
-    """How an options field appears on the command line (``cli.py`` makes the click option).
+    """How an options field appears on the command line (``cli/option_sets.py`` makes the click option).
 
     Attributes:
         name: the flag, e.g. ``"--overwrite"``; a flag named ``--no-...`` sets its field to False.

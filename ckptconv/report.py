@@ -29,6 +29,8 @@ EXIT_FAILED = 1  # the operation failed: bad input, unsafe file, cannot write
 EXIT_USAGE = 2  # usage error
 EXIT_NEGATIVE = 3  # finished with a negative result: differences, no fit, failed batch items
 EXIT_UNSAFE = 4  # scan found an unsafe file
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it); partial outputs removed
+EXIT_TERMINATED = 143  # SIGTERM (128 + SIGTERM); partial outputs removed
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,19 @@ optimizer state, EMA copies and hyperparameters, or a whole pickled module.
    nested ones such as ``model`` → ``state_dict`` count under their top key).
    With none of those, a single candidate is taken and several are an error
    that lists them.
+5. With no state dict anywhere, a mapping that holds tensors beside plain
+   values (``{"fc.weight": ..., "epoch": 3}``) gives its tensors; the plain
+   values are left out and counted (``skipped``). Only when none of those
+   values holds a tensor, so that no weight is dropped, and only when one
+   such mapping exists.
 4. EMA / averaged copies (``state_dict_ema``, ``model_ema``, ``ema``,
    ``params_ema``, ``shadow``, SWA ...) are never preferred: they are picked
    only when they are the only weights, and the selection's ``note`` always
    names them so the caller can say which copy was used.
+
+When the search picks the weights, the tensors it leaves out (outside the
+chosen weights, not training state, not 0-dim counters) are counted in the
+selection's ``note``, so a tensor is never dropped without a word.
 
 An explicit ``select="state_dict_ema"`` (a dotted path; keys that contain dots
 are matched whole) or ``select="ema"`` overrides the search.
@@ -28,21 +37,31 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
+from ._text import plural
 from .errors import SelectionError
-from .standins import ForeignObject, NumpyArray
+from .standins import ForeignObject
+from .state_dicts import (
+    PathPart,
+    as_state_dict,
+    as_tensor,
+    children,
+    format_path,
+    is_module,
+    is_training_state,
+    mapping_items,
+    module_state_dict,
+    path_children,
+)
 from .tensor import TensorRef
 
 __all__ = [
     "BARE_TENSOR_KEY",
-    "TRAINING_STATE_NAMES",
+    "LIT_EMA_MARKER",
     "Selection",
-    "as_state_dict",
-    "is_training_state",
-    "module_state_dict",
+    "lit_ema_weights",
     "select_weights",
 ]
 
@@ -60,36 +79,7 @@ PRIMARY_KEYS = (
 # The key a file holding one bare tensor (``torch.save(t, "t.pt")``) is written under.
 BARE_TENSOR_KEY = "tensor"
 _EMA_TOKENS = frozenset({"ema", "shadow", "swa", "averaged", "avg"})
-# Entries of a training checkpoint that hold training state, never the model's weights: the
-# weights search does not look inside them, and they are not kept as metadata (metadata.py).
-TRAINING_STATE_NAMES = frozenset(
-    {
-        "optimizer",
-        "optimizers",
-        "optim",
-        "optimizer_states",
-        "optimizer_state_dict",
-        "scheduler",
-        "schedulers",
-        "lr_scheduler",
-        "lr_schedulers",
-        "scaler",
-        "grad_scaler",
-        "amp",
-        "rng",
-        "rng_state",
-        "rng_states",
-        "numpy_rng",
-        "torch_rng",
-        "cuda_rng",
-        "random_state",
-        "loops",
-    }
-)
 _MAX_DEPTH = 5
-_MAX_MODULE_DEPTH = 256
-
-PathPart = Union[str, int]
 
 
 @dataclass(frozen=True)
@@ -120,114 +110,6 @@ class Selection:
         return format_path(self.path)
 
 
-def part_text(part: Any) -> str:
-    """A key as text; an integer of more digits than Python turns into text shows its size instead."""
-    try:
-        return str(part)
-    except ValueError:  # sys.get_int_max_str_digits()
-        return f"<int of {abs(part).bit_length()} bits>"
-
-
-def format_path(path: tuple[PathPart, ...]) -> str:
-    return ".".join(part_text(part) for part in path)
-
-
-def as_tensor(value: Any) -> TensorRef | None:
-    """``value`` as a lazy tensor if it is one (a tensor or a numeric numpy array)."""
-    if isinstance(value, TensorRef):
-        return value
-    if isinstance(value, NumpyArray):
-        return value.tensor
-    return None
-
-
-def _mapping_items(value: Any) -> list[tuple[Any, Any]] | None:
-    if isinstance(value, Mapping):
-        return list(value.items())
-    if isinstance(value, ForeignObject) and value.items and not value.list_items:
-        return list(value.items.items())  # a dict subclass from foreign code (EasyDict, ...)
-    return None
-
-
-def as_state_dict(value: Any) -> tuple[dict[str, TensorRef], tuple[str, ...]] | None:
-    """``(weights, skipped keys)`` if ``value`` is a state dict, else None.
-
-    A state dict maps string keys to tensors. ``None`` values and
-    ``*_extra_state`` entries (module extra state) are tolerated and skipped.
-    """
-    items = _mapping_items(value)
-    if not items:
-        return None
-    weights: dict[str, TensorRef] = {}
-    skipped: list[str] = []
-    for key, item in items:
-        if not isinstance(key, str):
-            return None
-        tensor = as_tensor(item)
-        if tensor is not None:
-            weights[key] = tensor
-        elif item is None or key.endswith("_extra_state"):
-            skipped.append(key)
-        else:
-            return None
-    if not weights:
-        return None
-    return weights, tuple(skipped)
-
-
-def is_module(value: Any) -> bool:
-    """True for a stand-in of a pickled ``nn.Module`` (it has ``_parameters`` and ``_modules``)."""
-    if not isinstance(value, ForeignObject):
-        return False
-    attributes = value.attributes()
-    return isinstance(attributes.get("_parameters"), Mapping) and isinstance(attributes.get("_modules"), Mapping)
-
-
-def module_state_dict(module: ForeignObject) -> tuple[dict[str, TensorRef], tuple[str, ...]]:
-    """What ``module.state_dict()`` would return, read from a pickled module's stand-in.
-
-    Parameters, then persistent buffers, then each child's, depth first, exactly
-    as ``nn.Module.state_dict`` orders them.
-    """
-    weights: dict[str, TensorRef] = {}
-    skipped: list[str] = []
-    visiting: set[int] = set()
-
-    def visit(node: ForeignObject, prefix: str, depth: int) -> None:
-        if depth > _MAX_MODULE_DEPTH or id(node) in visiting:
-            raise SelectionError(f"module {prefix[:-1] or 'root'!r} is nested too deeply or contains itself")
-        visiting.add(id(node))
-        attributes = node.attributes()
-        non_persistent = attributes.get("_non_persistent_buffers_set") or ()
-        for group in ("_parameters", "_buffers"):
-            entries = attributes.get(group)
-            if not isinstance(entries, Mapping):
-                continue
-            for name, value in entries.items():
-                if not isinstance(name, str) or value is None:
-                    continue
-                if (
-                    group == "_buffers"
-                    and isinstance(non_persistent, (set, frozenset, list))
-                    and name in non_persistent
-                ):
-                    continue
-                tensor = as_tensor(value)
-                if tensor is None:
-                    skipped.append(prefix + name)
-                else:
-                    weights[prefix + name] = tensor
-        children = attributes.get("_modules")
-        if isinstance(children, Mapping):
-            for name, child in children.items():
-                if isinstance(name, str) and is_module(child):
-                    visit(child, f"{prefix}{name}.", depth + 1)
-        visiting.discard(id(node))
-
-    visit(module, "", 0)
-    return weights, tuple(skipped)
-
-
 @dataclass(frozen=True)
 class _Candidate:
     path: tuple[PathPart, ...]
@@ -253,12 +135,6 @@ def _is_ema_name(name: str) -> bool:
     return bool(_tokens(name) & _EMA_TOKENS)
 
 
-def is_training_state(name: str) -> bool:
-    """True for an entry name that holds training state (``optimizer``, ``lr_scheduler``, ``rng_state``...)."""
-    lowered = name.lower()
-    return lowered in TRAINING_STATE_NAMES or lowered.startswith(("optimizer", "optim_"))
-
-
 def _as_candidate(value: Any, path: tuple[PathPart, ...]) -> _Candidate | None:
     found = as_state_dict(value)
     if found is not None:
@@ -268,23 +144,6 @@ def _as_candidate(value: Any, path: tuple[PathPart, ...]) -> _Candidate | None:
         if weights:
             return _Candidate(path, weights, skipped, "module")
     return None
-
-
-def children(value: Any) -> list[tuple[Any, Any]]:
-    """The entries one level inside ``value``: mapping items, sequence items, a stand-in's
-    attributes, dict items and list items. The one walker every tree traversal uses."""
-    if isinstance(value, Mapping):
-        return list(value.items())
-    if isinstance(value, (list, tuple)):
-        return list(enumerate(value))
-    if isinstance(value, ForeignObject):
-        return [*value.attributes().items(), *value.items.items(), *enumerate(value.list_items)]
-    return []
-
-
-def _children(value: Any) -> list[tuple[PathPart, Any]]:
-    """:func:`children` whose keys can be written in a ``--select`` path."""
-    return [(key, item) for key, item in children(value) if isinstance(key, (str, int))]
 
 
 def _candidates(root: Any, base: tuple[PathPart, ...]) -> list[_Candidate]:
@@ -301,12 +160,93 @@ def _candidates(root: Any, base: tuple[PathPart, ...]) -> list[_Candidate]:
             if candidate is not None:
                 found.append(candidate)
                 continue
-            for key, child in _children(value):
+            for key, child in path_children(value):
                 if isinstance(key, str) and is_training_state(key):
                     continue
                 next_level.append(((*path, key), child))
         level = next_level
     return found
+
+
+def _holds_tensor(value: Any, limit: int = 10_000) -> bool:
+    """True if a tensor (or a stand-in of one ckptconv cannot read) sits anywhere inside ``value``."""
+    seen: set[int] = set()
+    queue = [value]
+    while queue and len(seen) < limit:
+        node = queue.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if as_tensor(node) is not None or (isinstance(node, ForeignObject) and node.qualname in _UNSUPPORTED_TENSORS):
+            return True
+        queue.extend(child for _, child in children(node))
+    return len(seen) >= limit  # too large to tell: treat as holding one, so nothing is dropped unseen
+
+
+def _as_loose_candidate(value: Any, path: tuple[PathPart, ...]) -> _Candidate | None:
+    """A mapping of names to tensors beside plain values (``{"w": ..., "epoch": 3}``): its tensors,
+    with the other keys skipped, provided none of those holds a tensor."""
+    items = mapping_items(value)
+    if not items or not all(isinstance(key, str) for key, _ in items):
+        return None
+    weights = {key: tensor for key, item in items if (tensor := as_tensor(item)) is not None}
+    others = [(key, item) for key, item in items if key not in weights]
+    if not weights or any(_holds_tensor(item) for _, item in others):
+        return None
+    return _Candidate(path, weights, tuple(key for key, _ in others), "state_dict")
+
+
+def _loose_candidates(root: Any, base: tuple[PathPart, ...]) -> list[_Candidate]:
+    found: list[_Candidate] = []
+    seen: set[int] = set()
+    level: list[tuple[tuple[PathPart, ...], Any]] = [(base, root)]
+    for _depth in range(_MAX_DEPTH + 1):
+        next_level: list[tuple[tuple[PathPart, ...], Any]] = []
+        for path, value in level:
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            candidate = _as_loose_candidate(value, path)
+            if candidate is not None:
+                found.append(candidate)
+                continue
+            next_level.extend(
+                ((*path, key), child)
+                for key, child in path_children(value)
+                if not (isinstance(key, str) and is_training_state(key))
+            )
+        level = next_level
+    return found
+
+
+def _left_out(root: Any, chosen: tuple[PathPart, ...], limit: int = 100_000) -> list[str]:
+    """Paths of the tensors under ``root`` outside the weights at ``chosen``: not training state, not in
+    another set of weights (the selection names those), and not 0-dim (step counters, best scores),
+    which no one expects among the weights."""
+    chosen_node: Any = root
+    for part in chosen:
+        chosen_node = dict(children(chosen_node)).get(part)
+    found: list[str] = []
+    seen: set[int] = {id(chosen_node)} if chosen else set()
+    queue: list[tuple[tuple[PathPart, ...], Any]] = [((), root)]
+    while queue and len(seen) < limit:
+        path, value = queue.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        tensor = as_tensor(value)
+        if tensor is not None:
+            if tensor.shape:
+                found.append(format_path(path))
+            continue
+        if path and _as_candidate(value, path) is not None:
+            continue
+        queue.extend(
+            ((*path, key), child)
+            for key, child in path_children(value)
+            if not (isinstance(key, str) and is_training_state(key))
+        )
+    return sorted(found)
 
 
 def _primary_rank(candidate: _Candidate, base: int) -> int | None:
@@ -318,7 +258,7 @@ def _primary_rank(candidate: _Candidate, base: int) -> int | None:
 
 def _holds_shards(root: Any) -> bool:
     """True if the tree holds stand-ins of distributed tensor shards (DTensor, ShardedTensor)."""
-    for _path, child in _children(root):
+    for _path, child in path_children(root):
         if isinstance(child, ForeignObject) and child.qualname.endswith(("DTensor", "ShardedTensor")):
             return True
     return False
@@ -333,11 +273,13 @@ _UNSUPPORTED_TENSORS = {
     "torch._utils._rebuild_nested_tensor": "nested",
     "torch._utils._rebuild_wrapper_subclass": "tensor-subclass",
     "torch._utils._rebuild_mkldnn_tensor": "MKL-DNN",
+    "torch._utils._rebuild_meta_tensor_no_storage": "meta-device",
 }
 _HINTS = {
     "quantized": "dequantize them (tensor.dequantize())",
     "sparse": "make them dense (tensor.to_dense())",
     "nested": "unbind them into ordinary tensors (tensor.unbind())",
+    "meta-device": "materialise them (model.to_empty(device='cpu'), then load the real weights)",
 }
 
 
@@ -356,7 +298,7 @@ def _unsupported_tensors(root: Any, base: tuple[PathPart, ...], limit: int = 100
             if kind is not None:
                 found.setdefault(kind, []).append(format_path(path))
                 continue
-        queue.extend(((*path, key), child) for key, child in _children(value))
+        queue.extend(((*path, key), child) for key, child in path_children(value))
     return found
 
 
@@ -378,6 +320,12 @@ def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: st
                 "model, not whole weights; convert the DCP checkpoint folder, or save a full state dict "
                 "(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
             )
+        loose = _loose_candidates(root, base) if root is not None else []
+        if len(loose) == 1:
+            (only,) = loose
+            return Selection(only.weights, only.path, only.kind, (), only.skipped)
+        if len(loose) > 1:
+            _ambiguous(loose, source)
         raise SelectionError(
             f"{source} holds no state dict or model{where}", hint="run `ckptconv inspect` to see what it contains"
         )
@@ -432,7 +380,7 @@ def _resolve(tree: Any, path_text: str, source: str) -> tuple[Any, tuple[PathPar
     parts = path_text.split(".") if path_text else []
     path: list[PathPart] = []
     while parts:
-        items = _mapping_items(node)
+        items = mapping_items(node)
         if items is None and isinstance(node, ForeignObject):
             items = list(node.attributes().items())
         matched = False
@@ -457,12 +405,12 @@ def _resolve(tree: Any, path_text: str, source: str) -> tuple[Any, tuple[PathPar
             matched = True
         if not matched:
             where = format_path(tuple(path))
-            available = ", ".join(repr(str(k)) for k, _ in (_children(node) or [])[:12])
+            available = ", ".join(repr(str(k)) for k, _ in (path_children(node) or [])[:12])
             raise SelectionError(
                 f"{source} has no {parts[0]!r}"
                 + (f" under {where!r}" if where else "")
                 + (f"; it has {available}" if available else ""),
-                candidates=[str(k) for k, _ in _children(node)],
+                candidates=[str(k) for k, _ in path_children(node)],
             )
     return node, tuple(path)
 
@@ -553,6 +501,15 @@ def select_weights(tree: Any, select: str | None = None, *, source: str = "the c
         selection = Selection(whole.weights, (), whole.kind, (), whole.skipped)
     else:
         selection = _choose(_candidates(tree, ()), (), source, tree)
+    if selection.path:
+        left_out = _left_out(tree, selection.path)
+        if left_out:
+            examples = ", ".join(repr(path) for path in left_out[:3]) + (", ..." if len(left_out) > 3 else "")
+            extra = (
+                f"left out {plural(len(left_out), 'tensor')} outside {selection.where!r} ({examples}); "
+                "pass --select to choose other weights"
+            )
+            selection = dataclasses.replace(selection, note=f"{selection.note}; {extra}" if selection.note else extra)
     if LIT_EMA_MARKER in selection.weights and not selection.note:
         selection = dataclasses.replace(
             selection,

@@ -276,10 +276,11 @@ def test_an_error_raised_while_an_interruption_unwinds_reports_the_interruption(
     interrupt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker's read of a file the unwinding closed fails with EBADF: that is the interruption, not a failure."""
-    from ckptconv import cli, writing
+    from ckptconv import writing
+    from ckptconv.cli.failures import Terminated
     from ckptconv.errors import WriteError
 
-    signalled = cli.Terminated() if interrupt == "SIGTERM" else KeyboardInterrupt()
+    signalled = Terminated() if interrupt == "SIGTERM" else KeyboardInterrupt()
 
     def interrupted_write(*args: object, **kwargs: object) -> Iterator[int]:
         try:

@@ -9,7 +9,8 @@ from typing import Any
 import click
 
 from ckptconv import report, transforms
-from ckptconv.cli import _pipeline, cli
+from ckptconv.cli import cli
+from ckptconv.cli.option_sets import pipeline
 
 from .conftest import run_cli as run
 
@@ -40,7 +41,7 @@ def _order_in_code() -> list[str]:
         "keep_dtypes": ["norm"],
         "allow_overflow": False,
     }
-    steps = _pipeline([], options).steps
+    steps = pipeline([], options).steps
     return [_FLAG_OF[type(step)] for step in steps]
 
 
@@ -85,7 +86,7 @@ def test_the_readme_mentions_no_option_that_does_not_exist() -> None:
 
 def test_the_exit_codes_in_the_readme_and_help_are_the_ones_the_code_uses() -> None:
     codes = {value for name, value in vars(report).items() if name.startswith("EXIT_")}
-    table = {int(code) for code in re.findall(r"^\|\s*`(\d)`\s*\|", README, re.M)}
+    table = {int(code) for code in re.findall(r"^\|\s*`(\d+)`\s*\|", README, re.M)}
     assert table == codes
     _, stdout, _ = run("--help")
-    assert {int(code) for code in re.findall(r"^\s+(\d)\s{2}", stdout, re.M)} == codes
+    assert {int(code) for code in re.findall(r"^\s+(\d+)\s{2}", stdout, re.M)} == codes

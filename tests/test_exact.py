@@ -264,6 +264,55 @@ def test_no_crc_check_rescues_a_damaged_file_as_torch_reads_it(tmp_path: Path) -
     assert all(torch.equal(loaded[key], damaged[key]) for key in damaged)
 
 
+def test_a_file_saved_without_crcs_converts_as_torch_reads_it(tmp_path: Path) -> None:
+    """torch.save with `compute_crc32 = False` records 0 as every CRC-32; torch.load reads the file, so
+    ckptconv does, bit for bit (such a file has no checksum to check), in every output and in verify."""
+    import safetensors.torch
+    from torch.utils.serialization import config
+
+    source = tmp_path / "nocrc.pt"
+    config.save.compute_crc32 = False
+    try:
+        torch.save({"w": torch.randn(33, 7), "i": torch.arange(5), "h": torch.randn(4).half()}, source)
+    finally:
+        config.save.compute_crc32 = True
+    with zipfile.ZipFile(source) as archive:
+        assert {info.CRC for info in archive.infolist()} == {0}
+    expected = torch.load(source, weights_only=True)
+    for name in ("out.safetensors", "out.pt"):
+        output = tmp_path / name
+        code, _, stderr = run_cli("convert", str(source), str(output), "--verify=torch", "-q")
+        assert (code, stderr) == (0, ""), stderr
+        written = (
+            safetensors.torch.load_file(output)
+            if name.endswith("safetensors")
+            else torch.load(output, weights_only=True)
+        )
+        assert written.keys() == expected.keys()
+        for key, tensor in expected.items():
+            assert written[key].dtype == tensor.dtype
+            assert torch.equal(written[key].view(torch.uint8), tensor.view(torch.uint8)), key
+    assert ckptconv.verify(source, tmp_path / "out.pt").ok
+
+
+def test_one_record_with_crc_zero_in_a_file_with_crcs_is_refused(tmp_path: Path) -> None:
+    """Zero is "not recorded" only when the whole archive records none; one zeroed CRC is a mismatch."""
+    source = tmp_path / "zeroed.pt"
+    torch.save({"w": torch.arange(16, dtype=torch.float32)}, source)
+    with zipfile.ZipFile(source) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+    data = bytearray(source.read_bytes())
+    data[info.header_offset + 14 : info.header_offset + 18] = bytes(4)
+    position = data.index(b"PK\x01\x02")
+    while position >= 0:
+        name_length = struct.unpack("<H", data[position + 28 : position + 30])[0]
+        if data[position + 46 : position + 46 + name_length].decode() == info.filename:
+            data[position + 16 : position + 20] = bytes(4)
+        position = data.find(b"PK\x01\x02", position + 4)
+    source.write_bytes(bytes(data))
+    assert_refused(source, tmp_path, f"record {info.filename!r} (tensor 'w') has CRC-32")
+
+
 def test_compressed_records_are_checked_too(tmp_path: Path) -> None:
     plain = tmp_path / "plain.pt"
     torch.save({"w": torch.arange(64, dtype=torch.float32)}, plain)

@@ -597,11 +597,11 @@ def test_shard_sizes_below_one_byte_or_fractional_are_usage_errors(size: str, tm
 
 
 def test_fractional_shard_sizes_with_units_are_exact(tmp_path: Path) -> None:
-    from ckptconv.cli import _Size
+    from ckptconv.cli.params import Size
 
-    assert _Size().convert("0.5KB", None, None) == 500
-    assert _Size().convert("0.1GB", None, None) == 100_000_000  # not 100000000.00000001 rounded down
-    assert _Size().convert("1.5KiB", None, None) == 1536
+    assert Size().convert("0.5KB", None, None) == 500
+    assert Size().convert("0.1GB", None, None) == 100_000_000  # not 100000000.00000001 rounded down
+    assert Size().convert("1.5KiB", None, None) == 1536
 
 
 @pytest.mark.parametrize("rule", ["w=\\x", "w=\\u12", "w=\\q", "(w)=\\g<2>", "w=\\g<x"])

@@ -11,7 +11,7 @@ import torch
 import ckptconv
 from ckptconv.errors import SelectionError
 
-from .conftest import tiny_state_dict
+from .conftest import run_cli, tiny_state_dict
 
 
 def select(tmp_path: Path, obj: Any, choice: str | None = None) -> ckptconv.Selection:
@@ -95,3 +95,76 @@ def test_extra_state_and_none_entries_are_skipped(tmp_path: Path) -> None:
     selection = select(tmp_path, obj)
     assert list(selection.weights) == ["w"]
     assert selection.skipped == ("layer._extra_state", "missing")
+
+
+@pytest.mark.parametrize(
+    "plain",
+    [
+        {"epoch": 3},
+        {"step": 2**70},  # a LONG opcode
+        {"shape": torch.Size([2, 3]), "dtype": torch.float16, "device": torch.device("cpu")},
+        {"tags": {"a", "b"}, "blob": b"\x00\x01", "name": "run-7", "lr": 1e-3, "done": True},
+    ],
+)
+def test_tensors_beside_plain_values_are_the_weights(tmp_path: Path, plain: dict[str, Any]) -> None:
+    """`state = model.state_dict(); state["epoch"] = 3; torch.save(state)`: the tensors are the weights,
+    bit for bit as torch reads them, and the plain entries are counted as skipped."""
+    path = tmp_path / "mixed.pt"
+    torch.save({**tiny_state_dict(), **plain}, path)
+    expected = torch.load(path, weights_only=False)
+    output = tmp_path / "out.safetensors"
+    code, _, stderr = run_cli("convert", str(path), str(output))
+    assert code == 0, stderr
+    from safetensors.torch import load_file
+
+    written = load_file(output)
+    tensors = {key: value for key, value in expected.items() if isinstance(value, torch.Tensor)}
+    assert written.keys() == tensors.keys()
+    for key, tensor in tensors.items():
+        assert torch.equal(written[key].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), key
+    entries = "non-tensor entry" if len(plain) == 1 else "non-tensor entries"
+    assert f"left out {len(plain)} {entries}" in stderr
+
+
+def test_tensors_beside_a_container_of_tensors_are_refused(tmp_path: Path) -> None:
+    """Taking the top-level tensors would drop the ones in the list: refused, not guessed."""
+    path = tmp_path / "mixed.pt"
+    torch.save({"w": torch.ones(2), "layers": [torch.zeros(3), torch.zeros(4)]}, path)
+    with pytest.raises(SelectionError, match="holds no state dict or model"):
+        ckptconv.open(path).select()
+
+
+def test_two_mappings_of_tensors_beside_plain_values_are_ambiguous(tmp_path: Path) -> None:
+    path = tmp_path / "two.pt"
+    torch.save({"a": {"w": torch.ones(2), "epoch": 1}, "b": {"w": torch.ones(2), "epoch": 2}}, path)
+    with pytest.raises(SelectionError, match="several sets of weights"):
+        ckptconv.open(path).select()
+
+
+def test_tensors_outside_the_selected_weights_are_counted_in_the_note(tmp_path: Path) -> None:
+    selection = select(
+        tmp_path,
+        {
+            "model": tiny_state_dict(),
+            "extra_head": torch.ones(3),
+            "best_score": torch.tensor(0.5),  # 0-dim: a counter, not a weight
+            "optimizer": {"state": {0: {"exp_avg": torch.ones(4)}}},  # training state
+        },
+    )
+    assert selection.where == "model"
+    assert selection.note == "left out 1 tensor outside 'model' ('extra_head'); pass --select to choose other weights"
+
+
+def test_a_plain_training_checkpoint_has_no_left_out_note(tmp_path: Path) -> None:
+    selection = select(
+        tmp_path,
+        {"state_dict": tiny_state_dict(), "epoch": 3, "optimizer": {"state": {0: {"exp_avg": torch.ones(4)}}}},
+    )
+    assert selection.where == "state_dict" and selection.note == ""
+
+
+def test_meta_tensors_are_refused_with_what_to_do(tmp_path: Path) -> None:
+    path = tmp_path / "meta.pt"
+    torch.save({"w": torch.empty(3, device="meta")}, path)
+    with pytest.raises(SelectionError, match=r"meta-device tensors \('w'\).*materialise them"):
+        ckptconv.open(path).select()

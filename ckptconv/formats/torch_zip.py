@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import io
 import json
 import os
@@ -221,16 +222,23 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
             )
         infos[info.filename] = info
     root = find_root(infos, path)
+    # torch.save with torch.utils.serialization.config.save.compute_crc32 = False records 0 as every
+    # member's CRC-32, and torch.load never checks them: such a file has no checksum to hold its bytes to.
+    crc_recorded = any(info.CRC for info in infos.values() if info.file_size)
     pickle_info = infos[f"{root}data.pkl"]
     if pickle_info.file_size > MAX_PICKLE_BYTES:
         raise _damaged(path, f"data.pkl claims {pickle_info.file_size} bytes (the limit is {MAX_PICKLE_BYTES})")
     check_compression(pickle_info, path)
     try:
-        data = archive.read(pickle_info)
+        data = member_bytes(archive, file, pickle_info, path, check_crc=crc_recorded)
         byteorder_info = infos.get(f"{root}byteorder")
         if byteorder_info:
             check_compression(byteorder_info, path)
-        byteorder = archive.read(byteorder_info).decode("ascii", "replace") if byteorder_info else "little"
+        byteorder = (
+            member_bytes(archive, file, byteorder_info, path, check_crc=crc_recorded).decode("ascii", "replace")
+            if byteorder_info
+            else "little"
+        )
     except _ZIP_ERRORS as error:
         raise _damaged(path, f"data.pkl cannot be read ({error})") from None
     if byteorder not in ("little", "big"):
@@ -269,13 +277,13 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
                         f"{path!r} is truncated: storage {name!r} ends past the end of the file",
                         path=path,
                     )
-                source: Any = FileRegion(path, base + offset, crc32=info.CRC)
+                source: Any = FileRegion(path, base + offset, crc32=info.CRC if crc_recorded else None)
             elif base:
                 raise UnsupportedFormatError(
                     f"{path!r} embeds a compressed checkpoint, which ckptconv cannot read in place", path=path
                 )
             else:
-                source = ZipMember(path, name, crc32=info.CRC)
+                source = ZipMember(path, name, crc32=info.CRC if crc_recorded else None)
             location_tag = pickle_location(location, path)
             devices.add(location_tag)
             storage = Storage(nbytes, source, location_tag, byteorder, name)
@@ -287,6 +295,19 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
     unpickler.check_end()
     metadata = _read_metadata(archive, infos.get(f"{root}{METADATA_RECORD}"))
     return ReadResult(FORMAT, tree, unpickler.foreign_globals, frozenset(devices), metadata)
+
+
+def member_bytes(archive: zipfile.ZipFile, file: Any, info: zipfile.ZipInfo, path: str, *, check_crc: bool) -> bytes:
+    """A small member's bytes; its CRC-32 checked (by zipfile) when ``check_crc``, for archives that record CRCs."""
+    if check_crc:
+        return archive.read(info)
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise _damaged(path, f"{info.filename!r} is compressed but the archive records no CRC-32 to check it by")
+    file.seek(record_data_offset(file, info, path))
+    data: bytes = file.read(info.file_size)
+    if len(data) != info.file_size:
+        raise _damaged(path, f"{info.filename!r} ends past the end of the file")
+    return data
 
 
 def _read_metadata(archive: zipfile.ZipFile, info: zipfile.ZipInfo | None) -> dict[str, str]:
@@ -596,6 +617,18 @@ class _ZipWriter:
         self.file.seek(end)
         self.entries.append((encoded, crc, size, offset))
 
+    def content_id(self) -> str:
+        """40 hex digits that name what was written so far (every record's name, size and CRC-32).
+
+        torch.save draws its serialization id at random; deriving it from the content keeps
+        ckptconv's outputs byte for byte reproducible (same input, same options, same file) while
+        files with other content still get other ids.
+        """
+        digest = hashlib.blake2b(digest_size=20)
+        for name, crc, size, _offset in self.entries:
+            digest.update(struct.pack("<IQI", crc, size, len(name)) + name)
+        return digest.hexdigest()
+
     def write_bytes(self, name: str, data: bytes) -> None:
         def fill(file: BinaryIO) -> int:
             file.write(data)
@@ -696,7 +729,7 @@ def write(
     if metadata:
         resolved = {key: metadata_text(value) for key, value in metadata.items()}
         writer.write_bytes(f"{ROOT}/{METADATA_RECORD}", json_bytes(resolved))
-    writer.write_bytes(f"{ROOT}/.data/serialization_id", os.urandom(20).hex().encode())
+    writer.write_bytes(f"{ROOT}/.data/serialization_id", writer.content_id().encode())
     writer.close()
     return sum(storage.nbytes for storage in storages)
 

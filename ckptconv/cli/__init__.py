@@ -1,0 +1,51 @@
+"""The ``ckptconv`` command: a thin layer over the library.
+
+Each command parses its options, makes one library call, and prints the report. The package is split by
+job: :mod:`.failures` maps errors and interruptions to exit codes in one place, :mod:`.params` and
+:mod:`.option_sets` turn flags into a :class:`~ckptconv.options.ConversionOptions`, :mod:`.converting`
+holds the commands that write and :mod:`.examining` those that only read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import click
+
+from .._version import __version__
+from .converting import add_module, batch, convert, fit, strip_module
+from .examining import diff, inspect, scan, verify
+from .failures import EXIT_CODES_HELP, Group, on_sigterm
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
+@click.version_option(__version__, "--version", prog_name="ckptconv")
+def cli() -> None:
+    """Open any PyTorch checkpoint safely on the CPU and convert it.
+
+    Nothing in a checkpoint is ever executed: classes from code you do not
+    have become inert stand-ins, and files that reach for code-running
+    functions are refused. GPU-saved files load on any machine, and every
+    output is CPU-tagged.
+    """
+
+
+for _command in (convert, strip_module, add_module, fit, verify, diff, inspect, scan, batch):
+    cli.add_command(_command)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``ckptconv`` console script and ``python -m ckptconv``.
+
+    SIGTERM (``kill``, a job scheduler's time limit) is handled like Ctrl-C:
+    partial outputs are removed and the exit code is 143.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+    cli.main(args=list(argv) if argv is not None else None, prog_name="ckptconv")
+
+
+__all__ = ["cli", "main"]

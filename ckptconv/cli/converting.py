@@ -1,0 +1,218 @@
+"""The commands that write: convert, strip-module, add-module, fit and batch."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from .._text import plural
+from ..report import human_bytes
+from .failures import Command, interrupted_code, signal_name
+from .option_sets import (
+    batch_options,
+    conversion_arguments,
+    conversion_options,
+    field_options,
+    run_options,
+    transform_options,
+)
+from .terminal import echo, say
+
+
+def run_conversion(
+    src: str, dst: str, leading: Sequence[Any], options: dict[str, Any], fit_to: str | None = None
+) -> None:
+    from ..conversion import convert
+
+    quiet = options["quiet"]
+    report = convert(
+        src,
+        dst,
+        options=conversion_options(options, leading, fit_to),
+        dry_run=options["dry_run"],
+        progress=not quiet and sys.stderr.isatty(),
+    )
+    for note in report.notes:
+        say(quiet, f"note: {note}")
+    for step in report.steps:
+        say(quiet, f"{step.step}: {step.changed} changed, {step.unchanged} unchanged")
+    if options["dry_run"]:
+        for old, new in report.renames[:20]:
+            echo(f"{old} -> {new}")
+        if len(report.renames) > 20:
+            echo(f"... and {len(report.renames) - 20} more")
+        say(
+            quiet,
+            f"dry run: would write {plural(report.tensors, 'tensor')} ({human_bytes(report.bytes)}) "
+            f"as {report.format}; nothing was written",
+        )
+        return
+    verified = ""
+    if report.verified:
+        verified = ", verified bit for bit" + (" by torch" if report.verified_with == "torch" else "")
+    say(
+        quiet,
+        f"wrote {report.destination} ({report.format}, {plural(report.tensors, 'tensor')}, "
+        f"{human_bytes(report.bytes)}{verified})",
+    )
+
+
+@click.command(cls=Command)
+@conversion_arguments("convert")
+def convert(src: str, dst: str, **options: Any) -> None:
+    """Convert a checkpoint to .pt, safetensors, a sharded folder or DCP, with optional transforms.
+
+    The weights are found inside training checkpoints automatically (see
+    --select). Transforms apply in this order: --canonical, --strip-prefix,
+    --rename, --add-prefix, --keep, --drop, --dtype; --keep, --drop and
+    --keep-dtype match the output key names.
+
+    \b
+    Example:
+      ckptconv convert train_ckpt.pth weights.safetensors
+      ckptconv convert model.safetensors model.pt --dtype bf16 --keep-dtype norm
+    """
+    run_conversion(src, dst, [], options)
+
+
+@click.command("strip-module", cls=Command)
+@conversion_arguments("strip-module")
+def strip_module(src: str, dst: str, **options: Any) -> None:
+    """Remove the 'module.' prefix DataParallel and DDP add to every key.
+
+    Only a leading 'module.' component is removed, once; keys without it are
+    left unchanged and counted ('modules.0' and 'module_list' are never cut).
+
+    \b
+    Example:
+      ckptconv strip-module dp_model.pkl model.pt
+    """
+    from ..transforms import StripPrefix
+
+    run_conversion(src, dst, [StripPrefix("module")], options)
+
+
+@click.command("add-module", cls=Command)
+@conversion_arguments("add-module")
+def add_module(src: str, dst: str, **options: Any) -> None:
+    """Add the 'module.' prefix, to load into a DataParallel or DDP model.
+
+    \b
+    Example:
+      ckptconv add-module model.pt dp_model.pt
+    """
+    from ..transforms import AddPrefix
+
+    run_conversion(src, dst, [AddPrefix("module")], options)
+
+
+@click.command(cls=Command)
+@conversion_arguments("fit")
+@click.option(
+    "--like",
+    "reference",
+    required=True,
+    metavar="REF",
+    help="What the keys must match: another checkpoint, a text file of key names, or "
+    "'package.module:factory' that builds your nn.Module (this imports your code, found as python -m "
+    "would: the current folder first, then installed packages).",
+)
+def fit(src: str, dst: str, reference: str, **options: Any) -> None:
+    """Rename a checkpoint's keys to match a reference model, then write it.
+
+    Tries removing wrapper prefixes (DataParallel, DDP, compile, FSDP, Lightning),
+    stripping a common leading prefix (model., backbone.) and adding the
+    reference's own wrappers, and writes the result only if the keys and shapes
+    then match exactly; otherwise it prints what is missing, unexpected or of
+    the wrong shape and exits 3. Other transform options apply first.
+
+    \b
+    Example:
+      ckptconv fit lightning.ckpt model.safetensors --like mypkg.models:build_model
+      ckptconv fit dp_model.pkl model.pt --like reference.safetensors
+    """
+    run_conversion(src, dst, [], options, fit_to=reference)
+
+
+@click.command(cls=Command)
+@click.argument("src", type=click.Path(file_okay=False))
+@click.argument("dst", type=click.Path(file_okay=False))
+@field_options("selection", "batch")
+@transform_options
+@field_options("output", "batch")
+@run_options("batch")
+@batch_options
+def batch(src: str, dst: str, **options: Any) -> None:
+    """Convert every checkpoint under a folder, in parallel, with a manifest.
+
+    Checkpoints are found by content and name, recursively; a sharded
+    checkpoint (an index and its shards) or a DCP folder counts as one item.
+    Outputs mirror the tree under DST with the suffix of --to (safetensors
+    unless --to pt): SRC/a/model.pth becomes DST/a/model.safetensors. When two
+    inputs would share an output (x.pt and x.pth), both keep their full name
+    (x.pt.safetensors, x.pth.safetensors). The transform options work as for
+    convert. Failed items never stop the batch (unless --fail-fast); they are
+    listed at the end, and the exit code is 3. Every finished item is recorded
+    at once in DST/ckptconv-manifest.jsonl, so --resume can carry on after an
+    interruption.
+
+    \b
+    Example:
+      ckptconv batch zoo/ out/ --to safetensors --dtype bf16 --jobs 4
+      ckptconv batch zoo/ out/ --glob '**/*.pth' --resume
+      ckptconv batch zoo/ out/ --executor dask --scheduler tcp://host:8786
+    """
+    from ..batching import batch as run_batch
+
+    quiet = options["quiet"]
+    if options["scheduler"] and options["executor"] != "dask":
+        raise click.UsageError("--scheduler needs --executor dask")
+    try:
+        report = run_batch(
+            src,
+            dst,
+            options=conversion_options(options),
+            glob=options["globs"],
+            jobs=options["jobs"],
+            executor=options["executor"],
+            scheduler=options["scheduler"],
+            resume=options["resume"],
+            fail_fast=options["fail_fast"],
+            dry_run=options["dry_run"],
+            progress=not quiet and sys.stderr.isatty(),
+        )
+    except KeyboardInterrupt as interrupt:
+        if os.environ.get("CKPTCONV_DEBUG"):
+            raise
+        # Not the generic message: finished items are recorded, and --resume carries on.
+        echo(
+            f"ckptconv: interrupted{signal_name(interrupt)}; finished items are recorded in the manifest "
+            f"under {dst!r}; run again with --resume to carry on",
+            err=True,
+        )
+        click.get_current_context().exit(interrupted_code(interrupt))
+    for note in report.notes:
+        say(quiet, f"note: {note}")
+    if not report.results:
+        say(quiet, f"found no checkpoints under {src!r}" + (" matching --glob" if options["globs"] else ""))
+        return
+    if report.dry_run:
+        for result in report.results:
+            if result.status == "planned":
+                echo(f"{result.source} -> {result.output}")
+            elif result.status == "skipped":
+                echo(f"{result.source}: converted already, skipped")
+            else:
+                echo(f"{result.source}: cannot convert: {result.error}")
+    for result in report.failed:  # errors: shown even with -q
+        echo(f"failed: {result.source}: {result.error}", err=True)
+    if report.cancelled:
+        not_started = f"{plural(len(report.cancelled), 'item')} {'was' if len(report.cancelled) == 1 else 'were'}"
+        say(quiet, f"stopped after the first failure (--fail-fast); {not_started} not started")
+    manifest = f"; manifest: {report.manifest}" if report.manifest else "; nothing was written"
+    say(quiet, report.summary() + manifest)
+    click.get_current_context().exit(report.exit_code)

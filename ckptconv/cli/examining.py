@@ -1,0 +1,248 @@
+"""The commands that only read: verify, diff, inspect and scan."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from .._text import plural, shown
+from ..report import EXIT_NEGATIVE, EXIT_UNSAFE, human_bytes
+from .failures import Command
+from .option_sets import field_options, pipeline, transform_options
+from .terminal import echo, printable
+
+
+@click.command(cls=Command)
+@click.argument("src", type=click.Path(dir_okay=True))
+@click.argument("dst", type=click.Path(dir_okay=True))
+@field_options("selection", "verify")
+@transform_options
+@click.option(
+    "--reference",
+    type=click.Choice(["ckptconv", "torch"]),
+    default="ckptconv",
+    show_default=True,
+    help="Who reads the tensors: ckptconv's readers, or torch.load(weights_only=True) and the "
+    "safetensors library (where they can read the file; the result line says who read what).",
+)
+def verify(src: str, dst: str, select: str | None, trust: bool, reference: str, **options: Any) -> None:
+    """Prove DST holds SRC's weights after the given transforms, bit for bit.
+
+    Pass the transform options the conversion used. Compares keys, dtypes,
+    shapes and every byte (after the cast, if one was applied). Exits 0 when
+    they match and 3 when they do not. With --reference torch, a bug in
+    ckptconv's own readers cannot hide behind itself: use it to check a
+    conversion independently, or when a file looks odd.
+
+    \b
+    Example:
+      ckptconv verify dp_model.pkl model.pt --strip-prefix module
+      ckptconv verify model.pt model_bf16.safetensors --dtype bf16
+      ckptconv verify model.pt model.safetensors --reference torch
+    """
+    from ..verification import verify as verify_files
+
+    result = verify_files(src, dst, select=select, transforms=pipeline([], options), trust=trust, reference=reference)
+    echo(result.summary())
+    if not result.ok:
+        for key in result.missing[:20]:
+            echo(f"  missing: {key}")
+        for key in result.unexpected[:20]:
+            echo(f"  unexpected: {key}")
+        for key, reason in result.mismatched[:20]:
+            echo(f"  differs: {key}: {reason}")
+        sys.exit(EXIT_NEGATIVE)
+
+
+@click.command(cls=Command)
+@click.argument("a", type=click.Path(dir_okay=True))
+@click.argument("b", type=click.Path(dir_okay=True))
+@click.option("--select-a", metavar="PATH", help="Where the weights are in A (searched when omitted).")
+@click.option("--select-b", metavar="PATH", help="Where the weights are in B (searched when omitted).")
+@click.option("--trust", is_flag=True, help="DANGEROUS: unpickle with torch.load(weights_only=False).")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
+def diff(a: str, b: str, select_a: str | None, select_b: str | None, trust: bool, as_json: bool) -> None:
+    """Compare the weights of two checkpoints.
+
+    Lists keys only in A or only in B, dtype and shape mismatches, and the
+    largest absolute difference of every tensor whose values differ. Exits 0
+    when the weights are identical and 3 when they differ.
+
+    \b
+    Example:
+      ckptconv diff epoch10.pt epoch11.pt
+      ckptconv diff model.pt model.safetensors --json
+    """
+    from ..verification import diff as diff_files
+
+    result = diff_files(a, b, select_a=select_a, select_b=select_b, trust=trust)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        for key in result.only_in_a:
+            echo(f"only in A: {key}")
+        for key in result.only_in_b:
+            echo(f"only in B: {key}")
+        for item in result.differences:
+            if item.reason == "values":
+                echo(f"values differ: {item.key}: max abs difference {item.max_abs_diff:g}")
+            elif item.reason == "dtype":
+                echo(
+                    f"dtype differs: {item.key}: {item.a} vs {item.b}; max abs difference {item.max_abs_diff:g} "
+                    "(compared in float64)"
+                )
+            else:
+                echo(f"{item.reason} differs: {item.key}: {item.a} vs {item.b}")
+        verdict = "identical" if result.identical else "different"
+        echo(
+            f"{verdict}: {plural(result.same, 'tensor')} identical, {len(result.differences)} differ, "
+            f"{len(result.only_in_a)} only in A, {len(result.only_in_b)} only in B"
+        )
+    if not result.identical:
+        sys.exit(EXIT_NEGATIVE)
+
+
+def print_devices(as_json: bool) -> None:
+    from ..devices import visible_devices
+
+    devices = visible_devices()
+    if as_json:
+        click.echo(json.dumps([vars(device) for device in devices], indent=2))
+        return
+    if not devices:
+        echo("no GPU is visible to this process (torch.cuda.is_available() is False); loads go to the CPU")
+        return
+    for device in devices:
+        echo(
+            f"{device.name}  physical {device.physical}  {device.model}  "
+            f"{human_bytes(device.free_bytes)} free of {human_bytes(device.total_bytes)}"
+            + (f"  pci {device.pci_bus_id}" if device.pci_bus_id else "")
+        )
+
+
+@click.command(cls=Command)
+@click.argument("src", type=click.Path(dir_okay=True), required=False)
+@field_options("selection", "inspect")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Show at most this many tensors in the table (default: all).",
+)
+@click.option(
+    "--devices",
+    "show_devices",
+    is_flag=True,
+    help="List the GPUs this process sees (logical and physical numbers, free memory) instead.",
+)
+def inspect(
+    src: str | None, select: str | None, trust: bool, as_json: bool, limit: int | None, show_devices: bool
+) -> None:
+    """Describe a checkpoint without reading its tensor data.
+
+    Shows the format, the devices it was saved on, classes that became
+    stand-ins, its top-level contents, where the weights are, and every tensor.
+    With --devices, lists the GPUs a load could target instead (cuda:N is
+    torch's logical number; "physical" is the matching CUDA_VISIBLE_DEVICES entry).
+
+    \b
+    Example:
+      ckptconv inspect train_ckpt.pth
+      ckptconv inspect train_ckpt.pth --json | jq .selected
+      ckptconv inspect --devices
+    """
+    from ..inspection import inspect as inspect_checkpoint
+
+    if show_devices:
+        print_devices(as_json)
+        return
+    if src is None:
+        raise click.UsageError("give a checkpoint to inspect, or --devices")
+
+    info = inspect_checkpoint(src, select=select, trust=trust)
+    if as_json:
+        click.echo(json.dumps(info.to_dict(), indent=2))
+        return
+    devices = ", ".join(info.saved_devices) or "n/a"
+    echo(f"{info.path}: {info.format}, {human_bytes(info.size)}, saved on {devices}")
+    if info.foreign_globals:
+        echo("stand-ins (classes from code that is not here; nothing was run):")
+        for name, count in info.foreign_globals.items():
+            echo(f"  {name}" + (f" ({plural(count, 'object')})" if count else ""))
+    if info.metadata:
+        echo("metadata:")
+        for key, value in info.metadata.items():
+            echo(f"  {key}: {value if len(value) <= 100 else value[:97] + '...'}")
+    echo("contents:")
+    width = min(max((len(shown(key)) for key, _ in info.outline), default=0), 40)
+    for key, text in info.outline:
+        echo(f"  {shown(key):<{width}}  {text}" if key else f"  {text}")
+    if info.selection_error:
+        echo(f"weights: not selected: {info.selection_error}")
+        return
+    where = repr(info.selected) if info.selected else "the whole file"
+    dtypes = ", ".join(f"{name}: {count}" for name, count in info.dtypes.items())
+    echo(
+        f"weights: {where}: {plural(len(info.tensors), 'tensor')}, {info.parameters:,} elements, "
+        f"{human_bytes(info.tensor_bytes)} ({dtypes})"
+    )
+    if info.selection_note:
+        echo(f"note: {info.selection_note}")
+    listed = info.tensors if limit is None else info.tensors[:limit]
+    if listed:
+        key_width = min(max(len(shown(t.key)) for t in listed), 60)
+        echo(f"  {'key':<{key_width}}  {'dtype':<9}  shape")
+        for tensor in listed:
+            extra = ""
+            if tensor.shares_with:
+                extra = f"  shares storage with {', '.join(tensor.shares_with[:3])}"
+            elif tensor.is_view:
+                extra = "  view"
+            echo(f"  {shown(tensor.key):<{key_width}}  {tensor.dtype:<9}  {list(tensor.shape)}{extra}")
+    if limit is not None and len(info.tensors) > limit:
+        echo(f"  ... and {len(info.tensors) - limit} more")
+
+
+@click.command(cls=Command)
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the items that are not safe, and the summary.")
+def scan(paths: tuple[str, ...], as_json: bool, quiet: bool) -> None:
+    """Say which checkpoints are safe to load, without running anything from them.
+
+    Every pickle opcode is interpreted by ckptconv itself, nothing is imported
+    or called. Each item gets one verdict: safe (only tensors, containers and
+    plain data), foreign (also names classes from code that is not here:
+    torch.load(weights_only=False) would import and run that code), unsafe
+    (names something that runs code, touches files, sockets or processes,
+    imports, compiles or loads further pickles, or is built to be read
+    differently by CPython than by a scanner), damaged, not-a-checkpoint or
+    unreadable. Folders are searched as batch does (a sharded or DCP
+    checkpoint is one item). Exits 0 when every item is safe, 3 when some are
+    not but none is unsafe, 4 when one is unsafe.
+
+    \b
+    Example:
+      ckptconv scan downloads/
+      ckptconv scan model.bin other.pt --json | jq '.items[] | select(.verdict=="unsafe")'
+    """
+    from ..scanning import SAFE, UNSAFE, scan_many
+
+    summary = scan_many(paths)
+    if as_json:
+        click.echo(json.dumps(summary.to_dict(), indent=2))
+    else:
+        for report in summary.reports:
+            if quiet and report.verdict == SAFE:
+                continue
+            click.echo(printable(f"{report.verdict:<16}  {report.path}: {report.reason}"))
+        click.echo(summary.summary(), err=True)
+    worst = summary.worst
+    if worst == UNSAFE:
+        sys.exit(EXIT_UNSAFE)
+    if worst != SAFE:
+        sys.exit(EXIT_NEGATIVE)
