@@ -425,6 +425,11 @@ _DANGEROUS_METHODS = {
 # Modules inside an unsafe family whose members only build data: TorchScript archives
 # name torch.jit._pickle.build_intlist and friends, which return the list they are given.
 _DATA_ONLY_MODULES = frozenset(["torch.jit._pickle"])
+# Classes inside an unsafe module that only hold data, with their members: the enums of the
+# signal module. Megatron-LM's argument namespace, saved in every checkpoint it writes, holds
+# ``exit_signal = signal.SIGTERM``, pickled as ``signal.Signals(15)``; building that member
+# sends nothing (``signal.signal``, ``raise_signal``, ``pthread_kill``... stay unsafe).
+_DATA_ONLY_CLASSES = frozenset(["signal.Signals", "signal.Handlers", "signal.Sigmasks"])
 _METHOD_FAMILY = {method: family for family, methods in _DANGEROUS_METHODS.items() for method in methods}
 _NAME_FAMILY = {name: family for family, (_modules, names) in FAMILIES.items() for name in names}
 _MODULE_FAMILY: dict[str, str] = {}
@@ -486,6 +491,9 @@ def _family_of(module: str, name: str) -> str | None:
     if len(name_parts) > 1 and name_parts[-1] in _METHOD_FAMILY:
         return _METHOD_FAMILY[name_parts[-1]]
     if module in _DATA_ONLY_MODULES and len(name_parts) == 1:
+        return None
+    full = f"{module}.{name}"
+    if any(full == cls or full.startswith(cls + ".") for cls in _DATA_ONLY_CLASSES):
         return None
     parts = f"{module}.{name}".split(".")
     for i in range(1, len(parts) + 1):

@@ -151,3 +151,40 @@ def test_the_method_name_rule_matters_under_pickle(tmp_path: Path) -> None:
     with pytest.raises(UnsafeCheckpointError, match=r"ckpt_fixture_pkg\.Thing\.system runs processes"):
         ours(live)
     assert not canary.exists()
+
+
+# -- the signal module's enums: data, not a way to send signals ---------------------------
+
+
+def test_a_signal_number_in_an_argument_namespace_is_data() -> None:
+    """Megatron-LM saves its argparse namespace, with ``exit_signal = signal.SIGTERM``, in every checkpoint."""
+    import argparse
+    import signal
+
+    value = ours(pickle.dumps(argparse.Namespace(exit_signal=signal.SIGTERM, lr=0.1), protocol=2))
+    assert isinstance(value, ForeignObject)
+    member = value.attributes()["exit_signal"]
+    assert isinstance(member, ForeignObject) and member.qualname == "signal.Signals" and member.args == (15,)
+    by_name = ours(b"\x80\x02" + _lookup(_global("signal", "Signals"), _text("SIGTERM")) + b".")
+    assert isinstance(by_name, ForeignGlobal) and by_name.qualname == "signal.Signals.SIGTERM"
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("signal", "signal"),
+        ("signal", "raise_signal"),
+        ("signal", "pthread_kill"),
+        ("signal", "alarm"),
+        ("signal", "setitimer"),
+        ("_signal", "signal"),
+        ("signal", "Signals.system"),
+        ("signal", "Signals.__call__"),
+    ],
+)
+def test_the_rest_of_the_signal_module_stays_unsafe(module: str, name: str) -> None:
+    from ckptconv.pickle_policy import classify_global
+
+    assert classify_global(module, name) == "dangerous"
+    with pytest.raises(UnsafeCheckpointError):
+        ours(b"\x80\x02" + _global(module, name) + b"K\x0f\x85R.")

@@ -520,6 +520,34 @@ def test_megatron_optimizer_state_beside_the_model_is_not_selected(tmp_path: Pat
     assert_same_tensor(ours["output_layer.weight"], state["output_layer.weight"])
 
 
+def test_a_legacy_megatron_lm_rank_file_is_read_not_refused() -> None:
+    """Megatron-LM saves its argparse namespace in every checkpoint, with ``exit_signal =
+    signal.SIGTERM``: a real TP=2 rank file (``--ckpt-format torch``) is foreign, not unsafe, and
+    its tensors are torch's. (Merging the ranks is not supported yet: this is one rank's shard.)"""
+    import argparse
+    import enum
+    import signal
+
+    rank_file = RUNS / "megatron_legacy_tp2" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
+    report = ckptconv.scan(rank_file)
+    assert report.verdict == "foreign", report.reason
+    assert "signal.Signals" in report.reason
+
+    class AttnBackend(enum.Enum):  # megatron.core.transformer.enums.AttnBackend, for torch's reader
+        flash = 1
+        fused = 2
+        unfused = 3
+        local = 4
+        auto = 5
+
+    AttnBackend.__module__, AttnBackend.__qualname__ = "megatron.core.transformer.enums", "AttnBackend"
+    with torch.serialization.safe_globals([argparse.Namespace, signal.Signals, AttnBackend]):
+        reference = torch.load(rank_file, weights_only=True, map_location="cpu")
+    assert reference["args"].tensor_model_parallel_size == 2
+    expected = {k: v for k, v in reference["model"].items() if torch.is_tensor(v)}  # not _extra_state
+    assert_same_state(ckptconv.load(rank_file), expected)
+
+
 def test_scan_looks_at_every_pickle_of_a_run_folder(tmp_path: Path) -> None:
     """Converting a verl folder reads only the model files; scanning it reads the others too."""
     run = _copy("fsdp2_dtensor", tmp_path / "runs")
