@@ -458,6 +458,26 @@ def test_batch_treats_per_rank_files_as_one_item(tmp_path: Path) -> None:
     )
 
 
+def test_batch_treats_fsdp1_rank_files_as_one_item_each(tmp_path: Path) -> None:
+    """A SHARDED_STATE_DICT set converts as one item; a LOCAL_STATE_DICT set is one failed item
+    that says what to save instead."""
+    src = tmp_path / "src"
+    for run in ("fsdp1_sharded", "fsdp1_local"):
+        shutil.copytree(RUNS / run, src / run)
+        (src / run / "golden_full.pt").unlink()
+    report = ckptconv.batch(src, tmp_path / "out")
+    assert [(r.source, r.kind, r.status) for r in report.results] == [
+        ("fsdp1_local", "run", "failed"),
+        ("fsdp1_sharded", "run", "converted"),
+    ]
+    assert "save with SHARDED_STATE_DICT or FULL_STATE_DICT" in (report.results[0].error or "")
+    assert_same_state(
+        load_file(tmp_path / "out" / "fsdp1_sharded.safetensors"),
+        golden("fsdp1_sharded", "golden_full.pt"),
+        ordered=False,
+    )
+
+
 # -- Megatron-Core torch_dist: TP=2, stacked layers ------------------------------------------
 
 # Megatron's checkpoints use Transformer Engine's names for the layer norms fused into the next
