@@ -17,7 +17,14 @@ from safetensors import safe_open
 import ckptconv
 from ckptconv.formats.torch_zip import plan_storages
 
-from .conftest import all_dtypes_state, assert_same_state, assert_same_tensor, tiny_state_dict, views_state
+from .conftest import (
+    all_dtypes_state,
+    assert_same_state,
+    assert_same_tensor,
+    run_cli,
+    tiny_state_dict,
+    views_state,
+)
 
 SAFETENSORS_DTYPES = {
     torch.float64,
@@ -313,3 +320,25 @@ def test_full_disk_during_a_checksummed_copy_reports_the_disk(tmp_path: Path, mo
     with pytest.raises(ckptconv.errors.WriteError, match="the disk is full"):
         ckptconv.convert(source, output, source_hash=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+def test_pt_outputs_are_reproducible_byte_for_byte(tmp_path: Path) -> None:
+    """Same input and options give the same file (torch.save draws its serialization id at random);
+    other content gets another id, and torch reads the file as before."""
+    source = tmp_path / "in.pt"
+    torch.save(tiny_state_dict(0), source)
+    first, second = tmp_path / "a.pt", tmp_path / "b.pt"
+    for output in (first, second):
+        code, _, stderr = run_cli("convert", str(source), str(output), "-q")
+        assert (code, stderr) == (0, "")
+    assert first.read_bytes() == second.read_bytes()
+    other_source, other = tmp_path / "other_in.pt", tmp_path / "other.pt"
+    torch.save(tiny_state_dict(1), other_source)
+    assert run_cli("convert", str(other_source), str(other), "-q")[0] == 0
+
+    def serialization_id(path: Path) -> bytes:
+        with zipfile.ZipFile(path) as archive:
+            return archive.read(next(n for n in archive.namelist() if n.endswith(".data/serialization_id")))
+
+    assert len(serialization_id(first)) == 40 and serialization_id(first) != serialization_id(other)
+    assert_same_state(torch.load(first, weights_only=True), torch.load(source, weights_only=True))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import io
 import json
 import os
@@ -616,6 +617,18 @@ class _ZipWriter:
         self.file.seek(end)
         self.entries.append((encoded, crc, size, offset))
 
+    def content_id(self) -> str:
+        """40 hex digits that name what was written so far (every record's name, size and CRC-32).
+
+        torch.save draws its serialization id at random; deriving it from the content keeps
+        ckptconv's outputs byte for byte reproducible (same input, same options, same file) while
+        files with other content still get other ids.
+        """
+        digest = hashlib.blake2b(digest_size=20)
+        for name, crc, size, _offset in self.entries:
+            digest.update(struct.pack("<IQI", crc, size, len(name)) + name)
+        return digest.hexdigest()
+
     def write_bytes(self, name: str, data: bytes) -> None:
         def fill(file: BinaryIO) -> int:
             file.write(data)
@@ -716,7 +729,7 @@ def write(
     if metadata:
         resolved = {key: metadata_text(value) for key, value in metadata.items()}
         writer.write_bytes(f"{ROOT}/{METADATA_RECORD}", json_bytes(resolved))
-    writer.write_bytes(f"{ROOT}/.data/serialization_id", os.urandom(20).hex().encode())
+    writer.write_bytes(f"{ROOT}/.data/serialization_id", writer.content_id().encode())
     writer.close()
     return sum(storage.nbytes for storage in storages)
 
