@@ -28,9 +28,10 @@ from safetensors.torch import load_file
 import ckptconv
 from ckptconv.cli import cli
 from ckptconv.dtypes import dtype_by_name
+from ckptconv.errors import SelectionError
 from ckptconv.transforms import AddPrefix, Cast, Keep, Rename
 
-from .conftest import FIXTURES, assert_same_state, assert_same_tensor
+from .conftest import FIXTURES, assert_same_state, assert_same_tensor, run_cli
 
 RUNS = FIXTURES / "runs"
 ROOT = Path(__file__).resolve().parent.parent
@@ -543,7 +544,7 @@ def test_megatron_optimizer_state_beside_the_model_is_not_selected(tmp_path: Pat
 def test_a_legacy_megatron_lm_rank_file_is_read_not_refused() -> None:
     """Megatron-LM saves its argparse namespace in every checkpoint, with ``exit_signal =
     signal.SIGTERM``: a real TP=2 rank file (``--ckpt-format torch``) is foreign, not unsafe, and
-    its tensors are torch's. (Merging the ranks is not supported yet: this is one rank's shard.)"""
+    its tensors, selected explicitly, are torch's. (Merging the ranks is not supported yet.)"""
     import argparse
     import enum
     import signal
@@ -565,7 +566,20 @@ def test_a_legacy_megatron_lm_rank_file_is_read_not_refused() -> None:
         reference = torch.load(rank_file, weights_only=True, map_location="cpu")
     assert reference["args"].tensor_model_parallel_size == 2
     expected = {k: v for k, v in reference["model"].items() if torch.is_tensor(v)}  # not _extra_state
-    assert_same_state(ckptconv.load(rank_file), expected)
+    assert_same_state(ckptconv.load(rank_file, select="model"), expected)
+
+
+@pytest.mark.parametrize("rank", ["mp_rank_00", "mp_rank_01"])
+def test_one_rank_of_a_tensor_parallel_megatron_run_is_not_taken_for_the_model(rank: str, tmp_path: Path) -> None:
+    """Its weights are that rank's slices: converting them as the model's would write wrong weights."""
+    rank_file = RUNS / "megatron_legacy_tp2" / "iter_0000003" / rank / "model_optim_rng.pt"
+    output = tmp_path / "model.safetensors"
+    code, _, stderr = run_cli("convert", str(rank_file), str(output))
+    assert code == 1 and not output.exists()
+    assert "Megatron-LM run split by tensor parallel 2" in stderr and "--select model" in stderr
+    assert len(stderr.strip().splitlines()) == 1
+    with pytest.raises(SelectionError, match="one rank's file"):
+        ckptconv.load(rank_file)
 
 
 def test_scan_looks_at_every_pickle_of_a_run_folder(tmp_path: Path) -> None:
