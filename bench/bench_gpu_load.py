@@ -4,6 +4,10 @@ Run on a machine with a CUDA GPU, from the repository root:
 
     PYTHONPATH=. python bench/bench_gpu_load.py --gib 8 --runs 3
 
+With every peer installed this takes over 6 minutes at 8 GiB on a two-H200 machine (40 fresh
+processes); ``--only`` picks approaches by substring. ``bench/probe_gpu_phases.py`` times the
+phases of a load one by one.
+
 Builds one fp32 checkpoint as safetensors, as ``.pt`` and as a sharded
 safetensors folder (4 shards and an index). Each approach runs in a fresh
 process (CUDA initialised before the clock starts), alternating within each
@@ -238,6 +242,20 @@ def main() -> None:
     print(f"built in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     loaders = {k: v for k, v in LOADERS.items() if not args.only or any(s in k for s in args.only)}
 
+    # The limits first, each printed as it is known, so that a run cut short by a time limit keeps them.
+    drop([stem + ".safetensors"])
+    disk = disk_speed(stem + ".safetensors")
+    print(f"  disk, dd iflag=direct: {disk:.2f} GB/s", file=sys.stderr, flush=True)
+    pinned = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", PINNED, str(os.path.getsize(stem + ".safetensors"))],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )["pinned"]
+    print(f"  pinned host-to-device copy: {pinned:.1f} GB/s", file=sys.stderr, flush=True)
+
     warm_walls: dict[str, list[float]] = {name: [] for name in loaders}
     cold_walls: dict[str, float] = {}
     rss: dict[str, int] = {}
@@ -254,7 +272,8 @@ def main() -> None:
                 print(f"{name} failed: {result}", file=sys.stderr, flush=True)
                 continue
             warm_walls[name].append(result["wall"])
-            print(f"  warm {name}: {result['bytes'] / result['wall'] / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+            speed = result["bytes"] / result["wall"] / 1e9
+            print(f"  warm {name}: {speed:.2f} GB/s, rss {result['rss'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
             rss[name] = max(rss.get(name, 0), int(result["rss"]))
             nbytes = int(result["bytes"])
             if result["checked"]:
@@ -271,14 +290,6 @@ def main() -> None:
                 speed = result["bytes"] / result["wall"] / 1e9
                 print(f"  cold {name}: {speed:.2f} GB/s", file=sys.stderr, flush=True)
         print("cold runs done", file=sys.stderr, flush=True)
-    drop([stem + ".safetensors"])
-    disk = disk_speed(stem + ".safetensors")
-    pinned = json.loads(
-        subprocess.run(
-            [sys.executable, "-c", PINNED, str(nbytes)], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    )["pinned"]
-
     print(f"\n{nbytes / 2**30:.2f} GiB of fp32 tensors; warm: median of {args.runs}; cold: one run each\n")
     print("| loader | warm GB/s | cold GB/s | peak host RSS (MiB) |")
     print("|---|---:|---:|---:|")

@@ -37,7 +37,9 @@ def torch_dtype(dtype: DType) -> torch.dtype:
 DeviceSpec = Union[None, str, "torch.device", Mapping[str, Union[str, "torch.device"]]]
 
 
-def to_torch(refs: Mapping[str, TensorRef], *, device: DeviceSpec = None) -> dict[str, torch.Tensor]:
+def to_torch(
+    refs: Mapping[str, TensorRef], *, device: DeviceSpec = None, crcs: dict[Storage, int] | None = None
+) -> dict[str, torch.Tensor]:
     """Read lazy tensors into torch tensors, keeping shared storages shared.
 
     Each storage is read once, and only the span its tensors use: a small
@@ -51,6 +53,8 @@ def to_torch(refs: Mapping[str, TensorRef], *, device: DeviceSpec = None) -> dic
         refs: names to lazy tensors.
         device: where to put them: None or "cpu", a device ("cuda:1"), or a
             mapping from key to device (keys not in it go to the CPU).
+        crcs: when given, receives the CRC-32 of the whole zip records read,
+            taken as they were read (see :func:`ckptconv._transfer.read_spans`).
     """
     import torch
 
@@ -75,7 +79,7 @@ def to_torch(refs: Mapping[str, TensorRef], *, device: DeviceSpec = None) -> dic
         work.append(Span(storage, first, stop, buffer))
         buffers[storage] = (buffer, first)
     # Parallel readers; to a GPU through pinned buffers and one CUDA stream per reader.
-    read_spans(work)
+    read_spans(work, crcs=crcs)
 
     result: dict[str, torch.Tensor] = {}
     for key, ref in refs.items():

@@ -3,16 +3,22 @@
 Why: one thread copying from the page cache moves about 6 GB/s, while a
 host-to-device copy from pinned memory runs at about 55 GB/s on an H200, so a
 loader that reads with one thread is capped far below what the GPU takes.
-Here every storage span is cut into pieces of :data:`PIECE_BYTES`, and
-:func:`reader_threads` threads read pieces in any order:
+Here every storage span is cut into pieces of at most :data:`PIECE_BYTES`
+(:func:`plan_pieces`), and :func:`reader_threads` threads read pieces in any
+order:
 
 * to the CPU, straight into the destination tensor (``preadv`` releases the
   GIL, so the memory copies from the page cache run on several cores);
-* to a GPU, into the thread's own two pinned buffers, each piece then copied
-  to the device on the thread's own CUDA stream while the thread reads the
-  next one (a buffer is refilled only once its copy has finished, which a CUDA
-  event tells). Host memory stays at ``2 * PIECE_BYTES`` per thread whatever
-  the checkpoint's size.
+* to a GPU, into the thread's own :data:`DEPTH` pinned buffers (made on a
+  thread of their own while the first pieces are read), each piece then copied to the
+  device on the thread's own CUDA stream while the thread reads the next one
+  (a buffer is refilled only once its copy has finished, which a CUDA event
+  tells). Host memory stays at ``threads * DEPTH * PIECE_BYTES`` whatever the
+  checkpoint's size.
+
+While a piece is in memory its CRC-32 is taken when the caller asks
+(``crcs``): zip records carry one, and checking it here costs no second read
+of the file (:func:`ckptconv.integrity.crc32_combine` joins the pieces').
 
 Files that are not in the page cache (cold; :func:`resident_fraction` asks the
 kernel with ``mincore``) are read with ``O_DIRECT`` into the pinned buffers,
@@ -28,34 +34,48 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import dataclasses
+import functools
+import io
 import mmap
 import os
 import queue
 import threading
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import read_policy
 from .errors import LoadError, MalformedCheckpointError
-from .tensor import FileRegion, Storage
+from .integrity import crc32_combine
+from .tensor import FileRegion, Storage, read_exactly_into
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PIECE_BYTES", "Span", "read_spans", "reader_threads", "resident_fraction"]
+__all__ = [
+    "DEPTH",
+    "PIECE_BYTES",
+    "Span",
+    "plan_pieces",
+    "read_spans",
+    "reader_threads",
+    "resident_fraction",
+]
 
-#: Bytes each reader moves per step: a pinned staging buffer's size. 8 MiB pieces
-#: keep 16 threads' staging at 256 MiB of host memory while each step is long
-#: enough (over 1 ms) that per-piece costs (a syscall, a copy launch) stay small.
+#: Bytes each reader moves per step: a pinned staging buffer's size.
 PIECE_BYTES = 8 << 20
+
+#: Pinned buffers per reader thread: one is read into while the others' copies run.
+DEPTH = 2
+
+#: The most reader threads, whatever the core count.
+MAX_THREADS = 16
 
 # O_DIRECT needs offsets, lengths and buffer addresses aligned to the logical
 # block size; 4096 covers every common device. A piece's payload leaves room
 # for rounding its start down and its end up.
 _ALIGN = 4096
-_PAYLOAD = PIECE_BYTES - 2 * _ALIGN
 
 #: When this fraction of a file or more is in the page cache, it is read through it.
 WARM_FRACTION = 0.5
@@ -66,12 +86,32 @@ direct_io = "auto"
 
 
 def reader_threads() -> int:
-    """Reader threads: one per core, at least 2 and at most 16 (page-cache copies stop scaling near 16)."""
+    """Reader threads: one per core, at least 2 and at most :data:`MAX_THREADS`."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         cores = os.cpu_count() or 2
-    return max(2, min(16, cores))
+    return max(2, min(MAX_THREADS, cores))
+
+
+def _payload() -> int:
+    """The most bytes of a piece: a staging buffer less room to align an ``O_DIRECT`` read at both ends."""
+    return PIECE_BYTES - 2 * _ALIGN
+
+
+def plan_pieces(start: int, stop: int, payload: int) -> list[tuple[int, int]]:
+    """``(position, count)`` pieces covering ``[start, stop)`` once, in order, each at most ``payload`` bytes.
+
+    As few pieces as ``payload`` allows, of about equal size (a multiple of
+    4096 bytes but the last), so no piece is a tiny remainder.
+    """
+    length = stop - start
+    if length <= 0:
+        return []
+    count = -(-length // payload)
+    size = -(-length // count)
+    size = min(payload, -(-size // _ALIGN) * _ALIGN) if count > 1 else length
+    return [(position, min(size, stop - position)) for position in range(start, stop, size)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +127,22 @@ class Span:
 @dataclasses.dataclass(frozen=True)
 class _Task:
     """A piece to read: ``count`` bytes of ``span`` from ``position`` (storage numbering), or the whole
-    span in order when ``count`` is None."""
+    span in order when ``count`` is None; ``crc`` when its CRC-32 is wanted."""
 
     span: Span
     position: int
     count: int | None
+    crc: bool = False
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)  # the C library the interpreter already uses
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
 
 
 def resident_fraction(path: str) -> float:
@@ -99,14 +150,10 @@ def resident_fraction(path: str) -> float:
     size = os.path.getsize(path)
     if size == 0:
         return 1.0
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:  # pragma: no cover - no C library to ask
+    try:
+        libc = _libc()
+    except (OSError, AttributeError):  # pragma: no cover - no C library to ask
         return 1.0
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     page = mmap.PAGESIZE
     pages = (size + page - 1) // page
     try:
@@ -131,33 +178,55 @@ def resident_fraction(path: str) -> float:
         os.close(fd)
 
 
-def _tasks(spans: Sequence[Span]) -> Iterator[_Task]:
-    """Pieces of file regions, and whole spans of every other source; big pieces first in file order."""
+def _wants_crc(span: Span) -> bool:
+    """True when the span is a whole zip record read in pieces, whose CRC-32 the archive records."""
+    source = span.storage.source
+    return (
+        isinstance(source, FileRegion)
+        and source.crc32 is not None
+        and span.storage.byteorder == "little"
+        and span.start == 0
+        and span.stop == span.storage.nbytes
+    )
+
+
+def _tasks(spans: Sequence[Span], crcs: bool) -> Iterator[_Task]:
+    """Pieces of file regions, and whole spans of every other source, in file order."""
+    payload = _payload()
     for span in spans:
         if span.stop <= span.start:
             continue
         if isinstance(span.storage.source, FileRegion) and span.storage.byteorder == "little":
-            for position in range(span.start, span.stop, _PAYLOAD):
-                yield _Task(span, position, min(_PAYLOAD, span.stop - position))
+            crc = crcs and _wants_crc(span)
+            for position, count in plan_pieces(span.start, span.stop, payload):
+                yield _Task(span, position, count, crc)
         else:
             yield _Task(span, span.start, None)
 
 
-class _DirectFiles:
-    """``O_DIRECT`` descriptors of the cold files, opened on first use; None where refused."""
+class _Files:
+    """Descriptors of the files read, opened once and shared by the readers: buffered ones, and
+    ``O_DIRECT`` ones for cold files where the mode allows (None where refused)."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        self.fds: dict[str, int | None] = {}
+        self.buffered: dict[str, io.BufferedReader] = {}
+        self.direct: dict[str, int | None] = {}
         self.lock = threading.Lock()
 
-    def fd(self, path: str) -> int | None:
+    def fd(self, path: str) -> int:
         with self.lock:
-            if path not in self.fds:
-                self.fds[path] = self._open(path)
-            return self.fds[path]
+            if path not in self.buffered:
+                self.buffered[path] = read_policy.open_file(path)
+            return self.buffered[path].fileno()
 
-    def _open(self, path: str) -> int | None:
+    def direct_fd(self, path: str) -> int | None:
+        with self.lock:
+            if path not in self.direct:
+                self.direct[path] = self._open_direct(path)
+            return self.direct[path]
+
+    def _open_direct(self, path: str) -> int | None:
         if self.mode == "buffered" or not hasattr(os, "O_DIRECT"):
             return None
         if self.mode == "auto" and resident_fraction(path) >= WARM_FRACTION:
@@ -168,7 +237,9 @@ class _DirectFiles:
             return None
 
     def close(self) -> None:
-        for fd in self.fds.values():
+        for file in self.buffered.values():
+            file.close()
+        for fd in self.direct.values():
             if fd is not None:
                 os.close(fd)
 
@@ -194,54 +265,154 @@ def _read_direct(fd: int, path: str, offset: int, count: int, buffer: memoryview
     return offset - first
 
 
+def _staging(nbytes: int) -> torch.Tensor:
+    """One pinned host buffer of ``nbytes`` (PyTorch's host allocator keeps it for the next load)."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class _Pinned:
+    """The readers' pinned buffers, made one by one on a thread of their own while the readers read.
+
+    Pinning runs at about 2 GB/s (0.13 s for 256 MiB, measured on an H200 host), a
+    sixth of a whole 8 GiB load; made up front it would delay every first read.
+    Here a reader starts once it holds one buffer and takes more as they come,
+    up to :data:`DEPTH`.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.ready: queue.SimpleQueue[torch.Tensor | None] = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._make, name="ckptconv-pinning", daemon=True)
+        self.thread.start()
+
+    def _make(self) -> None:
+        try:
+            for _ in range(self.count):
+                if self.done.is_set():
+                    break
+                self.ready.put(_staging(PIECE_BYTES))
+        except BaseException as error:
+            self.error = error
+        finally:
+            for _ in range(2 * self.count):  # wakes every reader still waiting
+                self.ready.put(None)
+
+    def first(self) -> torch.Tensor:
+        buffer = self.ready.get()
+        if buffer is None:
+            raise self.error or RuntimeError("no pinned staging buffer could be made")
+        return buffer
+
+    def more(self) -> torch.Tensor | None:
+        with contextlib.suppress(queue.Empty):
+            return self.ready.get_nowait()
+        return None
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+@dataclasses.dataclass
+class _Shared:
+    """What the readers share: the files, the callers' streams, the pinned staging, the pieces' CRCs."""
+
+    files: _Files
+    callers: dict[Any, Any]
+    pinned: _Pinned | None
+    crcs: dict[Storage, list[tuple[int, int, int]]]
+
+
 class _Worker:
     """One reader thread's state: its pinned buffers, their pending copies, its CUDA streams."""
 
-    def __init__(self, direct: _DirectFiles, callers: dict[Any, Any]) -> None:
-        self.direct = direct
-        self.callers = callers
+    def __init__(self, shared: _Shared, index: int) -> None:
+        self.shared = shared
+        self.index = index
         self.buffers: list[torch.Tensor] = []
-        self.events: list[Any] = [None, None]
+        self.views: list[memoryview] = []
+        self.events: list[Any] = []
         self.turn = 0
+        self.wants_more = True
         self.streams: dict[Any, Any] = {}
 
     def run(self, task: _Task) -> None:
-        import torch
-
         span = task.span
         if span.out.device.type == "cpu":
-            out = span.out.numpy()
-            if task.count is None:
-                span.storage.read_into(span.start, out.data)
-            else:
-                span.storage.read_into(task.position, out[task.position - span.start :][: task.count].data)
+            self._run_cpu(task)
             return
-        if not self.buffers:
-            self.buffers = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self._take_buffers()
         if task.count is None:
             with span.storage.reader() as read_into:
                 for position in range(span.start, span.stop, PIECE_BYTES):
                     count = min(PIECE_BYTES, span.stop - position)
                     slot = self._free_slot()
-                    read_into(position, self.buffers[slot][:count].numpy().data)
+                    read_into(position, self.views[slot][:count])
                     self._upload(span, position, slot, 0, count)
             return
         slot = self._free_slot()
         source = span.storage.source
-        assert isinstance(source, FileRegion)
-        fd = self.direct.fd(source.path)
+        assert isinstance(source, FileRegion)  # _tasks cuts file regions only
+        view = self.views[slot]
+        fd = self.shared.files.direct_fd(source.path)
         if fd is not None:
-            view = self.buffers[slot].numpy().data
             skip = _read_direct(fd, source.path, source.offset + task.position, task.count, view)
         else:
             skip = 0
-            span.storage.read_into(task.position, self.buffers[slot][: task.count].numpy().data)
+            self._check(span, task.position, task.count)
+            read_exactly_into(
+                self.shared.files.fd(source.path), source.offset + task.position, view[: task.count], source.path
+            )
         self._upload(span, task.position, slot, skip, task.count)
+        if task.crc:  # while the copy runs: both only read the buffer
+            self._record_crc(task, view[skip : skip + task.count])
+
+    def _run_cpu(self, task: _Task) -> None:
+        span = task.span
+        out = span.out.numpy()
+        if task.count is None:
+            span.storage.read_into(span.start, out.data)
+            return
+        source = span.storage.source
+        assert isinstance(source, FileRegion)  # _tasks cuts file regions only
+        self._check(span, task.position, task.count)
+        piece = out[task.position - span.start :][: task.count].data
+        read_exactly_into(self.shared.files.fd(source.path), source.offset + task.position, piece, source.path)
+        if task.crc:
+            self._record_crc(task, piece)
+
+    def _take_buffers(self) -> None:
+        """One pinned buffer to start with (waiting for it), then more as they are made, up to DEPTH."""
+        pinned = self.shared.pinned
+        assert pinned is not None  # read_spans makes it when any span is on a GPU
+        while self.wants_more and len(self.buffers) < DEPTH:
+            buffer = pinned.first() if not self.buffers else pinned.more()
+            if buffer is None:
+                self.wants_more = False
+                return
+            self.buffers.append(buffer)
+            self.views.append(buffer.numpy().data)
+            self.events.append(None)
+        self.wants_more = len(self.buffers) < DEPTH
+
+    @staticmethod
+    def _check(span: Span, position: int, count: int) -> None:
+        if position < 0 or position + count > span.storage.nbytes:  # pragma: no cover - spans come from refs
+            raise ValueError(f"byte range {position}+{count} outside storage of {span.storage.nbytes} bytes")
+
+    def _record_crc(self, task: _Task, data: memoryview) -> None:
+        assert task.count is not None
+        # list.append is atomic; read_spans joins the pieces once every reader is done.
+        self.shared.crcs.setdefault(task.span.storage, []).append((task.position, task.count, zlib.crc32(data)))
 
     def _free_slot(self) -> int:
         """The buffer to fill next, once the device has finished copying out of it."""
-        slot = self.turn
-        self.turn ^= 1
+        slot = self.turn % len(self.buffers)
+        self.turn = slot + 1
         event = self.events[slot]
         if event is not None:
             event.synchronize()  # releases the GIL
@@ -256,12 +427,14 @@ class _Worker:
         if stream is None:
             stream = self.streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
             # After whatever the caller queued before (the destinations were allocated on its stream).
-            stream.wait_stream(self.callers[device])
-        with torch.cuda.stream(stream):
-            destination = span.out[position - span.start : position - span.start + count]
-            destination.copy_(self.buffers[slot][skip : skip + count], non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
+            stream.wait_stream(self.shared.callers[device])
+            # This reader thread's current stream on that device from now on (PyTorch keeps
+            # current streams per thread), so no stream context is entered per piece.
+            torch.cuda.set_stream(stream)
+        destination = span.out[position - span.start : position - span.start + count]
+        destination.copy_(self.buffers[slot][skip : skip + count], non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
         self.events[slot] = event
 
     def finish(self) -> None:
@@ -269,10 +442,30 @@ class _Worker:
             stream.synchronize()
 
 
-def read_spans(spans: Sequence[Span], *, threads: int | None = None) -> None:
+def _join_crcs(pieces: list[tuple[int, int, int]], nbytes: int) -> int | None:
+    """The CRC-32 of ``nbytes`` bytes from its pieces' ``(position, count, crc)``; None unless they cover them once."""
+    crc = 0
+    end = 0
+    for position, count, piece in sorted(pieces):
+        if position != end:
+            return None
+        crc = crc32_combine(crc, piece, count)
+        end += count
+    return crc if end == nbytes else None
+
+
+def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[Storage, int] | None = None) -> None:
     """Fill every span's ``out`` tensor with its bytes, using parallel reader threads.
 
     Returns when every byte is on its device (all copies have finished).
+
+    Args:
+        spans: what to read, and where to.
+        threads: reader threads; :func:`reader_threads` when None.
+        crcs: when given, receives the CRC-32 of every whole zip record read in
+            pieces (``FileRegion`` with a recorded ``crc32``), keyed by storage,
+            taken from the bytes as they were read. Records not in it were not
+            checked here.
 
     Raises:
         MalformedCheckpointError: a file is shorter than its header says (the
@@ -280,24 +473,24 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None) -> None:
     """
     tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
     count = 0
-    for task in _tasks(spans):
+    for task in _tasks(spans, crcs is not None):
         tasks.put(task)
         count += 1
     if count == 0:
         return
     threads = max(1, min(threads or reader_threads(), count))
-    direct = _DirectFiles(direct_io)
     callers: dict[Any, Any] = {}
     for span in spans:
         if span.out.device.type == "cuda" and span.out.device not in callers:
             import torch
 
             callers[span.out.device] = torch.cuda.current_stream(span.out.device)
+    shared = _Shared(_Files(direct_io), callers, _Pinned(threads * DEPTH) if callers else None, {})
     errors: list[BaseException] = []
     failed = threading.Event()
 
-    def work() -> None:
-        worker = _Worker(direct, callers)
+    def work(index: int) -> None:
+        worker = _Worker(shared, index)
         try:
             while not failed.is_set():
                 task = tasks.get()
@@ -313,13 +506,20 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None) -> None:
 
     for _ in range(threads):
         tasks.put(None)
-    pool = [threading.Thread(target=work, name=f"ckptconv-reader-{i}", daemon=True) for i in range(threads)]
+    pool = [threading.Thread(target=work, args=(i,), name=f"ckptconv-reader-{i}", daemon=True) for i in range(threads)]
     try:
         for thread in pool:
             thread.start()
         for thread in pool:
             thread.join()
     finally:
-        direct.close()
+        if shared.pinned is not None:
+            shared.pinned.close()
+        shared.files.close()
     if errors:
         raise errors[0]
+    if crcs is not None:
+        for storage, pieces in shared.crcs.items():
+            joined = _join_crcs(pieces, storage.nbytes)
+            if joined is not None:
+                crcs[storage] = joined

@@ -25,7 +25,7 @@ from .formats._base import ReadResult
 from .selection import Selection, select_weights
 from .standins import NumpyArray
 from .state_dicts import children, part_text
-from .tensor import TensorRef
+from .tensor import Storage, TensorRef
 
 if TYPE_CHECKING:
     import torch
@@ -208,18 +208,18 @@ def load(
     Example:
         >>> model.load_state_dict(ckptconv.load("dp_model.pkl"))  # doctest: +SKIP
     """
-    import concurrent.futures
-
     from ._torch import to_torch
     from .devices import pick_device
     from .integrity import check_record_crcs
 
     weights = open(path, trust=trust).select(select).weights
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        crcs = pool.submit(check_record_crcs, list(weights.items())) if check_crc else None
-        tensors = to_torch(weights, device=pick_device(device))
-        if crcs is not None:
-            crcs.result()
+    # The readers take each whole record's CRC-32 from the bytes as they pass (no second
+    # read of the file); what they did not see (compressed records, partly read ones) is
+    # read again and checked after.
+    crcs: dict[Storage, int] | None = {} if check_crc else None
+    tensors = to_torch(weights, device=pick_device(device), crcs=crcs)
+    if crcs is not None:
+        check_record_crcs(list(weights.items()), computed=crcs)
     return tensors
 
 

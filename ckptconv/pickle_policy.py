@@ -15,6 +15,15 @@
   ``ckptconv scan`` lists it, because ``torch.load(weights_only=False)`` would
   import it and call it.
 
+One exception to the families is narrow enough to state whole:
+``builtins.getattr(Class, "name")``, which CPython's pickler writes for a
+nested class (``ShardedTensor.ProcessGroupState``) below protocol 4 and for
+an enum member from Python 3.12 on. :func:`attribute_lookup_refusal` allows it
+only where ``Class`` is a foreign stand-in and ``name`` a plain identifier;
+the result is the stand-in ``module.Class.name``, classified like any global
+(so ``getattr(Popen, "x")`` or ``getattr(Thing, "system")`` stay unsafe), and
+nothing is looked up. Any other use of ``getattr`` is unsafe.
+
 The stand-ins are the safety boundary; the families are a warning about intent
 (SECURITY.md documents them). The interpreter that enforces this policy is
 :mod:`ckptconv.unpickler`.
@@ -26,7 +35,15 @@ import _compat_pickle  # CPython's own table of Python 2 names, used by every un
 
 from .rebuild import known_global
 
-__all__ = ["FAMILIES", "TORCH_OWN_TYPES", "classify_global", "normalise_global", "unsafe_family"]
+__all__ = [
+    "FAMILIES",
+    "GETATTR",
+    "TORCH_OWN_TYPES",
+    "attribute_lookup_refusal",
+    "classify_global",
+    "normalise_global",
+    "unsafe_family",
+]
 
 # Types torch itself names when it saves its own tensors (``_rebuild_from_type_v2(..., torch.Tensor, ...)``
 # for a tensor with Python attributes). They stay inert stand-ins, but they are not "classes from code
@@ -408,6 +425,11 @@ _DANGEROUS_METHODS = {
 # Modules inside an unsafe family whose members only build data: TorchScript archives
 # name torch.jit._pickle.build_intlist and friends, which return the list they are given.
 _DATA_ONLY_MODULES = frozenset(["torch.jit._pickle"])
+# Classes inside an unsafe module that only hold data, with their members: the enums of the
+# signal module. Megatron-LM's argument namespace, saved in every checkpoint it writes, holds
+# ``exit_signal = signal.SIGTERM``, pickled as ``signal.Signals(15)``; building that member
+# sends nothing (``signal.signal``, ``raise_signal``, ``pthread_kill``... stay unsafe).
+_DATA_ONLY_CLASSES = frozenset(["signal.Signals", "signal.Handlers", "signal.Sigmasks"])
 _METHOD_FAMILY = {method: family for family, methods in _DANGEROUS_METHODS.items() for method in methods}
 _NAME_FAMILY = {name: family for family, (_modules, names) in FAMILIES.items() for name in names}
 _MODULE_FAMILY: dict[str, str] = {}
@@ -470,12 +492,39 @@ def _family_of(module: str, name: str) -> str | None:
         return _METHOD_FAMILY[name_parts[-1]]
     if module in _DATA_ONLY_MODULES and len(name_parts) == 1:
         return None
+    full = f"{module}.{name}"
+    if any(full == cls or full.startswith(cls + ".") for cls in _DATA_ONLY_CLASSES):
+        return None
     parts = f"{module}.{name}".split(".")
     for i in range(1, len(parts) + 1):
         prefix = ".".join(parts[:i])
         family = _MODULE_FAMILY.get(prefix) or _NAME_FAMILY.get(prefix)
         if family is not None:
             return family
+    return None
+
+
+# ``builtins.getattr`` (Python 3 spelling), the one unsafe global with a narrow allowed use.
+GETATTR = ("builtins", "getattr")
+
+
+def attribute_lookup_refusal(module: str, name: str, attribute: object) -> str | None:
+    """Why ``getattr(<stand-in module.name>, attribute)`` is refused, or None when it is allowed.
+
+    Allowed: ``module.name`` is not unsafe itself, ``attribute`` is a plain
+    ASCII identifier with no leading or trailing ``__`` (no dunders), and ``module.name.attribute`` belongs to no unsafe
+    family (which also refuses method names such as ``system`` or ``load``).
+    The caller checks that the target is an inert stand-in class.
+    """
+    if unsafe_family(module, name) is not None:
+        return f"its target {module}.{name} is unsafe itself"
+    if not isinstance(attribute, str):
+        return f"the attribute name is {type(attribute).__name__}, not a string"
+    if not (attribute.isascii() and attribute.isidentifier()) or attribute.startswith("__") or attribute.endswith("__"):
+        return f"{attribute[:60]!r} is not a plain attribute name"
+    family = unsafe_family(module, f"{name}.{attribute}")
+    if family is not None:
+        return f"{module}.{name}.{attribute} {family}"
     return None
 
 

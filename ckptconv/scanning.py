@@ -315,7 +315,7 @@ def _refused(path: str, verdict: str, error: Exception, findings: Sequence[Unsaf
     found = _dedupe([*findings, *_scan_embedded(path)])
     if found:
         # A file that names code-running functions is unsafe however broken the rest is.
-        return ScanReport(path, UNSAFE, _unsafe_reason(found, path) + f" (and it {_about(error, path)})", unsafe=found)
+        return ScanReport(path, UNSAFE, f"{_unsafe_reason(found, path)}; reading it also failed: {error}", unsafe=found)
     return ScanReport(path, verdict, _about(error, path))
 
 

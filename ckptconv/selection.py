@@ -454,6 +454,37 @@ def lit_ema_weights(weights: dict[str, TensorRef], source: str = "the checkpoint
     return result
 
 
+# The sizes in a Megatron-LM argument namespace that split every rank's weights.
+_MEGATRON_SPLITS = (
+    ("tensor_model_parallel_size", "tensor parallel"),
+    ("pipeline_model_parallel_size", "pipeline parallel"),
+    ("expert_model_parallel_size", "expert parallel"),
+)
+
+
+def _refuse_model_parallel_rank(tree: Any, source: str) -> None:
+    """Refuse one rank's file of a legacy Megatron-LM run split across ranks (``mp_rank_01/model_optim_rng.pt``):
+    its weights are that rank's slices, not the model's, and converting them as the model would be wrong."""
+    items = mapping_items(tree)
+    if not items:
+        return
+    entries = dict(items)
+    args = entries.get("args")
+    if "checkpoint_version" not in entries or not isinstance(args, ForeignObject):
+        return
+    attributes = args.attributes()
+    splits = [
+        f"{words} {size}" for name, words in _MEGATRON_SPLITS if type(size := attributes.get(name)) is int and size > 1
+    ]
+    if splits:
+        raise SelectionError(
+            f"{source} is one rank's file of a Megatron-LM run split by {' and '.join(splits)}: its weights are "
+            "that rank's slices, not the model's; ckptconv cannot merge legacy Megatron ranks yet (save the run "
+            "with --ckpt-format torch_dist and convert that folder), or pass --select model to take this rank's "
+            "slices as they are"
+        )
+
+
 def select_weights(tree: Any, select: str | None = None, *, source: str = "the checkpoint") -> Selection:
     """Find the model weights in a loaded checkpoint's object tree.
 
@@ -488,6 +519,7 @@ def select_weights(tree: Any, select: str | None = None, *, source: str = "the c
         if found is not None:
             return Selection(found.weights, path, found.kind, (), found.skipped, "", found.is_ema)
         return _choose(_candidates(node, path), path, source, node)
+    _refuse_model_parallel_rank(tree, source)
     whole = _as_candidate(tree, ())
     bare = as_tensor(tree)
     if bare is not None:

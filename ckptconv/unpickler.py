@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
-from .pickle_policy import TORCH_OWN_TYPES, normalise_global, unsafe_family
+from .pickle_policy import GETATTR, TORCH_OWN_TYPES, attribute_lookup_refusal, normalise_global, unsafe_family
 from .rebuild import call, check_hashable, fill_numpy_array, instantiate, known_global, malformed
-from .standins import ForeignGlobal, ForeignObject, NumpyArray, NumpyDType
+from .standins import ForeignGlobal, ForeignObject, NumpyArray, NumpyDType, short_repr
 from .tensor import TensorRef
 
 __all__ = ["DEFAULT_MAX_ITEMS", "PickleTruncatedError", "Unpickler", "UnsafeFinding", "recording_unsafe"]
@@ -162,6 +162,13 @@ class Unpickler:
         self.bytes_built = 0
         self.foreign_globals: Counter[str] = Counter()
         self._globals_cache: dict[tuple[str, str], Any] = {}
+        # builtins.getattr is allowed only as getattr(stand-in class, plain name) (see
+        # pickle_policy.attribute_lookup_refusal): every time the pickle puts it on the stack
+        # must be matched by one such call, or it went somewhere else and the file is unsafe.
+        self._getattr = ForeignGlobal(*GETATTR)
+        self._getattr_pushed = 0
+        self._getattr_called = 0
+        self._getattr_offset = -1
 
     # -- reading primitives ----------------------------------------------------------
 
@@ -278,20 +285,20 @@ class Unpickler:
         key = (module, name)
         cached = self._globals_cache.get(key)
         if cached is not None:
+            if cached is self._getattr:
+                self._getattr_pushed += 1
             return cached
+        if normalise_global(module, name) == GETATTR:
+            self._globals_cache[key] = self._getattr
+            self._getattr_pushed += 1
+            if self._getattr_offset < 0:
+                self._getattr_offset = offset
+            return self._getattr
         family = unsafe_family(module, name)  # as written: Python 2 spellings count as CPython renames them
         module, name = normalise_global(module, name)
         full = f"{module}.{name}"
         if family is not None:
-            findings = _RECORDER.get()
-            if findings is None:
-                raise UnsafeCheckpointError(
-                    f"{self.source or 'the pickle'} calls {full} ({family}) at pickle byte {offset}; refusing "
-                    "a checkpoint built to attack whoever opens it (nothing was executed)",
-                    path=self.source or None,
-                    globals=[full],
-                )
-            findings.append(UnsafeFinding(full, family, offset, self.source))
+            self._unsafe(full, family, offset, f"calls {full} ({family})")
             standin = ForeignGlobal(module, name)  # inert, and not listed among the foreign ones
             self._globals_cache[key] = standin
             return standin
@@ -302,6 +309,37 @@ class Unpickler:
                 self.foreign_globals[full] += 0  # listed even if never instantiated
         self._globals_cache[key] = value
         return value
+
+    def _unsafe(self, name: str, family: str, offset: int, what: str) -> None:
+        """Refuse the pickle for reaching for ``name``, or record it while scanning."""
+        findings = _RECORDER.get()
+        if findings is None:
+            raise UnsafeCheckpointError(
+                f"{self.source or 'the pickle'} {what} at pickle byte {offset}; refusing "
+                "a checkpoint built to attack whoever opens it (nothing was executed)",
+                path=self.source or None,
+                globals=[name],
+            )
+        findings.append(UnsafeFinding(name, family, offset, self.source))
+
+    def _attribute_lookup(self, args: tuple[Any, ...], offset: int) -> Any:
+        """``getattr(target, name)`` from the pickle: a stand-in for ``target``'s nested name, or unsafe.
+
+        Nothing is looked up: the result is the inert stand-in ``module.Class.name``.
+        """
+        self._getattr_called += 1
+        target = args[0] if len(args) == 2 else None
+        reason: str | None = f"it is called on {short_repr(target)}, not on a class stand-in"
+        if isinstance(target, ForeignGlobal) and target is not self._getattr:
+            reason = attribute_lookup_refusal(target.module, target.name, args[1])
+        if reason is not None or not isinstance(target, ForeignGlobal):
+            self._unsafe(
+                "builtins.getattr", "reaches into the interpreter", offset, f"calls builtins.getattr ({reason})"
+            )
+            return ForeignGlobal(*GETATTR)
+        full = f"{target.qualname}.{args[1]}"
+        self.foreign_globals[full] += 0  # listed like any foreign global
+        return ForeignGlobal(target.module, f"{target.name}.{args[1]}")
 
     # -- the loop --------------------------------------------------------------------
 
@@ -375,6 +413,8 @@ class Unpickler:
                 value = self._memo_get(memo, data[self.pos])
                 if type(value) in _SHAREABLE:
                     shared = True
+                elif value is self._getattr:
+                    self._getattr_pushed += 1
                 stack.append(value)
                 self.pos += 1
             elif op == 0x28:  # MARK
@@ -390,6 +430,7 @@ class Unpickler:
             elif op == 0x6A:  # LONG_BINGET
                 value = self._memo_get(memo, unpack_from("<I", read(4))[0])
                 shared = shared or type(value) in _SHAREABLE
+                self._getattr_pushed += value is self._getattr
                 stack.append(value)
             elif op == 0x29:  # EMPTY_TUPLE
                 stack.append(())
@@ -423,6 +464,13 @@ class Unpickler:
                 self.end = self.pos
                 if not stack:
                     raise malformed("pickle stops with an empty stack")
+                if self._getattr_pushed != self._getattr_called:
+                    self._unsafe(
+                        "builtins.getattr",
+                        "reaches into the interpreter",
+                        self._getattr_offset,
+                        "uses builtins.getattr other than to name a class's attribute",
+                    )
                 if shared:
                     self._check_expansion(stack[-1])
                 return stack[-1]
@@ -568,6 +616,7 @@ class Unpickler:
             elif op == 0x32:  # DUP
                 value = top()
                 shared = shared or type(value) in _SHAREABLE
+                self._getattr_pushed += value is self._getattr
                 stack.append(value)
             elif op == 0x94:  # MEMOIZE
                 memo[len(memo)] = top()
@@ -576,6 +625,7 @@ class Unpickler:
             elif op == 0x67:  # GET (text)
                 value = self._memo_get(memo, self._parse_int(self._readline()))
                 shared = shared or type(value) in _SHAREABLE
+                self._getattr_pushed += value is self._getattr
                 stack.append(value)
 
             # ---- globals, calls and object building: where pickles normally run code
@@ -594,7 +644,10 @@ class Unpickler:
                 function = pop()
                 if not isinstance(args, tuple):
                     raise malformed("REDUCE arguments are not a tuple")
-                stack.append(self._called(function, args))
+                if function is self._getattr:
+                    stack.append(self._attribute_lookup(args, op_start))
+                else:
+                    stack.append(self._called(function, args))
             elif op == 0x81:  # NEWOBJ
                 args = pop()
                 cls = pop()

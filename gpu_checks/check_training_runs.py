@@ -4,11 +4,12 @@ single-GPU model and gives the same outputs as the framework's own consolidation
 
     PYTHONPATH=. python3 gpu_checks/check_training_runs.py fixtures/runs   # megatron-core optional
 
-For every DeepSpeed and FSDP2 fixture: ``ckptconv.load(run)`` goes into a fresh
+For every DeepSpeed, FSDP1 SHARDED_STATE_DICT and FSDP2 fixture: ``ckptconv.load(run)`` goes into a fresh
 ``TinyRunModel`` on cuda:0 with ``strict=True``; its logits on a fixed batch are
 compared with the same model loaded from the golden (for ZeRO-1, whose golden
 lacks the frozen layer, the golden plus the module's frozen weights). For the
 Megatron fixture, the merged and renamed state dict goes into a TP=1 GPTModel.
+FSDP1 LOCAL_STATE_DICT (no shapes in the files) must be refused.
 Prints one JSON line per run; exits 1 if any check fails.
 """
 
@@ -43,7 +44,7 @@ def check_tiny(run: Path, device: torch.device) -> dict:
     if run.name.startswith("ds_zero1"):
         module = torch.load(run / "golden_module.pt", map_location="cpu", weights_only=True)
         golden = {**golden, **{k: module[k] for k in ("frozen.weight", "frozen.bias")}}
-    bf16 = run.name.endswith("_bf16") and run.name.startswith("fsdp2")
+    bf16 = run.name.endswith("_bf16") and run.name.startswith("fsdp")
     model_ours = gen.TinyRunModel().to(device)
     model_ref = gen.TinyRunModel().to(device)
     if bf16:
@@ -56,6 +57,15 @@ def check_tiny(run: Path, device: torch.device) -> dict:
         "outputs_identical": bool(torch.equal(a, b)),
         "max_abs_diff": float((a - b).abs().max()),
     }
+
+
+def check_refused(run: Path) -> dict:
+    """FSDP1 LOCAL_STATE_DICT does not record the parameters' shapes: ckptconv must refuse it."""
+    try:
+        ckptconv.load(run)
+    except ckptconv.CkptconvError as exc:
+        return {"refused": str(exc)}
+    return {"refused": False}
 
 
 def check_megatron(run: Path, device: torch.device) -> dict:
@@ -101,13 +111,18 @@ def main() -> None:
     torch.cuda.set_device(device)
     failed = False
     for run in sorted(p for p in root.iterdir() if p.is_dir()):
-        if run.name.startswith(("ds_zero1_bf16_fp32accum", "fsdp1")):
+        if run.name.startswith("ds_zero1_bf16_fp32accum"):
             continue
         try:
-            result = check_megatron(run, device) if run.name.startswith("megatron") else check_tiny(run, device)
+            if run.name == "fsdp1_local":
+                result = check_refused(run)
+            elif run.name.startswith("megatron"):
+                result = check_megatron(run, device)
+            else:
+                result = check_tiny(run, device)
         except Exception:
             result = {"error": traceback.format_exc()[-1500:]}
-        ok = result.get("strict_load") == "ok" and result.get("outputs_identical")
+        ok = bool(result.get("refused")) or (result.get("strict_load") == "ok" and result.get("outputs_identical"))
         failed |= not ok
         print(json.dumps({"run": run.name, **result}), flush=True)
     sys.exit(1 if failed else 0)

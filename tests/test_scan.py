@@ -9,6 +9,7 @@ import pickle
 import pickletools
 import struct
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -504,3 +505,14 @@ def test_scan_answers_with_a_verdict_for_damaged_variants(corpus: list[tuple[Any
         verdicts[ckptconv.scan(target).verdict] += 1
     assert set(verdicts) <= set(ckptconv.scanning.VERDICTS)
     assert verdicts["unsafe"] and verdicts["damaged"]
+
+
+def test_a_broken_file_that_names_code_is_unsafe_and_says_both(tmp_path: Path) -> None:
+    path = tmp_path / "broken.pkl"
+    path.write_bytes(b"\x80\x02cposix\nsystem\nX\x02\x00\x00\x00idq")  # no STOP: truncated
+    report = ckptconv.scan(path)
+    assert report.verdict == "unsafe"
+    assert report.reason.startswith("names posix.system (runs processes) at pickle byte 2; reading it also failed: ")
+    assert report.reason.endswith(
+        "is truncated: its pickle ends at byte 24 before the STOP opcode; the file is incomplete or damaged"
+    )

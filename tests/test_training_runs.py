@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,10 @@ from safetensors.torch import load_file
 import ckptconv
 from ckptconv.cli import cli
 from ckptconv.dtypes import dtype_by_name
+from ckptconv.errors import SelectionError
 from ckptconv.transforms import AddPrefix, Cast, Keep, Rename
 
-from .conftest import FIXTURES, assert_same_state, assert_same_tensor
+from .conftest import FIXTURES, assert_same_state, assert_same_tensor, run_cli
 
 RUNS = FIXTURES / "runs"
 ROOT = Path(__file__).resolve().parent.parent
@@ -361,6 +363,87 @@ def test_fsdp2_a_shard_that_does_not_fit_its_placement_is_refused(tmp_path: Path
     _refused(run, tmp_path, "do not tile a tensor of size [37, 12]")
 
 
+# -- FSDP1: SHARDED_STATE_DICT (ShardedTensor) and LOCAL_STATE_DICT saved per rank ---------
+
+FSDP1 = ["fsdp1_sharded", "fsdp1_sharded_bf16"]
+
+
+@pytest.mark.parametrize("run", FSDP1)
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_fsdp1_sharded_tensors_merge_to_the_gathered_full_state_dict(run: str, suffix: str, tmp_path: Path) -> None:
+    """FSDP1 pickles reach ShardedTensor.ProcessGroupState (and, on Python 3.12, an enum member)
+    through builtins.getattr: read as stand-ins, shards placed by their offsets (37 rows: 19 + 18)."""
+    out = tmp_path / f"model{suffix}"
+    ckptconv.convert(RUNS / run, out)
+    expected = golden(run, "golden_full.pt")
+    ours = torch.load(out, weights_only=True) if suffix == ".pt" else load_file(out)
+    assert_same_state(ours, expected, ordered=suffix == ".pt")
+
+
+def test_fsdp1_inspect_names_the_framework() -> None:
+    info = ckptconv.inspect(RUNS / "fsdp1_sharded")
+    assert info.format == "rank-shards"
+    assert info.metadata == {
+        "framework": "FSDP1 SHARDED_STATE_DICT (ShardedTensor) saved per rank with torch.save",
+        "world_size": "2",
+        "files": "model_world_size_2_rank_0.pt ... model_world_size_2_rank_1.pt",
+        "placements": "ShardedTensor shards placed by their offsets: 9 tensors",
+    }
+
+
+def test_fsdp1_local_state_dict_is_refused_with_what_to_save_instead(tmp_path: Path) -> None:
+    """LOCAL_STATE_DICT holds each rank's slice of the flat parameter (and, with use_orig_params,
+    1-D slices of each parameter): no shapes, so no exact rebuild."""
+    run = _copy("fsdp1_local", tmp_path)
+    (run / "golden_full.pt").unlink()
+    expected = (
+        "holds FSDP1 LOCAL_STATE_DICT files (2 ranks, flat parameter '_flat_param'): each rank's slice of the "
+        "flattened parameters, which does not record their shapes, so they cannot be rebuilt exactly; save with "
+        "SHARDED_STATE_DICT or FULL_STATE_DICT and convert that"
+    )
+    _refused(run, tmp_path, expected)
+    result = CliRunner().invoke(cli, ["inspect", str(run)])
+    assert result.exit_code == 1 and result.output == f"ckptconv: error: {str(run)!r} {expected}\n"
+
+
+def _edit_pickle(path: Path, old: bytes, new: bytes) -> None:
+    """Replace bytes in a torch zip file's pickle, keeping the file a valid zip."""
+    with zipfile.ZipFile(path) as archive:
+        members = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in members:
+            if name.endswith("data.pkl"):
+                assert old in data
+            archive.writestr(name, data.replace(old, new) if name.endswith("data.pkl") else data)
+
+
+def test_fsdp1_overlapping_shards_are_refused(tmp_path: Path) -> None:
+    """Rank 1's rows of emb.weight moved from 19 to 18 in every rank's metadata: the volumes still
+    add up to 37 rows, but row 18 has two values and row 36 none."""
+    run = _copy("fsdp1_sharded", tmp_path)
+    for rank in range(2):
+        _edit_pickle(run / f"model_world_size_2_rank_{rank}.pt", b"K\x13K\x00", b"K\x12K\x00")
+    _refused(run, tmp_path, "the shards of 'emb.weight' at [0, 0] and [18, 0] overlap")
+
+
+def test_fsdp1_a_shard_no_rank_holds_is_refused(tmp_path: Path) -> None:
+    run = _copy("fsdp1_sharded", tmp_path)
+    shutil.copy(run / "model_world_size_2_rank_0.pt", run / "model_world_size_2_rank_1.pt")
+    _refused(run, tmp_path, "no rank holds the shard of 'emb.weight' at [19, 0] that its metadata lists")
+
+
+def test_fsdp1_ranks_disagreeing_on_the_metadata_are_refused(tmp_path: Path) -> None:
+    run = _copy("fsdp1_sharded", tmp_path)
+    _edit_pickle(run / "model_world_size_2_rank_0.pt", b"K\x13K\x00", b"K\x12K\x00")
+    _refused(run, tmp_path, "the metadata of 'emb.weight' here differs from rank 0's")
+
+
+def test_fsdp1_scan_is_foreign_not_unsafe() -> None:
+    report = ckptconv.scan(RUNS / "fsdp1_sharded")
+    assert report.verdict == "foreign", report.reason
+    assert "ShardedTensor" in report.reason
+
+
 def test_batch_treats_per_rank_files_as_one_item(tmp_path: Path) -> None:
     src = tmp_path / "src"
     shutil.copytree(RUNS / "fsdp2_dtensor", src / "global_step_5" / "actor")
@@ -372,6 +455,26 @@ def test_batch_treats_per_rank_files_as_one_item(tmp_path: Path) -> None:
     assert_same_state(
         load_file(tmp_path / "out" / "global_step_5" / "actor.safetensors"),
         {k: v for k, v in golden("fsdp2_dtensor", "golden_full.pt").items() if k != "head.weight"},
+        ordered=False,
+    )
+
+
+def test_batch_treats_fsdp1_rank_files_as_one_item_each(tmp_path: Path) -> None:
+    """A SHARDED_STATE_DICT set converts as one item; a LOCAL_STATE_DICT set is one failed item
+    that says what to save instead."""
+    src = tmp_path / "src"
+    for run in ("fsdp1_sharded", "fsdp1_local"):
+        shutil.copytree(RUNS / run, src / run)
+        (src / run / "golden_full.pt").unlink()
+    report = ckptconv.batch(src, tmp_path / "out")
+    assert [(r.source, r.kind, r.status) for r in report.results] == [
+        ("fsdp1_local", "run", "failed"),
+        ("fsdp1_sharded", "run", "converted"),
+    ]
+    assert "save with SHARDED_STATE_DICT or FULL_STATE_DICT" in (report.results[0].error or "")
+    assert_same_state(
+        load_file(tmp_path / "out" / "fsdp1_sharded.safetensors"),
+        golden("fsdp1_sharded", "golden_full.pt"),
         ordered=False,
     )
 
@@ -436,6 +539,47 @@ def test_megatron_optimizer_state_beside_the_model_is_not_selected(tmp_path: Pat
     assert list(ours) == ["decoder.layers.0.mlp.weight", "decoder.layers.1.mlp.weight", "output_layer.weight"]
     assert_same_tensor(ours["decoder.layers.1.mlp.weight"], state["decoder.layers.mlp.weight"][1])
     assert_same_tensor(ours["output_layer.weight"], state["output_layer.weight"])
+
+
+def test_a_legacy_megatron_lm_rank_file_is_read_not_refused() -> None:
+    """Megatron-LM saves its argparse namespace in every checkpoint, with ``exit_signal =
+    signal.SIGTERM``: a real TP=2 rank file (``--ckpt-format torch``) is foreign, not unsafe, and
+    its tensors, selected explicitly, are torch's. (Merging the ranks is not supported yet.)"""
+    import argparse
+    import enum
+    import signal
+
+    rank_file = RUNS / "megatron_legacy_tp2" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
+    report = ckptconv.scan(rank_file)
+    assert report.verdict == "foreign", report.reason
+    assert "signal.Signals" in report.reason
+
+    class AttnBackend(enum.Enum):  # megatron.core.transformer.enums.AttnBackend, for torch's reader
+        flash = 1
+        fused = 2
+        unfused = 3
+        local = 4
+        auto = 5
+
+    AttnBackend.__module__, AttnBackend.__qualname__ = "megatron.core.transformer.enums", "AttnBackend"
+    with torch.serialization.safe_globals([argparse.Namespace, signal.Signals, AttnBackend]):
+        reference = torch.load(rank_file, weights_only=True, map_location="cpu")
+    assert reference["args"].tensor_model_parallel_size == 2
+    expected = {k: v for k, v in reference["model"].items() if torch.is_tensor(v)}  # not _extra_state
+    assert_same_state(ckptconv.load(rank_file, select="model"), expected)
+
+
+@pytest.mark.parametrize("rank", ["mp_rank_00", "mp_rank_01"])
+def test_one_rank_of_a_tensor_parallel_megatron_run_is_not_taken_for_the_model(rank: str, tmp_path: Path) -> None:
+    """Its weights are that rank's slices: converting them as the model's would write wrong weights."""
+    rank_file = RUNS / "megatron_legacy_tp2" / "iter_0000003" / rank / "model_optim_rng.pt"
+    output = tmp_path / "model.safetensors"
+    code, _, stderr = run_cli("convert", str(rank_file), str(output))
+    assert code == 1 and not output.exists()
+    assert "Megatron-LM run split by tensor parallel 2" in stderr and "--select model" in stderr
+    assert len(stderr.strip().splitlines()) == 1
+    with pytest.raises(SelectionError, match="one rank's file"):
+        ckptconv.load(rank_file)
 
 
 def test_scan_looks_at_every_pickle_of_a_run_folder(tmp_path: Path) -> None:

@@ -7,16 +7,20 @@ by several threads in any order. The GPU tests run only where CUDA is available.
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import ckptconv
 from ckptconv import _transfer
 from ckptconv.errors import MalformedCheckpointError
+from ckptconv.integrity import crc32_combine
 
 from .conftest import all_dtypes_state, assert_same_state, reference_load, views_state
 
@@ -37,7 +41,6 @@ def big_state() -> dict[str, torch.Tensor]:
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces of 12 KiB payload (16 KiB buffers): every tensor above spans several pieces."""
     monkeypatch.setattr(_transfer, "PIECE_BYTES", 16384)
-    monkeypatch.setattr(_transfer, "_PAYLOAD", 16384 - 2 * _transfer._ALIGN)
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors", ".legacy.pt"])
@@ -85,7 +88,98 @@ def test_truncated_file_raises_one_error(tmp_path: Path, small_pieces: None) -> 
 
 
 def test_reader_threads_bounds() -> None:
-    assert 2 <= _transfer.reader_threads() <= 16
+    assert 2 <= _transfer.reader_threads() <= _transfer.MAX_THREADS
+
+
+@given(
+    start=st.integers(0, 1 << 20),
+    length=st.integers(0, 1 << 22),
+    payload=st.sampled_from([4096, 8192, 12288, 65536 - 8192, (8 << 20) - 8192]),
+)
+def test_pieces_cover_the_span_once(start: int, length: int, payload: int) -> None:
+    pieces = _transfer.plan_pieces(start, start + length, payload)
+    position = start
+    for piece_start, count in pieces:
+        assert piece_start == position and 0 < count <= payload
+        position += count
+    assert position == start + length
+    assert len(pieces) == -(-length // payload)  # as few as the payload allows
+    if len(pieces) > 1:  # about equal: no tiny remainder
+        assert all(count % 4096 == 0 for _, count in pieces[:-1])
+        assert pieces[-1][1] > pieces[0][1] - len(pieces) * 4096
+
+
+@given(a=st.binary(max_size=5000), b=st.binary(max_size=5000), seed=st.integers(0, 2**32 - 1))
+def test_crc32_combine_equals_zlib(a: bytes, b: bytes, seed: int) -> None:
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    start = seed & 0xFFFFFFFF
+    assert crc32_combine(zlib.crc32(a, start), zlib.crc32(b), len(b)) == zlib.crc32(a + b, start)
+
+
+def test_crc32_combine_long_lengths() -> None:
+    block = os.urandom(1 << 16)
+    whole = zlib.crc32(block * 300)
+    assert crc32_combine(zlib.crc32(block * 100), zlib.crc32(block * 200), len(block) * 200) == whole
+
+
+def test_join_crcs_needs_every_byte_once() -> None:
+    data = os.urandom(10_000)
+    pieces = [(p, min(3000, 10_000 - p), zlib.crc32(data[p : p + 3000])) for p in range(0, 10_000, 3000)]
+    assert _transfer._join_crcs(list(reversed(pieces)), 10_000) == zlib.crc32(data)
+    assert _transfer._join_crcs(pieces[:-1], 10_000) is None  # a gap at the end
+    assert _transfer._join_crcs(pieces[1:], 10_000) is None  # a gap at the start
+    assert _transfer._join_crcs([*pieces, pieces[1]], 10_000) is None  # a piece twice
+
+
+def test_pinned_buffers_come_one_by_one_and_errors_reach_the_readers(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[int] = []
+
+    def fake_staging(nbytes: int) -> torch.Tensor:  # plain memory: pinning needs CUDA
+        made.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(_transfer, "_staging", fake_staging)
+    pinned = _transfer._Pinned(3)
+    buffers = [pinned.first(), pinned.first(), pinned.first()]
+    assert all(b.numel() == _transfer.PIECE_BYTES for b in buffers)
+    assert pinned.more() is None  # all three taken; only the wake-up markers are left
+    pinned.close()
+    assert made == [_transfer.PIECE_BYTES] * 3
+
+    def failing(nbytes: int) -> torch.Tensor:
+        raise RuntimeError("cudaHostAlloc failed")
+
+    monkeypatch.setattr(_transfer, "_staging", failing)
+    pinned = _transfer._Pinned(2)
+    with pytest.raises(RuntimeError, match="cudaHostAlloc failed"):
+        pinned.first()
+    pinned.close()
+
+
+@pytest.mark.parametrize("whole_record", [True, False])
+def test_readers_check_zip_crcs_without_a_second_read(tmp_path: Path, small_pieces: None, whole_record: bool) -> None:
+    """A flipped bit in a record is found from the pieces' CRC-32s; the error names the tensor."""
+    path = tmp_path / "m.pt"
+    torch.save(big_state(), path)
+    ckpt = ckptconv.open(path)
+    refs = dict(ckpt.tensors())
+    crcs: dict[object, int] = {}
+    from ckptconv._torch import to_torch
+
+    to_torch(refs, crcs=crcs)  # type: ignore[arg-type]
+    record = refs["w3"].storage
+    assert crcs[record] == record.source.crc32  # type: ignore[union-attr]
+    assert len(crcs) == sum(1 for r in refs.values() if r.storage.nbytes > 0)
+    data = bytearray(path.read_bytes())
+    offset = record.source.offset + (record.nbytes // 2 if whole_record else 0)  # type: ignore[union-attr]
+    data[offset] ^= 0x10
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(MalformedCheckpointError, match=r"record .* \(tensor 'w3'\) has CRC-32"):
+        ckptconv.load(damaged)
+    loaded = ckptconv.load(damaged, check_crc=False)  # the damaged bytes, as they are
+    assert not torch.equal(loaded["w3"], big_state()["w3"])
+    assert torch.equal(loaded["w2"], big_state()["w2"])
 
 
 def test_resident_fraction(tmp_path: Path) -> None:

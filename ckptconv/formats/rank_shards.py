@@ -1,4 +1,5 @@
-"""Per-rank files of a sharded model saved with ``torch.save``: FSDP2 DTensor state dicts, read as one.
+"""Per-rank files of a sharded model saved with ``torch.save``: FSDP2 DTensor and FSDP1 ShardedTensor
+state dicts, read as one.
 
 Training frameworks that shard a model with FSDP2 (``fully_shard``) often save
 ``model.state_dict()`` on every rank with plain ``torch.save``, one file per
@@ -15,6 +16,15 @@ pasted once per tensor otherwise. Shards are placed by torch's own rule
 checked against each shard's shape, and must tile the tensor exactly; partial
 (unreduced) and strided placements are refused. Plain tensors (buffers) are
 taken from rank 0. Tensors tied in the files stay tied.
+
+FSDP1's ``SHARDED_STATE_DICT`` gives ``ShardedTensor`` values instead: each
+rank's local shards with their offsets and sizes, and the global metadata
+(the full size and every rank's shard). Those are placed by their own offsets
+(uneven shards included), checked against the metadata every rank holds, and
+must tile the tensor with no overlap and no hole, as DCP chunks must.
+FSDP1's ``LOCAL_STATE_DICT`` (``_flat_param``: each rank's slice of the
+flattened, padded parameters) does not record the parameters' shapes, so it
+is refused with what to save instead.
 """
 
 from __future__ import annotations
@@ -29,12 +39,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import read_policy
+from ..dtypes import DType
 from ..errors import CkptconvError, MalformedCheckpointError, UnsupportedFormatError
 from ..standins import ForeignObject
 from ..tensor import Storage, TensorRef, contiguous_strides
 from . import torch_zip
 from ._base import ReadResult
-from .dcp import Assembled
+from .dcp import Assembled, _overlapping_chunks
 
 __all__ = ["FORMAT", "find_files", "read", "sibling_files"]
 
@@ -101,7 +112,13 @@ def sibling_files(folder: str, files: list[str]) -> list[str]:
 
 
 # A pickle that makes DTensors names their class; torch.save writes the pickle as data.pkl.
-_DTENSOR_MODULES = (b"torch.distributed.tensor", b"torch.distributed._tensor")
+_DTENSOR_MODULES = (
+    b"torch.distributed.tensor",
+    b"torch.distributed._tensor",
+    b"torch.distributed._shard.sharded_tensor",
+)
+# FSDP1's name for a flat parameter in LOCAL_STATE_DICT (torch.distributed.fsdp._flat_param.FLAT_PARAM).
+_FLAT_PARAM = "_flat_param"
 _MAX_PROBE_BYTES = 64 << 20
 
 
@@ -119,7 +136,68 @@ def _holds_dtensors(path: str) -> bool:
 
 
 def _is_dtensor(value: Any) -> bool:
-    return isinstance(value, ForeignObject) and value.qualname.endswith(".DTensor")
+    """True for a DTensor (FSDP2) or a ShardedTensor (FSDP1) stand-in."""
+    return isinstance(value, ForeignObject) and value.qualname.endswith((".DTensor", ".ShardedTensor"))
+
+
+def _is_sharded_tensor(value: Any) -> bool:
+    return isinstance(value, ForeignObject) and value.qualname.endswith(".ShardedTensor")
+
+
+def _box(value: Any, path: str, key: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)`` of one ShardMetadata, checked to lie inside ``shape``."""
+    fields = value.attributes() if isinstance(value, ForeignObject) else {}
+    offsets, sizes = fields.get("shard_offsets"), fields.get("shard_sizes")
+    if (
+        not isinstance(offsets, (tuple, list))
+        or not isinstance(sizes, (tuple, list))
+        or len(offsets) != len(shape)
+        or len(sizes) != len(shape)
+        or any(
+            type(o) is not int or type(n) is not int or o < 0 or n < 0 or o + n > d
+            for o, n, d in zip(offsets, sizes, shape)
+        )
+    ):
+        raise _damaged(path, f"{key!r} has a shard at {offsets!r} of size {sizes!r} in a tensor of size {list(shape)}")
+    return tuple(offsets), tuple(sizes)
+
+
+def _sharded_tensor(
+    value: ForeignObject, path: str, key: str
+) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]], list[tuple[tuple[int, ...], TensorRef]]]:
+    """``(global shape, every shard's box per the metadata, this rank's (offsets, shard))`` of a ShardedTensor.
+
+    Its pickled state is ``ShardedTensor.__getstate__``'s tuple: local shards, metadata, process
+    group state, sharding spec, rrefs.
+    """
+    state = value.state
+    if not isinstance(state, tuple) or len(state) < 2 or not isinstance(state[0], list):
+        raise _damaged(path, f"{key!r} is a ShardedTensor without its local shards and metadata")
+    local_shards, metadata = state[0], state[1]
+    meta = metadata.attributes() if isinstance(metadata, ForeignObject) else {}
+    shape: Any = meta.get("size")
+    if not isinstance(shape, (tuple, list)) or not all(type(s) is int and s >= 0 for s in shape):
+        raise _damaged(path, f"{key!r} has global size {shape!r}")
+    shape = tuple(shape)
+    listed = meta.get("shards_metadata")
+    if not isinstance(listed, list) or not listed:
+        raise _damaged(path, f"{key!r} lists no shards in its metadata")
+    boxes = [_box(item, path, key, shape) for item in listed]
+    pieces: list[tuple[tuple[int, ...], TensorRef]] = []
+    for shard in local_shards:
+        fields = shard.attributes() if isinstance(shard, ForeignObject) else {}
+        tensor = fields.get("tensor")
+        if not isinstance(tensor, TensorRef):
+            raise _damaged(path, f"a local shard of {key!r} holds no tensor")
+        box = _box(fields.get("metadata"), path, key, shape)
+        if box not in boxes:
+            raise _damaged(path, f"the local shard of {key!r} at {list(box[0])} is not in the tensor's metadata")
+        if tensor.shape != box[1]:
+            raise _damaged(
+                path, f"the local shard of {key!r} at {list(box[0])} is {list(tensor.shape)}, not {list(box[1])}"
+            )
+        pieces.append((box[0], tensor))
+    return shape, boxes, pieces
 
 
 def _placements(spec: dict[str, Any], path: str, key: str) -> list[int | None]:
@@ -209,6 +287,78 @@ def _shard(value: ForeignObject, path: str, key: str) -> tuple[tuple[int, ...], 
     return shape, tuple(offsets), local
 
 
+def _local_tensor(value: ForeignObject) -> Any:
+    """Rank 0's local tensor of a DTensor, or its first local shard's of a ShardedTensor (for ties)."""
+    if not _is_sharded_tensor(value):
+        return value.attributes().get("_local_tensor")
+    state = value.state
+    if isinstance(state, tuple) and state and isinstance(state[0], list) and state[0]:
+        first = state[0][0]
+        return first.attributes().get("tensor") if isinstance(first, ForeignObject) else None
+    return None
+
+
+def _empty_dtype(value: ForeignObject, path: str, key: str) -> Any:
+    """The dtype of a tensor with no elements (no shard holds any): the one torch recorded."""
+    local = _local_tensor(value)
+    if isinstance(local, TensorRef):
+        return local.dtype
+    dtype = value.args[1] if len(value.args) > 1 else None
+    if isinstance(dtype, DType):
+        return dtype
+    raise _damaged(path, f"{key!r} records no dtype")
+
+
+def _dtensor_pieces(
+    files: list[str], trees: list[Mapping[str, Any]], key: str
+) -> tuple[dict[tuple[int, ...], TensorRef], tuple[int, ...]]:
+    """Every rank's DTensor shard of ``key`` by its offsets, and the global shape."""
+    pieces: dict[tuple[int, ...], TensorRef] = {}
+    shape: tuple[int, ...] = ()
+    for path, tree in zip(files, trees):
+        other = tree[key]
+        if not _is_dtensor(other) or _is_sharded_tensor(other):
+            raise _damaged(path, f"{key!r} is not a DTensor here but is on rank 0")
+        rank_shape, offsets, local = _shard(other, path, key)
+        if path is files[0]:
+            shape = rank_shape
+        elif rank_shape != shape:
+            raise _damaged(path, f"{key!r} has global shape {list(rank_shape)} here, {list(shape)} on rank 0")
+        if local.numel:
+            pieces.setdefault(offsets, local)  # replicas of a shard: the first rank's
+    return pieces, shape
+
+
+def _sharded_tensor_pieces(
+    files: list[str], trees: list[Mapping[str, Any]], key: str
+) -> tuple[dict[tuple[int, ...], TensorRef], tuple[int, ...]]:
+    """Every rank's ShardedTensor shards of ``key`` by their offsets, and the global shape.
+
+    Every rank holds the same metadata (all shards' boxes); each rank's local shards must be
+    in it, and together the ranks must hold every shard it lists.
+    """
+    pieces: dict[tuple[int, ...], TensorRef] = {}
+    shape: tuple[int, ...] = ()
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for path, tree in zip(files, trees):
+        other = tree[key]
+        if not _is_sharded_tensor(other):
+            raise _damaged(path, f"{key!r} is not a ShardedTensor here but is on rank 0")
+        rank_shape, rank_boxes, local = _sharded_tensor(other, path, key)
+        if path is files[0]:
+            shape, boxes = rank_shape, rank_boxes
+        elif (rank_shape, sorted(rank_boxes)) != (shape, sorted(boxes)):
+            raise _damaged(path, f"the metadata of {key!r} here differs from rank 0's")
+        for offsets, tensor in local:
+            if tensor.numel:
+                pieces.setdefault(offsets, tensor)
+    held = set(pieces)
+    missing = [list(offsets) for offsets, sizes in boxes if math.prod(sizes) and offsets not in held]
+    if missing:
+        raise _damaged(files[0], f"no rank holds the shard of {key!r} at {missing[0]} that its metadata lists")
+    return pieces, shape
+
+
 def read(folder: str, *, max_items: int | None = None) -> ReadResult:
     """Read a folder of per-rank DTensor state dicts as one state dict; see the module docstring.
 
@@ -237,6 +387,15 @@ def read(folder: str, *, max_items: int | None = None) -> ReadResult:
             "give the file of one rank to read it alone",
             path=folder,
         )
+    flat = [key for key in first if isinstance(key, str) and key.rsplit(".", 1)[-1] == _FLAT_PARAM]
+    if flat:
+        raise UnsupportedFormatError(
+            f"{folder!r} holds FSDP1 LOCAL_STATE_DICT files ({len(files)} ranks, flat parameter {flat[0]!r}"
+            f"{f' and {len(flat) - 1} more' if len(flat) > 1 else ''}): each rank's slice of the flattened "
+            "parameters, which does not record their shapes, so they cannot be rebuilt exactly; save with "
+            "SHARDED_STATE_DICT or FULL_STATE_DICT and convert that",
+            path=folder,
+        )
     for path, tree in zip(files[1:], trees[1:]):
         if list(tree) != list(first):
             raise _damaged(path, f"its keys differ from those of {os.path.basename(files[0])}")
@@ -248,40 +407,47 @@ def read(folder: str, *, max_items: int | None = None) -> ReadResult:
             weights[key] = value  # buffers and plain values: rank 0's
             continue
         # Tied parameters are separate DTensors whose local shards view the same storage.
-        local = value.attributes().get("_local_tensor")
+        local = _local_tensor(value)
         tie = (id(local.storage), local.offset, local.shape, local.stride) if isinstance(local, TensorRef) else key
         if tie in built:
             weights[key] = built[tie]
             continue
-        pieces: dict[tuple[int, ...], TensorRef] = {}
-        shape: tuple[int, ...] = ()
-        for path, tree in zip(files, trees):
-            other = tree[key]
-            if not _is_dtensor(other):
-                raise _damaged(path, f"{key!r} is not a DTensor here but is on rank 0")
-            rank_shape, offsets, local = _shard(other, path, str(key))
-            if path is files[0]:
-                shape = rank_shape
-            elif rank_shape != shape:
-                raise _damaged(path, f"{key!r} has global shape {list(rank_shape)} here, {list(shape)} on rank 0")
-            if local.numel:
-                pieces.setdefault(offsets, local)  # replicas of a shard: the first rank's
+        sharded = _is_sharded_tensor(value)
+        pieces, shape = (
+            _sharded_tensor_pieces(files, trees, str(key)) if sharded else _dtensor_pieces(files, trees, str(key))
+        )
         dtypes = {piece.dtype for piece in pieces.values()}
         if len(dtypes) > 1 or sum(piece.numel for piece in pieces.values()) != math.prod(shape):
             raise _damaged(folder, f"the ranks' shards of {key!r} do not tile a tensor of size {list(shape)}")
-        spec = value.attributes()["_spec"].attributes()
-        placements[
-            ", ".join("Replicate()" if d is None else f"Shard({d})" for d in _placements(spec, folder, key))
-        ] += 1
-        dtype = next(iter(dtypes)) if dtypes else value.attributes()["_local_tensor"].dtype
+        # Equal volumes are not enough: an overlap can hide a hole.
+        overlap = _overlapping_chunks([(offsets, piece.shape) for offsets, piece in pieces.items()])
+        if overlap is not None:
+            raise _damaged(
+                folder,
+                f"the shards of {key!r} at {list(overlap[0])} and {list(overlap[1])} overlap, so part of the "
+                "tensor has two values and part none",
+            )
+        if sharded:
+            placements["ShardedTensor shards placed by their offsets"] += 1
+        else:
+            spec = value.attributes()["_spec"].attributes()
+            placements[
+                ", ".join("Replicate()" if d is None else f"Shard({d})" for d in _placements(spec, folder, key))
+            ] += 1
+        dtype = next(iter(dtypes)) if dtypes else _empty_dtype(value, folder, str(key))
         source = Assembled(tuple(pieces.items()), shape, dtype.itemsize)
         ref = TensorRef(
             Storage(math.prod(shape) * dtype.itemsize, source, name=str(key)), dtype, shape, contiguous_strides(shape)
         )
         built[tie] = ref
         weights[key] = ref
+    framework = (
+        "FSDP1 SHARDED_STATE_DICT (ShardedTensor) saved per rank with torch.save"
+        if any(_is_sharded_tensor(value) for value in first.values())
+        else "FSDP2 / DTensor state dicts saved per rank with torch.save"
+    )
     metadata = {
-        "framework": "FSDP2 / DTensor state dicts saved per rank with torch.save",
+        "framework": framework,
         "world_size": str(len(files)),
         "files": f"{os.path.basename(files[0])} ... {os.path.basename(files[-1])}",
         "placements": "; ".join(f"{text}: {count} tensors" for text, count in placements.items()),
