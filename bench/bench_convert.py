@@ -187,7 +187,16 @@ def run_once(case: Case) -> None:
     rss_file = case.source.parent / "rss.txt"
     argv = ["/usr/bin/time", "-f", "%M %U %S", "-o", str(rss_file), *case.argv] if TIME else case.argv
     start = time.perf_counter()
-    process = subprocess.run(argv, check=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=case.env)
+    # Run outside any source tree: `python -m` puts the working directory first on sys.path,
+    # ahead of PYTHONPATH, so from a checkout every row (--baseline ones too) would run that checkout.
+    process = subprocess.run(
+        argv,
+        check=False,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=case.env or {**os.environ, "PYTHONPATH": str(HERE.parent)},
+        cwd=case.source.parent,
+    )
     wall = time.perf_counter() - start
     if process.returncode != 0:
         raise SystemExit(f"{case.name} failed ({process.returncode}): {process.stderr.decode()[-2000:]}")
