@@ -40,9 +40,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     SIGTERM (``kill``, a job scheduler's time limit) is handled like Ctrl-C:
     partial outputs are removed and the exit code is 143.
     """
+    import os
     import signal
     import threading
 
+    # ckptconv makes no BLAS calls, but importing numpy starts OpenBLAS's thread pool, whose
+    # threads spin: 0.1 s of CPU per run on the 2-core VM, taken from the conversion's own threads
+    # (bench/results/bench_convert_round3_2core_vm.md). Only the command line sets this: a
+    # library caller's numpy is theirs to configure.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_sigterm)
     cli.main(args=list(argv) if argv is not None else None, prog_name="ckptconv")
