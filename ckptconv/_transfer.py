@@ -41,13 +41,12 @@ import mmap
 import os
 import queue
 import threading
-import zlib
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import read_policy
 from .errors import LoadError, MalformedCheckpointError
-from .integrity import crc32_combine
+from .integrity import crc32, crc32_combine
 from .tensor import FileRegion, Storage, read_exactly_into
 
 if TYPE_CHECKING:
@@ -415,7 +414,7 @@ class _Worker:
     def _record_crc(self, task: _Task, data: memoryview) -> None:
         assert task.count is not None
         # list.append is atomic; read_spans joins the pieces once every reader is done.
-        self.shared.crcs.setdefault(task.span.storage, []).append((task.position, task.count, zlib.crc32(data)))
+        self.shared.crcs.setdefault(task.span.storage, []).append((task.position, task.count, crc32(data)))
 
     def _free_slot(self) -> int:
         """The buffer to fill next, once the device has finished copying out of it."""
