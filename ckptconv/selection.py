@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ._text import plural
 from .errors import SelectionError
@@ -146,7 +146,13 @@ def _as_candidate(value: Any, path: tuple[PathPart, ...]) -> _Candidate | None:
     return None
 
 
-def _candidates(root: Any, base: tuple[PathPart, ...]) -> list[_Candidate]:
+def _candidates(
+    root: Any,
+    base: tuple[PathPart, ...],
+    recognise: Callable[[Any, tuple[PathPart, ...]], _Candidate | None] = _as_candidate,
+) -> list[_Candidate]:
+    """Every node up to :data:`_MAX_DEPTH` levels under ``root`` that ``recognise`` takes for weights,
+    breadth first, not looking inside training state or inside what it took."""
     found: list[_Candidate] = []
     seen: set[int] = set()
     level: list[tuple[tuple[PathPart, ...], Any]] = [(base, root)]
@@ -156,7 +162,7 @@ def _candidates(root: Any, base: tuple[PathPart, ...]) -> list[_Candidate]:
             if id(value) in seen:
                 continue
             seen.add(id(value))
-            candidate = _as_candidate(value, path)
+            candidate = recognise(value, path)
             if candidate is not None:
                 found.append(candidate)
                 continue
@@ -194,29 +200,6 @@ def _as_loose_candidate(value: Any, path: tuple[PathPart, ...]) -> _Candidate | 
     if not weights or any(_holds_tensor(item) for _, item in others):
         return None
     return _Candidate(path, weights, tuple(key for key, _ in others), "state_dict")
-
-
-def _loose_candidates(root: Any, base: tuple[PathPart, ...]) -> list[_Candidate]:
-    found: list[_Candidate] = []
-    seen: set[int] = set()
-    level: list[tuple[tuple[PathPart, ...], Any]] = [(base, root)]
-    for _depth in range(_MAX_DEPTH + 1):
-        next_level: list[tuple[tuple[PathPart, ...], Any]] = []
-        for path, value in level:
-            if id(value) in seen:
-                continue
-            seen.add(id(value))
-            candidate = _as_loose_candidate(value, path)
-            if candidate is not None:
-                found.append(candidate)
-                continue
-            next_level.extend(
-                ((*path, key), child)
-                for key, child in path_children(value)
-                if not (isinstance(key, str) and is_training_state(key))
-            )
-        level = next_level
-    return found
 
 
 def _left_out(root: Any, chosen: tuple[PathPart, ...], limit: int = 100_000) -> list[str]:
@@ -320,7 +303,7 @@ def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: st
                 "model, not whole weights; convert the DCP checkpoint folder, or save a full state dict "
                 "(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
             )
-        loose = _loose_candidates(root, base) if root is not None else []
+        loose = _candidates(root, base, _as_loose_candidate) if root is not None else []
         if len(loose) == 1:
             (only,) = loose
             return Selection(only.weights, only.path, only.kind, (), only.skipped)

@@ -241,6 +241,24 @@ def read(folder: str, *, max_items: int | None = None) -> ReadResult:
     )
 
 
+def box_inside(
+    offsets: object, sizes: object, shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``(offsets, sizes)`` as tuples when they (read from a file) are integer lists that place a box of
+    non-negative size inside a tensor of ``shape`` (a DCP chunk, a ShardedTensor shard); else None."""
+    inside = (
+        isinstance(offsets, (tuple, list))
+        and isinstance(sizes, (tuple, list))
+        and len(offsets) == len(shape)
+        and len(sizes) == len(shape)
+        and all(
+            type(o) is int and type(n) is int and o >= 0 and n >= 0 and o + n <= d
+            for o, n, d in zip(offsets, sizes, shape)
+        )
+    )
+    return (tuple(offsets), tuple(sizes)) if inside else None  # type: ignore[arg-type]
+
+
 def _tensor(
     folder: str,
     fqn: str,
@@ -261,17 +279,10 @@ def _tensor(
     for chunk in chunks:
         chunk_fields = _fields(chunk, folder, f"chunk of {fqn!r}")
         offsets, sizes = chunk_fields.get("offsets"), chunk_fields.get("sizes")
-        if (
-            not isinstance(offsets, (tuple, list))
-            or not isinstance(sizes, (tuple, list))
-            or len(offsets) != len(shape)
-            or len(sizes) != len(shape)
-            or any(
-                type(o) is not int or type(n) is not int or o < 0 or n < 0 or o + n > d
-                for o, n, d in zip(offsets, sizes, shape)
-            )
-        ):
+        box = box_inside(offsets, sizes, shape)
+        if box is None:
             raise _damaged(folder, f"{fqn!r} has a chunk at {offsets!r} of size {sizes!r}")
+        offsets, sizes = box
         path, start, length = region(fqn, tuple(offsets))
         result = torch_zip.read(path, region=(start, length), max_items=max_items)
         devices |= result.saved_devices

@@ -45,7 +45,7 @@ from ..standins import ForeignObject
 from ..tensor import Storage, TensorRef, contiguous_strides
 from . import torch_zip
 from ._base import ReadResult
-from .dcp import Assembled, _overlapping_chunks
+from .dcp import Assembled, _overlapping_chunks, box_inside
 
 __all__ = ["FORMAT", "find_files", "read", "sibling_files"]
 
@@ -148,18 +148,10 @@ def _box(value: Any, path: str, key: str, shape: tuple[int, ...]) -> tuple[tuple
     """``(offsets, sizes)`` of one ShardMetadata, checked to lie inside ``shape``."""
     fields = value.attributes() if isinstance(value, ForeignObject) else {}
     offsets, sizes = fields.get("shard_offsets"), fields.get("shard_sizes")
-    if (
-        not isinstance(offsets, (tuple, list))
-        or not isinstance(sizes, (tuple, list))
-        or len(offsets) != len(shape)
-        or len(sizes) != len(shape)
-        or any(
-            type(o) is not int or type(n) is not int or o < 0 or n < 0 or o + n > d
-            for o, n, d in zip(offsets, sizes, shape)
-        )
-    ):
+    box = box_inside(offsets, sizes, shape)
+    if box is None:
         raise _damaged(path, f"{key!r} has a shard at {offsets!r} of size {sizes!r} in a tensor of size {list(shape)}")
-    return tuple(offsets), tuple(sizes)
+    return box
 
 
 def _sharded_tensor(
