@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Callable, Union
 
 from . import write_policy
 from ._text import shown
-from .errors import CastOverflowError, DestinationError, OutputExistsError, WriteError
+from .errors import CastOverflowError, DestinationError, MalformedCheckpointError, OutputExistsError, WriteError
 from .formats import dcp, safetensors, sharded, torch_zip
 from .formats._base import MetadataValue, metadata_text, split_aliases
 from .formats.torch_zip import PlannedStorage
@@ -402,6 +402,17 @@ def _copy_file_region_with_crc(
         end = position + length
         while position < end:
             window = min(_COPY_CHUNK, end - position)
+            # A file cut short since it was opened gets the one-line error here, before a map
+            # of pages it no longer has (reading those would be SIGBUS). Only a file that shrinks
+            # during this window's copy escapes the check; pread instead of the map closes that
+            # too but costs 0.3 s of CPU and 16 MiB per GiB (bench: safetensors -> .pt, 1 GiB).
+            available = os.fstat(src.fileno()).st_size - position
+            if available < window:
+                raise MalformedCheckpointError(
+                    f"{source.path!r} is truncated: {window - max(available, 0)} bytes missing at offset "
+                    f"{position + max(available, 0)}; the file is damaged or still being written",
+                    path=source.path,
+                )
             aligned = position - position % mmap.ALLOCATIONGRANULARITY
             mapped = mmap.mmap(src.fileno(), position + window - aligned, offset=aligned, access=mmap.ACCESS_READ)
             view = memoryview(mapped)[position - aligned :]

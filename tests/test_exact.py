@@ -301,16 +301,22 @@ def test_one_record_with_crc_zero_in_a_file_with_crcs_is_refused(tmp_path: Path)
     torch.save({"w": torch.arange(16, dtype=torch.float32)}, source)
     with zipfile.ZipFile(source) as archive:
         info = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+    _set_record_crc(source, info, 0)
+    assert_refused(source, tmp_path, f"record {info.filename!r} (tensor 'w') has CRC-32")
+
+
+def _set_record_crc(source: Path, info: zipfile.ZipInfo, crc: int) -> None:
+    """Record ``crc`` as the CRC-32 of one member, in its local header and its central directory entry."""
     data = bytearray(source.read_bytes())
-    data[info.header_offset + 14 : info.header_offset + 18] = bytes(4)
+    packed = struct.pack("<I", crc)
+    data[info.header_offset + 14 : info.header_offset + 18] = packed  # local header
     position = data.index(b"PK\x01\x02")
     while position >= 0:
         name_length = struct.unpack("<H", data[position + 28 : position + 30])[0]
         if data[position + 46 : position + 46 + name_length].decode() == info.filename:
-            data[position + 16 : position + 20] = bytes(4)
+            data[position + 16 : position + 20] = packed  # central directory
         position = data.find(b"PK\x01\x02", position + 4)
     source.write_bytes(bytes(data))
-    assert_refused(source, tmp_path, f"record {info.filename!r} (tensor 'w') has CRC-32")
 
 
 def test_compressed_records_are_checked_too(tmp_path: Path) -> None:
@@ -322,16 +328,7 @@ def test_compressed_records_are_checked_too(tmp_path: Path) -> None:
             new.writestr(info.filename, old.read(info))
     with zipfile.ZipFile(source) as archive:
         info = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
-    data = bytearray(source.read_bytes())
-    wrong = struct.pack("<I", info.CRC ^ 1)
-    data[info.header_offset + 14 : info.header_offset + 18] = wrong  # local header
-    position = data.index(b"PK\x01\x02")
-    while position >= 0:
-        name_length = struct.unpack("<H", data[position + 28 : position + 30])[0]
-        if data[position + 46 : position + 46 + name_length].decode() == info.filename:
-            data[position + 16 : position + 20] = wrong  # central directory
-        position = data.find(b"PK\x01\x02", position + 4)
-    source.write_bytes(bytes(data))
+    _set_record_crc(source, info, info.CRC ^ 1)
     # zipfile checks a deflated record's CRC as it decompresses; whoever reads first reports it.
     assert_refused(source, tmp_path, f"record {info.filename!r}")
     code, _, stderr = run_cli("convert", str(source), str(tmp_path / "x.pt"))

@@ -308,3 +308,36 @@ def test_the_fast_crc32_is_zlibs(size: int) -> None:
     assert crc32(data, 0x12345678) == zlib.crc32(data, 0x12345678)
     half = size // 2
     assert crc32(data[half:], crc32(data[:half])) == zlib.crc32(data)
+
+
+def test_a_copy_from_a_file_truncated_after_it_was_opened_is_refused_not_crashed(tmp_path: Path) -> None:
+    """The writer's kernel copy with a checksum beside it (a safetensors tensor into a .pt record) checks
+    the source's size before it maps each window, so a source cut short since it was opened gets the
+    one-line truncation error (it gave a ValueError traceback). Run in a child process, which a read
+    of unmapped pages (SIGBUS) would kill."""
+    import subprocess
+    import sys
+
+    source = tmp_path / "model.bin"
+    source.write_bytes(bytes(range(256)) * (1 << 14))  # 4 MiB
+    os.truncate(source, 1 << 20)
+    script = (
+        "import io, sys\n"
+        "from ckptconv import writing\n"
+        "from ckptconv.errors import MalformedCheckpointError\n"
+        "from ckptconv.tensor import FileRegion\n"
+        "try:\n"
+        "    writing._copy_file_region_with_crc(FileRegion(sys.argv[1], 0), 0, 4 << 20, open(sys.argv[2], 'wb'),"
+        " lambda n: None)\n"
+        "except MalformedCheckpointError as error:\n"
+        "    print(error)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(source), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        check=False,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-500:])
+    assert "is truncated" in done.stdout
