@@ -44,6 +44,7 @@ __all__ = [
     "UnsupportedFormatError",
     "VerifyError",
     "WriteError",
+    "interruption",
 ]
 
 
@@ -163,3 +164,19 @@ class DestinationError(WriteError, ValueError):
 
 class VerifyError(CkptconvError):
     """The output does not hold what its source and transforms promise."""
+
+
+def interruption(error: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM that ``error`` was raised while handling, if any.
+
+    An error raised while an interruption unwinds the work (a reader thread's read of a file the
+    unwinding closed: EBADF) is a consequence of the interruption, not a failure of its own.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None

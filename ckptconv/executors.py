@@ -43,7 +43,7 @@ from typing import IO, Any, Callable
 from . import write_policy
 from ._worker import read_frame, write_frame
 from .discovery import FILE, Item, member_paths
-from .errors import CkptconvError, LoadError, TransformError
+from .errors import CkptconvError, LoadError, TransformError, interruption
 from .options import ConversionOptions
 from .report import CONVERTED, FAILED, ItemResult, OutputFile
 
@@ -111,16 +111,20 @@ def run_job(job: Job) -> ItemResult:
     started = time.perf_counter()
     try:
         result = _convert(job)
-    except CkptconvError as error:
-        result = _failed(job, type(error).__name__, str(error))
-    except Exception as error:  # a bug, or a hostile file finding one: record it, keep going
-        result = _failed(
-            job,
-            _qualified(error),
-            f"unexpected {type(error).__name__} while converting {job.item.name!r}: {error} "
-            "(a bug in ckptconv; please report it with the traceback from the manifest)",
-            traceback.format_exc(),
-        )
+    except Exception as error:
+        interrupt = interruption(error)
+        if interrupt is not None:  # raised while Ctrl-C or SIGTERM unwound the work: that is what happened
+            raise interrupt from None
+        if isinstance(error, CkptconvError):
+            result = _failed(job, type(error).__name__, str(error))
+        else:  # a bug, or a hostile file finding one: record it, keep going
+            result = _failed(
+                job,
+                _qualified(error),
+                f"unexpected {type(error).__name__} while converting {job.item.name!r}: {error} "
+                "(a bug in ckptconv; please report it with the traceback from the manifest)",
+                traceback.format_exc(),
+            )
     return dataclasses.replace(result, duration_s=time.perf_counter() - started)
 
 

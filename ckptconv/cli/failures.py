@@ -44,7 +44,7 @@ class Command(click.Command):
 
 class Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
-        from ..errors import CkptconvError, DestinationError, FitError
+        from ..errors import CkptconvError, DestinationError, FitError, interruption
 
         try:
             return super().invoke(ctx)
@@ -84,18 +84,6 @@ class Terminated(KeyboardInterrupt):
 
 def on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
-
-
-def interruption(error: BaseException) -> KeyboardInterrupt | None:
-    """The Ctrl-C or SIGTERM that ``error`` was raised while handling, if any."""
-    seen: set[int] = set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, KeyboardInterrupt):
-            return cause
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return None
 
 
 def signal_name(interrupt: BaseException) -> str:
