@@ -44,7 +44,6 @@ __all__ = [
     "UnsupportedFormatError",
     "VerifyError",
     "WriteError",
-    "interruption",
 ]
 
 
