@@ -51,6 +51,11 @@ float16 scalar path gives ``0x7E00`` with the sign); non-NaN values agree.
 
 Casts run block by block (:data:`BLOCK_ELEMENTS`) so that the temporaries
 stay in cache and the result does not depend on how a caller chunks its input.
+A block whose values are all finite and stay finite (its max and min, two
+reductions, lie inside the overflow threshold: :func:`_tame_bound`) is *tame*:
+it has no overflow to count and no NaN to patch, and float16 rounds it in 12
+passes instead of 15 (:func:`_f32_to_f16_tame`; checked against torch for all
+finite float32 patterns below the threshold, as the bfloat16 path with it).
 """
 
 from __future__ import annotations
@@ -137,6 +142,10 @@ class _Scratch:
 
     def __init__(self, size: int) -> None:
         self.size = size
+        #: Set per block by the caller: every value of the block is finite and its
+        #: cast stays finite (see :class:`_Tameness`), so kernels skip their NaN
+        #: patching and the float16 kernel its overflow handling.
+        self.tame = False
         self._u32: np.ndarray | None = None
         self._f32: np.ndarray | None = None
         self._mid: np.ndarray | None = None
@@ -172,9 +181,9 @@ def _nan_positions(values: np.ndarray, scratch: _Scratch) -> np.ndarray | None:
     """Indices of the NaNs in a float32 block, or None when there are none (the common case).
 
     One max-reduction pass answers "any NaN?" (max propagates NaN), so a
-    NaN-free block costs no mask.
+    NaN-free block costs no mask; a block known to be tame costs nothing.
     """
-    if values.size == 0 or not np.isnan(values.max()):
+    if scratch.tame or values.size == 0 or not np.isnan(values.max()):
         return None
     mask = scratch.mask(values.size)
     np.isnan(values, out=mask)
@@ -268,6 +277,9 @@ def _f32_to_f16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
     power of two just above the value makes the FPU round the float16
     mantissa, subnormals included, into the low bits. NaNs are patched after.
     """
+    if scratch.tame:
+        _f32_to_f16_tame(src, out, scratch)
+        return
     n = src.size
     bits = src.view(np.uint32)
     value = scratch.f32(n)
@@ -294,6 +306,36 @@ def _f32_to_f16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
     if nans is not None:
         nan_bits = bits[nans]
         half[nans] = ((nan_bits >> 16) & 0x8000) | 0x7E00 | ((nan_bits >> 13) & 0x03FF)
+
+
+def _f32_to_f16_tame(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+    """:func:`_f32_to_f16` for a block of finite values that all stay below float16's overflow.
+
+    The same rounding in 12 passes instead of 15: with no inf to produce, the
+    2**112 overflow scaling goes, ``4|x|`` is the exponent field plus 2 (for
+    float32 zeros and subnormals it is a value far below the bias's half ulp,
+    so they still round to 0), and the float16 exponent comes out of the
+    rounded bits' low 16 bits without a mask (the bias's exponent is 128 plus
+    the float16 one, and 128 << 10 lies above bit 15).
+    """
+    n = src.size
+    bits = src.view(np.uint32)
+    value = scratch.u32(n)
+    bias = scratch.f32(n).view(np.uint32)
+    np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=value)
+    np.add(value, np.uint32(0x01000000), out=value)  # 4|x|
+    # 2**(e + 15) for the value's exponent e, at least 2**1 (float16 subnormals).
+    np.bitwise_and(value, np.uint32(0x7F800000), out=bias)
+    np.maximum(bias, _filled(0x39800000, max(n, BLOCK_ELEMENTS))[:n], out=bias)
+    np.add(bias, np.uint32(0x06800000), out=bias)
+    np.add(value.view(np.float32), bias.view(np.float32), out=value.view(np.float32))
+    np.right_shift(value, 13, out=bias)
+    np.bitwise_and(value, np.uint32(0x0FFF), out=value)  # mantissa, with any carry
+    np.add(bias, value, out=bias)
+    np.right_shift(bits, 16, out=value)
+    np.bitwise_and(value, np.uint32(0x8000), out=value)
+    np.bitwise_or(bias, value, out=bias)
+    np.copyto(out.view(np.uint16), bias, casting="unsafe")
 
 
 def _k_f64_f16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
@@ -540,8 +582,31 @@ def cast_counting_overflows(
     return _cast_blocks(values, source, target, out, count=True)
 
 
+# The pairs whose kernels run faster on a tame block (see _Scratch.tame).
+_TAME_KERNELS = frozenset(
+    {("float32", "float16"), ("float64", "float16"), ("float32", "bfloat16"), ("float64", "bfloat16")}
+)
+
+
+@cache
+def _tame_bound(source: str, target: str) -> Any:
+    """The smallest ``source`` magnitude whose cast to ``target`` overflows, as a numpy scalar, or None.
+
+    A block whose max is below it and whose min is above its negative is
+    tame: finite (a NaN fails both comparisons) and nothing overflows. Two
+    reductions decide that for the overflow count, the NaN patching and the
+    float16 kernel's fast form at once. None when the source has no numpy
+    float type or nothing can overflow.
+    """
+    stored = storage_dtype(source)
+    threshold = _overflow_threshold(source, target) if stored.kind == "f" else None
+    if threshold is None:
+        return None
+    return np.array([threshold], _UINT[stored.itemsize]).view(stored)[0]
+
+
 def _cast_blocks(
-    values: np.ndarray, source: str, target: str, out: np.ndarray | None, *, count: bool
+    values: np.ndarray, source: str, target: str, out: np.ndarray | None, *, count: bool, tame: bool = True
 ) -> tuple[np.ndarray, int]:
     kernel = None if source == target else _kernel(source, target)
     src = _as_storage(values, source).reshape(-1)
@@ -559,14 +624,16 @@ def _cast_blocks(
     n = src.size
     scratch = _Scratch(min(n, BLOCK_ELEMENTS))
     counter = _OverflowCounter(source, target, min(n, BLOCK_ELEMENTS)) if count and source != target else None
+    bound = _tame_bound(source, target) if tame and (counter is not None or (source, target) in _TAME_KERNELS) else None
     overflows = 0
     # Overflow to inf and NaN inputs are expected here, not worth a warning.
     with np.errstate(all="ignore"):
         for start in range(0, n, BLOCK_ELEMENTS):
-            stop = min(start + BLOCK_ELEMENTS, n)
-            kernel(src[start:stop], result[start:stop], scratch)
-            if counter is not None:
-                overflows += counter.count(src[start:stop])
+            block = src[start : start + BLOCK_ELEMENTS]
+            scratch.tame = bound is not None and block.max() < bound and block.min() > -bound
+            kernel(block, result[start : start + BLOCK_ELEMENTS], scratch)
+            if counter is not None and not scratch.tame:
+                overflows += counter.count(block)
     return (result.reshape(values.shape) if out is None else out), overflows
 
 
@@ -584,7 +651,8 @@ def _overflow_threshold(source: str, target: str) -> int | None:
 
     def overflows(pattern: int) -> bool:
         bits = np.array([pattern], dtype=uint)
-        result = cast_array(bits, source, target).view(target_uint)
+        # Without the tame test, which needs this threshold.
+        result = _cast_blocks(bits, source, target, None, count=False, tame=False)[0].view(target_uint)
         return int(result[0]) == target_inf
 
     low, high = 0, _INF_BITS[source] - 1  # the largest finite magnitude

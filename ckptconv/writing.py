@@ -34,7 +34,7 @@ from .integrity import crc32
 from .options import TIED
 from .read_policy import open_file
 from .suffixes import SAFETENSORS_SUFFIX, TAR_SUFFIX, TORCH_SUFFIXES
-from .tensor import FileRegion, TensorRef
+from .tensor import FileRegion, Storage, TensorRef
 
 __all__ = ["WriteReport", "output_format", "save"]
 
@@ -357,18 +357,23 @@ def _copy_range(src: int, offset: int, length: int, file: BinaryIO, path: str) -
     file.seek(0, os.SEEK_END)  # the raw descriptor moved; resynchronise the buffered file
 
 
-def _write_tensor(ref: TensorRef, file: BinaryIO) -> Iterator[int]:
+def _write_tensor(ref: TensorRef, file: BinaryIO, record_crcs: dict[Storage, int] | None = None) -> Iterator[int]:
     """Write one tensor's contiguous bytes; a plain copy when nothing needs converting."""
     region = ref.verbatim_region
     if region is not None:
         yield from _copy_file_region(*region, file)
         return
-    for chunk in ref.iter_bytes():
+    for chunk in ref.iter_bytes(record_crcs=record_crcs):
         file.write(chunk)
         yield len(chunk)
 
 
-def _write_planned_storage(storage: PlannedStorage, file: BinaryIO, update: Callable[[int], None]) -> int:
+def _write_planned_storage(
+    storage: PlannedStorage,
+    file: BinaryIO,
+    update: Callable[[int], None],
+    record_crcs: dict[Storage, int] | None = None,
+) -> int:
     """Write one output storage record and return its CRC-32.
 
     A whole zip record copied unchanged keeps the CRC its source recorded and
@@ -378,7 +383,7 @@ def _write_planned_storage(storage: PlannedStorage, file: BinaryIO, update: Call
     ref = storage.tensor
     region = ref.verbatim_region
     if region is None:
-        return _write_with_crc(ref.iter_bytes(), file, update)
+        return _write_with_crc(ref.iter_bytes(record_crcs=record_crcs), file, update)
     source, start, length = region
     if source.crc32 is not None and ref.is_whole_storage:
         for count in _copy_file_region(source, start, length, file):
@@ -492,6 +497,7 @@ def save(
     fsync: bool = True,
     tied: str = "dedupe",
     format: str | None = None,
+    record_crcs: dict[Storage, int] | None = None,
 ) -> WriteReport:
     """Write a state dict to ``.pt``, safetensors, shards or a DCP folder, streaming, atomically.
 
@@ -532,6 +538,11 @@ def save(
             ``model.load_state_dict(safetensors.torch.load_file(path), strict=True)``
             accepts the file. ``.pt`` files always keep tied tensors shared.
         format: deprecated spelling of ``to``.
+        record_crcs: a dict that receives the CRC-32 of each whole source
+            record a cast reads, taken from the bytes it cast (see
+            :func:`ckptconv.streaming.iter_bytes`); a converter checks them
+            with :func:`ckptconv.integrity.check_record_crcs` (``computed=``)
+            instead of reading those records again.
 
     Returns:
         A :class:`WriteReport`.
@@ -579,6 +590,7 @@ def save(
                 check=check,
                 fsync=fsync,
                 dedupe=tied == "dedupe",
+                record_crcs=record_crcs,
             )
         protected.check_file(target)
         return _save_file(
@@ -592,6 +604,7 @@ def save(
             check=check,
             fsync=fsync,
             dedupe=tied == "dedupe",
+            record_crcs=record_crcs,
         )
     finally:
         close()
@@ -635,13 +648,14 @@ def _save_file(
     check: Callable[[str], None] | None,
     fsync: bool,
     dedupe: bool = True,
+    record_crcs: dict[Storage, int] | None = None,
 ) -> WriteReport:
     aliases: dict[str, str] = {}
     with atomic_output(target, overwrite=overwrite, fsync=fsync) as file:
         if kind == "safetensors":
 
             def write_tensor(ref: TensorRef, out: BinaryIO) -> Iterator[int]:
-                for count in _with_key(entries, ref, _write_tensor(ref, out)):
+                for count in _with_key(entries, ref, _write_tensor(ref, out, record_crcs)):
                     update(count)
                     yield count
 
@@ -651,7 +665,7 @@ def _save_file(
             written = torch_zip.write(
                 entries,
                 file,
-                write_storage=functools.partial(_write_planned_storage, update=update),
+                write_storage=functools.partial(_write_planned_storage, update=update, record_crcs=record_crcs),
                 metadata=metadata,
                 extra=extra,
             )
@@ -675,6 +689,7 @@ def _save_folder(
     check: Callable[[str], None] | None,
     fsync: bool,
     dedupe: bool = True,
+    record_crcs: dict[Storage, int] | None = None,
 ) -> WriteReport:
     """Write a sharded or DCP folder: each file atomically, the index last, stale shards only with overwrite."""
     if os.path.exists(folder) and not os.path.isdir(folder):
@@ -731,6 +746,7 @@ def _save_folder(
                     check=None,
                     fsync=fsync,
                     dedupe=dedupe,
+                    record_crcs=record_crcs,
                 )
                 written_files.append(report.path)
                 total += report.bytes

@@ -296,6 +296,32 @@ def test_random_bit_patterns(source: str, target: str) -> None:
     assert_matches_torch(np.concatenate([raw.view(storage_dtype(source)), ranged]), source, target)
 
 
+@pytest.mark.parametrize("source, target", [(s, t) for s in ("float32", "float64") for t in ("float16", "bfloat16")])
+def test_tame_blocks_match_torch(source: str, target: str) -> None:
+    """Blocks whose values are all finite and stay finite take the kernels' fast forms (no NaN
+    patching, no overflow count, float16 without its overflow scaling): every rounding boundary,
+    the subnormal range, zeros and values far below it, and random magnitudes, block by block."""
+    rng = np.random.default_rng(15)
+    edges = f32_edges_for(target) if source == "float32" else f64_edges_for(target)
+    ranged = rng.standard_normal(1 << 18) * np.exp2(rng.uniform(-40, 17, size=1 << 18))
+    tiny = np.array([0.0, -0.0, 1e-40, -1e-45, 2.0**-149, 2.0**-126, -(2.0**-126) * 0.99])
+    values = np.concatenate([edges.astype(storage_dtype(source)), ranged, tiny]).astype(storage_dtype(source))
+    expected = torch_cast(values, source, target)
+    keep = np.isfinite(values) & ~is_nan_bits(expected, target)
+    keep &= (expected & np.uint16(0x7FFF)) != _cast._INF_BITS[target]
+    tame = values[keep]
+    bound = _cast._tame_bound(source, target)
+    assert bound is not None and tame.max() < bound and tame.min() > -bound  # every block is tame
+    out = np.empty(tame.size, storage_dtype(target))
+    assert cast_counting_overflows(tame, source, target, out=out)[1] == 0
+    assert np.array_equal(bits(out), expected[keep])
+    assert np.array_equal(bits(cast_array(tame, source, target)), expected[keep])
+    # One value out of range sends its block (only) back to the full kernels.
+    spoiled = tame.copy()
+    spoiled[_cast.BLOCK_ELEMENTS + 1] = np.inf
+    assert np.array_equal(bits(cast_array(spoiled, source, target)), torch_cast(spoiled, source, target))
+
+
 # fmt: off
 NAN_PAYLOADS = {
     "float32": [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FA12345, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F810000],
