@@ -10,6 +10,9 @@ file, and each child's peak RSS (from wait4's rusage).
     python bench/bench_convert.py --sizes 1 --runs 3 --quick
     python bench/bench_convert.py --sizes 1 --quick --baseline /path/to/other/checkout
 
+A first, untimed round checks every output bit for bit against torch and fills the
+bytecode cache (children run as an installed package would, with compiled modules).
+
 ``--baseline`` adds each ckptconv row once more, run from another source tree
 (``PYTHONPATH``), alternating with this tree's: before/after ratios from one run.
 
@@ -172,7 +175,19 @@ def warm(path: Path) -> None:
             pass
 
 
-def run_once(case: Case) -> None:
+def child_env(tree: Path, cache: Path) -> dict[str, str]:
+    """The environment a child runs ckptconv from ``tree`` in, with bytecode cached in ``cache``.
+
+    Installed packages come with compiled bytecode (pip compiles it), but a checkout run with
+    PYTHONDONTWRITEBYTECODE=1 (as some sandboxes set) compiles every module on every start:
+    about 50 ms of a 0.1 s command. The first, untimed round fills the cache.
+    """
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONPYCACHEPREFIX": str(cache)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def run_once(case: Case, *, timed: bool = True) -> None:
     if case.output is not None and case.output.exists():
         case.output.unlink()
     # Flush earlier runs' dirty pages first: their writeback would throttle
@@ -194,12 +209,14 @@ def run_once(case: Case) -> None:
         check=False,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        env=case.env or {**os.environ, "PYTHONPATH": str(HERE.parent)},
+        env=case.env or child_env(HERE.parent, case.source.parent / "pycache"),
         cwd=case.source.parent,
     )
     wall = time.perf_counter() - start
     if process.returncode != 0:
         raise SystemExit(f"{case.name} failed ({process.returncode}): {process.stderr.decode()[-2000:]}")
+    if not timed:
+        return
     case.walls.append(wall)
     if TIME:
         rss, user, system = rss_file.read_text().split()[-3:]
@@ -209,9 +226,9 @@ def run_once(case: Case) -> None:
 
 def with_baseline(cases: list[Case], baseline: Path) -> list[Case]:
     """Each ckptconv case twice, the second from the ``baseline`` source tree, side by side."""
-    env = {**os.environ, "PYTHONPATH": str(baseline)}
     result = []
     for case in cases:
+        env = child_env(baseline, case.source.parent / "pycache")
         result.append(case)
         if case.name.startswith("ckptconv") and not case.cold:
             output = case.output.with_name("baseline_" + case.output.name) if case.output else None
@@ -409,10 +426,11 @@ def main() -> None:
             cases = [c for c in cases if c.name == "cp" or any(text in c.name for text in args.only)]
         if args.baseline:
             cases = with_baseline(cases, args.baseline)
-        for round_number in range(args.runs):
-            print(f"{size:g} GiB round {round_number + 1}/{args.runs}", file=sys.stderr)
+        for round_number in range(args.runs + 1):
+            label = f"round {round_number}/{args.runs}" if round_number else "untimed round (checks, bytecode cache)"
+            print(f"{size:g} GiB {label}", file=sys.stderr)
             for case in cases:
-                run_once(case)
+                run_once(case, timed=round_number > 0)
                 if round_number == 0:
                     verify_outputs([case])
                 # One output on disk at a time: with --baseline at 4 GiB they would add up to ~80 GB.
