@@ -20,7 +20,7 @@ from ._text import plural
 from ._version import __version__
 from .errors import FitError, VerifyError
 from .formats._base import Deferred, MetadataValue
-from .integrity import check_record_crcs
+from .integrity import RecordCrcs, check_record_crcs
 from .loading import open as open_checkpoint
 from .metadata import checkpoint_metadata, encode_entries, source_sha256
 from .options import ConversionOptions
@@ -307,13 +307,24 @@ def convert(
 
     give_up = threading.Event()
     digest: concurrent.futures.Future[str] | None = None
-    crcs: concurrent.futures.Future[None] | None = None
+    crcs: concurrent.futures.Future[Any] | None = None
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as hasher:
-        if options.check_crc:
-            crcs = hasher.submit(check_record_crcs, list(state.items()), stop=give_up)
+        tensors: list[tuple[str, TensorRef]] = list(state.items())
         if options.source_hash and options.provenance:
-            digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)
+            # One read of the source gives its sha256 and the records' CRC-32s.
+            records = RecordCrcs(tensors) if options.check_crc else None
+
+            def hash_and_check() -> str:
+                value = source_sha256(checkpoint.path, stop=give_up, watcher=records.watcher if records else None)
+                if records is not None:
+                    check_record_crcs(tensors, stop=give_up, computed=records.computed())
+                return value
+
+            digest = hasher.submit(hash_and_check)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
+            crcs = digest if records is not None else None
+        elif options.check_crc:
+            crcs = hasher.submit(check_record_crcs, tensors, stop=give_up)
         try:
             written = save(
                 state,
