@@ -356,6 +356,32 @@ def test_the_defaults_read_the_source_once_for_its_hash_and_its_crcs(
         assert torch.equal(written[key].view(torch.uint8), tensor.view(torch.uint8)), key
 
 
+def test_a_sharded_source_is_read_once_for_its_hash_and_its_crcs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a real Hugging Face folder of eight torch-zip shards: every shard's records are
+    checked from the hash's read of that shard, and the output equals what torch.load reads."""
+    import safetensors.torch
+
+    from ckptconv.tensor import FileRegion
+
+    folder = Path(__file__).resolve().parent.parent / "fixtures" / "gpu" / "hf_sharded_bin"
+    expected: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("pytorch_model-*.bin")):
+        expected.update(torch.load(shard, weights_only=True, map_location="cpu"))  # saved on cuda
+
+    def no_second_read(self: FileRegion) -> None:
+        raise AssertionError(f"{self.path} was read again for its CRC-32")
+
+    monkeypatch.setattr(FileRegion, "opened", no_second_read)
+    output = tmp_path / "model.safetensors"
+    ckptconv.convert(folder, output, tied="copy")
+    written = safetensors.torch.load_file(output)
+    assert written.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(written[key].view(torch.uint8), tensor.contiguous().view(torch.uint8)), key
+
+
 def _set_record_crc(source: Path, info: zipfile.ZipInfo, crc: int) -> None:
     """Record ``crc`` as the CRC-32 of one member, in its local header and its central directory entry."""
     data = bytearray(source.read_bytes())
