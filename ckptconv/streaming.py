@@ -378,11 +378,13 @@ def _iter_cast_pieces(
             if record_crcs is not None and piece_crc is not None:
                 record_crcs[ref.storage] = piece_crc
             return
-        in_flight = 2  # one thread per core of the 2-core VM; 1 and 3 were slower there
+        # Two threads (one per core of the 2-core VM; 1 and 3 were slower there) and a
+        # third piece queued, so that both have work while the caller writes.
+        workers, in_flight = 2, 3
         pending: collections.deque[concurrent.futures.Future[tuple[memoryview, np.ndarray, int | None]]]
         pending = collections.deque()
         upcoming = iter(positions)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=in_flight) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
             try:
                 for position in itertools.islice(upcoming, in_flight):
                     pending.append(pool.submit(work, position))
