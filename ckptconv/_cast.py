@@ -308,8 +308,52 @@ def _f32_to_f16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
         half[nans] = ((nan_bits >> 16) & 0x8000) | 0x7E00 | ((nan_bits >> 13) & 0x03FF)
 
 
-def _f32_to_f16_tame(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+@cache
+def _ml_complex32() -> np.dtype[Any] | None:
+    """ml_dtypes' complex32 (two float16s), where it exists and rounds as torch does; else None.
+
+    Cast from complex64, it rounds a pair of float32s to a pair of float16s,
+    so a float32 block viewed as complex64 comes out as its float16 block, in
+    one pass that is faster than :func:`_f32_to_f16_tame`'s numpy passes (1 GiB
+    cast from a memory map on one thread of the 2-core VM: 0.60 against 0.75 s).
+    For finite values below float16's overflow it
+    rounds exactly as torch does (checked against torch for all such float32
+    patterns with ml_dtypes 0.6.0); only tame blocks use it (NaN and overflow
+    encodings are not relied on). Older ml_dtypes have no complex32; and a
+    version that rounded differently is caught here, once, by comparing it
+    with :func:`_f32_to_f16_tame` on every float16 rounding boundary.
+    """
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+        return None
+    complex32 = getattr(ml_dtypes, "complex32", None)
+    if complex32 is None:  # pragma: no cover - older ml_dtypes have none
+        return None
+    dtype: np.dtype[Any] = np.dtype(complex32)
+    if dtype.itemsize != 4:  # pragma: no cover - not two float16s
+        return None
+    # Every finite float16 midpoint (a tie), and the float32 values just below and above.
+    halves = np.arange(0x7BFF, dtype=np.uint16)
+    low = halves.view(np.float16).astype(np.float32).view(np.uint32)
+    high = (halves + 1).view(np.float16).astype(np.float32).view(np.uint32)
+    middle = ((low.astype(np.uint64) + high) // 2).astype(np.uint32)
+    probes = np.concatenate([middle, middle - 1, middle + 1, low, np.arange(0, 0x400000, 997, dtype=np.uint32)])
+    probes = np.concatenate([probes, probes | np.uint32(0x80000000)])
+    values = probes[: probes.size - probes.size % 2].view(np.float32)
+    expected = np.empty(values.size, np.float16)
+    scratch = _Scratch(values.size)
+    _f32_to_f16_tame(values, expected, scratch, complex32=None)
+    got = np.empty(values.size // 2, dtype)
+    np.copyto(got, values.view(np.complex64), casting="unsafe")
+    return dtype if np.array_equal(got.view(np.uint16), expected.view(np.uint16)) else None
+
+
+def _f32_to_f16_tame(src: np.ndarray, out: np.ndarray, scratch: _Scratch, complex32: Any = True) -> None:
     """:func:`_f32_to_f16` for a block of finite values that all stay below float16's overflow.
+
+    With ml_dtypes' complex32 (:func:`_ml_complex32`), its cast does the
+    rounding, two elements at a time; an odd last element takes the passes below.
 
     The same rounding in 13 passes instead of 15, the sign's last two over
     16-bit data: with no inf to produce, the 2**112 overflow scaling goes, ``4|x|`` is the exponent field plus 2 (for
@@ -318,6 +362,14 @@ def _f32_to_f16_tame(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> Non
     rounded bits' low 16 bits without a mask (the bias's exponent is 128 plus
     the float16 one, and 128 << 10 lies above bit 15).
     """
+    if complex32 is True:
+        complex32 = _ml_complex32()
+    if complex32 is not None and src.size >= 2:
+        even = src.size - src.size % 2
+        np.copyto(out[:even].view(complex32), src[:even].view(np.complex64), casting="unsafe")
+        if even == src.size:
+            return
+        src, out = src[even:], out[even:]
     n = src.size
     bits = src.view(np.uint32)
     value = scratch.u32(n)
