@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from .tensor import TensorRef
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "iter_bytes", "read_array", "reads_whole_record"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "iter_bytes", "iter_bytes_with_crcs", "read_array", "reads_whole_record"]
 
 # Reads larger than this are split; it keeps single allocations modest when a
 # caller streams a huge tensor.
@@ -153,9 +153,29 @@ def iter_bytes(
     Each chunk is a view that is only valid until the next one is asked
     for: consume it (write, hash) before advancing.
     """
+    for view, _ in _chunks(ref, chunk_bytes, record_crcs, chunk_crcs=False):
+        yield view
+
+
+def iter_bytes_with_crcs(
+    ref: TensorRef, chunk_bytes: int | None = None, *, record_crcs: MutableMapping[Storage, int] | None = None
+) -> Iterator[tuple[memoryview, int | None]]:
+    """:func:`iter_bytes`, each chunk with its CRC-32 where the cast threads took it, else None.
+
+    A cast thread checksums the piece it has just cast while it is still in
+    its cache, instead of a writer reading it once more on another thread
+    (the ``.pt`` writer needs each record's CRC-32).
+    """
+    return _chunks(ref, chunk_bytes, record_crcs, chunk_crcs=True)
+
+
+def _chunks(
+    ref: TensorRef, chunk_bytes: int | None, record_crcs: MutableMapping[Storage, int] | None, *, chunk_crcs: bool
+) -> Iterator[tuple[memoryview, int | None]]:
     chunk_bytes = chunk_bytes or DEFAULT_CHUNK_BYTES
     if not (ref.is_contiguous and ref.storage.byteorder == "little" and not (ref.conj or ref.neg)):
-        yield from _iter_gathered(ref, chunk_bytes)
+        for view in _iter_gathered(ref, chunk_bytes):
+            yield view, None
         return
     import numpy as np
 
@@ -170,7 +190,7 @@ def iter_bytes(
             for position in range(start, end, chunk):
                 piece = read_buffer[: min(chunk, end - position)]
                 read_into(position, piece.data)
-                yield piece.data
+                yield piece.data, None
         return
     if isinstance(ref.storage.source, ZipMember):
         # Compressed records: one stream read in order (two threads reading
@@ -179,10 +199,12 @@ def iter_bytes(
             for position in range(start, end, chunk):
                 raw = np.empty(min(chunk, end - position), dtype=np.uint8)
                 read_into(position, raw.data)
-                yield _bytes_view(_cast(ref, raw.view(np.dtype(ref.dtype.numpy))))
+                yield _bytes_view(_cast(ref, raw.view(np.dtype(ref.dtype.numpy)))), None
         return
     piece_bytes = max(min(chunk // 2, CAST_PIECE_BYTES) // itemsize, 1) * itemsize
-    yield from _iter_cast_pieces(ref, start, end, piece_bytes, record_crcs if reads_whole_record(ref) else None)
+    yield from _iter_cast_pieces(
+        ref, start, end, piece_bytes, record_crcs if reads_whole_record(ref) else None, chunk_crcs=chunk_crcs
+    )
 
 
 def reads_whole_record(ref: TensorRef) -> bool:
@@ -337,9 +359,16 @@ def _piece_reader(ref: TensorRef) -> Iterator[Callable[[int, int], tuple[memoryv
 
 
 def _iter_cast_pieces(
-    ref: TensorRef, start: int, end: int, piece: int, record_crcs: MutableMapping[Storage, int] | None
-) -> Iterator[memoryview]:
-    """Cast piece by piece, two pieces in flight on worker threads, results in order.
+    ref: TensorRef,
+    start: int,
+    end: int,
+    piece: int,
+    record_crcs: MutableMapping[Storage, int] | None,
+    *,
+    chunk_crcs: bool,
+) -> Iterator[tuple[memoryview, int | None]]:
+    """Cast piece by piece on two worker threads, results in order, each with its
+    output's CRC-32 if ``chunk_crcs`` (else None).
 
     File pieces are cast straight from a memory map of the source (no read
     copy) into reused output buffers. With ``record_crcs``, each piece's
@@ -359,7 +388,7 @@ def _iter_cast_pieces(
 
     with _piece_reader(ref) as read:
 
-        def work(position: int) -> tuple[memoryview, np.ndarray, int | None]:
+        def work(position: int) -> tuple[memoryview, np.ndarray, int | None, int | None]:
             length = min(piece, end - position)
             raw, raw_buffer = read(position, length)
             values = np.frombuffer(raw, dtype=source_dtype)
@@ -369,11 +398,12 @@ def _iter_cast_pieces(
             del values, raw  # a mapped piece is unmapped here
             if raw_buffer is not None:
                 _give_back(raw_buffer)
-            return _bytes_view(result), out, piece_crc
+            view = _bytes_view(result)
+            return view, out, piece_crc, crc32(view) if chunk_crcs else None
 
         if len(positions) == 1:  # no thread to start for a small tensor
-            view, out, piece_crc = work(start)
-            yield view
+            view, out, piece_crc, view_crc = work(start)
+            yield view, view_crc
             _give_back(out)
             if record_crcs is not None and piece_crc is not None:
                 record_crcs[ref.storage] = piece_crc
@@ -381,7 +411,7 @@ def _iter_cast_pieces(
         # Two threads (one per core of the 2-core VM; 1 and 3 were slower there) and a
         # third piece queued, so that both have work while the caller writes.
         workers, in_flight = 2, 3
-        pending: collections.deque[concurrent.futures.Future[tuple[memoryview, np.ndarray, int | None]]]
+        pending: collections.deque[concurrent.futures.Future[tuple[memoryview, np.ndarray, int | None, int | None]]]
         pending = collections.deque()
         upcoming = iter(positions)
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
@@ -389,13 +419,13 @@ def _iter_cast_pieces(
                 for position in itertools.islice(upcoming, in_flight):
                     pending.append(pool.submit(work, position))
                 for position in positions:
-                    view, out, piece_crc = pending.popleft().result()
+                    view, out, piece_crc, view_crc = pending.popleft().result()
                     following = next(upcoming, None)
                     if following is not None:
                         pending.append(pool.submit(work, following))
                     if piece_crc is not None:
                         crc = crc32_combine(crc, piece_crc, min(piece, end - position))
-                    yield view
+                    yield view, view_crc
                     _give_back(out)
             finally:
                 for future in pending:

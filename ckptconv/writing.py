@@ -33,9 +33,10 @@ from .errors import CastOverflowError, DestinationError, MalformedCheckpointErro
 from .formats import dcp, safetensors, sharded, torch_zip
 from .formats._base import MetadataValue, metadata_text, split_aliases
 from .formats.torch_zip import PlannedStorage
-from .integrity import crc32
+from .integrity import crc32, crc32_combine
 from .options import TIED
 from .read_policy import open_file
+from .streaming import iter_bytes_with_crcs
 from .suffixes import SAFETENSORS_SUFFIX, TAR_SUFFIX, TORCH_SUFFIXES
 from .tensor import FileRegion, Storage, TensorRef
 
@@ -437,7 +438,7 @@ def _write_planned_storage(
     ref = storage.tensor
     region = ref.verbatim_region
     if region is None:
-        return _write_with_crc(ref.iter_bytes(record_crcs=record_crcs), file, update)
+        return _write_with_crc(iter_bytes_with_crcs(ref, record_crcs=record_crcs), file, update)
     source, start, length = region
     if source.crc32 is not None and ref.is_whole_storage:
         for count in _copy_file_region(source, start, length, file):
@@ -492,22 +493,27 @@ def _copy_file_region_with_crc(
     return crc
 
 
-def _write_with_crc(chunks: Iterable[memoryview], file: BinaryIO, update: Callable[[int], None]) -> int:
-    """Write chunks and return their CRC-32, checksumming one chunk while the kernel writes it.
+def _write_with_crc(
+    chunks: Iterable[tuple[memoryview, int | None]], file: BinaryIO, update: Callable[[int], None]
+) -> int:
+    """Write chunks and return their CRC-32.
 
-    crc32 and os.write both release the GIL, so on two cores the checksum
-    costs almost nothing on top of the write.
+    A chunk that comes with its CRC-32 (a cast thread took it while the bytes
+    were in its cache) is joined in (:func:`crc32_combine`); for the others,
+    one chunk is checksummed on a second thread while the kernel writes it
+    (crc32 and os.write both release the GIL, so on two cores the checksum
+    costs almost nothing on top of the write).
     """
     file.flush()
     fd = file.fileno()
     crc = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        for chunk in chunks:
-            pending = pool.submit(crc32, chunk, crc)
+        for chunk, chunk_crc in chunks:
+            pending = pool.submit(crc32, chunk, crc) if chunk_crc is None else None
             view = chunk
             while view.nbytes:
                 view = view[os.write(fd, view) :]
-            crc = pending.result()
+            crc = pending.result() if pending is not None else crc32_combine(crc, chunk_crc or 0, chunk.nbytes)
             update(chunk.nbytes)
     file.seek(0, os.SEEK_END)  # the raw descriptor moved; resynchronise the buffered file
     return crc

@@ -162,3 +162,20 @@ def test_spare_buffers_stay_bounded(piece_style: str, tmp_path: Path) -> None:
     spare = ckptconv.streaming._SPARE
     assert spare and sum(buffer.nbytes for buffer in spare) <= ckptconv.streaming._SPARE_BYTES
     assert all(isinstance(buffer, np.ndarray) for buffer in spare)
+
+
+def test_chunk_crcs_are_those_of_the_chunks(piece_style: str, tmp_path: Path) -> None:
+    """iter_bytes_with_crcs: a cast's chunks come with their CRC-32 (taken by the cast threads),
+    other chunks with None; the bytes are iter_bytes' bytes."""
+    from ckptconv.streaming import iter_bytes_with_crcs
+
+    source = tmp_path / "in.pt"
+    torch.save({"w": torch.randn(30_000), "ids": torch.arange(5000)}, source)
+    weights = ckptconv.open(source).select().weights
+    cast = weights["w"].cast(ckptconv.Cast("fp16").target)
+    pieces = [(bytes(view), crc) for view, crc in iter_bytes_with_crcs(cast)]
+    assert len(pieces) > 2 and all(crc == zlib.crc32(data) for data, crc in pieces)
+    assert b"".join(data for data, _ in pieces) == torch.load(source)["w"].half().numpy().tobytes()
+    plain = [(bytes(view), crc) for view, crc in iter_bytes_with_crcs(weights["ids"])]
+    assert plain and all(crc is None for _, crc in plain)
+    assert b"".join(data for data, _ in plain) == torch.arange(5000).numpy().tobytes()
