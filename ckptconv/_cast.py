@@ -661,6 +661,50 @@ def _tame_bound(source: str, target: str) -> Any:
     return np.array([threshold], _UINT[stored.itemsize]).view(stored)[0]
 
 
+# float32 bit patterns that are never tame: NaNs (quiet, signalling, both signs, payloads),
+# infinities and the largest finite values (with each target's first overflowing value).
+_UNTAME_F32 = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FA12345, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F810000]
+_UNTAME_F32 += [0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF]
+
+
+@cache
+def _output_checked(source: str, target: str) -> tuple[Callable[[np.ndarray, np.ndarray], None], int] | None:
+    """``(cast, inf_bits)`` for float32 -> bfloat16 / float16 through ml_dtypes, whose output tells tameness.
+
+    ml_dtypes' casts (:func:`_ml_bfloat16`, :func:`_ml_complex32`) turn every
+    value that is not tame (NaN, inf, or rounding to inf) into a 16-bit pattern
+    of magnitude at least inf's, and every tame one into torch's finite result
+    (both checked against all float32 patterns with ml_dtypes 0.6.0, and here
+    on NaNs, infinities and the overflow thresholds before use). So a block is
+    cast first and is tame when two reductions over its 16-bit output find no
+    such magnitude: that replaces the two float32 reductions, and the first
+    read of the input happens in the cast. A block that is not tame is cast
+    again by the full kernel, which also counts its overflows.
+    """
+    if source != "float32":
+        return None
+    inf = _INF_BITS[target] if target in ("bfloat16", "float16") else None
+    dtype = _ml_bfloat16() if target == "bfloat16" else _ml_complex32() if target == "float16" else None
+    if inf is None or dtype is None:
+        return None
+    if target == "bfloat16":
+
+        def cast(block: np.ndarray, out: np.ndarray) -> None:
+            np.copyto(out.view(dtype), block, casting="unsafe")
+
+    else:
+
+        def cast(block: np.ndarray, out: np.ndarray) -> None:
+            np.copyto(out.view(dtype), block.view(np.complex64), casting="unsafe")
+
+    first = _overflow_threshold(source, target) or 0x7F800000
+    probes = np.array([*_UNTAME_F32, first, first | 0x80000000], dtype=np.uint32).view(np.float32)
+    result = np.empty(probes.size, _STORAGE[target])
+    with np.errstate(all="ignore"):
+        cast(probes, result)
+    return (cast, inf) if bool(np.all(result.view(np.uint16) & 0x7FFF >= inf)) else None
+
+
 def _cast_blocks(
     values: np.ndarray, source: str, target: str, out: np.ndarray | None, *, count: bool, tame: bool = True
 ) -> tuple[np.ndarray, int]:
@@ -681,13 +725,21 @@ def _cast_blocks(
     scratch = _Scratch(min(n, BLOCK_ELEMENTS))
     counter = _OverflowCounter(source, target, min(n, BLOCK_ELEMENTS)) if count and source != target else None
     bound = _tame_bound(source, target) if tame and (counter is not None or (source, target) in _TAME_KERNELS) else None
+    checked = _output_checked(source, target) if tame else None
     overflows = 0
     # Overflow to inf and NaN inputs are expected here, not worth a warning.
     with np.errstate(all="ignore"):
         for start in range(0, n, BLOCK_ELEMENTS):
             block = src[start : start + BLOCK_ELEMENTS]
+            dest = result[start : start + BLOCK_ELEMENTS]
+            if checked is not None and block.size % 2 == 0:
+                cast, inf = checked
+                cast(block, dest)
+                bits = dest.view(np.uint16)
+                if bits.view(np.int16).max() < inf and bits.max() < 0x8000 + inf:
+                    continue  # tame: nothing to patch, nothing overflowed
             scratch.tame = bound is not None and block.max() < bound and block.min() > -bound
-            kernel(block, result[start : start + BLOCK_ELEMENTS], scratch)
+            kernel(block, dest, scratch)
             if counter is not None and not scratch.tame:
                 overflows += counter.count(block)
     return (result.reshape(values.shape) if out is None else out), overflows

@@ -37,8 +37,10 @@ from ckptconv._cast import (
 
 torch = pytest.importorskip("torch")
 
-# The check of ml_dtypes' complex32, whatever kernel_backend puts in its place.
+# The checks of ml_dtypes' casts, whatever kernel_backend puts in their place.
+ML_BFLOAT16 = _cast._ml_bfloat16
 ML_COMPLEX32 = _cast._ml_complex32
+OUTPUT_CHECKED = _cast._output_checked
 
 TORCH_DTYPES = {
     "float64": torch.float64,
@@ -79,20 +81,36 @@ def _one_torch_thread() -> Iterator[None]:
 def kernel_backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """Every test runs on both kernels of float32 -> bfloat16 and (tame blocks) float32 -> float16:
     ml_dtypes' casts (bfloat16, complex32) and the numpy passes."""
-    originals = _cast._ml_bfloat16, _cast._ml_complex32
+    originals = _cast._ml_bfloat16, _cast._ml_complex32, _cast._output_checked
     if request.param == "ml_dtypes":
         if originals[0]() is None or originals[1]() is None:
             pytest.skip("ml_dtypes is not installed, or too old to have complex32")
     else:
         _cast._ml_bfloat16 = lambda: None  # type: ignore[assignment]
         _cast._ml_complex32 = lambda: None  # type: ignore[assignment]
+        _cast._output_checked = lambda source, target: None  # type: ignore[assignment]
     yield request.param
-    _cast._ml_bfloat16, _cast._ml_complex32 = originals  # type: ignore[assignment]
+    _cast._ml_bfloat16, _cast._ml_complex32, _cast._output_checked = originals  # type: ignore[assignment]
 
 
 def test_kernel_backend_is_in_use(kernel_backend: str) -> None:
     assert (_cast._ml_bfloat16() is not None) == (kernel_backend == "ml_dtypes")
     assert (_cast._ml_complex32() is not None) == (kernel_backend == "ml_dtypes")
+    for target in ("bfloat16", "float16"):
+        assert (_cast._output_checked("float32", target) is not None) == (kernel_backend == "ml_dtypes")
+
+
+def test_an_ml_cast_that_hides_nans_is_not_trusted_with_tameness(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block is judged tame on ml_dtypes' output only after NaNs, infinities and the overflow
+    thresholds were seen to come out as inf or NaN; a cast that makes them finite is not used so."""
+    check = OUTPUT_CHECKED.__wrapped__
+    monkeypatch.setattr(_cast, "_ml_bfloat16", ML_BFLOAT16)
+    monkeypatch.setattr(_cast, "_ml_complex32", ML_COMPLEX32)
+    if ML_COMPLEX32() is not None:
+        assert check("float32", "float16") is not None and check("float32", "bfloat16") is not None
+    assert check("float64", "float16") is None and check("float32", "float64") is None
+    monkeypatch.setattr(_cast, "_ml_bfloat16", lambda: np.dtype(np.uint16))  # NaN -> 0
+    assert check("float32", "bfloat16") is None
 
 
 def test_a_complex32_that_rounds_differently_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
