@@ -20,11 +20,12 @@ from ._text import plural
 from ._version import __version__
 from .errors import FitError, VerifyError
 from .formats._base import Deferred, MetadataValue
-from .integrity import check_record_crcs
+from .integrity import RecordCrcs, check_record_crcs
 from .loading import open as open_checkpoint
 from .metadata import checkpoint_metadata, encode_entries, source_sha256
 from .options import ConversionOptions
-from .tensor import TensorRef
+from .streaming import reads_whole_record
+from .tensor import Storage, TensorRef
 from .transforms import Canonicalize, Cast, StepReport, StripPrefix, Transform
 from .verification import REFERENCES
 from .writing import Progress, is_folder_destination, output_format, save
@@ -296,6 +297,8 @@ def convert(
 
         if crcs is not None:
             crcs.result()  # the source's records are what the archive recorded, or nothing appears
+        if cast_whole:
+            check_record_crcs(cast_whole, computed=record_crcs)  # reads only a record the casts did not
         if reference is None:
             return
         if reference == "torch":
@@ -307,13 +310,29 @@ def convert(
 
     give_up = threading.Event()
     digest: concurrent.futures.Future[str] | None = None
-    crcs: concurrent.futures.Future[None] | None = None
+    crcs: concurrent.futures.Future[Any] | None = None
+    # Records that a cast reads whole: their CRC-32s come from the cast's own read (record_crcs).
+    record_crcs: dict[Storage, int] = {}
+    cast_whole: list[tuple[str, TensorRef]] = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as hasher:
-        if options.check_crc:
-            crcs = hasher.submit(check_record_crcs, list(state.items()), stop=give_up)
+        tensors: list[tuple[str, TensorRef]] = list(state.items())
         if options.source_hash and options.provenance:
-            digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)
+            # One read of the source gives its sha256 and the records' CRC-32s.
+            records = RecordCrcs(tensors) if options.check_crc else None
+
+            def hash_and_check() -> str:
+                value = source_sha256(checkpoint.path, stop=give_up, watcher=records.watcher if records else None)
+                if records is not None:
+                    check_record_crcs(tensors, stop=give_up, computed=records.computed())
+                return value
+
+            digest = hasher.submit(hash_and_check)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
+            crcs = digest if records is not None else None
+        elif options.check_crc:
+            cast_whole = [item for item in tensors if reads_whole_record(item[1])]
+            others = [item for item in tensors if not reads_whole_record(item[1])]
+            crcs = hasher.submit(check_record_crcs, others, stop=give_up)
         try:
             written = save(
                 state,
@@ -328,6 +347,7 @@ def convert(
                 check=check if (reference is not None or crcs is not None) else None,
                 fsync=options.fsync,
                 tied=options.tied,
+                record_crcs=record_crcs if cast_whole else None,
             )
         except BaseException:
             give_up.set()  # do not make a failed conversion wait for the hash

@@ -433,12 +433,14 @@ class TensorRef:
         """The tensor's bytes as a writer stores them: contiguous, little-endian, ``out_dtype``."""
         return self.numpy().tobytes()
 
-    def iter_bytes(self, chunk_bytes: int | None = None) -> Iterator[memoryview]:
+    def iter_bytes(
+        self, chunk_bytes: int | None = None, *, record_crcs: dict[Storage, int] | None = None
+    ) -> Iterator[memoryview]:
         """The bytes of :meth:`tobytes` in pieces of about ``chunk_bytes``, through reused buffers.
 
         Each chunk is only valid until the next one is asked for; see
-        :func:`ckptconv.streaming.iter_bytes`.
+        :func:`ckptconv.streaming.iter_bytes` (and for ``record_crcs``).
         """
         from .streaming import iter_bytes
 
-        return iter_bytes(self, chunk_bytes)
+        return iter_bytes(self, chunk_bytes, record_crcs=record_crcs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import errno
 import functools
 import mmap
@@ -18,7 +19,9 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +37,7 @@ from .integrity import crc32
 from .options import TIED
 from .read_policy import open_file
 from .suffixes import SAFETENSORS_SUFFIX, TAR_SUFFIX, TORCH_SUFFIXES
-from .tensor import FileRegion, TensorRef
+from .tensor import FileRegion, Storage, TensorRef
 
 __all__ = ["WriteReport", "output_format", "save"]
 
@@ -260,6 +263,56 @@ def _umask() -> int:
     return current
 
 
+#: sync_file_range's flag that starts writing dirty pages to disk without waiting for them.
+_SYNC_FILE_RANGE_WRITE = 2
+
+#: Seconds between two writeback starts while an output is written.
+WRITEBACK_INTERVAL = 0.05
+
+
+@functools.cache
+def _start_writeback_function() -> Callable[[int], int] | None:
+    """``start(fd)``: begin writing the file's dirty pages to disk and return at once (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range  # the C library Python already uses
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return lambda fd: int(function(fd, 0, 0, _SYNC_FILE_RANGE_WRITE))
+
+
+@contextlib.contextmanager
+def _writeback(fd: int) -> Iterator[None]:
+    """Keep the disk writing the file's pages while the file is being written.
+
+    Without it every byte waits in the page cache until the final fsync, which
+    then writes them all (0.28 s of a 1 GiB copy's 0.62 s on the development
+    VM); started along the way, the writes overlap the copy and the fsync
+    waits for the last pages only (0.02 s; ``cp && sync`` pays the whole 0.28 s).
+    """
+    start = _start_writeback_function()
+    if start is None:
+        yield
+        return
+    finished = threading.Event()
+
+    def keep_writing_back() -> None:
+        while not finished.wait(WRITEBACK_INTERVAL):
+            if start(fd) != 0:
+                return  # the file system cannot (errno): the fsync at the end does it all
+
+    thread = threading.Thread(target=keep_writing_back, name="ckptconv-writeback", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        finished.set()
+        thread.join()  # before the caller's fsync and close: the descriptor must outlive it
+
+
 @contextlib.contextmanager
 def atomic_output(path: PathLike, *, overwrite: bool = False, fsync: bool = True) -> Iterator[BinaryIO]:
     """A file to write; it appears at ``path`` only if the block finishes without error.
@@ -299,8 +352,9 @@ def atomic_output(path: PathLike, *, overwrite: bool = False, fsync: bool = True
         raise write_policy.os_error(error, target) from None
     try:
         with file:
-            yield file
-            file.flush()
+            with _writeback(file.fileno()) if fsync else contextlib.nullcontext():
+                yield file
+                file.flush()
             if fsync:
                 os.fsync(file.fileno())
             _publish(file, temporary, target, overwrite=overwrite, shown=shown)
@@ -357,18 +411,23 @@ def _copy_range(src: int, offset: int, length: int, file: BinaryIO, path: str) -
     file.seek(0, os.SEEK_END)  # the raw descriptor moved; resynchronise the buffered file
 
 
-def _write_tensor(ref: TensorRef, file: BinaryIO) -> Iterator[int]:
+def _write_tensor(ref: TensorRef, file: BinaryIO, record_crcs: dict[Storage, int] | None = None) -> Iterator[int]:
     """Write one tensor's contiguous bytes; a plain copy when nothing needs converting."""
     region = ref.verbatim_region
     if region is not None:
         yield from _copy_file_region(*region, file)
         return
-    for chunk in ref.iter_bytes():
+    for chunk in ref.iter_bytes(record_crcs=record_crcs):
         file.write(chunk)
         yield len(chunk)
 
 
-def _write_planned_storage(storage: PlannedStorage, file: BinaryIO, update: Callable[[int], None]) -> int:
+def _write_planned_storage(
+    storage: PlannedStorage,
+    file: BinaryIO,
+    update: Callable[[int], None],
+    record_crcs: dict[Storage, int] | None = None,
+) -> int:
     """Write one output storage record and return its CRC-32.
 
     A whole zip record copied unchanged keeps the CRC its source recorded and
@@ -378,7 +437,7 @@ def _write_planned_storage(storage: PlannedStorage, file: BinaryIO, update: Call
     ref = storage.tensor
     region = ref.verbatim_region
     if region is None:
-        return _write_with_crc(ref.iter_bytes(), file, update)
+        return _write_with_crc(ref.iter_bytes(record_crcs=record_crcs), file, update)
     source, start, length = region
     if source.crc32 is not None and ref.is_whole_storage:
         for count in _copy_file_region(source, start, length, file):
@@ -492,6 +551,7 @@ def save(
     fsync: bool = True,
     tied: str = "dedupe",
     format: str | None = None,
+    record_crcs: dict[Storage, int] | None = None,
 ) -> WriteReport:
     """Write a state dict to ``.pt``, safetensors, shards or a DCP folder, streaming, atomically.
 
@@ -532,6 +592,11 @@ def save(
             ``model.load_state_dict(safetensors.torch.load_file(path), strict=True)``
             accepts the file. ``.pt`` files always keep tied tensors shared.
         format: deprecated spelling of ``to``.
+        record_crcs: a dict that receives the CRC-32 of each whole source
+            record a cast reads, taken from the bytes it cast (see
+            :func:`ckptconv.streaming.iter_bytes`); a converter checks them
+            with :func:`ckptconv.integrity.check_record_crcs` (``computed=``)
+            instead of reading those records again.
 
     Returns:
         A :class:`WriteReport`.
@@ -579,6 +644,7 @@ def save(
                 check=check,
                 fsync=fsync,
                 dedupe=tied == "dedupe",
+                record_crcs=record_crcs,
             )
         protected.check_file(target)
         return _save_file(
@@ -592,6 +658,7 @@ def save(
             check=check,
             fsync=fsync,
             dedupe=tied == "dedupe",
+            record_crcs=record_crcs,
         )
     finally:
         close()
@@ -635,13 +702,14 @@ def _save_file(
     check: Callable[[str], None] | None,
     fsync: bool,
     dedupe: bool = True,
+    record_crcs: dict[Storage, int] | None = None,
 ) -> WriteReport:
     aliases: dict[str, str] = {}
     with atomic_output(target, overwrite=overwrite, fsync=fsync) as file:
         if kind == "safetensors":
 
             def write_tensor(ref: TensorRef, out: BinaryIO) -> Iterator[int]:
-                for count in _with_key(entries, ref, _write_tensor(ref, out)):
+                for count in _with_key(entries, ref, _write_tensor(ref, out, record_crcs)):
                     update(count)
                     yield count
 
@@ -651,7 +719,7 @@ def _save_file(
             written = torch_zip.write(
                 entries,
                 file,
-                write_storage=functools.partial(_write_planned_storage, update=update),
+                write_storage=functools.partial(_write_planned_storage, update=update, record_crcs=record_crcs),
                 metadata=metadata,
                 extra=extra,
             )
@@ -675,6 +743,7 @@ def _save_folder(
     check: Callable[[str], None] | None,
     fsync: bool,
     dedupe: bool = True,
+    record_crcs: dict[Storage, int] | None = None,
 ) -> WriteReport:
     """Write a sharded or DCP folder: each file atomically, the index last, stale shards only with overwrite."""
     if os.path.exists(folder) and not os.path.isdir(folder):
@@ -731,6 +800,7 @@ def _save_folder(
                     check=None,
                     fsync=fsync,
                     dedupe=dedupe,
+                    record_crcs=record_crcs,
                 )
                 written_files.append(report.path)
                 total += report.bytes

@@ -37,6 +37,9 @@ from ckptconv._cast import (
 
 torch = pytest.importorskip("torch")
 
+# The check of ml_dtypes' complex32, whatever kernel_backend puts in its place.
+ML_COMPLEX32 = _cast._ml_complex32
+
 TORCH_DTYPES = {
     "float64": torch.float64,
     "float32": torch.float32,
@@ -74,19 +77,39 @@ def _one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(autouse=True, scope="module", params=["ml_dtypes", "numpy"])
 def kernel_backend(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every test runs on both float32 -> bfloat16 kernels: ml_dtypes' cast and the numpy fallback."""
-    original = _cast._ml_bfloat16
+    """Every test runs on both kernels of float32 -> bfloat16 and (tame blocks) float32 -> float16:
+    ml_dtypes' casts (bfloat16, complex32) and the numpy passes."""
+    originals = _cast._ml_bfloat16, _cast._ml_complex32
     if request.param == "ml_dtypes":
-        if original() is None:
-            pytest.skip("ml_dtypes is not installed")
+        if originals[0]() is None or originals[1]() is None:
+            pytest.skip("ml_dtypes is not installed, or too old to have complex32")
     else:
         _cast._ml_bfloat16 = lambda: None  # type: ignore[assignment]
+        _cast._ml_complex32 = lambda: None  # type: ignore[assignment]
     yield request.param
-    _cast._ml_bfloat16 = original  # type: ignore[assignment]
+    _cast._ml_bfloat16, _cast._ml_complex32 = originals  # type: ignore[assignment]
 
 
 def test_kernel_backend_is_in_use(kernel_backend: str) -> None:
     assert (_cast._ml_bfloat16() is not None) == (kernel_backend == "ml_dtypes")
+    assert (_cast._ml_complex32() is not None) == (kernel_backend == "ml_dtypes")
+
+
+def test_a_complex32_that_rounds_differently_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ml_dtypes' complex32 is compared with the numpy kernel once before it is trusted."""
+    import warnings
+
+    import ml_dtypes
+
+    check = ML_COMPLEX32.__wrapped__  # the check itself, not its cached answer
+    if getattr(ml_dtypes, "complex32", None) is not None:
+        assert check() == np.dtype(ml_dtypes.complex32)
+    monkeypatch.setattr(ml_dtypes, "complex32", np.complex64, raising=False)  # 8 bytes: not two float16s
+    assert check() is None
+    monkeypatch.setattr(ml_dtypes, "complex32", np.uint32, raising=False)  # 4 bytes that round nothing right
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # numpy's ComplexWarning: the imaginary parts are dropped
+        assert check() is None
 
 
 def bits(array: np.ndarray) -> np.ndarray:
@@ -294,6 +317,32 @@ def test_random_bit_patterns(source: str, target: str) -> None:
     scale = rng.uniform(-30, 30, size=1 << 18)
     ranged = (rng.standard_normal(1 << 18) * np.exp2(scale)).astype(storage_dtype(source))
     assert_matches_torch(np.concatenate([raw.view(storage_dtype(source)), ranged]), source, target)
+
+
+@pytest.mark.parametrize("source, target", [(s, t) for s in ("float32", "float64") for t in ("float16", "bfloat16")])
+def test_tame_blocks_match_torch(source: str, target: str) -> None:
+    """Blocks whose values are all finite and stay finite take the kernels' fast forms (no NaN
+    patching, no overflow count, float16 without its overflow scaling): every rounding boundary,
+    the subnormal range, zeros and values far below it, and random magnitudes, block by block."""
+    rng = np.random.default_rng(15)
+    edges = f32_edges_for(target) if source == "float32" else f64_edges_for(target)
+    ranged = rng.standard_normal(1 << 18) * np.exp2(rng.uniform(-40, 17, size=1 << 18))
+    tiny = np.array([0.0, -0.0, 1e-40, -1e-45, 2.0**-149, 2.0**-126, -(2.0**-126) * 0.99])
+    values = np.concatenate([edges.astype(storage_dtype(source)), ranged, tiny]).astype(storage_dtype(source))
+    expected = torch_cast(values, source, target)
+    keep = np.isfinite(values) & ~is_nan_bits(expected, target)
+    keep &= (expected & np.uint16(0x7FFF)) != _cast._INF_BITS[target]
+    tame = values[keep]
+    bound = _cast._tame_bound(source, target)
+    assert bound is not None and tame.max() < bound and tame.min() > -bound  # every block is tame
+    out = np.empty(tame.size, storage_dtype(target))
+    assert cast_counting_overflows(tame, source, target, out=out)[1] == 0
+    assert np.array_equal(bits(out), expected[keep])
+    assert np.array_equal(bits(cast_array(tame, source, target)), expected[keep])
+    # One value out of range sends its block (only) back to the full kernels.
+    spoiled = tame.copy()
+    spoiled[_cast.BLOCK_ELEMENTS + 1] = np.inf
+    assert np.array_equal(bits(cast_array(spoiled, source, target)), torch_cast(spoiled, source, target))
 
 
 # fmt: off

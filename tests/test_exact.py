@@ -305,6 +305,83 @@ def test_one_record_with_crc_zero_in_a_file_with_crcs_is_refused(tmp_path: Path)
     assert_refused(source, tmp_path, f"record {info.filename!r} (tensor 'w') has CRC-32")
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 64, 4096, 1 << 20])
+def test_record_crcs_taken_from_passing_chunks_are_the_archives(tmp_path: Path, chunk: int) -> None:
+    """The CRC-32s taken while the source hash reads the file in chunks of any size are the ones
+    torch.save recorded, for every record the tensors use (shared storages counted once)."""
+    from ckptconv.integrity import RecordCrcs
+
+    source = tmp_path / "records.pt"
+    base = torch.randn(300)
+    torch.save({"a": base, "view": base[10:50], "b": torch.randn(7, 5).half(), "c": torch.arange(3)}, source)
+    with zipfile.ZipFile(source) as archive:
+        recorded = {
+            info.filename.rsplit("/", 1)[-1]: info.CRC for info in archive.infolist() if "/data/" in info.filename
+        }
+    weights = ckptconv.open(source).select().weights
+    records = RecordCrcs(weights.items())
+    watch = records.watcher(str(source))
+    assert watch is not None and records.watcher(str(tmp_path / "other.pt")) is None
+    data = source.read_bytes()
+    for position in range(0, len(data), chunk):
+        watch(position, memoryview(data[position : position + chunk]))
+    taken = records.computed()
+    assert {storage.name.rsplit("/", 1)[-1]: crc for storage, crc in taken.items()} == recorded
+    assert len(taken) == 3
+
+
+def test_the_defaults_read_the_source_once_for_its_hash_and_its_crcs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the source hash on, the records' CRC-32s come from the hash's read: no record is read
+    again for the check (a second read would go through FileRegion.opened), and the output is exact."""
+    import safetensors.torch
+
+    from ckptconv.tensor import FileRegion
+
+    source = tmp_path / "model.pt"
+    expected = {"w": torch.randn(64, 33), "b": torch.randn(64).double(), "i": torch.arange(9)}
+    torch.save(expected, source)
+
+    def no_second_read(self: FileRegion) -> None:
+        raise AssertionError(f"{self.path} was read again for its CRC-32")
+
+    monkeypatch.setattr(FileRegion, "opened", no_second_read)
+    output = tmp_path / "model.safetensors"
+    report = ckptconv.convert(source, output)
+    assert report.source_sha256 is not None
+    written = safetensors.torch.load_file(output)
+    assert written.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(written[key].view(torch.uint8), tensor.view(torch.uint8)), key
+
+
+def test_a_sharded_source_is_read_once_for_its_hash_and_its_crcs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a real Hugging Face folder of eight torch-zip shards: every shard's records are
+    checked from the hash's read of that shard, and the output equals what torch.load reads."""
+    import safetensors.torch
+
+    from ckptconv.tensor import FileRegion
+
+    folder = Path(__file__).resolve().parent.parent / "fixtures" / "gpu" / "hf_sharded_bin"
+    expected: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("pytorch_model-*.bin")):
+        expected.update(torch.load(shard, weights_only=True, map_location="cpu"))  # saved on cuda
+
+    def no_second_read(self: FileRegion) -> None:
+        raise AssertionError(f"{self.path} was read again for its CRC-32")
+
+    monkeypatch.setattr(FileRegion, "opened", no_second_read)
+    output = tmp_path / "model.safetensors"
+    ckptconv.convert(folder, output, tied="copy")
+    written = safetensors.torch.load_file(output)
+    assert written.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(written[key].view(torch.uint8), tensor.contiguous().view(torch.uint8)), key
+
+
 def _set_record_crc(source: Path, info: zipfile.ZipInfo, crc: int) -> None:
     """Record ``crc`` as the CRC-32 of one member, in its local header and its central directory entry."""
     data = bytearray(source.read_bytes())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -342,3 +343,35 @@ def test_pt_outputs_are_reproducible_byte_for_byte(tmp_path: Path) -> None:
 
     assert len(serialization_id(first)) == 40 and serialization_id(first) != serialization_id(other)
     assert_same_state(torch.load(first, weights_only=True), torch.load(source, weights_only=True))
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_output_is_written_back_while_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: bool
+) -> None:
+    """With fsync on, the disk is asked to write the output's pages while it grows (so the final
+    fsync has little left), and that helper is gone before the file is closed, also on failure."""
+    import threading
+    import time
+
+    from ckptconv import writing
+
+    started = writing._start_writeback_function()
+    if started is None:
+        pytest.skip("no sync_file_range here")
+    calls: list[int] = []
+    monkeypatch.setattr(writing, "WRITEBACK_INTERVAL", 0.001)
+    monkeypatch.setattr(writing, "_start_writeback_function", lambda: lambda fd: calls.append(started(fd)) or 0)
+    output = tmp_path / "out.bin"
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext(), writing.atomic_output(output) as file:
+        for _ in range(20):
+            file.write(b"x" * 4096)
+            file.flush()
+            time.sleep(0.005)
+        if fails:
+            raise RuntimeError("stop")
+    assert calls and set(calls) == {0}  # it ran, and the kernel accepted every request
+    assert not any(thread.name == "ckptconv-writeback" for thread in threading.enumerate())
+    assert output.exists() != fails
+    if not fails:
+        assert output.read_bytes() == b"x" * 4096 * 20

@@ -1,0 +1,164 @@
+"""The cast path of the streaming reader: mapped and read pieces, reused buffers, and the
+CRC-32 of each whole record taken from the bytes that were cast.
+
+Every output is compared with ``Tensor.to`` on the tensors torch itself loads.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zipfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptconv
+import ckptconv.streaming
+from ckptconv.cli import cli
+from ckptconv.errors import MalformedCheckpointError
+from ckptconv.streaming import reads_whole_record
+
+TARGETS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@pytest.fixture(params=["mapped", "read"])
+def piece_style(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Small pieces, so every tensor below streams in many of them: memory-mapped or read with pread."""
+    monkeypatch.setattr(ckptconv.streaming, "DEFAULT_CHUNK_BYTES", 8192)
+    monkeypatch.setattr(ckptconv.streaming, "_MAP_MIN", 0 if request.param == "mapped" else 1 << 40)
+    return str(request.param)
+
+
+def _state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    big = torch.randn(123, 457) * 0.02
+    big[3, 5] = float("nan")
+    big[7, 9] = -0.0
+    big[9, 1] = 1e-30  # below every 16-bit subnormal
+    return {
+        "big": big,  # many pieces, the last one short; a NaN in one block
+        "double": torch.randn(2000, dtype=torch.float64) * 1000,
+        "half": torch.randn(5001).half(),
+        "small": torch.randn(7),
+        "tail": torch.randn(100, 100)[13:],  # a view that ends where its storage does
+        "ids": torch.arange(9000),
+    }
+
+
+def _expected(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("cast", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_cast_pieces_are_bit_exact(cast: str, suffix: str, piece_style: str, tmp_path: Path) -> None:
+    state = _state()
+    source = tmp_path / "in.pt"
+    torch.save(state, source)
+    output = tmp_path / f"out{suffix}"
+    ckptconv.convert(source, output, transforms=[ckptconv.Cast(cast)], source_hash=False)
+    if suffix == ".pt":
+        got = torch.load(output, weights_only=True)
+        with zipfile.ZipFile(output) as archive:
+            assert archive.testzip() is None  # the records' CRC-32s are those of the cast bytes
+    else:
+        from safetensors.torch import load_file
+
+        got = load_file(output)
+    expected = _expected(state, TARGETS[cast])
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert _same_bits(got[key], value), key
+
+
+def test_a_cast_records_the_crc_of_each_whole_record_it_reads(piece_style: str, tmp_path: Path) -> None:
+    state = _state()
+    source = tmp_path / "in.pt"
+    torch.save(state, source)
+    weights = ckptconv.open(source).select().weights
+    bf16 = ckptconv.Cast("bf16").target
+    with zipfile.ZipFile(source) as archive:
+        recorded = {info.filename.rsplit("/", 1)[1]: info.CRC for info in archive.infolist()}
+        raw = {info.filename.rsplit("/", 1)[1]: archive.read(info) for info in archive.infolist()}
+    for key, ref in weights.items():
+        cast = ref.cast(bf16) if ref.dtype.kind == "float" else ref
+        crcs: dict[ckptconv.tensor.Storage, int] = {}
+        torch_bits = (state[key].to(torch.bfloat16) if state[key].is_floating_point() else state[key]).contiguous()
+        streamed = b"".join(bytes(chunk) for chunk in cast.iter_bytes(record_crcs=crcs))
+        assert streamed == torch_bits.view(torch.uint8).numpy().tobytes(), key
+        record = ref.storage.name.rsplit("/", 1)[-1]
+        if reads_whole_record(cast):
+            assert key not in ("tail", "ids")  # a view of part of its record; an integer tensor
+            assert zlib.crc32(raw[record]) == recorded[record]
+            assert crcs == {ref.storage: recorded[record]}
+        else:
+            assert key in ("tail", "ids") and crcs == {}
+
+
+def test_record_crcs_are_left_alone_when_the_stream_stops_early(piece_style: str, tmp_path: Path) -> None:
+    source = tmp_path / "in.pt"
+    torch.save({"w": torch.randn(10_000)}, source)
+    ref = ckptconv.open(source).select().weights["w"].cast(ckptconv.Cast("fp16").target)
+    crcs: dict[ckptconv.tensor.Storage, int] = {}
+    chunks = ref.iter_bytes(record_crcs=crcs)
+    next(chunks)
+    chunks.close()
+    assert crcs == {}
+
+
+def _flip_in_record(data: bytes, name: str, where: int) -> bytes:
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("/data/" + name))
+    name_length, extra_length = struct.unpack_from("<HH", data, info.header_offset + 26)
+    at = info.header_offset + 30 + name_length + extra_length + where
+    return data[:at] + bytes([data[at] ^ 0x5A]) + data[at + 1 :]
+
+
+@pytest.mark.parametrize("cast", ["bf16", "fp16"])
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_damaged_record_is_refused_when_a_cast_reads_it(
+    cast: str, suffix: str, piece_style: str, tmp_path: Path
+) -> None:
+    """The cast's own read checks the record (the source is not read a second time for it):
+    a flipped byte in any piece is refused with the one-line error, and nothing is written;
+    --no-crc-check converts the bytes as they are."""
+    buffer = io.BytesIO()
+    torch.save({"w": torch.randn(20_000)}, buffer)
+    source = tmp_path / "in.pt"
+    source.write_bytes(_flip_in_record(buffer.getvalue(), "0", where=70_001))
+    output = tmp_path / f"out{suffix}"
+    runner = CliRunner()
+    result = runner.invoke(
+        cli, ["convert", str(source), str(output), "--dtype", cast, "--no-source-hash"], catch_exceptions=False
+    )
+    assert result.exit_code == 1, result.output
+    assert result.stderr.count("\n") == 1 and "has CRC-32" in result.stderr and "--no-crc-check" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+    with pytest.raises(MalformedCheckpointError, match=r"record '.*0' \(tensor 'w'\) has CRC-32"):
+        ckptconv.convert(source, output, transforms=[ckptconv.Cast(cast)], source_hash=False)
+    ckptconv.convert(source, output, transforms=[ckptconv.Cast(cast)], source_hash=False, check_crc=False)
+    damaged = torch.load(source, weights_only=True)["w"]  # torch does not check stored records' CRCs
+    got = ckptconv.load(output)["w"]
+    assert _same_bits(got, damaged.to(TARGETS[cast]))
+
+
+def test_spare_buffers_stay_bounded(piece_style: str, tmp_path: Path) -> None:
+    source = tmp_path / "in.pt"
+    torch.save({f"w{i}": torch.randn(5000) for i in range(20)}, source)
+    for ref in ckptconv.open(source).select().weights.values():
+        for _ in ref.cast(ckptconv.Cast("fp16").target).iter_bytes():
+            pass
+    spare = ckptconv.streaming._SPARE
+    assert spare and sum(buffer.nbytes for buffer in spare) <= ckptconv.streaming._SPARE_BYTES
+    assert all(isinstance(buffer, np.ndarray) for buffer in spare)
