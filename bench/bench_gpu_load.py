@@ -21,12 +21,15 @@ measured in the same run: a host-to-device copy from pinned memory, and the
 disk's own read speed with ``dd iflag=direct``.
 
 Every ckptconv load is checked bit for bit on the GPU against
-``safetensors.torch.load_file`` of the same weights (first round).
+``safetensors.torch.load_file`` of the same weights (first round). Every
+package's bytecode is compiled before the first child, as a pip install leaves
+it (:func:`compiled_env`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -176,6 +179,26 @@ PINNED = textwrap.dedent(
 
 SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
 
+#: The packages whose bytecode is compiled before any child runs.
+COMPILED = ("ckptconv", "safetensors", "instanttensor", "runai_model_streamer", "fastsafetensors")
+
+
+def compiled_env() -> dict[str, str]:
+    """The environment of every child: bytecode compiled once, before the clock, into a cache folder.
+
+    A pip install compiles a package's bytecode; a source tree on PYTHONPATH under
+    ``PYTHONDONTWRITEBYTECODE=1`` (set on some machines) has none, and then every fresh
+    process compiled all of ckptconv's load path from source inside its timed load (about
+    50 ms of a 0.35 s 8 GiB load on one H200: bench/results/bench_gpu_load_h200.md, round 3).
+    """
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": tempfile.mkdtemp(prefix="bench_gpu_pyc_")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    for name in COMPILED:
+        spec = importlib.util.find_spec(name)
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            subprocess.run([sys.executable, "-m", "compileall", "-q", folder], env=env, check=False)
+    return env
+
 
 def files_of(stem: str, suffix: str) -> list[str]:
     path = stem + suffix
@@ -213,13 +236,14 @@ def disk_speed(path: str) -> float:
     return int(match.group(1)) / wall / 1e9 if match else float("nan")
 
 
-def run_child(code: str, stem: str, check: bool) -> dict[str, float] | str:
+def run_child(code: str, stem: str, check: bool, env: dict[str, str]) -> dict[str, float] | str:
     out = subprocess.run(
         # -P: import ckptconv from PYTHONPATH, not from the current directory (Python 3.11+).
         [sys.executable, *SAFE_PATH, "-c", CHILD.format(code=code), stem, "1" if check else "0"],
         check=False,
         capture_output=True,
         text=True,
+        env=env,
     )
     if out.returncode:
         return (out.stderr.strip().splitlines() or ["failed"])[-1][:200]
@@ -241,6 +265,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", BUILD, str(args.gib), stem], check=True)
     print(f"built in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     loaders = {k: v for k, v in LOADERS.items() if not args.only or any(s in k for s in args.only)}
+    env = compiled_env()
 
     # The limits first, each printed as it is known, so that a run cut short by a time limit keeps them.
     drop([stem + ".safetensors"])
@@ -266,7 +291,7 @@ def main() -> None:
             if name in notes:
                 continue
             warm(files_of(stem, suffix))
-            result = run_child(code, stem, check=ours and round_number == 0)
+            result = run_child(code, stem, check=ours and round_number == 0, env=env)
             if isinstance(result, str):
                 notes[name] = result
                 print(f"{name} failed: {result}", file=sys.stderr, flush=True)
@@ -284,7 +309,7 @@ def main() -> None:
             if name in notes:
                 continue
             drop(files_of(stem, suffix))
-            result = run_child(code, stem, check=False)
+            result = run_child(code, stem, check=False, env=env)
             if not isinstance(result, str):
                 cold_walls[name] = result["wall"]
                 speed = result["bytes"] / result["wall"] / 1e9

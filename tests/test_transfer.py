@@ -6,6 +6,7 @@ by several threads in any order. The GPU tests run only where CUDA is available.
 
 from __future__ import annotations
 
+import mmap
 import os
 import zlib
 from pathlib import Path
@@ -194,6 +195,26 @@ def test_resident_fraction(tmp_path: Path) -> None:
     empty = tmp_path / "empty.bin"
     empty.write_bytes(b"")
     assert _transfer.resident_fraction(str(empty)) == 1.0
+
+
+@pytest.mark.parametrize("extra", [0, 1, 4095])
+def test_resident_fraction_samples_big_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: int) -> None:
+    """A big file is asked about in runs of pages spread over it; warm and dropped read the same as
+    asking about every page (where the filesystem drops pages at all)."""
+    monkeypatch.setattr(_transfer, "SAMPLE_PAGES", 64)
+    monkeypatch.setattr(_transfer, "SAMPLE_RUN", 8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(300 * mmap.PAGESIZE + extra))  # 300 or 301 pages: sampled
+    with open(path, "rb") as file:
+        file.read()
+    assert _transfer.resident_fraction(str(path)) == _transfer.resident_fraction(str(path), sample=False) == 1.0
+    with open(path, "rb") as file:
+        os.fsync(file.fileno())
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    whole = _transfer.resident_fraction(str(path), sample=False)
+    if whole > 0.5:
+        pytest.skip("this filesystem keeps the pages (tmpfs)")
+    assert _transfer.resident_fraction(str(path)) < 0.5
 
 
 @pytest.mark.parametrize("offset, count", [(0, 4096), (1, 10), (4095, 4098), (5000, 9000), (12288, 3)])
