@@ -40,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     SIGTERM (``kill``, a job scheduler's time limit) is handled like Ctrl-C:
     partial outputs are removed and the exit code is 143.
     """
+    import gc
     import os
     import signal
     import threading
@@ -49,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     # (bench/results/bench_convert_round3_2core_vm.md). Only the command line sets this: a
     # library caller's numpy is theirs to configure.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    # What is alive now (modules, classes, click's commands) lives until exit: frozen, the cyclic
+    # collector stops walking it each time a streaming cast's short-lived arrays and views set it
+    # off (1 GiB to fp16 on the 2-core VM: 0.045 s less CPU, 0.025 s less wall, medians of 6).
+    gc.freeze()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_sigterm)
     cli.main(args=list(argv) if argv is not None else None, prog_name="ckptconv")
