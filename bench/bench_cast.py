@@ -38,7 +38,7 @@ def main() -> None:
     values[1::4099] = 1e-7
     out = np.empty(n, np.uint16)
     targets = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-    ml_bfloat16, ml_complex32 = _cast._ml_bfloat16, _cast._ml_complex32
+    ml_bfloat16, ml_complex32, output_checked = _cast._ml_bfloat16, _cast._ml_complex32, _cast._output_checked
 
     def chunked(target: str) -> Callable[[], None]:
         def run() -> None:
@@ -55,10 +55,12 @@ def main() -> None:
         def run() -> None:
             _cast._ml_bfloat16 = lambda: None  # type: ignore[assignment]
             _cast._ml_complex32 = lambda: None  # type: ignore[assignment]
+            _cast._output_checked = lambda source, target: None  # type: ignore[assignment]
             try:
                 inner()
             finally:
                 _cast._ml_bfloat16, _cast._ml_complex32 = ml_bfloat16, ml_complex32  # type: ignore[assignment]
+                _cast._output_checked = output_checked  # type: ignore[assignment]
 
         return run
 
