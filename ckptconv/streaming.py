@@ -335,11 +335,16 @@ def _piece_reader(ref: TensorRef) -> Iterator[Callable[[int, int], tuple[memoryv
         with open_file(source.path) as file:
             fd = file.fileno()
 
+            mappable = [True]
+
             def read_file(position: int, length: int) -> tuple[memoryview, np.ndarray | None]:
                 if position < 0 or position + length > ref.storage.nbytes:
                     raise ValueError(f"byte range {position}+{length} outside storage of {ref.storage.nbytes} bytes")
-                if length >= _MAP_MIN:
-                    return _mapped(fd, source.offset + position, length, source.path), None
+                if length >= _MAP_MIN and mappable[0]:
+                    try:
+                        return _mapped(fd, source.offset + position, length, source.path), None
+                    except OSError:  # a file system that cannot map files: read them instead
+                        mappable[0] = False
                 buffer = _take(length)
                 view = buffer[:length].data
                 read_exactly_into(fd, source.offset + position, view, source.path)

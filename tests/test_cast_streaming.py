@@ -179,3 +179,27 @@ def test_chunk_crcs_are_those_of_the_chunks(piece_style: str, tmp_path: Path) ->
     plain = [(bytes(view), crc) for view, crc in iter_bytes_with_crcs(weights["ids"])]
     assert plain and all(crc is None for _, crc in plain)
     assert b"".join(data for data, _ in plain) == torch.arange(5000).numpy().tobytes()
+
+
+def test_a_file_that_cannot_be_mapped_is_read_instead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some file systems cannot map files (mmap fails with ENODEV): the cast reads the pieces instead."""
+    import errno
+    import mmap
+
+    monkeypatch.setattr(ckptconv.streaming, "DEFAULT_CHUNK_BYTES", 8192)
+    monkeypatch.setattr(ckptconv.streaming, "_MAP_MIN", 0)
+    maps = []
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        maps.append(args)
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    state = _state()
+    source = tmp_path / "in.pt"
+    torch.save(state, source)
+    ckptconv.convert(source, tmp_path / "out.pt", transforms=[ckptconv.Cast("bf16")], source_hash=False)
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    for key, value in _expected(state, torch.bfloat16).items():
+        assert _same_bits(got[key], value), key
+    assert maps  # the map was tried, once per tensor
