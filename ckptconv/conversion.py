@@ -20,7 +20,7 @@ from ._text import plural
 from ._version import __version__
 from .errors import FitError, VerifyError
 from .formats._base import Deferred, MetadataValue
-from .integrity import RecordCrcs, check_record_crcs
+from .integrity import check_record_crcs
 from .loading import open as open_checkpoint
 from .metadata import checkpoint_metadata, encode_entries, source_sha256
 from .options import ConversionOptions
@@ -315,24 +315,17 @@ def convert(
     record_crcs: dict[Storage, int] = {}
     cast_whole: list[tuple[str, TensorRef]] = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as hasher:
-        tensors: list[tuple[str, TensorRef]] = list(state.items())
-        if options.source_hash and options.provenance:
-            # One read of the source gives its sha256 and the records' CRC-32s.
-            records = RecordCrcs(tensors) if options.check_crc else None
-
-            def hash_and_check() -> str:
-                value = source_sha256(checkpoint.path, stop=give_up, watcher=records.watcher if records else None)
-                if records is not None:
-                    check_record_crcs(tensors, stop=give_up, computed=records.computed())
-                return value
-
-            digest = hasher.submit(hash_and_check)
-            metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
-            crcs = digest if records is not None else None
-        elif options.check_crc:
+        if options.check_crc:
+            # The records' CRC-32s are checked on a thread of their own, not from the sha256's read:
+            # interleaved with ISA-L's CRC on one thread, OpenSSL's sha256 ran 0.2 s/GiB slower
+            # (1 GiB defaults: 1.07 against 0.90 s on the development VM).
+            tensors = list(state.items())
             cast_whole = [item for item in tensors if reads_whole_record(item[1])]
             others = [item for item in tensors if not reads_whole_record(item[1])]
             crcs = hasher.submit(check_record_crcs, others, stop=give_up)
+        if options.source_hash and options.provenance:
+            digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)
+            metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
         try:
             written = save(
                 state,

@@ -14,14 +14,13 @@ nothing to compare and are skipped. This module does not import torch.
 from __future__ import annotations
 
 import functools
-import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from .errors import MalformedCheckpointError
 from .tensor import FileRegion, Storage, TensorRef, ZipMember
 
-__all__ = ["CRC_OPT_OUT", "RecordCrcs", "check_record_crcs", "crc32", "crc32_combine"]
+__all__ = ["CRC_OPT_OUT", "check_record_crcs", "crc32", "crc32_combine"]
 
 try:
     # ISA-L's CRC-32 (carry-less multiply, vpclmulqdq where the CPU has it): the same
@@ -138,58 +137,6 @@ def _records(entries: Iterable[tuple[str, TensorRef]]) -> dict[int, tuple[Storag
         if isinstance(source, (FileRegion, ZipMember)) and source.crc32 is not None:
             records.setdefault(id(ref.storage), (ref.storage, key, source))
     return records
-
-
-class RecordCrcs:
-    """The CRC-32s of the uncompressed zip records the tensors use, taken from
-    chunks of their files that another reader passes by in file order.
-
-    Converting with the defaults reads the whole source once for its sha256;
-    the records' CRC-32s are taken from the same chunks (:meth:`watcher`), so the
-    check needs no read of its own (:func:`check_record_crcs` with
-    ``computed=``:meth:`computed` compares them, and reads only what was not seen).
-    """
-
-    def __init__(self, entries: Iterable[tuple[str, TensorRef]]) -> None:
-        self._spans: dict[str, list[tuple[int, int, Storage]]] = {}
-        for storage, _key, source in _records(entries).values():
-            if isinstance(source, FileRegion) and storage.nbytes:
-                self._spans.setdefault(os.path.realpath(source.path), []).append(
-                    (source.offset, source.offset + storage.nbytes, storage)
-                )
-        for spans in self._spans.values():
-            spans.sort(key=lambda span: span[:2])
-        self._taken: dict[Storage, int] = {}
-
-    def watcher(self, path: str) -> Callable[[int, memoryview], None] | None:
-        """``watch(position, chunk)`` to call with each chunk of ``path`` read in order, or None
-        when no record lies in that file."""
-        spans = self._spans.get(os.path.realpath(path))
-        if not spans:
-            return None
-        crcs = [0] * len(spans)
-        first = 0  # spans before this one ended before the chunks seen so far
-        taken = self._taken
-
-        def watch(position: int, chunk: memoryview) -> None:
-            nonlocal first
-            end = position + chunk.nbytes
-            index = first
-            while index < len(spans) and spans[index][0] < end:
-                start, stop, storage = spans[index]
-                if stop > position:
-                    crcs[index] = crc32(chunk[max(start, position) - position : min(stop, end) - position], crcs[index])
-                    if stop <= end:
-                        taken[storage] = crcs[index]
-                index += 1
-            while first < len(spans) and spans[first][1] <= end:
-                first += 1
-
-        return watch
-
-    def computed(self) -> dict[Storage, int]:
-        """The records whose every byte passed a watcher, with their CRC-32s."""
-        return dict(self._taken)
 
 
 def _compare(crc: int, storage: Storage, key: str, source: FileRegion | ZipMember) -> None:

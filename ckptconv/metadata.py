@@ -14,7 +14,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from . import read_policy
@@ -100,21 +100,15 @@ def checkpoint_metadata(tree: Any, selection: Selection) -> dict[str, Any]:
 #: (1 GiB: 0.69 s with 256 KiB chunks against 0.79 s with 8 MiB on the development VM).
 _HASH_CHUNK = 1 << 20
 
-# Why a watcher: the source is read once for the hash and the zip records' CRC-32s alike.
-Watcher = Callable[[int, memoryview], None]
 
-
-def file_sha256(path: str, stop: threading.Event | None = None, watch: Watcher | None = None) -> str:
+def file_sha256(path: str, stop: threading.Event | None = None) -> str:
     """The sha256 of a file, read in chunks (hashlib releases the GIL, so a thread can do it).
 
-    ``watch(position, chunk)`` sees every chunk too, in order (see
-    :class:`ckptconv.integrity.RecordCrcs`). Returns "" if ``stop`` is set
-    before the end (the caller gave up).
+    Returns "" if ``stop`` is set before the end (the caller gave up).
     """
     digest = hashlib.sha256()
     buffer = bytearray(_HASH_CHUNK)
     view = memoryview(buffer)
-    position = 0
     with read_policy.open_file(path) as file:
         while True:
             if stop is not None and stop.is_set():
@@ -123,30 +117,23 @@ def file_sha256(path: str, stop: threading.Event | None = None, watch: Watcher |
             if not count:
                 break
             digest.update(view[:count])
-            if watch is not None:
-                watch(position, view[:count])
-            position += count
     return digest.hexdigest()
 
 
-def source_sha256(
-    path: str, stop: threading.Event | None = None, watcher: Callable[[str], Watcher | None] | None = None
-) -> str:
+def source_sha256(path: str, stop: threading.Event | None = None) -> str:
     """The sha256 identifying a checkpoint: of the file, or for a sharded or DCP
     checkpoint, of its files' names (relative to its folder) and sha256s, sorted,
-    so every shard counts (:func:`ckptconv.formats.checkpoint_files` says which).
-
-    ``watcher(file)`` gives what watches each file's chunks (:func:`file_sha256`)."""
+    so every shard counts (:func:`ckptconv.formats.checkpoint_files` says which)."""
     from .formats import checkpoint_files
 
     files = checkpoint_files(path)
     if len(files) == 1 and os.path.isfile(path):
-        return file_sha256(files[0], stop=stop, watch=watcher(files[0]) if watcher else None)
+        return file_sha256(files[0], stop=stop)
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     named = sorted((os.path.relpath(file, folder).replace(os.sep, "/"), file) for file in files)
     digest = hashlib.sha256()
     for name, file in named:
-        value = file_sha256(file, stop=stop, watch=watcher(file) if watcher else None)
+        value = file_sha256(file, stop=stop)
         if not value:
             return ""
         digest.update(f"{name}\0{value}\n".encode())
