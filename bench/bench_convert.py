@@ -3,7 +3,7 @@
 Builds synthetic transformer-like checkpoints (tied embedding, int64 buffers,
 a `module.` prefix, many tensors), then times every approach in fresh child
 processes, alternating them within each round so that machine noise hits all
-of them alike. Reports the median and the best wall time, each as a ratio to `cp` of the same
+of them alike (in a new random order each round). Reports the median and the best wall time, each as a ratio to `cp` of the same
 file, and each child's peak RSS (from wait4's rusage).
 
     python bench/bench_convert.py                    # 1 and 4 GiB, 5 rounds
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -437,7 +438,11 @@ def main() -> None:
         for round_number in range(args.runs + 1):
             label = f"round {round_number}/{args.runs}" if round_number else "untimed round (checks, bytecode cache)"
             print(f"{size:g} GiB {label}", file=sys.stderr)
-            for case in cases:
+            # A new order every round: on this kind of VM a command that runs right after a big
+            # file was deleted can get slow fresh pages, so a fixed order favours some rows.
+            order = list(cases)
+            random.Random(round_number).shuffle(order)
+            for case in order if round_number else cases:
                 run_once(case, timed=round_number > 0)
                 if round_number == 0:
                     verify_outputs([case])
