@@ -2,9 +2,10 @@
 
 Builds synthetic transformer-like checkpoints (tied embedding, int64 buffers,
 a `module.` prefix, many tensors), then times every approach in fresh child
-processes, alternating them within each round so that machine noise hits all
-of them alike (in a new random order each round). Reports the median and the best wall time, each as a ratio to `cp` of the same
-file, and each child's peak RSS (from wait4's rusage).
+processes, alternating them within each round (in a new random order each
+round) so that machine noise hits all of them alike. Reports the median and the
+best wall time, each as a ratio to `cp` of the same file, and each child's peak
+RSS (from wait4's rusage).
 
     python bench/bench_convert.py                    # 1 and 4 GiB, 5 rounds
     python bench/bench_convert.py --sizes 1 --runs 3 --quick
