@@ -16,14 +16,12 @@ import collections
 import concurrent.futures
 import contextlib
 import itertools
-import mmap
-import os
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import TYPE_CHECKING
 
-from .errors import CastOverflowError, MalformedCheckpointError
+from .errors import CastOverflowError
 from .read_policy import open_file
-from .tensor import FileRegion, Storage, ZipMember, read_exactly_into
+from .tensor import FileRegion, Storage, ZipMember, map_exactly, read_exactly_into
 
 if TYPE_CHECKING:
     import numpy as np
@@ -305,27 +303,6 @@ def _give_back(buffer: np.ndarray) -> None:
         _SPARE.append(buffer)
 
 
-def _mapped(fd: int, offset: int, length: int, path: str) -> memoryview:
-    """``length`` bytes of the file at ``offset``, mapped read-only (no copy into Python).
-
-    The map is unmapped when the last view of it goes, so resident memory
-    stays at the pieces in flight. The size is checked first: a file cut short
-    since it was opened gets the one-line truncation error instead of a map
-    past its end (reading that would be SIGBUS). Only a file that shrinks while
-    a piece is cast escapes this check, as with the copy path's maps.
-    """
-    available = os.fstat(fd).st_size - offset
-    if available < length:
-        raise MalformedCheckpointError(
-            f"{path!r} is truncated: {length - max(available, 0)} bytes missing at offset "
-            f"{offset + max(available, 0)}; the file is damaged or still being written",
-            path=path,
-        )
-    aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
-    mapped = mmap.mmap(fd, offset + length - aligned, offset=aligned, access=mmap.ACCESS_READ)
-    return memoryview(mapped)[offset - aligned :]
-
-
 @contextlib.contextmanager
 def _piece_reader(ref: TensorRef) -> Iterator[Callable[[int, int], tuple[memoryview, np.ndarray | None]]]:
     """``read(position, length)`` giving a piece of the storage's bytes, and the pooled buffer
@@ -342,7 +319,7 @@ def _piece_reader(ref: TensorRef) -> Iterator[Callable[[int, int], tuple[memoryv
                     raise ValueError(f"byte range {position}+{length} outside storage of {ref.storage.nbytes} bytes")
                 if length >= _MAP_MIN and mappable[0]:
                     try:
-                        return _mapped(fd, source.offset + position, length, source.path), None
+                        return map_exactly(fd, source.offset + position, length, source.path), None
                     except OSError:  # a file system that cannot map files: read them instead
                         mappable[0] = False
                 buffer = _take(length)
