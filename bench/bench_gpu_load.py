@@ -72,6 +72,17 @@ BUILD = textwrap.dedent(
 )
 
 # name -> (code that leaves `state` on cuda:0, file suffix it reads, is it ours)
+# The start of every probe child (bench/probe_gpu_*.py): CUDA initialised before any timing, the
+# probe's arguments as JSON in argv[1], and one RESULT line of JSON per measurement.
+PROBE_PRELUDE = textwrap.dedent(
+    """
+    import ctypes, json, mmap, os, sys, threading, time, zlib, torch
+    torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
+    ARGS = json.loads(sys.argv[1])
+    def report(**values): print("RESULT " + json.dumps(values), flush=True)
+    """
+)
+
 LOADERS: dict[str, tuple[str, str, bool]] = {
     "ckptconv.load(x.safetensors, device='cuda:0')": (
         "import ckptconv; state = ckptconv.load(PATH + '.safetensors', device='cuda:0')",

@@ -16,22 +16,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu_load import BUILD, LOADERS, warm
-
-PRELUDE = textwrap.dedent(
-    """
-    import json, sys, threading, time, os, zlib, torch
-    torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
-    ARGS = json.loads(sys.argv[1])
-    def report(**values): print("RESULT " + json.dumps(values), flush=True)
-    """
-)
+from bench_gpu_load import PROBE_PRELUDE as PRELUDE
 
 PINNED = """
 out = {}

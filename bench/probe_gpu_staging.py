@@ -33,21 +33,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu_load import BUILD, LOADERS, compiled_env, warm
-
-PRELUDE = textwrap.dedent(
-    """
-    import ctypes, json, mmap, os, sys, threading, time, torch
-    torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
-    ARGS = json.loads(sys.argv[1])
-    def report(**values): print("RESULT " + json.dumps(values), flush=True)
-    """
-)
+from bench_gpu_load import PROBE_PRELUDE as PRELUDE
 
 PIN = """
 total, piece = 128 << 20, 8 << 20
