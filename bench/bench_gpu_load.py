@@ -83,6 +83,49 @@ PROBE_PRELUDE = textwrap.dedent(
     """
 )
 
+# Page cache to pinned memory, by ARGS["threads"] threads in ARGS["block"]-byte reads, each block
+# checksummed when ARGS["crc"] names how ("zlib", or "ckptconv" for the CRC-32 the readers use).
+PROBE_READS = """
+path, n, block, crc = ARGS["path"], ARGS["threads"], ARGS["block"], ARGS["crc"]
+if crc == "ckptconv":
+    from ckptconv.integrity import crc32
+elif crc:
+    crc32 = zlib.crc32
+size = os.path.getsize(path)
+staging = torch.empty(n * block, dtype=torch.uint8, pin_memory=True)
+fd = os.open(path, os.O_RDONLY)
+positions = list(range(0, size, block)); lock = threading.Lock()
+def work(i):
+    view = staging[i * block:(i + 1) * block].numpy().data
+    while True:
+        with lock:
+            if not positions: return
+            p = positions.pop(0)
+        got = os.preadv(fd, [view[:min(block, size - p)]], p)
+        if crc: crc32(view[:got])
+t = time.perf_counter(); threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+[x.start() for x in threads]; [x.join() for x in threads]
+report(gbps=size / (time.perf_counter() - t) / 1e9)
+"""
+
+
+def run_probe(code: str, args: dict[str, object], environ: dict[str, str] | None = None) -> dict[str, object] | str:
+    """Run ``PROBE_PRELUDE + code`` in a fresh process: its RESULT, or the last line of its error."""
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", PROBE_PRELUDE + code, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=environ,
+        timeout=600,
+    )
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result: dict[str, object] = json.loads(line[7:])
+            return result
+    return (out.stderr.strip().splitlines() or ["failed"])[-1][:300]
+
+
 LOADERS: dict[str, tuple[str, str, bool]] = {
     "ckptconv.load(x.safetensors, device='cuda:0')": (
         "import ckptconv; state = ckptconv.load(PATH + '.safetensors', device='cuda:0')",

@@ -21,8 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_load import BUILD, LOADERS, warm
-from bench_gpu_load import PROBE_PRELUDE as PRELUDE
+from bench_gpu_load import BUILD, LOADERS, PROBE_READS, run_probe, warm
 
 PINNED = """
 out = {}
@@ -50,25 +49,6 @@ if ARGS["reserve"]:  # one block, freed, that the caching allocator then carves 
     del block
 tensors = [torch.empty(n, dtype=torch.uint8, device="cuda:0") for n in sizes]; torch.cuda.synchronize()
 report(seconds=time.perf_counter() - t, count=len(sizes), gib=sum(sizes) / 2**30)
-"""
-
-READS = """
-path, n, block, crc = ARGS["path"], ARGS["threads"], ARGS["block"], ARGS["crc"]
-size = os.path.getsize(path)
-staging = torch.empty(n * block, dtype=torch.uint8, pin_memory=True)
-fd = os.open(path, os.O_RDONLY)
-positions = list(range(0, size, block)); lock = threading.Lock()
-def work(i):
-    view = staging[i * block:(i + 1) * block].numpy().data
-    while True:
-        with lock:
-            if not positions: return
-            p = positions.pop(0)
-        got = os.preadv(fd, [view[:min(block, size - p)]], p)
-        if crc: zlib.crc32(view[:got])
-t = time.perf_counter(); threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
-[x.start() for x in threads]; [x.join() for x in threads]
-report(gbps=size / (time.perf_counter() - t) / 1e9)
 """
 
 H2D = """
@@ -126,15 +106,7 @@ report(gbps=nbytes / wall / 1e9, wall=wall)
 """
 
 
-def child(code: str, args: dict[str, object]) -> dict[str, float] | str:
-    out = subprocess.run(
-        [sys.executable, "-P", "-c", PRELUDE + code, json.dumps(args)], capture_output=True, text=True, check=False
-    )
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result: dict[str, float] = json.loads(line[7:])
-            return result
-    return (out.stderr.strip().splitlines() or ["failed"])[-1][:300]
+child = run_probe
 
 
 def measure_phases(show: Callable[[str, object], None], stem: str, gib: float) -> None:
@@ -152,12 +124,12 @@ def measure_phases(show: Callable[[str, object], None], stem: str, gib: float) -
     for threads, block in ((8, 8 << 20), (16, 8 << 20), (16, 64 << 20), (32, 8 << 20), (32, 32 << 20)):
         show(
             f"pread threads={threads} block={block >> 20}MiB",
-            child(READS, {"path": st, "threads": threads, "block": block, "crc": False}),
+            child(PROBE_READS, {"path": st, "threads": threads, "block": block, "crc": None}),
         )
     for threads in (16, 32):
         show(
             f"pread+crc32 threads={threads} block=8MiB",
-            child(READS, {"path": pt, "threads": threads, "block": 8 << 20, "crc": True}),
+            child(PROBE_READS, {"path": pt, "threads": threads, "block": 8 << 20, "crc": "zlib"}),
         )
 
 

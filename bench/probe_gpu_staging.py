@@ -27,7 +27,6 @@ what the "imports" variant showed). Results: bench/results/bench_gpu_load_h200.m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -37,8 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_load import BUILD, LOADERS, compiled_env, warm
-from bench_gpu_load import PROBE_PRELUDE as PRELUDE
+from bench_gpu_load import BUILD, LOADERS, PROBE_READS, compiled_env, run_probe, warm
 
 PIN = """
 total, piece = 128 << 20, 8 << 20
@@ -94,26 +92,6 @@ t = time.perf_counter(); threads = [threading.Thread(target=work) for _ in range
 [x.start() for x in threads]; [x.join() for x in threads]
 wall = time.perf_counter() - t
 report(gbps=size / wall / 1e9, register_gbps_per_thread=size / reg[0] / 1e9, unregister_s=unreg[0], errors=errors[:3])
-"""
-
-READS = """
-path, n, block, crc = ARGS["path"], ARGS["threads"], 8 << 20, ARGS["crc"]
-from ckptconv.integrity import crc32
-size = os.path.getsize(path)
-staging = torch.empty(n * block, dtype=torch.uint8, pin_memory=True)
-fd = os.open(path, os.O_RDONLY)
-positions = list(range(0, size, block)); lock = threading.Lock()
-def work(i):
-    view = staging[i * block:(i + 1) * block].numpy().data
-    while True:
-        with lock:
-            if not positions: return
-            p = positions.pop(0)
-        got = os.preadv(fd, [view[:min(block, size - p)]], p)
-        if crc: crc32(view[:got])
-t = time.perf_counter(); threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
-[x.start() for x in threads]; [x.join() for x in threads]
-report(gbps=size / (time.perf_counter() - t) / 1e9)
 """
 
 H2D = """
@@ -230,19 +208,7 @@ def child(code: str, args: dict[str, object], env: str | None = None) -> dict[st
     environ = dict(ENV or os.environ)
     if env:
         environ["PYTORCH_CUDA_ALLOC_CONF"] = env
-    out = subprocess.run(
-        [sys.executable, "-P", "-c", PRELUDE + code, json.dumps(args)],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=environ,
-        timeout=120,
-    )
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result: dict[str, object] = json.loads(line[7:])
-            return result
-    return (out.stderr.strip().splitlines() or ["failed"])[-1][:300]
+    return run_probe(code, args, environ)
 
 
 def main() -> None:
@@ -273,7 +239,9 @@ def main() -> None:
             print(f"register page cache, {window >> 20} MiB windows x{threads}:", result, flush=True)
         for threads in (8, 16):
             for crc in (False, True):
-                result = child(READS, {"path": pt, "threads": threads, "crc": crc})
+                result = child(
+                    PROBE_READS, {"path": pt, "threads": threads, "block": 8 << 20, "crc": "ckptconv" if crc else None}
+                )
                 print(f"pread to pinned x{threads}, crc={crc}:", result, flush=True)
     variants = [v for v in VARIANTS if not args.only or any(s in v[0] for s in args.only)]
     results: dict[str, list[float]] = {}
