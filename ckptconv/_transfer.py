@@ -18,7 +18,9 @@ order:
 
 While a piece is in memory its CRC-32 is taken when the caller asks
 (``crcs``): zip records carry one, and checking it here costs no second read
-of the file (:func:`ckptconv.integrity.crc32_combine` joins the pieces').
+of the file (:func:`ckptconv.integrity.crc32_combine` joins the pieces'). Such a
+piece is read in steps of :data:`CRC_STEP` bytes, each checksummed right after
+its read while it is still in the core's cache.
 
 Files that are not in the page cache (cold; :func:`resident_fraction` asks the
 kernel with ``mincore``) are read with ``O_DIRECT`` into the pinned buffers,
@@ -64,6 +66,11 @@ __all__ = [
 
 #: Bytes each reader moves per step: a pinned staging buffer's size.
 PIECE_BYTES = 8 << 20
+
+#: Bytes read, then checksummed, at a time within a piece whose CRC-32 is wanted: small enough to
+#: stay in the core's cache from the read to the CRC (an 8 MiB piece does not, and its CRC read it
+#: all again from memory while the readers' copies and the GPU's transfers compete for it).
+CRC_STEP = 1 << 20
 
 #: Pinned buffers per reader thread: one is read into while the others' copies run.
 DEPTH = 2
@@ -234,25 +241,42 @@ def _tasks(spans: Sequence[Span], crcs: bool) -> Iterator[_Task]:
 
 class _Files:
     """Descriptors of the files read, opened once and shared by the readers: buffered ones, and
-    ``O_DIRECT`` ones for cold files where the mode allows (None where refused)."""
+    ``O_DIRECT`` ones for cold files where the mode allows (None where refused).
 
-    def __init__(self, mode: str) -> None:
+    Each file has a lock of its own, taken only until its descriptors exist: deciding whether
+    one shard of a folder is warm (:func:`resident_fraction`) does not stop the readers of the
+    others, as one lock for all did.
+    """
+
+    def __init__(self, mode: str, paths: Sequence[str] = ()) -> None:
         self.mode = mode
         self.buffered: dict[str, io.BufferedReader] = {}
         self.direct: dict[str, int | None] = {}
-        self.lock = threading.Lock()
+        self.locks = {path: threading.Lock() for path in paths}
+        self.lock = threading.Lock()  # for paths not named up front
+
+    def _lock(self, path: str) -> threading.Lock:
+        lock = self.locks.get(path)
+        if lock is None:
+            with self.lock:
+                lock = self.locks.setdefault(path, threading.Lock())
+        return lock
 
     def fd(self, path: str) -> int:
-        with self.lock:
-            if path not in self.buffered:
-                self.buffered[path] = read_policy.open_file(path)
-            return self.buffered[path].fileno()
+        file = self.buffered.get(path)
+        if file is None:
+            with self._lock(path):
+                file = self.buffered.get(path)
+                if file is None:
+                    file = self.buffered[path] = read_policy.open_file(path)
+        return file.fileno()
 
     def direct_fd(self, path: str) -> int | None:
-        with self.lock:
-            if path not in self.direct:
-                self.direct[path] = self._open_direct(path)
-            return self.direct[path]
+        if path not in self.direct:
+            with self._lock(path):
+                if path not in self.direct:
+                    self.direct[path] = self._open_direct(path)
+        return self.direct[path]
 
     def _open_direct(self, path: str) -> int | None:
         if self.mode == "buffered" or not hasattr(os, "O_DIRECT"):
@@ -263,6 +287,13 @@ class _Files:
             return read_policy.open_descriptor(path, flags=os.O_DIRECT)
         except (OSError, LoadError):
             return None
+
+    def prepare(self) -> None:
+        """Open every file named up front and decide how to read it, in order: called by the
+        thread that waits for the readers, so that the files after the first (the shards of a
+        folder) are ready before the readers reach them."""
+        for path in list(self.locks):
+            self.direct_fd(path)
 
     def close(self) -> None:
         for file in self.buffered.values():
@@ -389,15 +420,15 @@ class _Worker:
         fd = self.shared.files.direct_fd(source.path)
         if fd is not None:
             skip = _read_direct(fd, source.path, source.offset + task.position, task.count, view)
-        else:
-            skip = 0
-            self._check(span, task.position, task.count)
-            read_exactly_into(
-                self.shared.files.fd(source.path), source.offset + task.position, view[: task.count], source.path
-            )
-        self._upload(span, task.position, slot, skip, task.count)
-        if task.crc:  # while the copy runs: both only read the buffer
-            self._record_crc(task, view[skip : skip + task.count])
+            self._upload(span, task.position, slot, skip, task.count)
+            if task.crc:  # while the copy runs: both only read the buffer
+                self._record_crc(task, crc32(view[skip : skip + task.count]))
+            return
+        self._check(span, task.position, task.count)
+        crc = self._read(task, source, view[: task.count])
+        self._upload(span, task.position, slot, 0, task.count)
+        if crc is not None:
+            self._record_crc(task, crc)
 
     def _run_cpu(self, task: _Task) -> None:
         span = task.span
@@ -408,10 +439,25 @@ class _Worker:
         source = span.storage.source
         assert isinstance(source, FileRegion)  # _tasks cuts file regions only
         self._check(span, task.position, task.count)
-        piece = out[task.position - span.start :][: task.count].data
-        read_exactly_into(self.shared.files.fd(source.path), source.offset + task.position, piece, source.path)
-        if task.crc:
-            self._record_crc(task, piece)
+        crc = self._read(task, source, out[task.position - span.start :][: task.count].data)
+        if crc is not None:
+            self._record_crc(task, crc)
+
+    def _read(self, task: _Task, source: FileRegion, piece: memoryview) -> int | None:
+        """Read the task's bytes through the page cache into ``piece``; their CRC-32 when the task wants it,
+        taken in steps of :data:`CRC_STEP` right after each step's read (still in the core's cache)."""
+        fd = self.shared.files.fd(source.path)
+        offset = source.offset + task.position
+        if not task.crc:
+            read_exactly_into(fd, offset, piece, source.path)
+            return None
+        crc = 0
+        step = CRC_STEP or len(piece)
+        for at in range(0, len(piece), step):
+            part = piece[at : at + step]
+            read_exactly_into(fd, offset + at, part, source.path)
+            crc = crc32(part, crc)
+        return crc
 
     def _take_buffers(self) -> None:
         """One pinned buffer to start with (waiting for it), then more as they are made, up to DEPTH."""
@@ -432,10 +478,10 @@ class _Worker:
         if position < 0 or position + count > span.storage.nbytes:  # pragma: no cover - spans come from refs
             raise ValueError(f"byte range {position}+{count} outside storage of {span.storage.nbytes} bytes")
 
-    def _record_crc(self, task: _Task, data: memoryview) -> None:
+    def _record_crc(self, task: _Task, crc: int) -> None:
         assert task.count is not None
         # list.append is atomic; read_spans joins the pieces once every reader is done.
-        self.shared.crcs.setdefault(task.span.storage, []).append((task.position, task.count, crc32(data)))
+        self.shared.crcs.setdefault(task.span.storage, []).append((task.position, task.count, crc))
 
     def _free_slot(self) -> int:
         """The buffer to fill next, once the device has finished copying out of it."""
@@ -502,10 +548,13 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
     tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
     count = 0
     checksummed = False
+    paths: dict[str, None] = {}  # the files read in pieces, in the order they are first read
     for task in _tasks(spans, crcs is not None):
         tasks.put(task)
         count += 1
         checksummed = checksummed or task.crc
+        if task.count is not None and isinstance(task.span.storage.source, FileRegion):
+            paths.setdefault(task.span.storage.source.path)
     if count == 0:
         return
     callers: dict[Any, Any] = {}
@@ -515,7 +564,7 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
 
             callers[span.out.device] = torch.cuda.current_stream(span.out.device)
     threads = max(1, min(threads or reader_threads(copy_only=bool(callers) and not checksummed), count))
-    shared = _Shared(_Files(direct_io), callers, _Pinned(threads * DEPTH) if callers else None, {})
+    shared = _Shared(_Files(direct_io, list(paths)), callers, _Pinned(threads * DEPTH) if callers else None, {})
     errors: list[BaseException] = []
     failed = threading.Event()
 
@@ -540,6 +589,8 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
     try:
         for thread in pool:
             thread.start()
+        if callers:  # only GPU loads read with O_DIRECT
+            shared.files.prepare()
         for thread in pool:
             thread.join()
     finally:

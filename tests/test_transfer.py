@@ -6,8 +6,10 @@ by several threads in any order. The GPU tests run only where CUDA is available.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
+import threading
 import zlib
 from pathlib import Path
 
@@ -40,7 +42,7 @@ def big_state() -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pieces of 12 KiB payload (16 KiB buffers): every tensor above spans several pieces."""
+    """Pieces of 8 KiB payload (16 KiB buffers, less room to align O_DIRECT reads): every tensor above spans several pieces."""
     monkeypatch.setattr(_transfer, "PIECE_BYTES", 16384)
 
 
@@ -159,9 +161,14 @@ def test_pinned_buffers_come_one_by_one_and_errors_reach_the_readers(monkeypatch
     pinned.close()
 
 
+@pytest.mark.parametrize("step", [1 << 20, 4096, 5000])
 @pytest.mark.parametrize("whole_record", [True, False])
-def test_readers_check_zip_crcs_without_a_second_read(tmp_path: Path, small_pieces: None, whole_record: bool) -> None:
-    """A flipped bit in a record is found from the pieces' CRC-32s; the error names the tensor."""
+def test_readers_check_zip_crcs_without_a_second_read(
+    tmp_path: Path, small_pieces: None, whole_record: bool, step: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flipped bit in a record is found from the pieces' CRC-32s, each taken in steps of CRC_STEP
+    (one step per 8 KiB piece, two, or steps that do not divide it); the error names the tensor."""
+    monkeypatch.setattr(_transfer, "CRC_STEP", step)
     path = tmp_path / "m.pt"
     torch.save(big_state(), path)
     ckpt = ckptconv.open(path)
@@ -183,6 +190,64 @@ def test_readers_check_zip_crcs_without_a_second_read(tmp_path: Path, small_piec
     loaded = ckptconv.load(damaged, check_crc=False)  # the damaged bytes, as they are
     assert not torch.equal(loaded["w3"], big_state()["w3"])
     assert torch.equal(loaded["w2"], big_state()["w2"])
+
+
+def sharded_folder(tmp_path: Path, state: dict[str, torch.Tensor], shards: int = 3) -> Path:
+    """``state`` saved as a folder of safetensors shards with an index, as transformers writes it."""
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    names = list(state)
+    weight_map = {}
+    for index in range(shards):
+        part = {k: state[k] for k in names[index::shards]}
+        name = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(part, folder / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def test_sharded_folder_is_read_by_one_reader_pool(
+    tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every shard's pieces go to the same readers (one read_spans call); bit for bit against safetensors."""
+    state = big_state()
+    folder = sharded_folder(tmp_path, state)
+    calls: list[int] = []
+    real = _transfer.read_spans
+
+    def counting(spans: object, **kwargs: object) -> None:
+        calls.append(len({span.storage.source.path for span in spans}))  # type: ignore[attr-defined]
+        real(spans, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ckptconv._torch, "read_spans", counting)
+    loaded = ckptconv.load(folder)
+    assert calls == [3]
+    reference = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        reference.update(load_file(shard))
+    assert_same_state(loaded, reference, ordered=False)
+
+
+def test_files_lock_each_file_on_its_own(tmp_path: Path) -> None:
+    """While one file is being opened and checked (its lock held), another file's readers go on."""
+    first, second = tmp_path / "a.bin", tmp_path / "b.bin"
+    first.write_bytes(b"a" * 100)
+    second.write_bytes(b"b" * 100)
+    files = _transfer._Files("buffered", [str(first), str(second)])
+    got: list[int] = []
+    try:
+        with files._lock(str(first)):
+            reader = threading.Thread(target=lambda: got.append(files.fd(str(second))))
+            reader.start()
+            reader.join(timeout=10)
+            assert got and os.pread(got[0], 1, 0) == b"b"
+        assert files.fd(str(second)) == got[0]  # opened once
+        files.prepare()
+        assert files.direct == {str(first): None, str(second): None}  # "buffered": no O_DIRECT
+        assert os.pread(files.fd(str(tmp_path / "a.bin")), 1, 0) == b"a"
+    finally:
+        files.close()
 
 
 def test_resident_fraction(tmp_path: Path) -> None:
@@ -236,6 +301,21 @@ def test_direct_reads_return_the_requested_bytes(tmp_path: Path, offset: int, co
             _transfer._read_direct(fd, str(path), 19_000, 2000, buffer)
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["buffered", "direct", "auto"])
+def test_gpu_load_of_a_sharded_folder(
+    tmp_path: Path, mode: str, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_transfer, "direct_io", mode)
+    folder = sharded_folder(tmp_path, big_state())
+    reference = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        reference.update(load_file(shard))
+    loaded = ckptconv.load(folder, device="cuda:0")
+    assert all(t.device == torch.device("cuda:0") for t in loaded.values())
+    assert_same_state({k: v.cpu() for k, v in loaded.items()}, reference, ordered=False)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
