@@ -83,10 +83,12 @@ PROBE_PRELUDE = textwrap.dedent(
     """
 )
 
-# Page cache to pinned memory, by ARGS["threads"] threads in ARGS["block"]-byte reads, each block
-# checksummed when ARGS["crc"] names how ("zlib", or "ckptconv" for the CRC-32 the readers use).
+# Page cache to pinned memory, by ARGS["threads"] threads in ARGS["block"]-byte blocks, each block
+# checksummed when ARGS["crc"] names how ("zlib", or "ckptconv" for the CRC-32 the readers use), read
+# (and checksummed) in ARGS["step"]-byte steps when given.
 PROBE_READS = """
 path, n, block, crc = ARGS["path"], ARGS["threads"], ARGS["block"], ARGS["crc"]
+step = ARGS.get("step") or block
 if crc == "ckptconv":
     from ckptconv.integrity import crc32
 elif crc:
@@ -101,8 +103,11 @@ def work(i):
         with lock:
             if not positions: return
             p = positions.pop(0)
-        got = os.preadv(fd, [view[:min(block, size - p)]], p)
-        if crc: crc32(view[:got])
+        got, c = min(block, size - p), 0
+        for at in range(0, got, step):
+            part = view[at:min(at + step, got)]
+            os.preadv(fd, [part], p + at)
+            if crc: c = crc32(part, c)
 t = time.perf_counter(); threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
 [x.start() for x in threads]; [x.join() for x in threads]
 report(gbps=size / (time.perf_counter() - t) / 1e9)
