@@ -38,11 +38,19 @@ from bench_gpu_load import BUILD, LOADERS, PROBE_READS, compiled_env, run_probe,
 
 # The readers' every step timed (events of the reader threads, from the load's start), a load
 # repeated in the same process when ARGS["twice"], the staging pinned before the clock when
-# ARGS["prepin"] (how many 8 MiB buffers), main's one lock for all files when ARGS["one_lock"].
+# ARGS["prepin"] (how many 8 MiB buffers), main's one lock for all files when ARGS["one_lock"],
+# the staging made by read_spans (not while the tensors are allocated) when ARGS["late_staging"],
+# and main's readers (ckptconv/_torch_main.py and _transfer_main.py, copies of main's _torch.py and
+# _transfer.py put beside the package for the probe) when ARGS["main"].
 LOAD = """
 import ckptconv, ckptconv._transfer as T, ckptconv._torch as TT, ckptconv.loading as L, ckptconv.integrity as I
 for name, value in ARGS["knobs"].items():
     setattr(T, name, value)
+if ARGS.get("main"):
+    import ckptconv._torch_main as TM
+    TT.to_torch = TM.to_torch
+if ARGS.get("late_staging"):
+    TT.start_staging = lambda lengths: None
 if ARGS.get("one_lock"):
     class OneLock(T._Files):  # main before round 4: one lock for every file, each checked when first read
         def fd(self, path):
@@ -89,6 +97,8 @@ def summary(t0, wall):
         out["pinned_ready_ms"] = [round(p * 1e3, 1) for p in sorted(pins)]
     readers = sorted({n for n, w, *_ in mine if w == "piece"})
     out["readers"] = len(readers)
+    if not readers:  # main's readers are not timed
+        return out
     firsts = [min(a for n, w, a, b in mine if n == r and w == "piece") - t0 for r in readers]
     lasts = [max(b for n, w, a, b in mine if n == r and w == "piece") - t0 for r in readers]
     out["first_piece_ms"] = [round(min(firsts) * 1e3, 1), round(max(firsts) * 1e3, 1)]
@@ -135,23 +145,22 @@ report(first={{"gbps": round(nbytes / wall / 1e9, 2), "wall_ms": round(wall * 1e
 """
 
 # (title, file suffix, LOAD arguments besides the path)
+# Call 1 of round 4 (commit 51ee2c4) ran "st", "st, staging pinned before the clock" ({"prepin": 16}),
+# "st, 4 MiB pieces", the .pt CRC in 1 MiB and 256 KiB steps (a CRC_STEP knob since dropped), "pt no
+# crc" and "sharded, one lock for all files"; call 2 compares main's readers with this branch's.
 VARIANTS: list[tuple[str, str, dict[str, object]]] = [
+    ("st, main", ".safetensors", {"main": True}),
     ("st", ".safetensors", {}),
-    ("st, staging pinned before the clock", ".safetensors", {"prepin": 16}),
-    ("st, 4 MiB pieces", ".safetensors", {"knobs": {"PIECE_BYTES": 4 << 20}}),
-    ("pt crc, whole 8 MiB piece (as main), 16 readers", ".pt", {"knobs": {"CRC_STEP": 0}}),
-    ("pt crc, 1 MiB steps, 16 readers", ".pt", {}),
-    ("pt crc, 1 MiB steps, 8 readers", ".pt", {"knobs": {"MAX_THREADS": 8}}),
-    ("pt crc, 256 KiB steps, 16 readers", ".pt", {"knobs": {"CRC_STEP": 256 << 10}}),
-    ("pt no crc (8 readers)", ".pt", {"crc": False}),
+    ("st, staging made by read_spans", ".safetensors", {"late_staging": True}),
+    ("pt crc, main (16 readers checking)", ".pt", {"main": True}),
+    ("pt crc (8 readers, 8 checking threads)", ".pt", {}),
+    ("sharded, main", "_sharded", {"main": True}),
     ("sharded", "_sharded", {}),
-    ("sharded, one lock for all files (main)", "_sharded", {"one_lock": True}),
 ]
 
 TIMELINES: list[tuple[str, str, dict[str, object]]] = [
     ("st, twice in process", ".safetensors", {"twice": True}),
-    ("pt crc, 1 MiB steps, twice in process", ".pt", {"twice": True}),
-    ("pt crc, whole piece, twice in process", ".pt", {"twice": True, "knobs": {"CRC_STEP": 0}}),
+    ("pt crc, twice in process", ".pt", {"twice": True}),
 ]
 
 

@@ -18,9 +18,10 @@ order:
 
 While a piece is in memory its CRC-32 is taken when the caller asks
 (``crcs``): zip records carry one, and checking it here costs no second read
-of the file (:func:`ckptconv.integrity.crc32_combine` joins the pieces'). Such a
-piece is read in steps of :data:`CRC_STEP` bytes, each checksummed right after
-its read while it is still in the core's cache.
+of the file (:func:`ckptconv.integrity.crc32_combine` joins the pieces'). On a
+GPU load a pool of checking threads takes it from the pinned buffer while the
+reader reads its next piece (the buffer is refilled once both its copy and its
+CRC are done), so checking needs no more readers, nor more pinned memory.
 
 Files that are not in the page cache (cold; :func:`resident_fraction` asks the
 kernel with ``mincore``) are read with ``O_DIRECT`` into the pinned buffers,
@@ -34,6 +35,7 @@ through the storage's own reader, still in parallel with everything else.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -62,15 +64,11 @@ __all__ = [
     "read_spans",
     "reader_threads",
     "resident_fraction",
+    "start_staging",
 ]
 
 #: Bytes each reader moves per step: a pinned staging buffer's size.
 PIECE_BYTES = 8 << 20
-
-#: Bytes read, then checksummed, at a time within a piece whose CRC-32 is wanted: small enough to
-#: stay in the core's cache from the read to the CRC (an 8 MiB piece does not, and its CRC read it
-#: all again from memory while the readers' copies and the GPU's transfers compete for it).
-CRC_STEP = 1 << 20
 
 #: Pinned buffers per reader thread: one is read into while the others' copies run.
 DEPTH = 2
@@ -78,11 +76,10 @@ DEPTH = 2
 #: The most reader threads, whatever the core count.
 MAX_THREADS = 16
 
-#: The most reader threads for GPU loads that checksum nothing (safetensors, ``check_crc=False``):
-#: there the readers only copy, and more of them contend. On the two-H200 host (32 cores), an
-#: 8 GiB safetensors load took 20.6 GB/s with 8 readers against 17.1 with 16 and 15.6 with 24
-#: (medians of 3 alternating rounds, bench/results/bench_gpu_load_h200x2.md); with CRC-32 checks
-#: 16 readers stay faster (13.6 against 9.8 GB/s), as checking needs the cores.
+#: The most reader threads for GPU loads, whose readers only copy (CRC-32s are taken by a pool of
+#: their own): more of them contend, and each needs its pinned buffers. On the two-H200 host (32
+#: cores), an 8 GiB safetensors load took 20.6 GB/s with 8 readers against 17.1 with 16 and 15.6
+#: with 24 (medians of 3 alternating rounds, bench/results/bench_gpu_load_h200x2.md).
 MAX_COPY_THREADS = 8
 
 # O_DIRECT needs offsets, lengths and buffer addresses aligned to the logical
@@ -100,7 +97,7 @@ direct_io = "auto"
 
 def reader_threads(*, copy_only: bool = False) -> int:
     """Reader threads: one per core, at least 2 and at most :data:`MAX_THREADS`, or at most
-    :data:`MAX_COPY_THREADS` for GPU loads whose readers checksum nothing (``copy_only``)."""
+    :data:`MAX_COPY_THREADS` for GPU loads (``copy_only``: their readers checksum nothing)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
@@ -241,42 +238,25 @@ def _tasks(spans: Sequence[Span], crcs: bool) -> Iterator[_Task]:
 
 class _Files:
     """Descriptors of the files read, opened once and shared by the readers: buffered ones, and
-    ``O_DIRECT`` ones for cold files where the mode allows (None where refused).
+    ``O_DIRECT`` ones for cold files where the mode allows (None where refused)."""
 
-    Each file has a lock of its own, taken only until its descriptors exist: deciding whether
-    one shard of a folder is warm (:func:`resident_fraction`) does not stop the readers of the
-    others, as one lock for all did.
-    """
-
-    def __init__(self, mode: str, paths: Sequence[str] = ()) -> None:
+    def __init__(self, mode: str) -> None:
         self.mode = mode
         self.buffered: dict[str, io.BufferedReader] = {}
         self.direct: dict[str, int | None] = {}
-        self.locks = {path: threading.Lock() for path in paths}
-        self.lock = threading.Lock()  # for paths not named up front
-
-    def _lock(self, path: str) -> threading.Lock:
-        lock = self.locks.get(path)
-        if lock is None:
-            with self.lock:
-                lock = self.locks.setdefault(path, threading.Lock())
-        return lock
+        self.lock = threading.Lock()
 
     def fd(self, path: str) -> int:
-        file = self.buffered.get(path)
-        if file is None:
-            with self._lock(path):
-                file = self.buffered.get(path)
-                if file is None:
-                    file = self.buffered[path] = read_policy.open_file(path)
-        return file.fileno()
+        with self.lock:
+            if path not in self.buffered:
+                self.buffered[path] = read_policy.open_file(path)
+            return self.buffered[path].fileno()
 
     def direct_fd(self, path: str) -> int | None:
-        if path not in self.direct:
-            with self._lock(path):
-                if path not in self.direct:
-                    self.direct[path] = self._open_direct(path)
-        return self.direct[path]
+        with self.lock:
+            if path not in self.direct:
+                self.direct[path] = self._open_direct(path)
+            return self.direct[path]
 
     def _open_direct(self, path: str) -> int | None:
         if self.mode == "buffered" or not hasattr(os, "O_DIRECT"):
@@ -287,13 +267,6 @@ class _Files:
             return read_policy.open_descriptor(path, flags=os.O_DIRECT)
         except (OSError, LoadError):
             return None
-
-    def prepare(self) -> None:
-        """Open every file named up front and decide how to read it, in order: called by the
-        thread that waits for the readers, so that the files after the first (the shards of a
-        folder) are ready before the readers reach them."""
-        for path in list(self.locks):
-            self.direct_fd(path)
 
     def close(self) -> None:
         for file in self.buffered.values():
@@ -376,14 +349,30 @@ class _Pinned:
         self.thread.join()
 
 
+def start_staging(lengths: Sequence[int]) -> _Pinned | None:
+    """Start pinning the staging of a GPU load of spans of these byte lengths, to pass to
+    :func:`read_spans`; None when there is nothing to read.
+
+    Pinning is the largest first-use cost of a load in a fresh process (about 85 ms for the 128 MiB
+    of 8 readers on an H200 host, bench/results/bench_gpu_load_h200.md, round 4), and the readers
+    wait for it; started before the destination tensors are allocated, it overlaps that too.
+    """
+    pieces = sum(-(-length // _payload()) for length in lengths if length > 0)
+    if pieces == 0:
+        return None
+    return _Pinned(min(reader_threads(copy_only=True), pieces) * DEPTH)
+
+
 @dataclasses.dataclass
 class _Shared:
-    """What the readers share: the files, the callers' streams, the pinned staging, the pieces' CRCs."""
+    """What the readers share: the files, the callers' streams, the pinned staging, the pieces' CRCs,
+    and the pool that takes the CRCs of pieces staged for a GPU (None: the readers take them)."""
 
     files: _Files
     callers: dict[Any, Any]
     pinned: _Pinned | None
     crcs: dict[Storage, list[tuple[int, int, int]]]
+    checker: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 class _Worker:
@@ -394,7 +383,9 @@ class _Worker:
         self.index = index
         self.buffers: list[torch.Tensor] = []
         self.views: list[memoryview] = []
-        self.events: list[Any] = []
+        self.events: list[Any] = []  # one CUDA event per buffer, made once, recorded after each copy
+        self.busy: list[bool] = []  # the buffer's last copy may still run
+        self.checks: list[tuple[_Task, concurrent.futures.Future[int]] | None] = []  # its CRC being taken
         self.turn = 0
         self.wants_more = True
         self.streams: dict[Any, Any] = {}
@@ -420,15 +411,19 @@ class _Worker:
         fd = self.shared.files.direct_fd(source.path)
         if fd is not None:
             skip = _read_direct(fd, source.path, source.offset + task.position, task.count, view)
-            self._upload(span, task.position, slot, skip, task.count)
-            if task.crc:  # while the copy runs: both only read the buffer
-                self._record_crc(task, crc32(view[skip : skip + task.count]))
-            return
-        self._check(span, task.position, task.count)
-        crc = self._read(task, source, view[: task.count])
-        self._upload(span, task.position, slot, 0, task.count)
-        if crc is not None:
-            self._record_crc(task, crc)
+        else:
+            skip = 0
+            self._check(span, task.position, task.count)
+            read_exactly_into(
+                self.shared.files.fd(source.path), source.offset + task.position, view[: task.count], source.path
+            )
+        self._upload(span, task.position, slot, skip, task.count)
+        if task.crc:  # while the copy runs: both only read the buffer
+            data = view[skip : skip + task.count]
+            if self.shared.checker is None:
+                self._record_crc(task, crc32(data))
+            else:
+                self.checks[slot] = (task, self.shared.checker.submit(crc32, data))
 
     def _run_cpu(self, task: _Task) -> None:
         span = task.span
@@ -439,25 +434,10 @@ class _Worker:
         source = span.storage.source
         assert isinstance(source, FileRegion)  # _tasks cuts file regions only
         self._check(span, task.position, task.count)
-        crc = self._read(task, source, out[task.position - span.start :][: task.count].data)
-        if crc is not None:
-            self._record_crc(task, crc)
-
-    def _read(self, task: _Task, source: FileRegion, piece: memoryview) -> int | None:
-        """Read the task's bytes through the page cache into ``piece``; their CRC-32 when the task wants it,
-        taken in steps of :data:`CRC_STEP` right after each step's read (still in the core's cache)."""
-        fd = self.shared.files.fd(source.path)
-        offset = source.offset + task.position
-        if not task.crc:
-            read_exactly_into(fd, offset, piece, source.path)
-            return None
-        crc = 0
-        step = CRC_STEP or len(piece)
-        for at in range(0, len(piece), step):
-            part = piece[at : at + step]
-            read_exactly_into(fd, offset + at, part, source.path)
-            crc = crc32(part, crc)
-        return crc
+        piece = out[task.position - span.start :][: task.count].data
+        read_exactly_into(self.shared.files.fd(source.path), source.offset + task.position, piece, source.path)
+        if task.crc:
+            self._record_crc(task, crc32(piece))
 
     def _take_buffers(self) -> None:
         """One pinned buffer to start with (waiting for it), then more as they are made, up to DEPTH."""
@@ -471,6 +451,8 @@ class _Worker:
             self.buffers.append(buffer)
             self.views.append(buffer.numpy().data)
             self.events.append(None)
+            self.busy.append(False)
+            self.checks.append(None)
         self.wants_more = len(self.buffers) < DEPTH
 
     @staticmethod
@@ -484,14 +466,20 @@ class _Worker:
         self.shared.crcs.setdefault(task.span.storage, []).append((task.position, task.count, crc))
 
     def _free_slot(self) -> int:
-        """The buffer to fill next, once the device has finished copying out of it."""
+        """The buffer to fill next, once the device has finished copying out of it and its CRC is taken."""
         slot = self.turn % len(self.buffers)
         self.turn = slot + 1
-        event = self.events[slot]
-        if event is not None:
-            event.synchronize()  # releases the GIL
-            self.events[slot] = None
+        if self.busy[slot]:
+            self.events[slot].synchronize()  # releases the GIL
+            self.busy[slot] = False
+        self._collect(slot)
         return slot
+
+    def _collect(self, slot: int) -> None:
+        check = self.checks[slot]
+        if check is not None:
+            self.checks[slot] = None
+            self._record_crc(check[0], check[1].result())
 
     def _upload(self, span: Span, position: int, slot: int, skip: int, count: int) -> None:
         import torch
@@ -507,11 +495,15 @@ class _Worker:
             torch.cuda.set_stream(stream)
         destination = span.out[position - span.start : position - span.start + count]
         destination.copy_(self.buffers[slot][skip : skip + count], non_blocking=True)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event = self.events[slot]
+        if event is None:
+            event = self.events[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)
-        self.events[slot] = event
+        self.busy[slot] = True
 
     def finish(self) -> None:
+        for slot in range(len(self.checks)):
+            self._collect(slot)
         for stream in self.streams.values():
             stream.synchronize()
 
@@ -528,7 +520,13 @@ def _join_crcs(pieces: list[tuple[int, int, int]], nbytes: int) -> int | None:
     return crc if end == nbytes else None
 
 
-def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[Storage, int] | None = None) -> None:
+def read_spans(
+    spans: Sequence[Span],
+    *,
+    threads: int | None = None,
+    crcs: dict[Storage, int] | None = None,
+    staging: _Pinned | None = None,
+) -> None:
     """Fill every span's ``out`` tensor with its bytes, using parallel reader threads.
 
     Returns when every byte is on its device (all copies have finished).
@@ -540,6 +538,8 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
             pieces (``FileRegion`` with a recorded ``crc32``), keyed by storage,
             taken from the bytes as they were read. Records not in it were not
             checked here.
+        staging: the pinned staging for GPU spans, started by :func:`start_staging`
+            (made here when None); closed here in every case.
 
     Raises:
         MalformedCheckpointError: a file is shorter than its header says (the
@@ -548,23 +548,31 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
     tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
     count = 0
     checksummed = False
-    paths: dict[str, None] = {}  # the files read in pieces, in the order they are first read
     for task in _tasks(spans, crcs is not None):
         tasks.put(task)
         count += 1
         checksummed = checksummed or task.crc
-        if task.count is not None and isinstance(task.span.storage.source, FileRegion):
-            paths.setdefault(task.span.storage.source.path)
-    if count == 0:
-        return
     callers: dict[Any, Any] = {}
     for span in spans:
         if span.out.device.type == "cuda" and span.out.device not in callers:
             import torch
 
             callers[span.out.device] = torch.cuda.current_stream(span.out.device)
-    threads = max(1, min(threads or reader_threads(copy_only=bool(callers) and not checksummed), count))
-    shared = _Shared(_Files(direct_io, list(paths)), callers, _Pinned(threads * DEPTH) if callers else None, {})
+    if count == 0 or not callers:
+        if staging is not None:
+            staging.close()
+        if count == 0:
+            return
+        staging = None
+    threads = max(1, min(threads or reader_threads(copy_only=bool(callers)), count))
+    if callers and staging is None:
+        staging = _Pinned(threads * DEPTH)
+    if staging is not None:
+        threads = min(threads, max(1, staging.count // DEPTH))  # every reader gets a buffer
+    checker = None
+    if callers and checksummed:
+        checker = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ckptconv-crc")
+    shared = _Shared(_Files(direct_io), callers, staging, {}, checker)
     errors: list[BaseException] = []
     failed = threading.Event()
 
@@ -589,13 +597,13 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
     try:
         for thread in pool:
             thread.start()
-        if callers:  # only GPU loads read with O_DIRECT
-            shared.files.prepare()
         for thread in pool:
             thread.join()
     finally:
         if shared.pinned is not None:
             shared.pinned.close()
+        if checker is not None:
+            checker.shutdown(wait=True)
         shared.files.close()
     if errors:
         raise errors[0]

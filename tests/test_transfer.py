@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import threading
 import zlib
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import ckptconv
 from ckptconv import _transfer
 from ckptconv.errors import MalformedCheckpointError
 from ckptconv.integrity import crc32_combine
+from ckptconv.tensor import InMemory, Storage
 
 from .conftest import all_dtypes_state, assert_same_state, reference_load, views_state
 
@@ -42,7 +42,8 @@ def big_state() -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pieces of 8 KiB payload (16 KiB buffers, less room to align O_DIRECT reads): every tensor above spans several pieces."""
+    """Pieces of 8 KiB payload (16 KiB buffers less room to align O_DIRECT reads): every tensor
+    above spans several pieces."""
     monkeypatch.setattr(_transfer, "PIECE_BYTES", 16384)
 
 
@@ -161,14 +162,31 @@ def test_pinned_buffers_come_one_by_one_and_errors_reach_the_readers(monkeypatch
     pinned.close()
 
 
-@pytest.mark.parametrize("step", [1 << 20, 4096, 5000])
+def test_staging_is_started_for_the_readers_a_load_will_have(monkeypatch: pytest.MonkeyPatch) -> None:
+    """start_staging pins DEPTH buffers for each reader the load will use (no more readers than
+    pieces); read_spans closes a staging it was given, also when nothing goes to a GPU."""
+    monkeypatch.setattr(_transfer, "_staging", lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+    payload = _transfer.PIECE_BYTES - 2 * 4096
+    assert _transfer.start_staging([]) is None
+    assert _transfer.start_staging([0, 0]) is None
+    readers = _transfer.reader_threads(copy_only=True)
+    for lengths, pieces in (([1], 1), ([payload, 1], 2), ([payload * 100], 100), ([payload + 1] * 50, 100)):
+        staging = _transfer.start_staging(lengths)
+        assert staging is not None
+        assert staging.count == min(readers, pieces) * _transfer.DEPTH
+        staging.close()
+    staging = _transfer.start_staging([1000])
+    assert staging is not None
+    out = torch.empty(1000, dtype=torch.uint8)
+    storage = Storage(1000, InMemory(bytes(range(250)) * 4))
+    _transfer.read_spans([_transfer.Span(storage, 0, 1000, out)], staging=staging)
+    assert not staging.thread.is_alive()
+    assert bytes(out.numpy()) == bytes(range(250)) * 4
+
+
 @pytest.mark.parametrize("whole_record", [True, False])
-def test_readers_check_zip_crcs_without_a_second_read(
-    tmp_path: Path, small_pieces: None, whole_record: bool, step: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A flipped bit in a record is found from the pieces' CRC-32s, each taken in steps of CRC_STEP
-    (one step per 8 KiB piece, two, or steps that do not divide it); the error names the tensor."""
-    monkeypatch.setattr(_transfer, "CRC_STEP", step)
+def test_readers_check_zip_crcs_without_a_second_read(tmp_path: Path, small_pieces: None, whole_record: bool) -> None:
+    """A flipped bit in a record is found from the pieces' CRC-32s; the error names the tensor."""
     path = tmp_path / "m.pt"
     torch.save(big_state(), path)
     ckpt = ckptconv.open(path)
@@ -229,27 +247,6 @@ def test_sharded_folder_is_read_by_one_reader_pool(
     assert_same_state(loaded, reference, ordered=False)
 
 
-def test_files_lock_each_file_on_its_own(tmp_path: Path) -> None:
-    """While one file is being opened and checked (its lock held), another file's readers go on."""
-    first, second = tmp_path / "a.bin", tmp_path / "b.bin"
-    first.write_bytes(b"a" * 100)
-    second.write_bytes(b"b" * 100)
-    files = _transfer._Files("buffered", [str(first), str(second)])
-    got: list[int] = []
-    try:
-        with files._lock(str(first)):
-            reader = threading.Thread(target=lambda: got.append(files.fd(str(second))))
-            reader.start()
-            reader.join(timeout=10)
-            assert got and os.pread(got[0], 1, 0) == b"b"
-        assert files.fd(str(second)) == got[0]  # opened once
-        files.prepare()
-        assert files.direct == {str(first): None, str(second): None}  # "buffered": no O_DIRECT
-        assert os.pread(files.fd(str(tmp_path / "a.bin")), 1, 0) == b"a"
-    finally:
-        files.close()
-
-
 def test_resident_fraction(tmp_path: Path) -> None:
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(1 << 20))
@@ -301,6 +298,32 @@ def test_direct_reads_return_the_requested_bytes(tmp_path: Path, offset: int, co
             _transfer._read_direct(fd, str(path), 19_000, 2000, buffer)
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["buffered", "direct"])
+def test_gpu_load_takes_crcs_in_the_checking_pool(
+    tmp_path: Path, mode: str, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the pieces' CRC-32s come from the checking threads: every record's is taken once,
+    and a flipped bit is refused."""
+    monkeypatch.setattr(_transfer, "direct_io", mode)
+    path = tmp_path / "m.pt"
+    torch.save(big_state(), path)
+    refs = dict(ckptconv.open(path).tensors())
+    crcs: dict[object, int] = {}
+    from ckptconv._torch import to_torch
+
+    to_torch(refs, device="cuda:0", crcs=crcs)  # type: ignore[arg-type]
+    assert len(crcs) == sum(1 for r in refs.values() if r.storage.nbytes > 0)
+    assert all(crcs[r.storage] == r.storage.source.crc32 for r in refs.values() if r.storage.nbytes > 0)  # type: ignore[union-attr]
+    record = refs["w4"].storage
+    data = bytearray(path.read_bytes())
+    data[record.source.offset + record.nbytes - 3] ^= 0x01  # type: ignore[union-attr]
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(MalformedCheckpointError, match=r"record .* \(tensor 'w4'\) has CRC-32"):
+        ckptconv.load(damaged, device="cuda:0")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
