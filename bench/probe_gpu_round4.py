@@ -36,36 +36,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu_load import BUILD, LOADERS, PROBE_READS, compiled_env, run_probe, warm
 
-# The readers' every step timed (events of the reader threads, from the load's start), a load
-# repeated in the same process when ARGS["twice"], the staging pinned before the clock when
-# ARGS["prepin"] (how many 8 MiB buffers), main's one lock for all files when ARGS["one_lock"],
-# the staging made by read_spans (not while the tensors are allocated) when ARGS["late_staging"],
-# and main's readers (ckptconv/_torch_main.py and _transfer_main.py, copies of main's _torch.py and
-# _transfer.py put beside the package for the probe) when ARGS["main"].
+# The readers' every step timed (events of the reader threads, from the load's start), knobs of
+# ckptconv._transfer set from ARGS["knobs"], a load repeated in the same process when ARGS["twice"],
+# the staging pinned before the clock when ARGS["prepin"] (how many buffers).
 LOAD = """
 import ckptconv, ckptconv._transfer as T, ckptconv._torch as TT, ckptconv.loading as L, ckptconv.integrity as I
 for name, value in ARGS["knobs"].items():
     setattr(T, name, value)
-if ARGS.get("main"):
-    import ckptconv._torch_main as TM
-    TT.to_torch = TM.to_torch
-if ARGS.get("late_staging"):
-    TT.start_staging = lambda lengths: None
-if ARGS.get("one_lock"):
-    class OneLock(T._Files):  # main before round 4: one lock for every file, each checked when first read
-        def fd(self, path):
-            with self.lock:
-                if path not in self.buffered:
-                    self.buffered[path] = T.read_policy.open_file(path)
-                return self.buffered[path].fileno()
-        def direct_fd(self, path):
-            with self.lock:
-                if path not in self.direct:
-                    self.direct[path] = self._open_direct(path)
-                return self.direct[path]
-        def prepare(self):
-            pass
-    T._Files = OneLock
 if ARGS.get("prepin"):
     keep = [torch.empty(T.PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(ARGS["prepin"])]
     del keep
@@ -97,8 +74,6 @@ def summary(t0, wall):
         out["pinned_ready_ms"] = [round(p * 1e3, 1) for p in sorted(pins)]
     readers = sorted({n for n, w, *_ in mine if w == "piece"})
     out["readers"] = len(readers)
-    if not readers:  # main's readers are not timed
-        return out
     firsts = [min(a for n, w, a, b in mine if n == r and w == "piece") - t0 for r in readers]
     lasts = [max(b for n, w, a, b in mine if n == r and w == "piece") - t0 for r in readers]
     out["first_piece_ms"] = [round(min(firsts) * 1e3, 1), round(max(firsts) * 1e3, 1)]
@@ -145,22 +120,26 @@ report(first={{"gbps": round(nbytes / wall / 1e9, 2), "wall_ms": round(wall * 1e
 """
 
 # (title, file suffix, LOAD arguments besides the path)
-# Call 1 of round 4 (commit 51ee2c4) ran "st", "st, staging pinned before the clock" ({"prepin": 16}),
-# "st, 4 MiB pieces", the .pt CRC in 1 MiB and 256 KiB steps (a CRC_STEP knob since dropped), "pt no
-# crc" and "sharded, one lock for all files"; call 2 compares main's readers with this branch's.
+# Round 4 ran three sets on one H200 (bench/results/bench_gpu_load_h200.md): call 1 (commit 51ee2c4)
+# the pinning, 4 MiB pieces, the .pt CRC in 1 MiB / 256 KiB steps, .pt without CRC and the sharded
+# folder's locks; call 2 (commit 5a4691d) a checking-thread pool for the CRC and the staging pinned
+# while the tensors are allocated, against main; call 3 (this list) readers with one buffer each.
+ONE_BUFFER = {"DEPTH": 1, "MAX_COPY_THREADS": 16}
 VARIANTS: list[tuple[str, str, dict[str, object]]] = [
-    ("st, main", ".safetensors", {"main": True}),
-    ("st", ".safetensors", {}),
-    ("st, staging made by read_spans", ".safetensors", {"late_staging": True}),
-    ("pt crc, main (16 readers checking)", ".pt", {"main": True}),
-    ("pt crc (8 readers, 8 checking threads)", ".pt", {}),
-    ("sharded, main", "_sharded", {"main": True}),
-    ("sharded", "_sharded", {}),
+    ("st (8 readers x 2 buffers)", ".safetensors", {}),
+    ("st, 16 readers x 1 buffer", ".safetensors", {"knobs": ONE_BUFFER}),
+    ("st, 12 readers x 1 buffer", ".safetensors", {"knobs": {"DEPTH": 1, "MAX_COPY_THREADS": 12}}),
+    ("st, staging pinned before the clock", ".safetensors", {"prepin": 16}),
+    ("pt crc (16 readers x 2 buffers)", ".pt", {}),
+    ("pt crc, 16 readers x 1 buffer", ".pt", {"knobs": {"DEPTH": 1}}),
+    ("pt crc, 8 readers x 2 buffers", ".pt", {"knobs": {"MAX_THREADS": 8}}),
+    ("sharded (8 readers x 2 buffers)", "_sharded", {}),
+    ("sharded, 16 readers x 1 buffer", "_sharded", {"knobs": ONE_BUFFER}),
 ]
 
 TIMELINES: list[tuple[str, str, dict[str, object]]] = [
-    ("st, twice in process", ".safetensors", {"twice": True}),
-    ("pt crc, twice in process", ".pt", {"twice": True}),
+    ("st, 16 readers x 1 buffer, twice in process", ".safetensors", {"twice": True, "knobs": ONE_BUFFER}),
+    ("pt crc, 16 readers x 1 buffer, twice in process", ".pt", {"twice": True, "knobs": {"DEPTH": 1}}),
 ]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Union
 
-from ._transfer import Span, read_spans, start_staging
+from ._transfer import Span, read_spans
 from .dtypes import DType, dtype_by_name
 from .errors import CkptconvError
 from .tensor import InMemory, Storage, TensorRef
@@ -71,23 +71,15 @@ def to_torch(
             spans[ref.storage] = (
                 (start, stop, where) if known is None else (min(known[0], start), max(known[1], stop), where)
             )
-    # The pinned staging of a GPU load is made on a thread of its own from now on, while the
-    # destination tensors are allocated.
-    staging = start_staging([stop - start for start, stop, where in spans.values() if where.type == "cuda"])
     buffers: dict[Storage, tuple[torch.Tensor, int]] = {}
     work: list[Span] = []
-    try:
-        for storage, (start, stop, where) in spans.items():
-            first = start - start % _SPAN_ALIGNMENT
-            buffer = torch.empty(stop - first, dtype=torch.uint8, device=where)
-            work.append(Span(storage, first, stop, buffer))
-            buffers[storage] = (buffer, first)
-    except BaseException:
-        if staging is not None:
-            staging.close()
-        raise
+    for storage, (start, stop, where) in spans.items():
+        first = start - start % _SPAN_ALIGNMENT
+        buffer = torch.empty(stop - first, dtype=torch.uint8, device=where)
+        work.append(Span(storage, first, stop, buffer))
+        buffers[storage] = (buffer, first)
     # Parallel readers; to a GPU through pinned buffers and one CUDA stream per reader.
-    read_spans(work, crcs=crcs, staging=staging)
+    read_spans(work, crcs=crcs)
 
     result: dict[str, torch.Tensor] = {}
     for key, ref in refs.items():

@@ -18,10 +18,7 @@ order:
 
 While a piece is in memory its CRC-32 is taken when the caller asks
 (``crcs``): zip records carry one, and checking it here costs no second read
-of the file (:func:`ckptconv.integrity.crc32_combine` joins the pieces'). On a
-GPU load a pool of checking threads takes it from the pinned buffer while the
-reader reads its next piece (the buffer is refilled once both its copy and its
-CRC are done), so checking needs no more readers, nor more pinned memory.
+of the file (:func:`ckptconv.integrity.crc32_combine` joins the pieces').
 
 Files that are not in the page cache (cold; :func:`resident_fraction` asks the
 kernel with ``mincore``) are read with ``O_DIRECT`` into the pinned buffers,
@@ -35,7 +32,6 @@ through the storage's own reader, still in parallel with everything else.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -64,7 +60,6 @@ __all__ = [
     "read_spans",
     "reader_threads",
     "resident_fraction",
-    "start_staging",
 ]
 
 #: Bytes each reader moves per step: a pinned staging buffer's size.
@@ -76,10 +71,11 @@ DEPTH = 2
 #: The most reader threads, whatever the core count.
 MAX_THREADS = 16
 
-#: The most reader threads for GPU loads, whose readers only copy (CRC-32s are taken by a pool of
-#: their own): more of them contend, and each needs its pinned buffers. On the two-H200 host (32
-#: cores), an 8 GiB safetensors load took 20.6 GB/s with 8 readers against 17.1 with 16 and 15.6
-#: with 24 (medians of 3 alternating rounds, bench/results/bench_gpu_load_h200x2.md).
+#: The most reader threads for GPU loads that checksum nothing (safetensors, ``check_crc=False``):
+#: there the readers only copy, and more of them contend. On the two-H200 host (32 cores), an
+#: 8 GiB safetensors load took 20.6 GB/s with 8 readers against 17.1 with 16 and 15.6 with 24
+#: (medians of 3 alternating rounds, bench/results/bench_gpu_load_h200x2.md); with CRC-32 checks
+#: 16 readers stay faster (13.6 against 9.8 GB/s), as checking needs the cores.
 MAX_COPY_THREADS = 8
 
 # O_DIRECT needs offsets, lengths and buffer addresses aligned to the logical
@@ -97,7 +93,7 @@ direct_io = "auto"
 
 def reader_threads(*, copy_only: bool = False) -> int:
     """Reader threads: one per core, at least 2 and at most :data:`MAX_THREADS`, or at most
-    :data:`MAX_COPY_THREADS` for GPU loads (``copy_only``: their readers checksum nothing)."""
+    :data:`MAX_COPY_THREADS` for GPU loads whose readers checksum nothing (``copy_only``)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
@@ -349,30 +345,14 @@ class _Pinned:
         self.thread.join()
 
 
-def start_staging(lengths: Sequence[int]) -> _Pinned | None:
-    """Start pinning the staging of a GPU load of spans of these byte lengths, to pass to
-    :func:`read_spans`; None when there is nothing to read.
-
-    Pinning is the largest first-use cost of a load in a fresh process (about 85 ms for the 128 MiB
-    of 8 readers on an H200 host, bench/results/bench_gpu_load_h200.md, round 4), and the readers
-    wait for it; started before the destination tensors are allocated, it overlaps that too.
-    """
-    pieces = sum(-(-length // _payload()) for length in lengths if length > 0)
-    if pieces == 0:
-        return None
-    return _Pinned(min(reader_threads(copy_only=True), pieces) * DEPTH)
-
-
 @dataclasses.dataclass
 class _Shared:
-    """What the readers share: the files, the callers' streams, the pinned staging, the pieces' CRCs,
-    and the pool that takes the CRCs of pieces staged for a GPU (None: the readers take them)."""
+    """What the readers share: the files, the callers' streams, the pinned staging, the pieces' CRCs."""
 
     files: _Files
     callers: dict[Any, Any]
     pinned: _Pinned | None
     crcs: dict[Storage, list[tuple[int, int, int]]]
-    checker: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 class _Worker:
@@ -383,9 +363,7 @@ class _Worker:
         self.index = index
         self.buffers: list[torch.Tensor] = []
         self.views: list[memoryview] = []
-        self.events: list[Any] = []  # one CUDA event per buffer, made once, recorded after each copy
-        self.busy: list[bool] = []  # the buffer's last copy may still run
-        self.checks: list[tuple[_Task, concurrent.futures.Future[int]] | None] = []  # its CRC being taken
+        self.events: list[Any] = []
         self.turn = 0
         self.wants_more = True
         self.streams: dict[Any, Any] = {}
@@ -419,11 +397,7 @@ class _Worker:
             )
         self._upload(span, task.position, slot, skip, task.count)
         if task.crc:  # while the copy runs: both only read the buffer
-            data = view[skip : skip + task.count]
-            if self.shared.checker is None:
-                self._record_crc(task, crc32(data))
-            else:
-                self.checks[slot] = (task, self.shared.checker.submit(crc32, data))
+            self._record_crc(task, view[skip : skip + task.count])
 
     def _run_cpu(self, task: _Task) -> None:
         span = task.span
@@ -437,7 +411,7 @@ class _Worker:
         piece = out[task.position - span.start :][: task.count].data
         read_exactly_into(self.shared.files.fd(source.path), source.offset + task.position, piece, source.path)
         if task.crc:
-            self._record_crc(task, crc32(piece))
+            self._record_crc(task, piece)
 
     def _take_buffers(self) -> None:
         """One pinned buffer to start with (waiting for it), then more as they are made, up to DEPTH."""
@@ -451,8 +425,6 @@ class _Worker:
             self.buffers.append(buffer)
             self.views.append(buffer.numpy().data)
             self.events.append(None)
-            self.busy.append(False)
-            self.checks.append(None)
         self.wants_more = len(self.buffers) < DEPTH
 
     @staticmethod
@@ -460,26 +432,20 @@ class _Worker:
         if position < 0 or position + count > span.storage.nbytes:  # pragma: no cover - spans come from refs
             raise ValueError(f"byte range {position}+{count} outside storage of {span.storage.nbytes} bytes")
 
-    def _record_crc(self, task: _Task, crc: int) -> None:
+    def _record_crc(self, task: _Task, data: memoryview) -> None:
         assert task.count is not None
         # list.append is atomic; read_spans joins the pieces once every reader is done.
-        self.shared.crcs.setdefault(task.span.storage, []).append((task.position, task.count, crc))
+        self.shared.crcs.setdefault(task.span.storage, []).append((task.position, task.count, crc32(data)))
 
     def _free_slot(self) -> int:
-        """The buffer to fill next, once the device has finished copying out of it and its CRC is taken."""
+        """The buffer to fill next, once the device has finished copying out of it."""
         slot = self.turn % len(self.buffers)
         self.turn = slot + 1
-        if self.busy[slot]:
-            self.events[slot].synchronize()  # releases the GIL
-            self.busy[slot] = False
-        self._collect(slot)
+        event = self.events[slot]
+        if event is not None:
+            event.synchronize()  # releases the GIL
+            self.events[slot] = None
         return slot
-
-    def _collect(self, slot: int) -> None:
-        check = self.checks[slot]
-        if check is not None:
-            self.checks[slot] = None
-            self._record_crc(check[0], check[1].result())
 
     def _upload(self, span: Span, position: int, slot: int, skip: int, count: int) -> None:
         import torch
@@ -495,15 +461,11 @@ class _Worker:
             torch.cuda.set_stream(stream)
         destination = span.out[position - span.start : position - span.start + count]
         destination.copy_(self.buffers[slot][skip : skip + count], non_blocking=True)
-        event = self.events[slot]
-        if event is None:
-            event = self.events[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)
-        self.busy[slot] = True
+        self.events[slot] = event
 
     def finish(self) -> None:
-        for slot in range(len(self.checks)):
-            self._collect(slot)
         for stream in self.streams.values():
             stream.synchronize()
 
@@ -520,13 +482,7 @@ def _join_crcs(pieces: list[tuple[int, int, int]], nbytes: int) -> int | None:
     return crc if end == nbytes else None
 
 
-def read_spans(
-    spans: Sequence[Span],
-    *,
-    threads: int | None = None,
-    crcs: dict[Storage, int] | None = None,
-    staging: _Pinned | None = None,
-) -> None:
+def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[Storage, int] | None = None) -> None:
     """Fill every span's ``out`` tensor with its bytes, using parallel reader threads.
 
     Returns when every byte is on its device (all copies have finished).
@@ -538,8 +494,6 @@ def read_spans(
             pieces (``FileRegion`` with a recorded ``crc32``), keyed by storage,
             taken from the bytes as they were read. Records not in it were not
             checked here.
-        staging: the pinned staging for GPU spans, started by :func:`start_staging`
-            (made here when None); closed here in every case.
 
     Raises:
         MalformedCheckpointError: a file is shorter than its header says (the
@@ -552,27 +506,16 @@ def read_spans(
         tasks.put(task)
         count += 1
         checksummed = checksummed or task.crc
+    if count == 0:
+        return
     callers: dict[Any, Any] = {}
     for span in spans:
         if span.out.device.type == "cuda" and span.out.device not in callers:
             import torch
 
             callers[span.out.device] = torch.cuda.current_stream(span.out.device)
-    if count == 0 or not callers:
-        if staging is not None:
-            staging.close()
-        if count == 0:
-            return
-        staging = None
-    threads = max(1, min(threads or reader_threads(copy_only=bool(callers)), count))
-    if callers and staging is None:
-        staging = _Pinned(threads * DEPTH)
-    if staging is not None:
-        threads = min(threads, max(1, staging.count // DEPTH))  # every reader gets a buffer
-    checker = None
-    if callers and checksummed:
-        checker = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ckptconv-crc")
-    shared = _Shared(_Files(direct_io), callers, staging, {}, checker)
+    threads = max(1, min(threads or reader_threads(copy_only=bool(callers) and not checksummed), count))
+    shared = _Shared(_Files(direct_io), callers, _Pinned(threads * DEPTH) if callers else None, {})
     errors: list[BaseException] = []
     failed = threading.Event()
 
@@ -602,8 +545,6 @@ def read_spans(
     finally:
         if shared.pinned is not None:
             shared.pinned.close()
-        if checker is not None:
-            checker.shutdown(wait=True)
         shared.files.close()
     if errors:
         raise errors[0]

@@ -23,7 +23,6 @@ import ckptconv
 from ckptconv import _transfer
 from ckptconv.errors import MalformedCheckpointError
 from ckptconv.integrity import crc32_combine
-from ckptconv.tensor import InMemory, Storage
 
 from .conftest import all_dtypes_state, assert_same_state, reference_load, views_state
 
@@ -162,28 +161,6 @@ def test_pinned_buffers_come_one_by_one_and_errors_reach_the_readers(monkeypatch
     pinned.close()
 
 
-def test_staging_is_started_for_the_readers_a_load_will_have(monkeypatch: pytest.MonkeyPatch) -> None:
-    """start_staging pins DEPTH buffers for each reader the load will use (no more readers than
-    pieces); read_spans closes a staging it was given, also when nothing goes to a GPU."""
-    monkeypatch.setattr(_transfer, "_staging", lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
-    payload = _transfer.PIECE_BYTES - 2 * 4096
-    assert _transfer.start_staging([]) is None
-    assert _transfer.start_staging([0, 0]) is None
-    readers = _transfer.reader_threads(copy_only=True)
-    for lengths, pieces in (([1], 1), ([payload, 1], 2), ([payload * 100], 100), ([payload + 1] * 50, 100)):
-        staging = _transfer.start_staging(lengths)
-        assert staging is not None
-        assert staging.count == min(readers, pieces) * _transfer.DEPTH
-        staging.close()
-    staging = _transfer.start_staging([1000])
-    assert staging is not None
-    out = torch.empty(1000, dtype=torch.uint8)
-    storage = Storage(1000, InMemory(bytes(range(250)) * 4))
-    _transfer.read_spans([_transfer.Span(storage, 0, 1000, out)], staging=staging)
-    assert not staging.thread.is_alive()
-    assert bytes(out.numpy()) == bytes(range(250)) * 4
-
-
 @pytest.mark.parametrize("whole_record", [True, False])
 def test_readers_check_zip_crcs_without_a_second_read(tmp_path: Path, small_pieces: None, whole_record: bool) -> None:
     """A flipped bit in a record is found from the pieces' CRC-32s; the error names the tensor."""
@@ -302,11 +279,11 @@ def test_direct_reads_return_the_requested_bytes(tmp_path: Path, offset: int, co
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["buffered", "direct"])
-def test_gpu_load_takes_crcs_in_the_checking_pool(
+def test_gpu_load_takes_every_records_crc_and_refuses_a_flipped_bit(
     tmp_path: Path, mode: str, small_pieces: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a GPU the pieces' CRC-32s come from the checking threads: every record's is taken once,
-    and a flipped bit is refused."""
+    """On a GPU the pieces' CRC-32s are taken from the staged bytes: every record's, read once
+    (page cache or O_DIRECT), and a flipped bit near a record's end is refused."""
     monkeypatch.setattr(_transfer, "direct_io", mode)
     path = tmp_path / "m.pt"
     torch.save(big_state(), path)
