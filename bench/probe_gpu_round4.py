@@ -120,26 +120,24 @@ report(first={{"gbps": round(nbytes / wall / 1e9, 2), "wall_ms": round(wall * 1e
 """
 
 # (title, file suffix, LOAD arguments besides the path)
-# Round 4 ran three sets on one H200 (bench/results/bench_gpu_load_h200.md): call 1 (commit 51ee2c4)
+# Round 4 ran four sets on one H200 (bench/results/bench_gpu_load_h200.md): call 1 (commit 51ee2c4)
 # the pinning, 4 MiB pieces, the .pt CRC in 1 MiB / 256 KiB steps, .pt without CRC and the sharded
 # folder's locks; call 2 (commit 5a4691d) a checking-thread pool for the CRC and the staging pinned
-# while the tensors are allocated, against main; call 3 (this list) readers with one buffer each.
-ONE_BUFFER = {"DEPTH": 1, "MAX_COPY_THREADS": 16}
+# while the tensors are allocated, against main; call 3 (commit 07c47cd) readers with one buffer
+# each (16 or 12 for safetensors and the sharded folder, 16 for .pt) and the staging pinned before
+# the clock; call 4 (this list) the new defaults (DEPTH 1, 12 copying readers) against main's.
+MAIN = {"DEPTH": 2, "MAX_COPY_THREADS": 8}
 VARIANTS: list[tuple[str, str, dict[str, object]]] = [
-    ("st (8 readers x 2 buffers)", ".safetensors", {}),
-    ("st, 16 readers x 1 buffer", ".safetensors", {"knobs": ONE_BUFFER}),
-    ("st, 12 readers x 1 buffer", ".safetensors", {"knobs": {"DEPTH": 1, "MAX_COPY_THREADS": 12}}),
-    ("st, staging pinned before the clock", ".safetensors", {"prepin": 16}),
-    ("pt crc (16 readers x 2 buffers)", ".pt", {}),
-    ("pt crc, 16 readers x 1 buffer", ".pt", {"knobs": {"DEPTH": 1}}),
-    ("pt crc, 8 readers x 2 buffers", ".pt", {"knobs": {"MAX_THREADS": 8}}),
-    ("sharded (8 readers x 2 buffers)", "_sharded", {}),
-    ("sharded, 16 readers x 1 buffer", "_sharded", {"knobs": ONE_BUFFER}),
+    ("st (12 readers x 1 buffer)", ".safetensors", {}),
+    ("st, main's 8 readers x 2 buffers", ".safetensors", {"knobs": MAIN}),
+    ("pt crc (16 readers x 1 buffer)", ".pt", {}),
+    ("pt crc, 12 readers x 1 buffer", ".pt", {"knobs": {"MAX_THREADS": 12}}),
+    ("pt crc, main's 16 readers x 2 buffers", ".pt", {"knobs": MAIN}),
+    ("sharded (12 readers x 1 buffer)", "_sharded", {}),
 ]
 
 TIMELINES: list[tuple[str, str, dict[str, object]]] = [
-    ("st, 16 readers x 1 buffer, twice in process", ".safetensors", {"twice": True, "knobs": ONE_BUFFER}),
-    ("pt crc, 16 readers x 1 buffer, twice in process", ".pt", {"twice": True, "knobs": {"DEPTH": 1}}),
+    ("st, twice in process", ".safetensors", {"twice": True}),
 ]
 
 

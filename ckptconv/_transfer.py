@@ -9,11 +9,11 @@ order:
 
 * to the CPU, straight into the destination tensor (``preadv`` releases the
   GIL, so the memory copies from the page cache run on several cores);
-* to a GPU, into the thread's own :data:`DEPTH` pinned buffers (made on a
+* to a GPU, into the thread's own :data:`DEPTH` pinned buffer (made on a
   thread of their own while the first pieces are read), each piece then copied to the
-  device on the thread's own CUDA stream while the thread reads the next one
-  (a buffer is refilled only once its copy has finished, which a CUDA event
-  tells). Host memory stays at ``threads * DEPTH * PIECE_BYTES`` whatever the
+  device on the thread's own CUDA stream (a buffer is refilled only once its copy
+  has finished, which a CUDA event tells); the copies overlap the other readers'
+  reads. Host memory stays at ``threads * DEPTH * PIECE_BYTES`` whatever the
   checkpoint's size.
 
 While a piece is in memory its CRC-32 is taken when the caller asks
@@ -65,18 +65,24 @@ __all__ = [
 #: Bytes each reader moves per step: a pinned staging buffer's size.
 PIECE_BYTES = 8 << 20
 
-#: Pinned buffers per reader thread: one is read into while the others' copies run.
-DEPTH = 2
+#: Pinned buffers per reader thread. One: a reader waits for its own copy before it reads again,
+#: and more readers keep the copy engine busy. Pinning is the largest first-use cost of a GPU load
+#: (about 5 ms per 8 MiB buffer on an H200 host, during which the CUDA driver makes the readers'
+#: copies and allocations wait), so buffers are worth more as readers than as depth: in fresh
+#: processes on one H200, 8 GiB loads took 28.7 GB/s with 12 readers x 1 buffer against 24.5
+#: with 8 x 2 and 22.9 with 16 x 1 (safetensors), and 19.4 with 16 x 1 against 16.7 with 16 x 2
+#: (``.pt`` with CRC-32 checks); medians of 5 alternating rounds, round 4 of
+#: bench/results/bench_gpu_load_h200.md.
+DEPTH = 1
 
 #: The most reader threads, whatever the core count.
 MAX_THREADS = 16
 
 #: The most reader threads for GPU loads that checksum nothing (safetensors, ``check_crc=False``):
-#: there the readers only copy, and more of them contend. On the two-H200 host (32 cores), an
-#: 8 GiB safetensors load took 20.6 GB/s with 8 readers against 17.1 with 16 and 15.6 with 24
-#: (medians of 3 alternating rounds, bench/results/bench_gpu_load_h200x2.md); with CRC-32 checks
-#: 16 readers stay faster (13.6 against 9.8 GB/s), as checking needs the cores.
-MAX_COPY_THREADS = 8
+#: there the readers only copy, and more of them contend (and pin more staging); 12 with one
+#: buffer each measured best (see :data:`DEPTH`). With CRC-32 checks 16 readers stay faster, as
+#: checking needs the cores.
+MAX_COPY_THREADS = 12
 
 # O_DIRECT needs offsets, lengths and buffer addresses aligned to the logical
 # block size; 4096 covers every common device. A piece's payload leaves room
