@@ -120,25 +120,21 @@ report(first={{"gbps": round(nbytes / wall / 1e9, 2), "wall_ms": round(wall * 1e
 """
 
 # (title, file suffix, LOAD arguments besides the path)
-# Round 4 ran four sets on one H200 (bench/results/bench_gpu_load_h200.md): call 1 (commit 51ee2c4)
+# Round 4 ran five sets on one H200 (bench/results/bench_gpu_load_h200.md): call 1 (commit 51ee2c4)
 # the pinning, 4 MiB pieces, the .pt CRC in 1 MiB / 256 KiB steps, .pt without CRC and the sharded
 # folder's locks; call 2 (commit 5a4691d) a checking-thread pool for the CRC and the staging pinned
 # while the tensors are allocated, against main; call 3 (commit 07c47cd) readers with one buffer
-# each (16 or 12 for safetensors and the sharded folder, 16 for .pt) and the staging pinned before
-# the clock; call 4 (this list) the new defaults (DEPTH 1, 12 copying readers) against main's.
-MAIN = {"DEPTH": 2, "MAX_COPY_THREADS": 8}
+# each and the staging pinned before the clock; call 4 (commit 24f1bd6) one buffer per reader, 12
+# readers (16 for .pt) against main's 8 x 2 (16 x 2 for .pt), and .pt with 12 readers; call 5 (this
+# list) 12 readers for every GPU load.
 VARIANTS: list[tuple[str, str, dict[str, object]]] = [
     ("st (12 readers x 1 buffer)", ".safetensors", {}),
-    ("st, main's 8 readers x 2 buffers", ".safetensors", {"knobs": MAIN}),
-    ("pt crc (16 readers x 1 buffer)", ".pt", {}),
-    ("pt crc, 12 readers x 1 buffer", ".pt", {"knobs": {"MAX_THREADS": 12}}),
-    ("pt crc, main's 16 readers x 2 buffers", ".pt", {"knobs": MAIN}),
-    ("sharded (12 readers x 1 buffer)", "_sharded", {}),
+    ("pt crc (12 readers x 1 buffer)", ".pt", {}),
+    ("pt crc, 16 readers x 1 buffer", ".pt", {"knobs": {"MAX_GPU_THREADS": 16}}),
+    ("pt crc, main's 16 readers x 2 buffers", ".pt", {"knobs": {"MAX_GPU_THREADS": 16, "DEPTH": 2}}),
 ]
 
-TIMELINES: list[tuple[str, str, dict[str, object]]] = [
-    ("st, twice in process", ".safetensors", {"twice": True}),
-]
+TIMELINES: list[tuple[str, str, dict[str, object]]] = []
 
 
 def main() -> None:

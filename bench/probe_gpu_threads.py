@@ -20,15 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_gpu_phases import BUILD, LOAD, LOADERS, PEER, child, warm
 
 VARIANTS = [
-    ("st x16", ".safetensors", {"MAX_THREADS": 16, "MAX_COPY_THREADS": 16}, True),
-    ("st x8", ".safetensors", {"MAX_THREADS": 8, "MAX_COPY_THREADS": 8}, True),
-    ("st x12", ".safetensors", {"MAX_THREADS": 12, "MAX_COPY_THREADS": 12}, True),
-    ("st x8 depth3", ".safetensors", {"MAX_THREADS": 8, "MAX_COPY_THREADS": 8, "DEPTH": 3}, True),
-    ("st x24", ".safetensors", {"MAX_THREADS": 24, "MAX_COPY_THREADS": 24}, True),
-    ("pt crc x16", ".pt", {"MAX_THREADS": 16}, True),
-    ("pt crc x8", ".pt", {"MAX_THREADS": 8}, True),
-    ("sharded x16", "_sharded", {"MAX_THREADS": 16, "MAX_COPY_THREADS": 16}, True),
-    ("sharded x8", "_sharded", {"MAX_THREADS": 8, "MAX_COPY_THREADS": 8}, True),
+    ("st x16", ".safetensors", {"MAX_THREADS": 16, "MAX_GPU_THREADS": 16}, True),
+    ("st x8", ".safetensors", {"MAX_THREADS": 8, "MAX_GPU_THREADS": 8}, True),
+    ("st x12", ".safetensors", {"MAX_THREADS": 12, "MAX_GPU_THREADS": 12}, True),
+    ("st x8 depth3", ".safetensors", {"MAX_THREADS": 8, "MAX_GPU_THREADS": 8, "DEPTH": 3}, True),
+    ("st x24", ".safetensors", {"MAX_THREADS": 24, "MAX_GPU_THREADS": 24}, True),
+    ("pt crc x16", ".pt", {"MAX_GPU_THREADS": 16}, True),
+    ("pt crc x8", ".pt", {"MAX_GPU_THREADS": 8}, True),
+    ("sharded x16", "_sharded", {"MAX_THREADS": 16, "MAX_GPU_THREADS": 16}, True),
+    ("sharded x8", "_sharded", {"MAX_THREADS": 8, "MAX_GPU_THREADS": 8}, True),
 ]
 
 

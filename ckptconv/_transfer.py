@@ -72,17 +72,17 @@ PIECE_BYTES = 8 << 20
 #: processes on one H200, 8 GiB loads took 28.7 GB/s with 12 readers x 1 buffer against 24.5
 #: with 8 x 2 and 22.9 with 16 x 1 (safetensors), and 19.4 with 16 x 1 against 16.7 with 16 x 2
 #: (``.pt`` with CRC-32 checks); medians of 5 alternating rounds, round 4 of
-#: bench/results/bench_gpu_load_h200.md.
+#: bench/results/bench_gpu_load_h200.md. Host memory pinned: 96 MiB (was 128, and 256 for ``.pt``).
 DEPTH = 1
 
-#: The most reader threads, whatever the core count.
+#: The most reader threads of CPU loads, whatever the core count.
 MAX_THREADS = 16
 
-#: The most reader threads for GPU loads that checksum nothing (safetensors, ``check_crc=False``):
-#: there the readers only copy, and more of them contend (and pin more staging); 12 with one
-#: buffer each measured best (see :data:`DEPTH`). With CRC-32 checks 16 readers stay faster, as
-#: checking needs the cores.
-MAX_COPY_THREADS = 12
+#: The most reader threads of GPU loads, whether they take CRC-32s or not: more of them contend
+#: and each pins its staging; 12 with one buffer each measured best (see :data:`DEPTH`), also for
+#: ``.pt`` with CRC-32 checks (25.5 GB/s against 23.3 with 16 readers and 20.1 with main's 16 x 2,
+#: medians of 3 alternating rounds on one H200, round 4 of bench/results/bench_gpu_load_h200.md).
+MAX_GPU_THREADS = 12
 
 # O_DIRECT needs offsets, lengths and buffer addresses aligned to the logical
 # block size; 4096 covers every common device. A piece's payload leaves room
@@ -97,14 +97,14 @@ WARM_FRACTION = 0.5
 direct_io = "auto"
 
 
-def reader_threads(*, copy_only: bool = False) -> int:
+def reader_threads(*, gpu: bool = False) -> int:
     """Reader threads: one per core, at least 2 and at most :data:`MAX_THREADS`, or at most
-    :data:`MAX_COPY_THREADS` for GPU loads whose readers checksum nothing (``copy_only``)."""
+    :data:`MAX_GPU_THREADS` for loads to a GPU (``gpu``)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         cores = os.cpu_count() or 2
-    return max(2, min(MAX_COPY_THREADS if copy_only else MAX_THREADS, cores))
+    return max(2, min(MAX_GPU_THREADS if gpu else MAX_THREADS, cores))
 
 
 def _payload() -> int:
@@ -507,11 +507,9 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
     """
     tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
     count = 0
-    checksummed = False
     for task in _tasks(spans, crcs is not None):
         tasks.put(task)
         count += 1
-        checksummed = checksummed or task.crc
     if count == 0:
         return
     callers: dict[Any, Any] = {}
@@ -520,7 +518,7 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
             import torch
 
             callers[span.out.device] = torch.cuda.current_stream(span.out.device)
-    threads = max(1, min(threads or reader_threads(copy_only=bool(callers) and not checksummed), count))
+    threads = max(1, min(threads or reader_threads(gpu=bool(callers)), count))
     shared = _Shared(_Files(direct_io), callers, _Pinned(threads * DEPTH) if callers else None, {})
     errors: list[BaseException] = []
     failed = threading.Event()

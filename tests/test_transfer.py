@@ -92,8 +92,8 @@ def test_truncated_file_raises_one_error(tmp_path: Path, small_pieces: None) -> 
 
 def test_reader_threads_bounds() -> None:
     assert 2 <= _transfer.reader_threads() <= _transfer.MAX_THREADS
-    assert 2 <= _transfer.reader_threads(copy_only=True) <= _transfer.MAX_COPY_THREADS
-    assert _transfer.reader_threads(copy_only=True) <= _transfer.reader_threads()
+    assert 2 <= _transfer.reader_threads(gpu=True) <= _transfer.MAX_GPU_THREADS
+    assert _transfer.reader_threads(gpu=True) <= _transfer.reader_threads()
 
 
 @given(
