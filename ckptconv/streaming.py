@@ -206,22 +206,21 @@ def _chunks(
 
 
 def reads_whole_record(ref: TensorRef) -> bool:
-    """True when :func:`iter_bytes` takes ``ref``'s source record's CRC-32 for ``record_crcs``.
+    """True when writing ``ref`` reads its whole source record in order, taking the record's CRC-32 for ``record_crcs``.
 
-    That is: a cast of a contiguous little-endian tensor that spans its whole
-    record, stored uncompressed in a file that records the record's CRC-32
-    (a zip checkpoint).
+    That is: a tensor that spans its whole record, stored uncompressed in a
+    file that records the record's CRC-32 (a zip checkpoint), and either
+    copied as stored (the writers' copy) or cast from contiguous
+    little-endian values (:func:`iter_bytes`).
     """
     source = ref.storage.source
-    return (
-        ref.cast_to is not None
-        and isinstance(source, FileRegion)
-        and source.crc32 is not None
-        and ref.is_whole_storage
-        and ref.storage.byteorder == "little"
-        and not (ref.conj or ref.neg)
-        and ref.storage.nbytes > 0
-    )
+    if not (
+        isinstance(source, FileRegion) and source.crc32 is not None and ref.is_whole_storage and ref.storage.nbytes > 0
+    ):
+        return False
+    if ref.cast_to is None:
+        return ref.verbatim_region is not None
+    return ref.storage.byteorder == "little" and not (ref.conj or ref.neg)
 
 
 def _iter_gathered(ref: TensorRef, chunk_bytes: int) -> Iterator[memoryview]:
