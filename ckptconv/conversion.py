@@ -297,8 +297,8 @@ def convert(
 
         if crcs is not None:
             crcs.result()  # the source's records are what the archive recorded, or nothing appears
-        if cast_whole:
-            check_record_crcs(cast_whole, computed=record_crcs)  # reads only a record the casts did not
+        if read_whole:
+            check_record_crcs(read_whole, computed=record_crcs)  # reads only a record the write did not
         if reference is None:
             return
         if reference == "torch":
@@ -311,17 +311,18 @@ def convert(
     give_up = threading.Event()
     digest: concurrent.futures.Future[str] | None = None
     crcs: concurrent.futures.Future[Any] | None = None
-    # Records that a cast reads whole: their CRC-32s come from the cast's own read (record_crcs).
+    # Records that the write reads whole (a copy or a cast): their CRC-32s come from that read (record_crcs).
+    # DCP's writer is torch.save, which takes none.
     record_crcs: dict[Storage, int] = {}
-    cast_whole: list[tuple[str, TensorRef]] = []
+    read_whole: list[tuple[str, TensorRef]] = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as hasher:
         if options.check_crc:
-            # The records' CRC-32s are checked on a thread of their own, not from the sha256's read:
+            # The other records' CRC-32s are checked on a thread of their own, not from the sha256's read:
             # interleaved with ISA-L's CRC on one thread, OpenSSL's sha256 ran 0.2 s/GiB slower
             # (1 GiB defaults: 1.07 against 0.90 s on the development VM).
             others: list[tuple[str, TensorRef]] = []
             for item in state.items():
-                (cast_whole if reads_whole_record(item[1]) else others).append(item)
+                (read_whole if kind != "dcp" and reads_whole_record(item[1]) else others).append(item)
             crcs = hasher.submit(check_record_crcs, others, stop=give_up)
         if options.source_hash and options.provenance:
             digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)
@@ -340,7 +341,7 @@ def convert(
                 check=check if (reference is not None or crcs is not None) else None,
                 fsync=options.fsync,
                 tied=options.tied,
-                record_crcs=record_crcs if cast_whole else None,
+                record_crcs=record_crcs if read_whole else None,
             )
         except BaseException:
             give_up.set()  # do not make a failed conversion wait for the hash

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import mmap
 import os
 import zipfile
 import zlib
@@ -153,31 +152,6 @@ class InMemory:
 
     def paths(self) -> frozenset[str]:
         return frozenset()
-
-
-def map_exactly(fd: int, offset: int, length: int, path: str) -> memoryview:
-    """``length`` bytes of the file at ``offset``, mapped read-only (no copy into Python).
-
-    The map is unmapped when the last view of it goes, so resident memory
-    stays at the views alive. The size is checked first: a file cut short
-    since it was opened gets the one-line truncation error instead of a map
-    past its end (reading that would be SIGBUS). Only a file that shrinks while
-    a view is read escapes this check.
-
-    Raises:
-        MalformedCheckpointError: the file ends before ``offset + length``.
-        OSError: the file system cannot map files.
-    """
-    available = os.fstat(fd).st_size - offset
-    if available < length:
-        raise MalformedCheckpointError(
-            f"{path!r} is truncated: {length - max(available, 0)} bytes missing at offset "
-            f"{offset + max(available, 0)}; the file is damaged or still being written",
-            path=path,
-        )
-    aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
-    mapped = mmap.mmap(fd, offset + length - aligned, offset=aligned, access=mmap.ACCESS_READ)
-    return memoryview(mapped)[offset - aligned :]
 
 
 def read_exactly_into(fd: int, offset: int, out: memoryview, path: str) -> None:

@@ -311,10 +311,9 @@ def test_the_fast_crc32_is_zlibs(size: int) -> None:
 
 
 def test_a_copy_from_a_file_truncated_after_it_was_opened_is_refused_not_crashed(tmp_path: Path) -> None:
-    """The writer's kernel copy with a checksum beside it (a safetensors tensor into a .pt record) checks
-    the source's size before it maps each window, so a source cut short since it was opened gets the
-    one-line truncation error (it gave a ValueError traceback). Run in a child process, which a read
-    of unmapped pages (SIGBUS) would kill."""
+    """The writer's checksummed copy (a safetensors tensor into a .pt record) reads into a buffer, so a
+    source cut short since it was opened gets the one-line truncation error (a memory map of it gave a
+    ValueError traceback, or SIGBUS). Run in a child process, which SIGBUS would kill."""
     import subprocess
     import sys
 
@@ -327,8 +326,8 @@ def test_a_copy_from_a_file_truncated_after_it_was_opened_is_refused_not_crashed
         "from ckptconv.errors import MalformedCheckpointError\n"
         "from ckptconv.tensor import FileRegion\n"
         "try:\n"
-        "    writing._copy_file_region_with_crc(FileRegion(sys.argv[1], 0), 0, 4 << 20, open(sys.argv[2], 'wb'),"
-        " lambda n: None)\n"
+        "    list(writing._copy_file_region(FileRegion(sys.argv[1], 0), 0, 4 << 20, open(sys.argv[2], 'wb'),"
+        " checksum=True))\n"
         "except MalformedCheckpointError as error:\n"
         "    print(error)\n"
     )

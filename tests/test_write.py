@@ -375,3 +375,37 @@ def test_the_output_is_written_back_while_it_is_written(
     assert output.exists() != fails
     if not fails:
         assert output.read_bytes() == b"x" * 4096 * 20
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_records_copied_whole_are_checked_from_the_copy_not_read_again(
+    suffix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A zip record copied whole takes its CRC-32 as it is copied: the source's records are read once,
+    by the copy, and the output holds the bytes torch reads from the source."""
+    from ckptconv.tensor import Storage
+
+    torch.manual_seed(0)
+    state = {"w": torch.randn(64, 65), "ids": torch.arange(300), "half": torch.randn(77).half()}
+    source = tmp_path / "in.pt"
+    torch.save(state, source)
+    opened: list[str] = []
+    reader = Storage.reader
+
+    def counting_reader(self: Storage) -> Any:
+        opened.append(self.name)
+        return reader(self)
+
+    monkeypatch.setattr(Storage, "reader", counting_reader)
+    output = tmp_path / f"out{suffix}"
+    ckptconv.convert(source, output, source_hash=False)
+    assert opened == []  # the check read no record of its own
+    monkeypatch.undo()
+    loaded = torch.load(output, weights_only=True) if suffix == ".pt" else safetensors_load(output)
+    assert_same_state(loaded, torch.load(source, weights_only=True), ordered=False)
+
+
+def safetensors_load(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
