@@ -317,8 +317,45 @@ def _writeback(fd: int) -> Iterator[None]:
         thread.join()  # before the caller's fsync and close: the descriptor must outlive it
 
 
+#: fallocate's flag that reserves blocks without changing the file's size.
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+@functools.cache
+def _reserve_function() -> Callable[[int, int], int] | None:
+    """``reserve(fd, length)``: have the file system allocate a new file's first ``length`` bytes now (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        # fallocate(2) itself, not posix_fallocate: where the file system cannot, the C library's
+        # posix_fallocate writes zeros instead, which costs what it was meant to save.
+        function = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    function.restype = ctypes.c_int
+    return lambda fd, length: int(function(fd, _FALLOC_FL_KEEP_SIZE, 0, length))
+
+
+def _reserve(fd: int, length: int) -> None:
+    """Allocate the blocks of bytes about to be written in one step.
+
+    Otherwise ext4 reserves and maps blocks page by page as the writes come
+    (delayed allocation): a 1 GiB copy took 0.32 s that way against 0.26 s
+    reserved first, and 0.69 against 0.54-0.60 s with its fsync (development
+    VM). ``length`` must not exceed what is written, since blocks reserved past
+    the end stay allocated. A file system that cannot reserve (or a full disk,
+    which the writes then report) is left to allocate as it goes.
+    """
+    reserve = _reserve_function()
+    if reserve is not None and length > 0:
+        reserve(fd, length)
+
+
 @contextlib.contextmanager
-def atomic_output(path: PathLike, *, overwrite: bool = False, fsync: bool = True) -> Iterator[BinaryIO]:
+def atomic_output(
+    path: PathLike, *, overwrite: bool = False, fsync: bool = True, reserve: int = 0
+) -> Iterator[BinaryIO]:
     """A file to write; it appears at ``path`` only if the block finishes without error.
 
     The file has no name while it is written (``O_TMPFILE``) where the file
@@ -330,6 +367,8 @@ def atomic_output(path: PathLike, *, overwrite: bool = False, fsync: bool = True
     With ``fsync`` the bytes reach the disk before the rename, so even a power
     cut never leaves a truncated file under the final name; without it the
     rename still protects against crashes and kills of the process.
+
+    ``reserve``: bytes the file will hold at least, allocated on disk up front (:func:`_reserve`).
 
     Raises:
         OutputExistsError: ``path`` exists and ``overwrite`` is False.
@@ -356,6 +395,7 @@ def atomic_output(path: PathLike, *, overwrite: bool = False, fsync: bool = True
         raise write_policy.os_error(error, target) from None
     try:
         with file:
+            _reserve(file.fileno(), reserve)
             with _writeback(file.fileno()) if fsync else contextlib.nullcontext():
                 yield file
                 file.flush()
@@ -709,7 +749,7 @@ def _save_file(
     record_crcs: dict[Storage, int] | None = None,
 ) -> WriteReport:
     aliases: dict[str, str] = {}
-    with atomic_output(target, overwrite=overwrite, fsync=fsync) as file:
+    with atomic_output(target, overwrite=overwrite, fsync=fsync, reserve=planned_bytes(entries, kind)) as file:
         if kind == "safetensors":
 
             def write_tensor(ref: TensorRef, out: BinaryIO) -> Iterator[int]:
