@@ -409,3 +409,37 @@ def safetensors_load(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(path)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt", "/"])
+def test_outputs_reserve_their_tensor_bytes_and_never_more(
+    suffix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each output file has its tensor bytes reserved on disk before they are written (fallocate); a
+    reservation never exceeds what the file then holds, so no block stays allocated past its end."""
+    from ckptconv import writing
+
+    reserved: list[int] = []
+    reserve = writing._reserve
+
+    def spy(fd: int, length: int) -> None:
+        if length:  # an index file reserves nothing
+            reserved.append(length)
+        reserve(fd, length)
+
+    monkeypatch.setattr(writing, "_reserve", spy)
+    torch.manual_seed(0)
+    embed = torch.randn(300, 64)
+    state = {"embed": embed, "head": embed, "b": torch.randn(64).half(), "view": torch.randn(50, 50)[5:20]}
+    source = tmp_path / "in.pt"
+    torch.save(state, source)
+    output = tmp_path / ("out" + suffix if suffix != "/" else "shards")
+    ckptconv.convert(source, output, source_hash=False, max_shard_size=60_000 if suffix == "/" else None)
+    files = sorted(output.glob("*.safetensors")) if suffix == "/" else [output]
+    assert len(reserved) == len(files) and (len(files) > 1 or suffix != "/")
+    for length, path in zip(reserved, files):
+        size = path.stat().st_size
+        assert length <= size, (path.name, length, size)
+        assert path.stat().st_blocks * 512 < size + (64 << 10), path.name  # nothing reserved past the end
+    loaded = torch.load(output, weights_only=True) if suffix == ".pt" else ckptconv.load(output)
+    assert_same_state(loaded, state, ordered=False)
