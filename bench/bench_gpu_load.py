@@ -114,6 +114,18 @@ report(gbps=size / (time.perf_counter() - t) / 1e9)
 """
 
 
+# A peer loader timed in a probe child: "{code}" (from LOADERS) leaves its tensors in `state`.
+PEER_PROBE = """
+PATH = ARGS["stem"]
+start = time.perf_counter()
+{code}
+torch.cuda.synchronize()
+wall = time.perf_counter() - start
+nbytes = sum(t.numel() * t.element_size() for t in state.values())
+report(gbps=nbytes / wall / 1e9, wall=wall)
+"""
+
+
 def run_probe(code: str, args: dict[str, object], environ: dict[str, str] | None = None) -> dict[str, object] | str:
     """Run ``PROBE_PRELUDE + code`` in a fresh process: its RESULT, or the last line of its error."""
     out = subprocess.run(

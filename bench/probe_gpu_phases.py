@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_load import BUILD, LOADERS, PROBE_READS, run_probe, warm
+from bench_gpu_load import BUILD, LOADERS, PEER_PROBE, PROBE_READS, run_probe, warm
 
 PINNED = """
 out = {}
@@ -95,17 +95,6 @@ nbytes = sum(t.numel() * t.element_size() for t in state.values())
 report(gbps=nbytes / wall / 1e9, wall=wall, **{k: round(v, 4) for k, v in phases.items()})
 """
 
-PEER = """
-PATH = ARGS["stem"]
-start = time.perf_counter()
-{code}
-torch.cuda.synchronize()
-wall = time.perf_counter() - start
-nbytes = sum(t.numel() * t.element_size() for t in state.values())
-report(gbps=nbytes / wall / 1e9, wall=wall)
-"""
-
-
 child = run_probe
 
 
@@ -177,7 +166,7 @@ def main() -> None:
         for title, path, knobs, crc in variants:
             show(f"load {title} #{rounds}", child(LOAD, {"path": path, "knobs": knobs, "crc": crc}))
         for name in ("instanttensor, buffered back end",):
-            show(f"peer {name} #{rounds}", child(PEER.format(code=LOADERS[name][0]), {"stem": stem}))
+            show(f"peer {name} #{rounds}", child(PEER_PROBE.format(code=LOADERS[name][0]), {"stem": stem}))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

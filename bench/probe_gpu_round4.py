@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_load import BUILD, LOADERS, PROBE_READS, compiled_env, run_probe, warm
+from bench_gpu_load import BUILD, LOADERS, PEER_PROBE, PROBE_READS, compiled_env, run_probe, warm
 
 # The readers' every step timed (events of the reader threads, from the load's start), knobs of
 # ckptconv._transfer set from ARGS["knobs"], a load repeated in the same process when ARGS["twice"],
@@ -109,16 +109,6 @@ if ARGS.get("twice"):
 report(**result)
 """
 
-PEER = """
-PATH = ARGS["stem"]
-start = time.perf_counter()
-{code}
-torch.cuda.synchronize()
-wall = time.perf_counter() - start
-nbytes = sum(t.numel() * t.element_size() for t in state.values())
-report(first={{"gbps": round(nbytes / wall / 1e9, 2), "wall_ms": round(wall * 1e3, 1)}})
-"""
-
 # (title, file suffix, LOAD arguments besides the path)
 # Round 4 ran five sets on one H200 (bench/results/bench_gpu_load_h200.md): call 1 (commit 51ee2c4)
 # the pinning, 4 MiB pieces, the .pt CRC in 1 MiB / 256 KiB steps, .pt without CRC and the sharded
@@ -173,7 +163,7 @@ def main() -> None:
     if "loads" in args.skip:
         return
     speeds: dict[str, list[float]] = {}
-    peer = PEER.format(code=LOADERS["instanttensor, buffered back end"][0])
+    peer = PEER_PROBE.format(code=LOADERS["instanttensor, buffered back end"][0])
     for round_ in range(args.rounds):
         if time.perf_counter() - started > args.budget:
             print(f"budget spent: {round_} rounds", flush=True)
@@ -185,7 +175,7 @@ def main() -> None:
             print(f"{round_} {title}: {json.dumps(value)}", flush=True)
         value = run_probe(peer, {"stem": stem}, env)
         if isinstance(value, dict):
-            speeds.setdefault("instanttensor buffered", []).append(value["first"]["gbps"])  # type: ignore[index]
+            speeds.setdefault("instanttensor buffered", []).append(value["gbps"])  # type: ignore[arg-type]
         print(f"{round_} instanttensor buffered: {value}", flush=True)
     peer_median = statistics.median(speeds.get("instanttensor buffered", [float("nan")]))
     print("SUMMARY (GB/s per round, median, x instanttensor buffered)")

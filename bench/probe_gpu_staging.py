@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_load import BUILD, LOADERS, PROBE_READS, compiled_env, run_probe, warm
+from bench_gpu_load import BUILD, LOADERS, PEER_PROBE, PROBE_READS, compiled_env, run_probe, warm
 
 PIN = """
 total, piece = 128 << 20, 8 << 20
@@ -174,16 +174,6 @@ if ARGS.get("check"):
 report(**out)
 """
 
-PEER = """
-PATH = ARGS["stem"]
-start = time.perf_counter()
-{code}
-torch.cuda.synchronize()
-wall = time.perf_counter() - start
-nbytes = sum(t.numel() * t.element_size() for t in state.values())
-report(gbps=nbytes / wall / 1e9, wall=wall)
-"""
-
 HOST_REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 
 # title, file suffix, knobs of ckptconv._transfer, extra arguments. Round 3's first two calls also ran
@@ -256,7 +246,7 @@ def main() -> None:
                 results.setdefault(title, []).append(float(value["gbps"]))  # type: ignore[arg-type]
                 if "second_gbps" in value:
                     seconds.setdefault(title, []).append(float(value["second_gbps"]))  # type: ignore[arg-type]
-        value = child(PEER.format(code=peer), {"stem": stem})
+        value = child(PEER_PROBE.format(code=peer), {"stem": stem})
         print(round_, "instanttensor buffered", value, flush=True)
         if isinstance(value, dict):
             results.setdefault("instanttensor buffered", []).append(float(value["gbps"]))  # type: ignore[arg-type]

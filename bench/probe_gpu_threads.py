@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_gpu_phases import BUILD, LOAD, LOADERS, PEER, child, warm
+from bench_gpu_load import PEER_PROBE
+from probe_gpu_phases import BUILD, LOAD, LOADERS, child, warm
 
 VARIANTS = [
     ("st x16", ".safetensors", {"MAX_THREADS": 16, "MAX_GPU_THREADS": 16}, True),
@@ -46,7 +47,7 @@ def main() -> None:
             value = child(LOAD, {"path": stem + suffix, "knobs": knobs, "crc": crc})
             results.setdefault(title, []).append(value["gbps"] if isinstance(value, dict) else value)
             print(round_, title, value, flush=True)
-        value = child(PEER.format(code=LOADERS["instanttensor, buffered back end"][0]), {"stem": stem})
+        value = child(PEER_PROBE.format(code=LOADERS["instanttensor, buffered back end"][0]), {"stem": stem})
         results.setdefault("instanttensor buffered", []).append(value["gbps"] if isinstance(value, dict) else value)
         print(round_, "instanttensor", value, flush=True)
     print("SUMMARY (GB/s per round, median)")
