@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -160,6 +162,18 @@ def gpu_fixture_files() -> list[Path]:
 def reference_load(path: os.PathLike[str] | str) -> Any:
     """torch.load as people use it on trusted files: the reference ckptconv must equal."""
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def run_python(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a child Python that imports this checkout: for what would kill the test
+    process (SIGBUS from a file cut short under a memory map) or needs a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        check=False,
+    )
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:

@@ -7,7 +7,6 @@ Every output is compared with ``Tensor.to`` on the tensors torch itself loads.
 from __future__ import annotations
 
 import io
-import os
 import struct
 import zipfile
 import zlib
@@ -23,6 +22,8 @@ import ckptconv.streaming
 from ckptconv.cli import cli
 from ckptconv.errors import MalformedCheckpointError
 from ckptconv.streaming import reads_whole_record
+
+from .conftest import run_python
 
 TARGETS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -185,8 +186,6 @@ def test_a_cast_from_a_file_cut_short_after_it_was_opened_is_refused_in_one_line
     """The cast reads its pieces (never maps them), so a source truncated after it was opened, as a
     training job overwriting its checkpoint does, gets the truncation error, not SIGBUS. Run in a child
     process, which SIGBUS would kill."""
-    import subprocess
-    import sys
 
     source = tmp_path / "in.pt"
     torch.save({"w": torch.randn(1 << 20)}, source)  # 4 MiB: several pieces
@@ -200,13 +199,7 @@ def test_a_cast_from_a_file_cut_short_after_it_was_opened_is_refused_in_one_line
         "except MalformedCheckpointError as error:\n"
         "    print(error)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(source), str(tmp_path / "out.safetensors")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        check=False,
-    )
+    done = run_python(script, str(source), str(tmp_path / "out.safetensors"))
     assert done.returncode == 0, (done.returncode, done.stderr[-500:])
     assert "is truncated" in done.stdout and done.stdout.count("\n") == 1
     assert not (tmp_path / "out.safetensors").exists()

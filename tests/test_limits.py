@@ -23,6 +23,7 @@ from ckptconv.errors import LoadError, MalformedCheckpointError
 from ckptconv.formats import torch_legacy, torch_zip
 from ckptconv.unpickler import Unpickler
 
+from .conftest import run_python
 from .hostile import legacy_pickles
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -314,8 +315,6 @@ def test_a_copy_from_a_file_truncated_after_it_was_opened_is_refused_not_crashed
     """The writer's checksummed copy (a safetensors tensor into a .pt record) reads into a buffer, so a
     source cut short since it was opened gets the one-line truncation error (a memory map of it gave a
     ValueError traceback, or SIGBUS). Run in a child process, which SIGBUS would kill."""
-    import subprocess
-    import sys
 
     source = tmp_path / "model.bin"
     source.write_bytes(bytes(range(256)) * (1 << 14))  # 4 MiB
@@ -331,12 +330,6 @@ def test_a_copy_from_a_file_truncated_after_it_was_opened_is_refused_not_crashed
         "except MalformedCheckpointError as error:\n"
         "    print(error)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(source), str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        check=False,
-    )
+    done = run_python(script, str(source), str(tmp_path / "out"))
     assert done.returncode == 0, (done.returncode, done.stderr[-500:])
     assert "is truncated" in done.stdout
