@@ -164,16 +164,24 @@ def reference_load(path: os.PathLike[str] | str) -> Any:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def run_python(script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` in a child Python that imports this checkout: for what would kill the test
-    process (SIGBUS from a file cut short under a memory map) or needs a fresh interpreter."""
-    return subprocess.run(
+def refusal_in_child(code: str, *args: str) -> str:
+    """The ckptconv error ``code`` raises, run in a child Python that imports this checkout (with
+    ``args`` as ``sys.argv[1:]``), for failures that would kill the test process (SIGBUS from a file
+    cut short under a memory map). The child must exit normally; "" if nothing was raised."""
+    script = (
+        "import sys\nfrom ckptconv.errors import CkptconvError\ntry:\n"
+        + "".join(f"    {line}\n" for line in code.splitlines())
+        + "except CkptconvError as error:\n    print(error)\n"
+    )
+    done = subprocess.run(
         [sys.executable, "-c", script, *args],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
         check=False,
     )
+    assert done.returncode == 0, (done.returncode, done.stderr[-500:])
+    return done.stdout
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:
