@@ -28,7 +28,7 @@ from .streaming import reads_whole_record
 from .tensor import Storage, TensorRef
 from .transforms import Canonicalize, Cast, StepReport, StripPrefix, Transform
 from .verification import REFERENCES
-from .writing import Progress, is_folder_destination, output_format, save
+from .writing import Progress, fills_record_crcs, is_folder_destination, output_format, save
 
 __all__ = ["ConversionReport", "convert"]
 
@@ -312,7 +312,6 @@ def convert(
     digest: concurrent.futures.Future[str] | None = None
     crcs: concurrent.futures.Future[Any] | None = None
     # Records that the write reads whole (a copy or a cast): their CRC-32s come from that read (record_crcs).
-    # DCP's writer is torch.save, which takes none.
     record_crcs: dict[Storage, int] = {}
     read_whole: list[tuple[str, TensorRef]] = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as hasher:
@@ -322,7 +321,7 @@ def convert(
             # (1 GiB defaults: 1.07 against 0.90 s on the development VM).
             others: list[tuple[str, TensorRef]] = []
             for item in state.items():
-                (read_whole if kind != "dcp" and reads_whole_record(item[1]) else others).append(item)
+                (read_whole if fills_record_crcs(kind) and reads_whole_record(item[1]) else others).append(item)
             crcs = hasher.submit(check_record_crcs, others, stop=give_up)
         if options.source_hash and options.provenance:
             digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)

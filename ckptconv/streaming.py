@@ -20,8 +20,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from typing import TYPE_CHECKING
 
 from .errors import CastOverflowError
-from .read_policy import open_file
-from .tensor import FileRegion, Storage, ZipMember, read_exactly_into
+from .tensor import FileRegion, Storage, ZipMember
 
 if TYPE_CHECKING:
     import numpy as np
@@ -308,21 +307,6 @@ def _piece_reader(ref: TensorRef) -> Iterator[Callable[[int, int], tuple[memoryv
     with SIGBUS, where a read gets the one-line truncation error. Reading cost 0.00-0.02 s per
     GiB cast against maps (1 GiB to bf16 and fp16, medians of 7 on the development VM).
     """
-    source = ref.storage.source
-    if isinstance(source, FileRegion):
-        with open_file(source.path) as file:
-            fd = file.fileno()
-
-            def read_file(position: int, length: int) -> tuple[memoryview, np.ndarray]:
-                if position < 0 or position + length > ref.storage.nbytes:
-                    raise ValueError(f"byte range {position}+{length} outside storage of {ref.storage.nbytes} bytes")
-                buffer = _take(length)
-                view = buffer[:length].data
-                read_exactly_into(fd, source.offset + position, view, source.path)
-                return view, buffer
-
-            yield read_file
-        return
     with ref.storage.reader() as read_into:
 
         def read(position: int, length: int) -> tuple[memoryview, np.ndarray]:

@@ -480,16 +480,26 @@ def _write_tensor(ref: TensorRef, file: BinaryIO, record_crcs: dict[Storage, int
     CRC-32 on the way (:func:`reads_whole_record`), so that checking the
     source needs no read of its own.
     """
-    region = ref.verbatim_region
-    if region is None:
+    if ref.verbatim_region is None:
         for chunk in ref.iter_bytes(record_crcs=record_crcs):
             file.write(chunk)
             yield len(chunk)
         return
-    checksum = record_crcs is not None and reads_whole_record(ref)
-    crc = yield from _copy_file_region(*region, file, checksum=checksum)
-    if checksum and record_crcs is not None:
+    yield from _copy_verbatim(ref, file, record_crcs)
+
+
+def _copy_verbatim(
+    ref: TensorRef, file: BinaryIO, record_crcs: dict[Storage, int] | None, *, checksum: bool = False
+) -> Generator[int, None, int]:
+    """Copy a tensor stored as is (:attr:`TensorRef.verbatim_region`); return the bytes' CRC-32
+    if taken (``checksum``, or a whole zip record whose CRC-32 goes into ``record_crcs``), else 0."""
+    region = ref.verbatim_region
+    assert region is not None
+    takes_record = record_crcs is not None and reads_whole_record(ref)
+    crc = yield from _copy_file_region(*region, file, checksum=checksum or takes_record)
+    if takes_record and record_crcs is not None:
         record_crcs[ref.storage] = crc
+    return crc
 
 
 def _write_planned_storage(
@@ -511,14 +521,9 @@ def _write_planned_storage(
     region = ref.verbatim_region
     if region is None:
         return _write_with_crc(iter_bytes_with_crcs(ref, record_crcs=record_crcs), file, update)
-    source = region[0]
-    if source.crc32 is not None and ref.is_whole_storage:
-        checking = record_crcs is not None and reads_whole_record(ref)
-        crc = _run(_copy_file_region(*region, file, checksum=checking), update)
-        if checking and record_crcs is not None:
-            record_crcs[ref.storage] = crc
-        return source.crc32
-    return _run(_copy_file_region(*region, file, checksum=True), update)
+    recorded = region[0].crc32 if ref.is_whole_storage else None
+    crc = _run(_copy_verbatim(ref, file, record_crcs, checksum=recorded is None), update)
+    return crc if recorded is None else recorded
 
 
 def _run(steps: Generator[int, None, int], update: Callable[[int], None]) -> int:
@@ -578,6 +583,12 @@ def _progress_callback(progress: Progress, total: int, path: str) -> tuple[Calla
         bar.update(count)
 
     return update, bar.close
+
+
+def fills_record_crcs(kind: str) -> bool:
+    """Whether :func:`save` of ``kind`` puts the CRC-32s of the zip records it reads whole into
+    ``record_crcs``; DCP folders are written by torch.save, which takes none."""
+    return kind != "dcp"
 
 
 def save(
