@@ -75,3 +75,40 @@ def test_the_source_hash_counts_as_background_work(tmp_path: Path, monkeypatch: 
     torch.save({"w": torch.randn(10)}, source)
     ckptconv.convert(source, tmp_path / "out.safetensors", check_crc=False)  # the hash alone in the background
     assert seen == [2]
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096, 50_001])
+def test_file_sha256_is_hashlibs_read_ahead_or_not(
+    cores: int, size: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+
+    from ckptconv import metadata
+
+    monkeypatch.setattr(metadata, "_HASH_CHUNK", 4096)
+    monkeypatch.setattr(_cores, "usable", lambda: cores)
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(size))
+    assert metadata.file_sha256(str(path)) == hashlib.sha256(path.read_bytes()).hexdigest()
+    stopped = threading.Event()
+    stopped.set()
+    assert metadata.file_sha256(str(path), stop=stopped) == ""
+
+
+def test_a_read_error_while_reading_ahead_reaches_the_caller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from ckptconv import metadata
+
+    monkeypatch.setattr(_cores, "usable", lambda: 2)
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 100)
+
+    def failing_read(fd: int, buffers: list[memoryview], offset: int) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(metadata.os, "preadv", failing_read)
+    with pytest.raises(OSError, match="Input/output error"):
+        metadata.file_sha256(str(path))
+    assert [t.name for t in threading.enumerate() if t.name == "ckptconv-hash-read"] == []
