@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Callable, Union
 
 from . import write_policy
 from ._text import shown
-from .errors import CastOverflowError, DestinationError, OutputExistsError, WriteError
+from .errors import CastOverflowError, CkptconvError, DestinationError, OutputExistsError, WriteError
 from .formats import dcp, safetensors, sharded, torch_zip
 from .formats._base import MetadataValue, metadata_text, split_aliases
 from .formats.torch_zip import PlannedStorage
@@ -946,4 +946,6 @@ def _entries(state: Mapping[str, Any]) -> list[tuple[str, TensorRef]]:
                 raise WriteError(
                     f"{key!r} holds a {type(value).__name__}, not a tensor; only tensors can be written"
                 ) from None
+            except CkptconvError as error:
+                raise WriteError(f"{key!r} cannot be written: {error}") from None
     return entries
