@@ -388,6 +388,7 @@ def atomic_output(
         raise WriteError(f"folder {folder!r} does not exist; create it first", path=target)
     if os.path.lexists(target) and not overwrite:
         raise OutputExistsError(f"{shown!r} already exists; pass --overwrite to replace it", path=target)
+    write_policy.check_replaceable(target, shown)
     remove_abandoned(folder, os.path.basename(target))
     try:
         file, temporary = _temporary(folder, os.path.basename(target))
