@@ -119,6 +119,21 @@ def _from_numpy(ref: TensorRef) -> torch.Tensor:
     return tensor.view(out) if tensor.dtype != out else tensor
 
 
+def _without_plain_bytes(tensor: Any) -> str:
+    """Why ``tensor``'s values are not one strided run of bytes, and what to do; ``""`` if they are."""
+    import torch
+
+    if tensor.is_nested:  # nested tensors report the strided layout
+        return "it is a nested tensor; unbind it into ordinary tensors (tensor.unbind()) first"
+    if tensor.is_quantized:
+        return "it is a quantized tensor; dequantize it (tensor.dequantize()) first"
+    if tensor.layout != torch.strided:
+        return f"it is a sparse tensor ({tensor.layout}); make it dense (tensor.to_dense()) first"
+    if tensor.is_meta:
+        return "it is a meta-device tensor, which holds no data; load real weights into it first"
+    return ""
+
+
 def from_torch(tensor: Any, cache: dict[Any, Storage] | None = None) -> TensorRef:
     """A lazy tensor over a torch tensor's CPU bytes, without copying them.
 
@@ -130,8 +145,9 @@ def from_torch(tensor: Any, cache: dict[Any, Storage] | None = None) -> TensorRe
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.is_sparse or tensor.is_quantized or tensor.layout != torch.strided:
-        raise CkptconvError("sparse, quantized and other non-strided tensors cannot be converted")
+    why = _without_plain_bytes(tensor)
+    if why:
+        raise CkptconvError(why)
     dtype = dtype_by_name(str(tensor.dtype))
     if dtype is None:
         raise CkptconvError(f"ckptconv cannot store tensors of dtype {tensor.dtype}")

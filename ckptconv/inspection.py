@@ -24,6 +24,9 @@ __all__ = ["CheckpointInfo", "TensorInfo", "inspect"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
+#: Keys a :class:`TensorInfo` names among those sharing its storage (``shares_count`` counts them all).
+MAX_SHARES_LISTED = 8
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -34,8 +37,11 @@ class TensorInfo:
         dtype: element type.
         shape: sizes.
         nbytes: bytes it occupies when written.
-        shares_with: other keys viewing the same storage (tied weights, views).
+        shares_with: other keys viewing the same storage (tied weights, views): the first
+            :data:`MAX_SHARES_LISTED` of them, so that thousands of names for one storage
+            cost thousands of rows, not millions of pairs.
         is_view: True when it covers only part of its storage (or is not contiguous).
+        shares_count: how many other keys view the same storage in all.
     """
 
     key: str
@@ -44,6 +50,7 @@ class TensorInfo:
     nbytes: int
     shares_with: tuple[str, ...] = ()
     is_view: bool = False
+    shares_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,11 @@ def _outline(tree: Any) -> tuple[tuple[str, str], ...]:
     return (("", describe_value(tree)),)
 
 
+def _others(group: list[str], key: str) -> tuple[str, ...]:
+    """The first :data:`MAX_SHARES_LISTED` keys of ``group`` other than ``key`` (keys are unique)."""
+    return tuple(other for other in group[: MAX_SHARES_LISTED + 1] if other != key)[:MAX_SHARES_LISTED]
+
+
 def inspect(path: PathLike, *, select: str | None = None, trust: bool = False) -> CheckpointInfo:
     """Describe a checkpoint: format, devices, stand-ins, where the weights are, every tensor.
 
@@ -180,8 +192,9 @@ def inspect(path: PathLike, *, select: str | None = None, trust: bool = False) -
             ref.out_dtype.name,
             ref.shape,
             ref.nbytes,
-            tuple(other for other in by_storage[id(ref.storage)] if other != key),
+            _others(by_storage[id(ref.storage)], key),
             not ref.is_whole_storage,
+            len(by_storage[id(ref.storage)]) - 1,
         )
         for key, ref in weights.items()
     )

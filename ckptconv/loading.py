@@ -242,7 +242,10 @@ def _read_trusted(path: str, kind: str) -> ReadResult:
         if depth > 200:
             return value
         if isinstance(value, torch.Tensor):
-            return from_torch(value, cache)
+            try:
+                return from_torch(value, cache)
+            except CkptconvError as error:
+                raise LoadError(f"{path!r} holds a tensor ckptconv cannot convert: {error}", path=path) from None
         if isinstance(value, torch.nn.Module):
             return convert(value.state_dict(), depth + 1)
         if id(value) in seen:

@@ -348,11 +348,16 @@ class TensorRef:
 
     @functools.cached_property
     def byte_span(self) -> tuple[int, int]:
-        """``(start, end)`` bytes of the storage this tensor touches (``start == end`` if empty)."""
+        """``(start, end)`` bytes of the storage this tensor touches; ``(0, 0)`` if it is empty.
+
+        An empty tensor touches no byte, so its offset may lie anywhere, past the
+        storage's end included, as torch allows (``torch.empty(0, 6).chunk(3, dim=1)``
+        gives offsets 2 and 4 into a storage of no bytes).
+        """
+        if self.numel == 0:
+            return 0, 0
         itemsize = self.dtype.itemsize
         start = self.offset * itemsize
-        if self.numel == 0:
-            return start, start
         last = sum((size - 1) * step for size, step in zip(self.shape, self.stride))
         return start, start + (last + 1) * itemsize
 

@@ -33,7 +33,15 @@ from typing import BinaryIO
 
 from .errors import WriteError
 
-__all__ = ["Inputs", "check_not_a_link", "make_folders", "open_append", "os_error", "remove_folders"]
+__all__ = [
+    "Inputs",
+    "check_not_a_link",
+    "check_replaceable",
+    "make_folders",
+    "open_append",
+    "os_error",
+    "remove_folders",
+]
 
 _REASONS = {
     errno.ENOSPC: "the disk is full",
@@ -53,6 +61,36 @@ def os_error(error: OSError, path: str) -> WriteError:
     """One sentence for an operating-system error met while writing ``path``."""
     reason = _REASONS.get(error.errno or 0, error.strerror or str(error))
     return WriteError(f"cannot write {path!r}: {reason}; nothing was written", path=path)
+
+
+_SPECIAL_FILES = {
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFIFO: "fifo",
+    stat.S_IFSOCK: "socket",
+}
+
+
+def check_replaceable(path: str, shown: str) -> None:
+    """Refuse an output name held by a device, FIFO or socket.
+
+    An output replaces what holds its name (a file, or a link, which is replaced
+    rather than followed), so ``--overwrite`` onto ``/dev/null`` run as root would
+    swap the device for a regular file.
+
+    Raises:
+        WriteError: ``path`` is a device, FIFO or socket.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except (OSError, ValueError):
+        return
+    kind = _SPECIAL_FILES.get(stat.S_IFMT(mode))
+    if kind is not None:
+        raise WriteError(
+            f"{shown!r} is a {kind}, not a file; ckptconv replaces only files, so give a file path for the output",
+            path=path,
+        )
 
 
 def _identity(path: str) -> tuple[int, int] | None:

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO, Callable, Union
 
 from . import _cores, write_policy
 from ._text import shown
-from .errors import CastOverflowError, DestinationError, OutputExistsError, WriteError
+from .errors import CastOverflowError, CkptconvError, DestinationError, OutputExistsError, WriteError
 from .formats import dcp, safetensors, sharded, torch_zip
 from .formats._base import MetadataValue, metadata_text, split_aliases
 from .formats.torch_zip import PlannedStorage
@@ -392,6 +392,7 @@ def atomic_output(
         raise WriteError(f"folder {folder!r} does not exist; create it first", path=target)
     if os.path.lexists(target) and not overwrite:
         raise OutputExistsError(f"{shown!r} already exists; pass --overwrite to replace it", path=target)
+    write_policy.check_replaceable(target, shown)
     remove_abandoned(folder, os.path.basename(target))
     try:
         file, temporary = _temporary(folder, os.path.basename(target))
@@ -1019,4 +1020,6 @@ def _entries(state: Mapping[str, Any]) -> list[tuple[str, TensorRef]]:
                 raise WriteError(
                     f"{key!r} holds a {type(value).__name__}, not a tensor; only tensors can be written"
                 ) from None
+            except CkptconvError as error:
+                raise WriteError(f"{key!r} cannot be written: {error}") from None
     return entries

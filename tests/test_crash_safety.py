@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -47,6 +48,38 @@ def test_output_that_is_a_folder(source: Path, tmp_path: Path) -> None:
     assert _run("convert", str(source), str(tmp_path / "file.pt"))[0] == 0
     code, stderr = _run("convert", str(source), str(tmp_path / "file.pt"), "--max-shard-size", "1GB", "--overwrite")
     assert code == 1 and stderr.endswith("is a file; give a folder for a sharded or DCP output\n")
+
+
+def _special(kind: str, path: Path) -> None:
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        import socket
+
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(path))
+    else:  # a character device like /dev/null (major 1, minor 3); needs root, as replacing /dev/null does
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("creating a device node needs root")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket", "character device"])
+@pytest.mark.parametrize("command", ["convert", "strip-module"])
+def test_overwrite_never_replaces_a_device_fifo_or_socket(
+    kind: str, command: str, source: Path, tmp_path: Path
+) -> None:
+    """`ckptconv convert in.pt /dev/null --to pt --overwrite`, run as root, replaced /dev/null with a regular file."""
+    target = tmp_path / "out.pt"
+    _special(kind, target)
+    before = os.lstat(target)
+    code, stderr = _run(command, str(source), str(target), "--to", "pt", "--overwrite", "-q")
+    assert code == 1 and stderr.count("\n") == 1, stderr
+    assert f"{str(target)!r} is a {kind}, not a file; ckptconv replaces only files" in stderr, stderr
+    after = os.lstat(target)
+    assert (after.st_ino, stat.S_IFMT(after.st_mode)) == (before.st_ino, stat.S_IFMT(before.st_mode))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt", "out.pt"]
 
 
 @pytest.mark.parametrize("link", ["symlink", "hardlink", "same path spelled differently"])

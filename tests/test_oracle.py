@@ -136,10 +136,11 @@ class View:
 
     @property
     def end_byte(self) -> int:
-        """One past the last byte this view touches."""
+        """One past the last byte this view touches: none for an empty view, whose offset torch
+        lets lie anywhere, past its storage's end included (``torch.empty(0, 6).chunk(3, 1)``)."""
         itemsize = self.dtype.itemsize
         if math.prod(self.shape) == 0:
-            return self.offset * itemsize
+            return 0
         last = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
         return (last + 1) * itemsize
 
@@ -496,6 +497,16 @@ def test_empty_non_contiguous_tensor(tmp_path: Path) -> None:
     for command in (["verify", str(source), str(tmp_path / "lib.pt")], ["diff", str(source), str(tmp_path / "lib.pt")]):
         result = CliRunner().invoke(cli, command)
         assert result.exit_code == 0, (result.stderr, result.exception)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_empty_tensors_whose_offset_lies_past_their_storage(tmp_path: Path, legacy: bool) -> None:
+    """torch bounds-checks no view of zero elements: chunks of an empty matrix sit past its 0-byte storage."""
+    source = tmp_path / "chunks.pt"
+    chunks = dict(zip(("q", "k", "v"), torch.empty(0, 6).chunk(3, dim=1)))
+    tail = torch.arange(4.0).as_strided((0, 3), (1, 1), 10)
+    torch.save({**chunks, "tail": tail, "x": torch.ones(2)}, source, _use_new_zipfile_serialization=not legacy)
+    check_conversions(source, Example(None, ()))
 
 
 @pytest.mark.parametrize("legacy", [False, True])

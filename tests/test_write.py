@@ -175,6 +175,36 @@ def test_non_tensors_cannot_be_saved(tmp_path: Path) -> None:
         ckptconv.save({"epoch": 3}, tmp_path / "x.pt")
 
 
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: torch.empty(2, device="meta"), "'m' cannot be written: it is a meta-device tensor, which holds no"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "'m' cannot be written: it is a nested"),
+        (lambda: torch.ones(2, 2).to_sparse(), r"'m' cannot be written: it is a sparse tensor \(torch.sparse_coo\)"),
+        (
+            lambda: torch.ones(2, 2).to_sparse_csr(),
+            r"'m' cannot be written: it is a sparse tensor \(torch.sparse_csr\)",
+        ),
+        (lambda: torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8), "'m' cannot be written: it is a quant"),
+    ],
+)
+def test_tensors_without_plain_bytes_are_refused_by_name(
+    make: Callable[[], torch.Tensor], message: str, tmp_path: Path
+) -> None:
+    """Not a NotImplementedError or RuntimeError from deep inside torch: a WriteError naming the key,
+    and a LoadError naming the file when torch itself loaded them (``--trust``)."""
+    for name in ("x.pt", "x.safetensors"):
+        with pytest.raises(ckptconv.WriteError, match=message):
+            ckptconv.save({"w": torch.ones(2), "m": make()}, tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
+    source = tmp_path / "source.pt"
+    torch.save({"w": torch.ones(2), "m": make()}, source)
+    with pytest.raises(
+        ckptconv.LoadError, match="holds a tensor ckptconv cannot convert: " + message.split(": ", 1)[1]
+    ):
+        ckptconv.load(source, trust=True)
+
+
 def test_complex128_cannot_go_to_safetensors(tmp_path: Path) -> None:
     with pytest.raises(ckptconv.WriteError, match="complex128, which safetensors cannot store"):
         ckptconv.save({"c": torch.zeros(2, dtype=torch.complex128)}, tmp_path / "x.safetensors")

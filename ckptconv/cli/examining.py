@@ -199,7 +199,10 @@ def inspect(
         for tensor in listed:
             extra = ""
             if tensor.shares_with:
-                extra = f"  shares storage with {', '.join(tensor.shares_with[:3])}"
+                more = tensor.shares_count - len(tensor.shares_with[:3])
+                extra = f"  shares storage with {', '.join(tensor.shares_with[:3])}" + (
+                    f" and {more} more" if more else ""
+                )
             elif tensor.is_view:
                 extra = "  view"
             echo(f"  {shown(tensor.key):<{key_width}}  {tensor.dtype:<9}  {list(tensor.shape)}{extra}")
