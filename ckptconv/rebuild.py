@@ -102,15 +102,30 @@ def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *rest: An
     if type(offset) is not int:
         raise malformed(f"tensor storage offset {short_repr(offset)} is not an integer")
     conj, neg = _tensor_bits(rest[2] if len(rest) > 2 else None)
-    return TensorRef.checked(
-        typed.storage,
-        typed.dtype,
-        _as_shape(size, "size"),
-        _as_shape(stride, "stride"),
-        typed.element_offset + offset,
-        conj=conj,
-        neg=neg,
+    return _inside_view(
+        typed,
+        TensorRef.checked(
+            typed.storage,
+            typed.dtype,
+            _as_shape(size, "size"),
+            _as_shape(stride, "stride"),
+            typed.element_offset + offset,
+            conj=conj,
+            neg=neg,
+        ),
     )
+
+
+def _inside_view(typed: TypedStorage, ref: TensorRef) -> TensorRef:
+    """``ref`` if it lies inside ``typed``'s storage view (legacy ``view_metadata``), which torch enforces."""
+    if typed.element_count is not None and ref.numel:
+        end = (typed.element_offset + typed.element_count) * typed.dtype.itemsize
+        if ref.byte_span[0] < typed.element_offset * typed.dtype.itemsize or ref.byte_span[1] > end:
+            raise malformed(
+                f"a tensor of size {list(ref.shape)} reaches past the end of its storage view "
+                f"of {typed.element_count} elements"
+            )
+    return ref
 
 
 def _rebuild_tensor_v3(
@@ -133,14 +148,17 @@ def _rebuild_tensor_v3(
     if base % dtype.itemsize:
         raise malformed("tensor storage offset is not aligned to its dtype")
     conj, neg = _tensor_bits(metadata)
-    return TensorRef.checked(
-        typed.storage,
-        dtype,
-        _as_shape(size, "size"),
-        _as_shape(stride, "stride"),
-        base // dtype.itemsize + offset,
-        conj=conj,
-        neg=neg,
+    return _inside_view(
+        typed,
+        TensorRef.checked(
+            typed.storage,
+            dtype,
+            _as_shape(size, "size"),
+            _as_shape(stride, "stride"),
+            base // dtype.itemsize + offset,
+            conj=conj,
+            neg=neg,
+        ),
     )
 
 

@@ -108,11 +108,17 @@ class StorageType:
 
 @dataclass(frozen=True)
 class TypedStorage:
-    """A storage as the pickle sees it: bytes plus the dtype they were saved as."""
+    """A storage as the pickle sees it: bytes plus the dtype they were saved as.
+
+    ``element_offset`` and ``element_count`` describe a storage *view* of the
+    legacy format (``view_metadata``): the tensors built on it must lie inside
+    those ``element_count`` elements, as torch's slice of the storage enforces.
+    """
 
     storage: Storage
     dtype: DType
     element_offset: int = 0
+    element_count: int | None = None
 
 
 class NumpyDType:

@@ -6,12 +6,14 @@ none may produce other values than ``torch.load(weights_only=True)`` gives.
 
 from __future__ import annotations
 
+import pickle
 import struct
 import warnings
 import zipfile
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 import ckptconv
@@ -568,3 +570,64 @@ def test_verify_takes_an_optional_reader_wherever_it_stands(tmp_path: Path, argu
     code, _, stderr = run_cli("convert", *filled)
     assert code == 0, stderr
     assert stderr.rstrip().endswith(said)
+
+
+# ---------------------------------------------------------------------------------------
+# Storage views of the legacy format (torch before 1.0 wrote them; torch.load still reads them)
+# ---------------------------------------------------------------------------------------
+
+
+def _legacy_with_views(tensors: list[tuple[str, tuple[str, int, int] | None, int, int]]) -> bytes:
+    """A legacy file of float tensors ``(name, view_metadata, offset, size)`` on one storage '0' of 8 elements."""
+
+    def text(value: str) -> bytes:
+        return b"X" + struct.pack("<I", len(value)) + value.encode()
+
+    def number(value: int) -> bytes:
+        return b"J" + struct.pack("<i", value)
+
+    body = b"\x80\x02}"
+    for name, view, offset, size in tensors:
+        meta = b"N" if view is None else b"(" + text(view[0]) + number(view[1]) + number(view[2]) + b"t"
+        pid = b"(" + text("storage") + b"ctorch\nFloatStorage\n" + text("0") + text("cpu") + number(8) + meta + b"tQ"
+        body += text(name) + b"ctorch._utils\n_rebuild_tensor_v2\n(" + pid + number(offset) + number(size)
+        body += b"\x85" + number(1) + b"\x85\x89ccollections\nOrderedDict\n)RtRs"
+    header = b"".join(
+        pickle.dumps(value, protocol=2)
+        for value in (0x1950A86A20F9469CFC6C, 1001, {"protocol_version": 1001, "little_endian": True})
+    )
+    data = struct.pack("<q", 8) + torch.arange(8, dtype=torch.float32).numpy().tobytes()
+    return header + body + b"." + pickle.dumps(["0"], protocol=2) + data
+
+
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        ([("x", ("v", 2, 4), 1, 3)], None),
+        ([("x", None, 0, 2), ("y", ("v", 3, 2), 0, 2), ("z", ("v", 3, 2), 1, 1)], None),
+        ([("x", ("v", 2, 4), 0, 5)], "reaches past the end of its storage view of 4 elements"),  # torch fails too
+        ([("x", ("v", 2, 4), 0, 2), ("y", ("v", 5, 3), 0, 2)], "storage view 'v' is given two different places"),
+        ([("x", ("0", 2, 4), 0, 2)], "'0' names both a storage and a storage view"),
+        ([("x", ("v", 6, 4), 0, 1)], "storage view 'v' (6+4) lies outside its storage '0'"),
+    ],
+)
+def test_legacy_storage_views_are_read_as_torch_reads_them_or_refused(
+    tensors: list[tuple[str, tuple[str, int, int] | None, int, int]], message: str | None, tmp_path: Path
+) -> None:
+    """torch keeps one object per key: a view key met again gave the first view's values to both
+    tensors, a view named like its storage gave the storage; ckptconv used each offset as written."""
+    source = tmp_path / "views.pt"
+    source.write_bytes(_legacy_with_views(tensors))
+    if message is not None:
+        assert_refused(source, tmp_path, message)
+        return
+    expected = torch.load(source, weights_only=True)
+    for suffix in ("pt", "safetensors"):
+        output = tmp_path / f"out.{suffix}"
+        code, _, stderr = run_cli("convert", str(source), str(output), "-q")
+        assert code == 0, stderr
+        written = torch.load(output, weights_only=True) if suffix == "pt" else safetensors.torch.load_file(output)
+        assert sorted(written) == sorted(expected)
+        for key, tensor in expected.items():
+            assert written[key].dtype == tensor.dtype and written[key].shape == tensor.shape
+            assert written[key].numpy().tobytes() == tensor.numpy().tobytes(), key

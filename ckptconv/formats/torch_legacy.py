@@ -107,6 +107,7 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
     byteorder: Literal["little", "big"] = "little" if little_endian else "big"
 
     storages: dict[str, Storage] = {}
+    views: dict[str, TypedStorage] = {}
     itemsizes: dict[str, int] = {}
     types: dict[str, tuple[StorageType, int]] = {}
     devices: set[str] = set()
@@ -136,14 +137,34 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
             storage = Storage(numel * dtype.itemsize, _PendingRegion(), location_tag, byteorder, root_key)
             storages[root_key] = storage
             itemsizes[root_key] = dtype.itemsize
-        offset = 0
-        if view_metadata is not None:
-            if not (isinstance(view_metadata, tuple) and len(view_metadata) == 3):
-                raise _damaged(path, f"storage view {short_repr(view_metadata)} is malformed")
-            _view_key, offset, _view_size = view_metadata
-            if type(offset) is not int or offset < 0:
-                raise _damaged(path, f"storage view offset {short_repr(offset)} is invalid")
-        return TypedStorage(storage, dtype, offset)
+        if view_metadata is None:
+            if root_key in views:
+                raise _ambiguous(path, f"{root_key!r} names both a storage and a storage view")
+            return TypedStorage(storage, dtype)
+        return _view(root_key, view_metadata, TypedStorage(storage, dtype, 0, numel))
+
+    def _view(root_key: str, view_metadata: Any, root: TypedStorage) -> TypedStorage:
+        """A storage view (files of torch before 1.0): ``(view key, offset, size)`` in elements of the root.
+
+        torch keeps one object per key, storages and views alike, so a view key met
+        again (or naming a storage) gives what it named first, whatever the new
+        offset says: such files are refused, like every file that reads two ways.
+        """
+        if not (isinstance(view_metadata, tuple) and len(view_metadata) == 3):
+            raise _damaged(path, f"storage view {short_repr(view_metadata)} is malformed")
+        view_key, offset, count = view_metadata
+        if not isinstance(view_key, str) or type(offset) is not int or type(count) is not int:
+            raise _damaged(path, f"storage view {short_repr(view_metadata)} is malformed")
+        assert root.element_count is not None
+        if offset < 0 or count < 0 or offset + count > root.element_count:
+            raise _damaged(path, f"storage view {view_key!r} ({offset}+{count}) lies outside its storage {root_key!r}")
+        if view_key in storages:
+            raise _ambiguous(path, f"{view_key!r} names both a storage and a storage view")
+        view = TypedStorage(root.storage, root.dtype, offset, count)
+        known = views.setdefault(view_key, view)
+        if known != view:
+            raise _ambiguous(path, f"storage view {view_key!r} is given two different places")
+        return known
 
     tree, unpickler = next_pickle(unpickler.end, persistent_load=persistent_load)
     foreign = unpickler.foreign_globals
@@ -177,6 +198,13 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
     if missing:
         raise _damaged(path, f"storage {missing[0]!r} is used but its bytes are not in the file")
     return ReadResult(FORMAT, tree, foreign, frozenset(devices))
+
+
+def _ambiguous(path: str, detail: str) -> MalformedCheckpointError:
+    return _damaged(
+        path,
+        f"{detail}; torch reads the first it met, other readers may not, so refusing a file that can be read two ways",
+    )
 
 
 def _damaged(path: str, detail: str) -> MalformedCheckpointError:
