@@ -282,7 +282,7 @@ def convert(
                 "ckptconv.transforms": json.dumps(pipeline.describe() + (list(fit_report.plan) if fit_report else [])),
             }
         )
-    extra = entries if kind == "pt" and options.keep_meta else None
+    extra = checkpoint_metadata(checkpoint.tree, selection, exact=True) if kind == "pt" and options.keep_meta else None
 
     def transform_again(weights: dict[str, TensorRef]) -> Mapping[str, TensorRef]:
         """The same steps, on the weights an independent reader gives."""

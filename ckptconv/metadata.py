@@ -36,41 +36,77 @@ class _NotData(Exception):
     """Raised inside :func:`_plain` for values that are not plain data."""
 
 
-def _plain(value: Any, depth: int = 0) -> Any:
-    """``value`` as JSON-compatible Python data, or raise :class:`_NotData`."""
+def _plain(value: Any, depth: int = 0, *, exact: bool = False) -> Any:
+    """``value`` as plain data, or raise :class:`_NotData`.
+
+    With ``exact=False`` (safetensors metadata), JSON-compatible: tuples and sets
+    become lists, non-finite floats their text, keys text; a mapping whose keys
+    JSON cannot hold (tuples, None) or that collide as text is not data. With
+    ``exact=True`` (``.pt`` outputs), the values as ``torch.load(weights_only=True)``
+    gives them back: tuples, sets, NaN and integer, float, None and tuple keys kept.
+    """
     if depth > _MAX_DEPTH:
         raise _NotData
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
+        return value if exact or math.isfinite(value) else repr(value)
     if as_tensor(value) is not None or isinstance(value, (NumpyArray, bytes, bytearray)):
         raise _NotData
     if hasattr(value, "item") and hasattr(value, "dtype") and type(value).__module__ == "numpy":
-        return _plain(value.item(), depth + 1)  # numpy scalars
+        return _plain(value.item(), depth + 1, exact=exact)  # numpy scalars
+    if exact and isinstance(value, tuple):
+        return tuple(_plain(item, depth + 1, exact=True) for item in value)
+    if exact and type(value) is set:
+        return {_key(item, depth + 1) for item in value}
     if isinstance(value, (list, tuple, set, frozenset)):
-        return [_plain(item, depth + 1) for item in value]
+        return [_plain(item, depth + 1, exact=exact) for item in value]
     if isinstance(value, Mapping):
-        return {
-            str(key): _plain(item, depth + 1) for key, item in value.items() if isinstance(key, (str, int, float, bool))
-        }
+        result: dict[Any, Any] = {}
+        for key, item in value.items():
+            if exact:
+                plain_key = _key(key, depth + 1)
+            elif isinstance(key, (str, int, float, bool)):
+                plain_key = str(key)
+            else:
+                raise _NotData  # a key JSON cannot hold: leave the entry out rather than cut it
+            if plain_key in result:
+                raise _NotData  # {1: ..., "1": ...} as JSON keys
+            result[plain_key] = _plain(item, depth + 1, exact=exact)
+        return result
     if isinstance(value, ForeignObject):
         # argparse.Namespace, SimpleNamespace, dataclasses, omegaconf containers...
         fields = value.attributes() or {str(k): v for k, v in value.items.items()}
         if not fields and value.args:
-            return _plain(list(value.args), depth + 1)
-        return {key: _plain(item, depth + 1) for key, item in fields.items()}
+            return _plain(list(value.args), depth + 1, exact=exact)
+        return {key: _plain(item, depth + 1, exact=exact) for key, item in fields.items()}
     if isinstance(value, ForeignGlobal):
         return value.qualname
     raise _NotData
 
 
-def checkpoint_metadata(tree: Any, selection: Selection) -> dict[str, Any]:
-    """The plain-data entries beside the selected weights, as JSON-compatible values.
+def _key(value: Any, depth: int) -> Any:
+    """A dict key or set item kept exactly: a number, text, None, or a tuple of them."""
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if type(value) is tuple and depth <= _MAX_DEPTH:
+        return tuple(_key(item, depth + 1) for item in value)
+    raise _NotData
+
+
+def _size(plain: Any, *, exact: bool) -> int:
+    """About how many bytes ``plain`` takes as text (ValueError: an integer too long to print)."""
+    return len(repr(plain)) if exact else len(json.dumps(plain))
+
+
+def checkpoint_metadata(tree: Any, selection: Selection, *, exact: bool = False) -> dict[str, Any]:
+    """The plain-data entries beside the selected weights.
 
     Only the checkpoint's top level is considered; the entry holding the
     weights, other weight copies (EMA), optimizer, scheduler and RNG state,
-    and anything containing tensors are left out.
+    and anything containing tensors are left out. ``exact`` keeps the values
+    as Python data torch writes and reads back unchanged (for ``.pt`` outputs);
+    otherwise they are JSON-compatible (see :func:`_plain`).
     """
     if isinstance(tree, Mapping):
         items = list(tree.items())
@@ -86,13 +122,10 @@ def checkpoint_metadata(tree: Any, selection: Selection) -> dict[str, Any]:
         if not isinstance(key, str) or key == weights_key or is_training_state(key) or key.lower() == "callbacks":
             continue
         try:
-            plain = _plain(value)
-        except (_NotData, ValueError):  # ValueError: str() of an integer key of thousands of digits
+            plain = _plain(value, exact=exact)
+            size = _size(plain, exact=exact)
+        except (_NotData, ValueError):  # ValueError: an integer of more digits than Python prints
             continue
-        try:
-            size = len(json.dumps(plain))
-        except ValueError:
-            continue  # e.g. an integer of more digits than Python converts to text (sys.get_int_max_str_digits)
         if size <= MAX_ENTRY_BYTES:
             result[key] = plain
     return result

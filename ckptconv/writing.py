@@ -701,7 +701,7 @@ def save(
             left that this one does not write.
         metadata: string metadata: safetensors ``__metadata__``, or the
             ``ckptconv.json`` record of a ``.pt`` file (also in a shard index).
-        extra: ``.pt`` only: plain data (numbers, strings, lists, dicts) to keep
+        extra: ``.pt`` only: plain data (numbers, strings, tuples, lists, sets, dicts) to keep
             beside the weights, which then sit under ``"state_dict"``.
         max_shard_size: split into shards of at most this many bytes (a tensor
             larger than that gets a shard of its own).

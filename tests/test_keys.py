@@ -250,6 +250,50 @@ def test_pt_output_records_provenance_and_keeps_meta_when_asked(tmp_path: Path) 
     assert ckptconv.open(kept).select().where == "state_dict"
 
 
+# Plain data torch.load(weights_only=True) reads back as it was saved; JSON has no tuple, set,
+# integer key or NaN, so .pt outputs must not go through it.
+PLAIN_DATA = {
+    "idx_to_class": {0: "cat", 1: "dog"},
+    "best_loss": float("nan"),
+    "worst": float("-inf"),
+    "input_shape": (3, 224, 224),
+    "pair_weights": {(0, 1): 0.5, (1, 2): 0.25},
+    "label_ids": {3, 1, 2},
+    "optional": {None: 1, True: 2, 2.5: 3},
+    "epoch": 3,
+}
+
+
+def test_keep_meta_keeps_plain_data_exactly_as_torch_reads_it(tmp_path: Path) -> None:
+    """`--keep-meta` wrote {0: 'cat'} as {'0': 'cat'}, NaN as the string 'nan', tuples and sets as
+    lists, and dropped tuple and None keys without a word."""
+    source = tmp_path / "train.pth"
+    torch.save({"state_dict": {"w": torch.ones(2)}, **PLAIN_DATA}, source)
+    expected = torch.load(source, weights_only=True)
+    kept = tmp_path / "kept.pt"
+    ckptconv.convert(source, kept, keep_meta=True)
+    loaded = torch.load(kept, weights_only=True)
+    assert sorted(loaded) == sorted(expected)
+    for key in PLAIN_DATA:
+        assert repr(loaded[key]) == repr(expected[key]), key  # repr tells tuple from list, 0 from '0'
+
+
+def test_safetensors_metadata_leaves_out_what_json_cannot_key(tmp_path: Path) -> None:
+    """JSON keys are strings: integer keys become their text, but a dict whose keys JSON cannot hold
+    (tuples, None) or whose keys collide as text ({1: ..., '1': ...}) is left out whole, never cut."""
+    source = tmp_path / "train.pth"
+    torch.save({"state_dict": {"w": torch.ones(2)}, **PLAIN_DATA, "clash": {1: "a", "1": "b"}}, source)
+    output = tmp_path / "out.safetensors"
+    ckptconv.convert(source, output)
+    with safe_open(output, framework="pt") as handle:
+        metadata = handle.metadata()
+    assert json.loads(metadata["checkpoint.idx_to_class"]) == {"0": "cat", "1": "dog"}
+    assert json.loads(metadata["checkpoint.input_shape"]) == [3, 224, 224]
+    assert json.loads(metadata["checkpoint.epoch"]) == 3
+    for left_out in ("pair_weights", "optional", "clash"):
+        assert f"checkpoint.{left_out}" not in metadata
+
+
 def test_source_hash_can_be_skipped(tmp_path: Path) -> None:
     output = tmp_path / "out.safetensors"
     ckptconv.convert(GPU / "cuda0_state_dict.pt", output, source_hash=False)

@@ -513,7 +513,8 @@ class _PickleWriter:
         self.out += b"tR"
 
     def value(self, value: Any) -> None:
-        """Plain data (what torch.load(weights_only=True) accepts): None, bool, numbers, str, list, dict."""
+        """Plain data, as torch.load(weights_only=True) gives it back: None, bool, numbers, str, tuple,
+        list, set, dict."""
         if value is None:
             self.out += b"N"
         elif isinstance(value, bool):
@@ -524,11 +525,20 @@ class _PickleWriter:
             self.out += b"G" + struct.pack(">d", value)
         elif isinstance(value, str):
             self._str(value)
-        elif isinstance(value, (list, tuple)):
+        elif isinstance(value, tuple):
+            self.out += b"("  # MARK
+            for item in value:
+                self.value(item)
+            self.out += b"t"  # TUPLE
+        elif isinstance(value, list):
             self.out += b"]("
             for item in value:
                 self.value(item)
             self.out += b"e"  # APPENDS
+        elif isinstance(value, (set, frozenset)):
+            self._global("builtins", "set")  # set(list), as weights_only allows
+            self.value(list(value))
+            self.out += b"\x85R"  # TUPLE1, REDUCE
         elif isinstance(value, dict):
             self.out += b"}("
             for key, item in value.items():
