@@ -10,6 +10,7 @@ RSS (from wait4's rusage).
     python bench/bench_convert.py                    # 1 and 4 GiB, 5 rounds
     python bench/bench_convert.py --sizes 1 --runs 3 --quick
     python bench/bench_convert.py --sizes 1 --quick --baseline /path/to/other/checkout
+    python bench/bench_convert.py --sizes 1 --quick --idle-only   # on a machine shared with other work
 
 A first, untimed round checks every output bit for bit against torch and fills the
 bytecode cache (children run as an installed package would, with compiled modules).
@@ -41,6 +42,13 @@ HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
 CKPTCONV = [PYTHON, "-m", "ckptconv"]
 TIME = shutil.which("time") if os.path.exists("/usr/bin/time") else None
+#: With --idle-only: how long a quiet spell must last before a run starts, the most CPU time other
+#: processes may use during a run before it is taken again, and how often it is taken at most.
+IDLE_WINDOW_S = 0.5
+IDLE_SLACK_S = 0.08
+IDLE_ATTEMPTS = 20
+#: Runs taken again because other processes used the CPU meanwhile (--idle-only).
+retaken: dict[str, int] = {}
 # Like cp and the torch scripts: no fsync, and no provenance hash of the whole source.
 FAST = " --no-fsync --no-source-hash"
 
@@ -189,7 +197,42 @@ def child_env(tree: Path, cache: Path) -> dict[str, str]:
     return env
 
 
-def run_once(case: Case, *, timed: bool = True) -> None:
+def busy_cpu_seconds() -> float:
+    """CPU time all cores have spent busy since boot (/proc/stat; time stolen by the host counted)."""
+    with open("/proc/stat") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for_idle(limit_s: float = 300) -> None:
+    """Return once the machine spent a quiet spell (IDLE_WINDOW_S) with next to no CPU in use."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = busy_cpu_seconds()
+        time.sleep(IDLE_WINDOW_S)
+        if busy_cpu_seconds() - before < 0.05:
+            return
+
+
+def run_once(case: Case, *, timed: bool = True, idle_only: bool = False) -> None:
+    """Run ``case`` once; with ``idle_only``, again until no other process used the CPU meanwhile."""
+    for _ in range(IDLE_ATTEMPTS if idle_only and timed and TIME else 1):
+        if idle_only and timed and TIME:
+            wait_for_idle()
+        before = busy_cpu_seconds()
+        cpu = _run_once(case, timed=timed)
+        others = busy_cpu_seconds() - before - cpu
+        if not (idle_only and timed and TIME) or others <= IDLE_SLACK_S:
+            return
+        case.walls.pop()
+        case.rss.pop()
+        case.cpu.pop()
+        retaken[case.name] = retaken.get(case.name, 0) + 1
+    raise SystemExit(f"{case.name}: other processes kept using the CPU for {IDLE_ATTEMPTS} runs; try again later")
+
+
+def _run_once(case: Case, *, timed: bool = True) -> float:
+    """Run ``case`` once, recording its wall time, peak RSS and CPU time if ``timed``; return its CPU time."""
     if case.output is not None and case.output.exists():
         case.output.unlink()
     # Flush earlier runs' dirty pages first: their writeback would throttle
@@ -218,12 +261,14 @@ def run_once(case: Case, *, timed: bool = True) -> None:
     if process.returncode != 0:
         raise SystemExit(f"{case.name} failed ({process.returncode}): {process.stderr.decode()[-2000:]}")
     if not timed:
-        return
+        return 0.0
     case.walls.append(wall)
-    if TIME:
-        rss, user, system = rss_file.read_text().split()[-3:]
-        case.rss.append(int(rss) * 1024)
-        case.cpu.append(float(user) + float(system))
+    if not TIME:
+        return 0.0
+    rss, user, system = rss_file.read_text().split()[-3:]
+    case.rss.append(int(rss) * 1024)
+    case.cpu.append(float(user) + float(system))
+    return case.cpu[-1]
 
 
 def with_baseline(cases: list[Case], baseline: Path) -> list[Case]:
@@ -422,6 +467,12 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints for another run")
     parser.add_argument("--baseline", type=Path, help="another source tree to run each ckptconv row from too")
     parser.add_argument("--only", nargs="+", help="only the rows whose name contains one of these (cp always runs)")
+    parser.add_argument(
+        "--idle-only",
+        action="store_true",
+        help="start each run in a quiet spell, and take a run again when other processes used the CPU meanwhile "
+        "(on a machine shared with other work; needs /proc/stat and /usr/bin/time)",
+    )
     args = parser.parse_args()
 
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -444,13 +495,16 @@ def main() -> None:
             order = list(cases)
             random.Random(round_number).shuffle(order)
             for case in order if round_number else cases:
-                run_once(case, timed=round_number > 0)
+                run_once(case, timed=round_number > 0, idle_only=args.idle_only)
                 if round_number == 0:
                     verify_outputs([case])
                 # One output on disk at a time: with --baseline at 4 GiB they would add up to ~80 GB.
                 if case.output is not None and case.output.exists():
                     case.output.unlink()
         results += report(size, cases, paths["pt"].stat().st_size)
+        if retaken:
+            print(f"\nRuns taken again because other processes used the CPU meanwhile: {retaken}")
+            retaken.clear()
         shutil.rmtree(out, ignore_errors=True)
         if not args.keep:
             for path in paths.values():
