@@ -217,6 +217,7 @@ def wait_for_idle(limit_s: float = 300) -> None:
 def run_once(case: Case, *, timed: bool = True, idle_only: bool = False) -> None:
     """Run ``case`` once; with ``idle_only``, again until no other process used the CPU meanwhile."""
     for _ in range(IDLE_ATTEMPTS if idle_only and timed and TIME else 1):
+        _prepare(case)  # before the quiet spell: the sync's writeback is not another process's work
         if idle_only and timed and TIME:
             wait_for_idle()
         before = busy_cpu_seconds()
@@ -228,11 +229,11 @@ def run_once(case: Case, *, timed: bool = True, idle_only: bool = False) -> None
         case.rss.pop()
         case.cpu.pop()
         retaken[case.name] = retaken.get(case.name, 0) + 1
+        print(f"  again: {case.name} (other processes used {others:.2f} s of CPU)", file=sys.stderr)
     raise SystemExit(f"{case.name}: other processes kept using the CPU for {IDLE_ATTEMPTS} runs; try again later")
 
 
-def _run_once(case: Case, *, timed: bool = True) -> float:
-    """Run ``case`` once, recording its wall time, peak RSS and CPU time if ``timed``; return its CPU time."""
+def _prepare(case: Case) -> None:
     if case.output is not None and case.output.exists():
         case.output.unlink()
     # Flush earlier runs' dirty pages first: their writeback would throttle
@@ -242,6 +243,10 @@ def _run_once(case: Case, *, timed: bool = True) -> float:
         drop_from_cache(case.source)
     else:
         warm(case.source)
+
+
+def _run_once(case: Case, *, timed: bool = True) -> float:
+    """Run ``case`` once, recording its wall time, peak RSS and CPU time if ``timed``; return its CPU time."""
     # GNU time measures the peak RSS: a child of this Python process would
     # inherit its high-water mark across fork and exec.
     rss_file = case.source.parent / "rss.txt"
