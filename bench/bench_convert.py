@@ -163,6 +163,7 @@ class Case:
     walls: list[float] = field(default_factory=list)
     rss: list[int] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
+    user: list[float] = field(default_factory=list)
 
 
 def drop_from_cache(path: Path) -> bool:
@@ -197,11 +198,16 @@ def child_env(tree: Path, cache: Path) -> dict[str, str]:
     return env
 
 
-def busy_cpu_seconds() -> float:
-    """CPU time all cores have spent busy since boot (/proc/stat; time stolen by the host counted)."""
+def busy_cpu_seconds(*, user_only: bool = False) -> float:
+    """CPU time all cores have spent busy since boot (/proc/stat; time stolen by the host counted).
+
+    ``user_only`` counts user time and stolen time only: the kernel's writeback of a run's own
+    output (4 GiB without fsync) runs in kernel threads, as system time nobody else caused.
+    """
     with open("/proc/stat") as stat:
         fields = [int(value) for value in stat.readline().split()[1:9]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    busy = fields[0] + fields[1] + fields[7] if user_only else sum(fields) - fields[3] - fields[4]
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def wait_for_idle(limit_s: float = 300) -> None:
@@ -220,16 +226,17 @@ def run_once(case: Case, *, timed: bool = True, idle_only: bool = False) -> None
         _prepare(case)  # before the quiet spell: the sync's writeback is not another process's work
         if idle_only and timed and TIME:
             wait_for_idle()
-        before = busy_cpu_seconds()
-        cpu = _run_once(case, timed=timed)
-        others = busy_cpu_seconds() - before - cpu
+        before = busy_cpu_seconds(user_only=True)
+        _run_once(case, timed=timed)
+        others = busy_cpu_seconds(user_only=True) - before - (case.user[-1] if timed and TIME else 0.0)
         if not (idle_only and timed and TIME) or others <= IDLE_SLACK_S:
             return
         case.walls.pop()
         case.rss.pop()
         case.cpu.pop()
+        case.user.pop()
         retaken[case.name] = retaken.get(case.name, 0) + 1
-        print(f"  again: {case.name} (other processes used {others:.2f} s of CPU)", file=sys.stderr)
+        print(f"  again: {case.name} (other processes used {others:.2f} s of user CPU)", file=sys.stderr)
     raise SystemExit(f"{case.name}: other processes kept using the CPU for {IDLE_ATTEMPTS} runs; try again later")
 
 
@@ -245,8 +252,8 @@ def _prepare(case: Case) -> None:
         warm(case.source)
 
 
-def _run_once(case: Case, *, timed: bool = True) -> float:
-    """Run ``case`` once, recording its wall time, peak RSS and CPU time if ``timed``; return its CPU time."""
+def _run_once(case: Case, *, timed: bool = True) -> None:
+    """Run ``case`` once, recording its wall time, peak RSS and CPU time if ``timed``."""
     # GNU time measures the peak RSS: a child of this Python process would
     # inherit its high-water mark across fork and exec.
     rss_file = case.source.parent / "rss.txt"
@@ -266,14 +273,14 @@ def _run_once(case: Case, *, timed: bool = True) -> float:
     if process.returncode != 0:
         raise SystemExit(f"{case.name} failed ({process.returncode}): {process.stderr.decode()[-2000:]}")
     if not timed:
-        return 0.0
+        return
     case.walls.append(wall)
     if not TIME:
-        return 0.0
+        return
     rss, user, system = rss_file.read_text().split()[-3:]
     case.rss.append(int(rss) * 1024)
     case.cpu.append(float(user) + float(system))
-    return case.cpu[-1]
+    case.user.append(float(user))
 
 
 def with_baseline(cases: list[Case], baseline: Path) -> list[Case]:
