@@ -24,7 +24,7 @@ from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..standins import ForeignGlobal, StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, read_exactly_into
 from ..unpickler import DEFAULT_MAX_ITEMS, PickleTruncatedError, Unpickler, recording_unsafe
-from ._base import ReadResult, check_same_storage_type, pickle_location
+from ._base import ReadResult, check_same_storage_type, check_storage_type, pickle_location
 from .torch_zip import MAX_PICKLE_BYTES
 
 __all__ = ["MAGIC_NUMBER", "looks_legacy", "read"]
@@ -122,7 +122,8 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
         if kind != "storage" or len(pid) != 6:
             raise _damaged(path, f"it refers to {short_repr(pid)} instead of a storage")
         _, storage_type, root_key, location, numel, view_metadata = pid
-        if not isinstance(storage_type, StorageType) or not isinstance(root_key, str):
+        storage_type = check_storage_type(path, storage_type, _damaged)
+        if not isinstance(root_key, str):
             raise _damaged(path, f"storage reference {short_repr(pid)} is malformed")
         if type(numel) is not int or numel < 0:
             raise _damaged(path, f"storage {root_key!r} has size {numel!r}")
