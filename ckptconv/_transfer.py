@@ -44,7 +44,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import read_policy
+from . import _cores, read_policy
 from .errors import LoadError, MalformedCheckpointError
 from .integrity import crc32, crc32_combine
 from .tensor import FileRegion, Storage, read_exactly_into
@@ -100,11 +100,7 @@ direct_io = "auto"
 def reader_threads(*, gpu: bool = False) -> int:
     """Reader threads: one per core, at least 2 and at most :data:`MAX_THREADS`, or at most
     :data:`MAX_GPU_THREADS` for loads to a GPU (``gpu``)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 2
-    return max(2, min(MAX_GPU_THREADS if gpu else MAX_THREADS, cores))
+    return max(2, min(MAX_GPU_THREADS if gpu else MAX_THREADS, _cores.usable()))
 
 
 def _payload() -> int:

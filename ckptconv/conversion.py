@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from . import _cores
 from ._text import plural
 from ._version import __version__
 from .errors import FitError, VerifyError
@@ -322,9 +323,9 @@ def convert(
             others: list[tuple[str, TensorRef]] = []
             for item in state.items():
                 (read_whole if fills_record_crcs(kind) and reads_whole_record(item[1]) else others).append(item)
-            crcs = hasher.submit(check_record_crcs, others, stop=give_up)
+            crcs = hasher.submit(_cores.in_background(check_record_crcs), others, stop=give_up)
         if options.source_hash and options.provenance:
-            digest = hasher.submit(source_sha256, checkpoint.path, stop=give_up)
+            digest = hasher.submit(_cores.in_background(source_sha256), checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
         try:
             written = save(

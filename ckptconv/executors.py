@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from queue import Queue
 from typing import IO, Any, Callable
 
-from . import write_policy
+from . import _cores, write_policy
 from ._worker import read_frame, write_frame
 from .discovery import FILE, Item, member_paths
 from .errors import CkptconvError, LoadError, TransformError, interruption
@@ -238,15 +238,22 @@ def check_sendable(options: Any) -> None:
 class _Worker:
     """One :mod:`ckptconv._worker` process and the jobs sent to it, in order."""
 
-    def __init__(self, events: Queue[tuple[_Worker, Any]]) -> None:
+    def __init__(self, events: Queue[tuple[_Worker, Any]], cores: int) -> None:
         # This very ckptconv, first on the path: not one a folder named ckptconv in the current
         # folder would shadow it with (as `python -m` would put the current folder first).
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         start = f"import sys; sys.path[0] = {package_root!r}; from ckptconv._worker import main; main()"
         # Its stderr, read only to say why it died; closed in close().
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the worker, not a block
+        # The machine's cores are shared between the workers: none takes a second copying thread
+        # (ckptconv._cores) from a core that another worker's conversion is using.
+        environment = {**os.environ, _cores.CORES_VARIABLE: str(cores)}
         self.process = subprocess.Popen(
-            [sys.executable, "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log
+            [sys.executable, "-c", start],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=environment,
         )
         self.pending: deque[tuple[int, Job]] = deque()
         self.ready = False
@@ -335,7 +342,8 @@ def run_local(jobs: Sequence[Job], *, workers: int = 1, stop: Stop = lambda: Fal
     pool: list[_Worker] = []
     clean = False
     try:
-        pool = [_Worker(events) for _ in range(size)]
+        cores = max(_cores.usable() // size, 1)
+        pool = [_Worker(events, cores) for _ in range(size)]
         while queue or any(worker.pending for worker in pool):
             if not stop():
                 for worker in pool:
@@ -358,7 +366,7 @@ def run_local(jobs: Sequence[Job], *, workers: int = 1, stop: Stop = lambda: Fal
                     queue.extendleft(reversed(worker.pending))  # sent, never started
                     yield _failed(job, "WorkerDied", _DIED.format(how=reason))
                 if queue and not stop():
-                    pool.append(_Worker(events))
+                    pool.append(_Worker(events, cores))
             elif message[0] == "ready":
                 worker.ready = True
             else:

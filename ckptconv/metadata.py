@@ -10,14 +10,16 @@ not plain data (tensors, optimizer state, RNG state) is left out.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
+import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from . import read_policy
+from . import _cores, read_policy
 from .formats._base import json_bytes
 from .selection import Selection
 from .standins import ForeignGlobal, ForeignObject, NumpyArray
@@ -132,25 +134,78 @@ def checkpoint_metadata(tree: Any, selection: Selection, *, exact: bool = False)
 #: A chunk small enough to stay in the CPU's cache between its read and its hash
 #: (1 GiB: 0.69 s with 256 KiB chunks against 0.79 s with 8 MiB on the development VM).
 _HASH_CHUNK = 1 << 20
+#: Chunks the reader thread of :func:`file_sha256` may be ahead by.
+_READ_AHEAD_CHUNKS = 3
 
 
 def file_sha256(path: str, stop: threading.Event | None = None) -> str:
     """The sha256 of a file, read in chunks (hashlib releases the GIL, so a thread can do it).
 
+    Where the process has a second core, a reader thread fills the next chunks
+    while this one hashes: sha256 then sets the pace alone.
+
     Returns "" if ``stop`` is set before the end (the caller gave up).
     """
     digest = hashlib.sha256()
-    buffer = bytearray(_HASH_CHUNK)
-    view = memoryview(buffer)
     with read_policy.open_file(path) as file:
-        while True:
-            if stop is not None and stop.is_set():
-                return ""
-            count = file.readinto(view)
-            if not count:
-                break
-            digest.update(view[:count])
+        chunks = _read_ahead(file.fileno(), stop) if _cores.usable() > 1 else _read_in_turn(file, stop)
+        for chunk in chunks:
+            digest.update(chunk)
+        if stop is not None and stop.is_set():
+            return ""
     return digest.hexdigest()
+
+
+def _read_in_turn(file: io.BufferedReader, stop: threading.Event | None) -> Iterator[memoryview]:
+    """A file's bytes in chunks of one reused buffer, until its end or ``stop``."""
+    view = memoryview(bytearray(_HASH_CHUNK))
+    while stop is None or not stop.is_set():
+        count = file.readinto(view)
+        if not count:
+            return
+        yield view[:count]
+
+
+def _read_ahead(fd: int, stop: threading.Event | None) -> Iterator[memoryview]:
+    """A file's bytes in chunks, read by a second thread a few chunks ahead, until its end or ``stop``.
+
+    Each chunk is valid until the next is asked for.
+    """
+    free: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+    full: queue.SimpleQueue[tuple[memoryview, int] | BaseException] = queue.SimpleQueue()
+    for _ in range(_READ_AHEAD_CHUNKS):
+        free.put(memoryview(bytearray(_HASH_CHUNK)))
+
+    def read() -> None:
+        offset = 0
+        try:
+            while True:
+                buffer = free.get()
+                if buffer is None:
+                    return
+                count = os.preadv(fd, [buffer], offset)
+                full.put((buffer, count))
+                if not count:
+                    return
+                offset += count
+        except BaseException as error:  # handed to the hashing thread, which raises it
+            full.put(error)
+
+    reader = threading.Thread(target=read, name="ckptconv-hash-read", daemon=True)
+    reader.start()
+    try:
+        while stop is None or not stop.is_set():
+            item = full.get()
+            if isinstance(item, BaseException):
+                raise item
+            buffer, count = item
+            if not count:
+                return
+            yield buffer[:count]
+            free.put(buffer)
+    finally:
+        free.put(None)  # the reader stops at its next chunk
+        reader.join()
 
 
 def source_sha256(path: str, stop: threading.Event | None = None) -> str:

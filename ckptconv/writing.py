@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import itertools
 import os
 import re
 import shutil
@@ -26,7 +27,7 @@ from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Union
 
-from . import write_policy
+from . import _cores, write_policy
 from ._text import shown
 from .errors import CastOverflowError, CkptconvError, DestinationError, OutputExistsError, WriteError
 from .formats import dcp, safetensors, sharded, torch_zip
@@ -58,6 +59,9 @@ _COPY_CHUNK = 32 << 20
 # One buffer of this size carries the bytes copied through Python: it fits a core's L2 cache, so
 # checksumming them and writing them out find them there (see _copy_range).
 _COPY_BUFFER = 1 << 20
+#: A copy through buffers is handed out to its threads in runs of this many bytes; the run's
+#: CRC-32s are joined at the end (one crc32_combine per run: 0.7 ms per GiB).
+_COPY_STRIPE = 8 << 20
 _PAGE = torch_zip.PAGE
 
 
@@ -459,19 +463,88 @@ def _copy_range(
         offset += copied
         yield copied
     crc = 0
-    buffer = memoryview(bytearray(min(end - offset, _COPY_BUFFER))) if offset < end else None
-    while buffer is not None and offset < end:
-        count = min(end - offset, len(buffer))
-        view = buffer[:count]
-        read_exactly_into(src, offset, view, path)  # a file cut short since it was opened: one line
-        if checksum:
-            crc = crc32(view, crc)
-        while view.nbytes:
-            view = view[os.write(out, view) :]
-        offset += count
-        yield count
+    if offset < end:
+        crc = yield from _copy_through_buffers(src, offset, end - offset, out, path, checksum)
     file.seek(0, os.SEEK_END)  # the raw descriptor moved; resynchronise the buffered file
     return crc
+
+
+def _copy_through_buffers(
+    src: int, offset: int, length: int, out: int, path: str, checksum: bool
+) -> Generator[int, None, int]:
+    """Copy ``length`` bytes at ``offset`` of ``src`` to the end of ``out``, through L2-sized buffers.
+
+    Runs of :data:`_COPY_STRIPE` bytes are handed out in turn to this thread
+    and, when the copy is long enough, to a second one: while one waits for
+    the kernel to fill its page-cache pages, the other reads or checksums
+    (1 GiB on the 2-core VM: 0.26 s against 0.40 s for one thread), where a
+    core is spare (:func:`ckptconv._cores.spare`). Each
+    thread writes its run at the run's place (``pwrite``), through a buffer
+    of its own that stays in its core's cache. Returns the bytes' CRC-32 when
+    ``checksum`` is set, else 0; yields byte counts as runs complete.
+    """
+    position = os.lseek(out, 0, os.SEEK_CUR)
+    stripes = range(0, length, _COPY_STRIPE)
+    crcs = [0] * len(stripes)
+    next_stripe = itertools.count().__next__  # atomic under the GIL: each run is taken once
+    stop = threading.Event()
+    helped: list[int] = [0]  # bytes the second thread copied; only it writes this
+    failure: list[BaseException] = []
+
+    def copy_stripes(buffer: memoryview, copied: list[int] | None) -> Iterator[int]:
+        while not stop.is_set():
+            index = next_stripe()
+            if index >= len(stripes):
+                return
+            start = stripes[index]
+            stripe_end = min(start + _COPY_STRIPE, length)
+            crc = 0
+            while start < stripe_end:
+                view = buffer[: min(stripe_end - start, len(buffer))]
+                read_exactly_into(src, offset + start, view, path)  # a file cut short since it was opened: one line
+                if checksum:
+                    crc = crc32(view, crc)
+                written = 0
+                while written < view.nbytes:
+                    written += os.pwrite(out, view[written:], position + start + written)
+                start += view.nbytes
+                if copied is not None:
+                    copied[0] += view.nbytes
+                else:
+                    yield view.nbytes
+            crcs[index] = crc
+
+    def second_thread() -> None:
+        try:
+            for _ in copy_stripes(memoryview(bytearray(_COPY_BUFFER)), helped):
+                pass
+        except BaseException as error:  # re-raised by the first thread
+            failure.append(error)
+            stop.set()
+
+    helper = None
+    if len(stripes) > 1 and _cores.spare():
+        helper = threading.Thread(target=second_thread, name="ckptconv-copy", daemon=True)
+        helper.start()
+    helper_reported = 0
+    try:
+        for count in copy_stripes(memoryview(bytearray(min(length, _COPY_BUFFER))), None):
+            helper_count = helped[0]
+            yield count + helper_count - helper_reported
+            helper_reported = helper_count
+    finally:
+        stop.set()  # every run is taken by now, unless this copy failed or was abandoned
+        if helper is not None:
+            helper.join()
+    if failure:
+        raise failure[0]
+    if helped[0] > helper_reported:
+        yield helped[0] - helper_reported
+    crc = 0
+    for index, start in enumerate(stripes):
+        crc = crc32_combine(crc, crcs[index], min(_COPY_STRIPE, length - start))
+    os.lseek(out, position + length, os.SEEK_SET)
+    return crc if checksum else 0
 
 
 def _write_tensor(ref: TensorRef, file: BinaryIO, record_crcs: dict[Storage, int] | None = None) -> Iterator[int]:

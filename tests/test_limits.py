@@ -311,17 +311,21 @@ def test_the_fast_crc32_is_zlibs(size: int) -> None:
     assert crc32(data[half:], crc32(data[:half])) == zlib.crc32(data)
 
 
-def test_a_copy_from_a_file_truncated_after_it_was_opened_is_refused_not_crashed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_copy_from_a_file_truncated_after_it_was_opened_is_refused_not_crashed(threads: int, tmp_path: Path) -> None:
     """The writer's checksummed copy (a safetensors tensor into a .pt record) reads into a buffer, so a
     source cut short since it was opened gets the one-line truncation error (a memory map of it gave a
-    ValueError traceback, or SIGBUS). Run in a child process, which SIGBUS would kill."""
+    ValueError traceback, or SIGBUS), also when the second copying thread meets the end. Run in a child
+    process, which SIGBUS would kill."""
 
     source = tmp_path / "model.bin"
     source.write_bytes(bytes(range(256)) * (1 << 14))  # 4 MiB
     os.truncate(source, 1 << 20)
     code = (
-        "from ckptconv import writing\n"
+        "from ckptconv import _cores, writing\n"
         "from ckptconv.tensor import FileRegion\n"
+        f"_cores.spare = lambda: {threads - 1}\n"
+        "writing._COPY_STRIPE = 3 << 18\n"
         "output = open(sys.argv[2], 'wb')\n"
         "list(writing._copy_file_region(FileRegion(sys.argv[1], 0), 0, 4 << 20, output, checksum=True))"
     )

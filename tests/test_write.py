@@ -276,6 +276,8 @@ def test_streaming_in_many_chunks_is_exact(
     monkeypatch.setattr(ckptconv.streaming, "DEFAULT_CHUNK_BYTES", 4100)
     monkeypatch.setattr(ckptconv.writing, "_COPY_CHUNK", 70_000)
     monkeypatch.setattr(ckptconv.writing, "_COPY_BUFFER", 4099)  # copies through the buffer in odd pieces
+    monkeypatch.setattr(ckptconv.writing, "_COPY_STRIPE", 3 * 4099 + 5)  # ... in runs shared by two threads
+    monkeypatch.setattr(ckptconv._cores, "spare", lambda: 1)
     monkeypatch.setattr(ckptconv.formats.torch_zip, "PHASE_MATCH_BYTES", 1)  # page-phase padding everywhere
     torch.manual_seed(0)
     state = {
@@ -473,3 +475,72 @@ def test_outputs_reserve_their_tensor_bytes_and_never_more(
         loaded = {key: value for path in files for key, value in load_file(path).items()}
         assert set(state) - set(loaded) == {"head"}  # the tied copy, stored once as Hugging Face does
     assert_same_state(loaded, {key: state[key] for key in loaded}, ordered=False)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("flipped", [None, "first", "middle", "last"])
+def test_copies_in_runs_take_every_run_into_the_record_crc(
+    threads: int, flipped: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record copied in runs (by one thread, or shared with a second) gets the CRC-32 of all its
+    bytes in order: an intact record converts to what torch reads, and one flipped bit anywhere in it,
+    in a run either thread copied, is refused with nothing left behind."""
+    from ckptconv import _cores, writing
+
+    monkeypatch.setattr(writing, "_COPY_BUFFER", 1000)
+    monkeypatch.setattr(writing, "_COPY_STRIPE", 4096 + 3)
+    monkeypatch.setattr(_cores, "spare", lambda: threads - 1)
+    torch.manual_seed(0)
+    state = {"w": torch.randn(20_000), "b": torch.randn(7)}
+    source = tmp_path / "in.pt"
+    torch.save(state, source)
+    if flipped is not None:
+        with zipfile.ZipFile(source) as archive:
+            info = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+        with open(source, "rb") as file:
+            file.seek(info.header_offset + 26)
+            name_length, extra_length = struct.unpack("<HH", file.read(4))
+        start = info.header_offset + 30 + name_length + extra_length
+        at = start + {"first": 5, "middle": info.file_size // 2, "last": info.file_size - 1}[flipped]
+        data = bytearray(source.read_bytes())
+        data[at] ^= 0x10
+        source.write_bytes(bytes(data))
+    for suffix in (".pt", ".safetensors"):
+        output = tmp_path / f"out{suffix}"
+        if flipped is not None:
+            with pytest.raises(ckptconv.errors.MalformedCheckpointError, match="CRC-32"):
+                ckptconv.convert(source, output, source_hash=False)
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+            continue
+        ckptconv.convert(source, output, source_hash=False)
+        loaded = torch.load(output, weights_only=True) if suffix == ".pt" else load_file(output)
+        assert_same_state(loaded, torch.load(source, weights_only=True), ordered=False)
+
+
+def test_a_copy_shared_by_two_threads_reports_every_byte_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The progress counts of a copy that two threads share add up to its length, and the bytes and
+    CRC-32 are the source's."""
+    import zlib
+
+    from ckptconv import _cores, writing
+    from ckptconv.tensor import FileRegion
+
+    monkeypatch.setattr(writing, "_COPY_BUFFER", 777)
+    monkeypatch.setattr(writing, "_COPY_STRIPE", 5000)
+    monkeypatch.setattr(_cores, "spare", lambda: 1)
+    data = os.urandom(123_457)
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"head" + data)
+    with open(tmp_path / "out", "wb") as output:
+        output.write(b"x" * 11)
+        steps = writing._copy_file_region(FileRegion(str(source), 4), 0, len(data), output, checksum=True)
+        counts: list[int] = []
+        while True:
+            try:
+                counts.append(next(steps))
+            except StopIteration as end:
+                crc = end.value
+                break
+        output.write(b"tail")
+    assert sum(counts) == len(data) and crc == zlib.crc32(data)
+    assert (tmp_path / "out").read_bytes() == b"x" * 11 + data + b"tail"

@@ -1,0 +1,114 @@
+"""The CPU cores a conversion keeps busy (ckptconv._cores)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from ckptconv import _cores
+
+
+def test_usable_cores_follow_the_affinity_and_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    affinity = len(os.sched_getaffinity(0))
+    for cap, expected in (("", affinity), ("1", 1), (str(affinity + 5), affinity), ("0", affinity), ("x", affinity)):
+        monkeypatch.setenv(_cores.CORES_VARIABLE, cap)
+        assert _cores.usable.__wrapped__() == expected, cap
+
+
+def test_background_work_takes_a_core_while_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_cores, "usable", lambda: 3)
+    assert _cores.spare() == 2
+    seen: list[int] = []
+    inside = threading.Event()
+    release = threading.Event()
+
+    def hashing() -> str:
+        seen.append(_cores.spare())
+        inside.set()
+        release.wait(10)
+        return "done"
+
+    worker = threading.Thread(target=_cores.in_background(hashing))
+    worker.start()
+    assert inside.wait(10)
+    assert _cores.spare() == 1  # seen from another thread, too
+    with _cores.busy():
+        assert _cores.spare() == 0
+        with _cores.busy():
+            assert _cores.spare() == 0  # never negative
+    release.set()
+    worker.join()
+    assert seen == [1] and _cores.spare() == 2
+
+
+def test_a_failing_background_task_gives_its_core_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_cores, "usable", lambda: 2)
+
+    def failing() -> None:
+        raise ValueError("no")
+
+    with pytest.raises(ValueError):
+        _cores.in_background(failing)()
+    assert _cores.spare() == 1
+
+
+def test_the_source_hash_counts_as_background_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a conversion hashes its source, copies see one core fewer spare."""
+    import torch
+
+    import ckptconv
+    from ckptconv import metadata
+
+    monkeypatch.setattr(_cores, "usable", lambda: 4)
+    seen: list[int] = []
+    hash_file = metadata.file_sha256
+
+    def observed(path: str, stop: threading.Event | None = None) -> str:
+        seen.append(_cores.spare())
+        return hash_file(path, stop)
+
+    monkeypatch.setattr(metadata, "file_sha256", observed)
+    source = tmp_path / "in.pt"
+    torch.save({"w": torch.randn(10)}, source)
+    ckptconv.convert(source, tmp_path / "out.safetensors", check_crc=False)  # the hash alone in the background
+    assert seen == [2]
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096, 50_001])
+def test_file_sha256_is_hashlibs_read_ahead_or_not(
+    cores: int, size: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+
+    from ckptconv import metadata
+
+    monkeypatch.setattr(metadata, "_HASH_CHUNK", 4096)
+    monkeypatch.setattr(_cores, "usable", lambda: cores)
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(size))
+    assert metadata.file_sha256(str(path)) == hashlib.sha256(path.read_bytes()).hexdigest()
+    stopped = threading.Event()
+    stopped.set()
+    assert metadata.file_sha256(str(path), stop=stopped) == ""
+
+
+def test_a_read_error_while_reading_ahead_reaches_the_caller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from ckptconv import metadata
+
+    monkeypatch.setattr(_cores, "usable", lambda: 2)
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 100)
+
+    def failing_read(fd: int, buffers: list[memoryview], offset: int) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(metadata.os, "preadv", failing_read)
+    with pytest.raises(OSError, match="Input/output error"):
+        metadata.file_sha256(str(path))
+    assert [t.name for t in threading.enumerate() if t.name == "ckptconv-hash-read"] == []
