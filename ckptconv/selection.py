@@ -312,6 +312,7 @@ def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: st
         raise SelectionError(
             f"{source} holds no state dict or model{where}", hint="run `ckptconv inspect` to see what it contains"
         )
+    _refuse_twins(candidates, source)
     ordinary = [c for c in candidates if not c.is_ema]
     averaged = [c for c in candidates if c.is_ema]
     chosen: _Candidate | None = None
@@ -347,6 +348,21 @@ def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: st
         where = format_path(chosen.path) or "the file"
         note = f"using the weights under {where!r}; also found {choices} (pass --select to use another)"
     return Selection(chosen.weights, chosen.path, chosen.kind, others, chosen.skipped, note, chosen.is_ema)
+
+
+def _refuse_twins(candidates: list[_Candidate], source: str) -> None:
+    """Refuse two sets of weights spelled alike (the key ``"a.b"`` and ``a`` -> ``b``): whichever the
+    search took, ``--select`` could name neither, so the choice would be a silent guess."""
+    seen: dict[str, _Candidate] = {}
+    for candidate in candidates:
+        twin = seen.setdefault(candidate.label, candidate)
+        if twin is not candidate:
+            ways = " and ".join(" -> ".join(repr(part) for part in c.path) for c in (twin, candidate))
+            raise SelectionError(
+                f"{source} holds two sets of weights both spelled {candidate.label!r} ({ways}); ckptconv "
+                "cannot tell which is meant and --select cannot name either, so it refuses",
+                candidates=[twin.label, candidate.label],
+            )
 
 
 def _ambiguous(candidates: list[_Candidate], source: str) -> None:

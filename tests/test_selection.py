@@ -96,6 +96,10 @@ def test_a_select_path_that_names_two_places_is_refused(
         ckptconv.open(source).select(select_text)
     code, _, stderr = run_cli("convert", str(source), str(tmp_path / "out.pt"), "--select", select_text)
     assert code == 1 and stderr.count("\n") == 1 and "names two places" in stderr, stderr
+    # Nor does the search pick one of two sets of weights that --select cannot tell apart.
+    code, _, stderr = run_cli("convert", str(source), str(tmp_path / "out.pt"))
+    assert code == 1 and stderr.count("\n") == 1, stderr
+    assert f"holds two sets of weights both spelled {select_text!r} ({ways})" in stderr, stderr
     assert not (tmp_path / "out.pt").exists()
 
 
