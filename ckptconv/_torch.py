@@ -134,18 +134,23 @@ def _without_plain_bytes(tensor: Any) -> str:
     return ""
 
 
-def from_torch(tensor: Any, cache: dict[Any, Storage] | None = None) -> TensorRef:
+def from_torch(tensor: Any, cache: dict[Any, Storage] | None = None, *, quantized_as_stored: bool = False) -> TensorRef:
     """A lazy tensor over a torch tensor's CPU bytes, without copying them.
 
     Tensors handed in with one ``cache`` that share a storage get one
     :class:`Storage`, so ties survive ``ckptconv.save(model.state_dict(), ...)``.
     GPU tensors are copied to the CPU first.
+
+    ``quantized_as_stored``: take a quantized tensor's stored integers as they
+    are (its scale and zero point are not kept), as torch.load rebuilds a tensor
+    of a quantized dtype saved through its storage (``QInt8Storage``); the
+    reference reader compares those bytes. Otherwise quantized tensors are refused.
     """
     import torch
 
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    why = _without_plain_bytes(tensor)
+    why = "" if quantized_as_stored and tensor.is_quantized else _without_plain_bytes(tensor)
     if why:
         raise CkptconvError(why)
     dtype = dtype_by_name(str(tensor.dtype))

@@ -87,6 +87,9 @@ DTYPES: tuple[DType, ...] = (
     DType("qint8", 1, "quantized", "QInt8Storage", None, "i1"),
     DType("quint8", 1, "quantized", "QUInt8Storage", None, "u1"),
     DType("qint32", 4, "quantized", "QInt32Storage", None, "<i4"),
+    # Sub-byte integers packed two or four to a byte; torch counts bytes, as for float4_e2m1fn_x2.
+    DType("quint4x2", 1, "quantized", "QUInt4x2Storage", None, "u1"),
+    DType("quint2x4", 1, "quantized", "QUInt2x4Storage", None, "u1"),
 )
 
 _BY_NAME = {dtype.name: dtype for dtype in DTYPES}

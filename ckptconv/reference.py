@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -95,7 +96,9 @@ def _torch_load(path: str, *, mmap: bool) -> Any:
     kwargs: dict[str, Any] = {"map_location": "cpu", "weights_only": True}
     if mmap:
         kwargs["mmap"] = True  # tensors stay in the file: memory is not the checkpoint's size
-    return torch.load(path, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own notes (TypedStorage is deprecated, ...) are not ours to print
+        return torch.load(path, **kwargs)
 
 
 def _follow(tree: Any, path: tuple[Any, ...]) -> dict[str, TensorRef] | None:
@@ -118,7 +121,7 @@ def _follow(tree: Any, path: tuple[Any, ...]) -> dict[str, TensorRef] | None:
     for key, value in node.items():
         if isinstance(value, torch.Tensor):
             # Bytes, strides, offset and the conj/neg bits exactly as torch rebuilt them.
-            weights[str(key)] = from_torch(value, cache)
+            weights[str(key)] = from_torch(value, cache, quantized_as_stored=True)
         elif value is not None and not str(key).endswith("_extra_state"):
             return None
     return weights

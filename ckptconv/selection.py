@@ -312,6 +312,7 @@ def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: st
         raise SelectionError(
             f"{source} holds no state dict or model{where}", hint="run `ckptconv inspect` to see what it contains"
         )
+    _refuse_twins(candidates, source)
     ordinary = [c for c in candidates if not c.is_ema]
     averaged = [c for c in candidates if c.is_ema]
     chosen: _Candidate | None = None
@@ -349,6 +350,21 @@ def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: st
     return Selection(chosen.weights, chosen.path, chosen.kind, others, chosen.skipped, note, chosen.is_ema)
 
 
+def _refuse_twins(candidates: list[_Candidate], source: str) -> None:
+    """Refuse two sets of weights spelled alike (the key ``"a.b"`` and ``a`` -> ``b``): whichever the
+    search took, ``--select`` could name neither, so the choice would be a silent guess."""
+    seen: dict[str, _Candidate] = {}
+    for candidate in candidates:
+        twin = seen.setdefault(candidate.label, candidate)
+        if twin is not candidate:
+            ways = " and ".join(" -> ".join(repr(part) for part in c.path) for c in (twin, candidate))
+            raise SelectionError(
+                f"{source} holds two sets of weights both spelled {candidate.label!r} ({ways}); ckptconv "
+                "cannot tell which is meant and --select cannot name either, so it refuses",
+                candidates=[twin.label, candidate.label],
+            )
+
+
 def _ambiguous(candidates: list[_Candidate], source: str) -> None:
     labels = [c.label for c in candidates]
     raise SelectionError(
@@ -359,6 +375,58 @@ def _ambiguous(candidates: list[_Candidate], source: str) -> None:
 
 
 def _resolve(tree: Any, path_text: str, source: str) -> tuple[Any, tuple[PathPart, ...]]:
+    """The value ``--select PATH`` names; a path that names two places (the key ``"a.b"`` and
+    ``a`` -> ``b``, or the keys ``"0"`` and ``0``) is refused rather than guessed."""
+    found = _resolutions(tree, tuple(path_text.split(".")) if path_text else (), {})
+    if len(found) > 1 and found[0][0] is not found[1][0]:  # two names for one object are one place
+        ways = " and ".join(" -> ".join(repr(part) for part in path) for _, path in found)
+        raise SelectionError(
+            f"--select {path_text!r} names two places in it: {ways}; ckptconv cannot tell which you mean, "
+            f"so it refuses (run `ckptconv inspect` on {source} to see them)",
+            candidates=[format_path(path) for _, path in found],
+        )
+    if found:
+        return found[0]
+    return _resolve_first(tree, path_text, source)  # raises, saying where the path stops
+
+
+_Found = list[tuple[Any, tuple[PathPart, ...]]]
+
+
+def _resolutions(node: Any, parts: tuple[str, ...], memo: dict[tuple[int, int], _Found]) -> _Found:
+    """Up to two ways ``parts`` (the dotted path, split) lead from ``node`` to a value, with the
+    path from ``node``; ``memo`` makes a file of keys like ``a``, ``a.a``, ``a.a.a`` cost no more
+    than its nodes times the path's length."""
+    if not parts:
+        return [(node, ())]
+    remembered = memo.get((id(node), len(parts)))
+    if remembered is not None:
+        return remembered
+    memo[(id(node), len(parts))] = []  # a container that holds itself leads nowhere new
+    found: _Found = []
+    items = mapping_items(node)
+    if items is None and isinstance(node, ForeignObject):
+        items = list(node.attributes().items())
+    steps: list[tuple[PathPart, Any, int]] = []
+    if items is not None:
+        keys = dict(items)
+        for length in range(len(parts), 0, -1):
+            text = ".".join(parts[:length])
+            if text in keys:
+                steps.append((text, keys[text], length))
+            if text.isdigit() and int(text) in keys:
+                steps.append((int(text), keys[int(text)], length))
+    elif isinstance(node, (list, tuple)) and parts[0].isdigit() and int(parts[0]) < len(node):
+        steps.append((int(parts[0]), node[int(parts[0])], 1))
+    for key, child, length in steps:
+        found += [(value, (key, *rest)) for value, rest in _resolutions(child, parts[length:], memo)]
+        if len(found) > 1:
+            break
+    memo[(id(node), len(parts))] = found[:2]
+    return found[:2]
+
+
+def _resolve_first(tree: Any, path_text: str, source: str) -> tuple[Any, tuple[PathPart, ...]]:
     node = tree
     parts = path_text.split(".") if path_text else []
     path: list[PathPart] = []

@@ -128,6 +128,10 @@ class Inputs:
         identity = _identity(absolute)
         return self._by_identity.get(identity) if identity is not None else None
 
+    def holds(self, path: str) -> bool:
+        """True when ``path`` is one of the input's files, however it is spelled (links, hard links)."""
+        return self._which(path) is not None
+
     def check_file(self, path: str, *, action: str = "write") -> None:
         """Refuse to write, replace or delete ``path`` when it is one of the input's files.
 

@@ -160,8 +160,11 @@ def _lock(fd: int) -> bool:
     return True
 
 
-def remove_abandoned(folder: str, name: str) -> list[str]:
+def remove_abandoned(folder: str, name: str, *, inputs: write_policy.Inputs | None = None) -> list[str]:
     """Remove ``.NAME.*.partial`` files in ``folder`` whose writer is gone (their lock is free).
+
+    A file of the input (``inputs``) is never removed, whatever its name: someone
+    may convert a file rescued from a killed run under the name that run gave it.
 
     Returns:
         The paths removed.
@@ -176,6 +179,8 @@ def remove_abandoned(folder: str, name: str) -> list[str]:
         if not pattern.match(entry):
             continue
         path = os.path.join(folder, entry)
+        if inputs is not None and inputs.holds(path):
+            continue
         flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
         try:
             fd = os.open(path, flags)
@@ -358,7 +363,12 @@ def _reserve(fd: int, length: int) -> None:
 
 @contextlib.contextmanager
 def atomic_output(
-    path: PathLike, *, overwrite: bool = False, fsync: bool = True, reserve: int = 0
+    path: PathLike,
+    *,
+    overwrite: bool = False,
+    fsync: bool = True,
+    reserve: int = 0,
+    inputs: write_policy.Inputs | None = None,
 ) -> Iterator[BinaryIO]:
     """A file to write; it appears at ``path`` only if the block finishes without error.
 
@@ -373,6 +383,7 @@ def atomic_output(
     rename still protects against crashes and kills of the process.
 
     ``reserve``: bytes the file will hold at least, allocated on disk up front (:func:`_reserve`).
+    ``inputs``: files that are never removed as a killed run's leftovers (:func:`remove_abandoned`).
 
     Raises:
         OutputExistsError: ``path`` exists and ``overwrite`` is False.
@@ -393,7 +404,7 @@ def atomic_output(
     if os.path.lexists(target) and not overwrite:
         raise OutputExistsError(f"{shown!r} already exists; pass --overwrite to replace it", path=target)
     write_policy.check_replaceable(target, shown)
-    remove_abandoned(folder, os.path.basename(target))
+    remove_abandoned(folder, os.path.basename(target), inputs=inputs)
     try:
         file, temporary = _temporary(folder, os.path.basename(target))
     except OSError as error:
@@ -780,6 +791,7 @@ def save(
             entries,
             target,
             kind,
+            inputs=protected,
             overwrite=overwrite,
             metadata=metadata,
             extra=extra,
@@ -832,9 +844,11 @@ def _save_file(
     fsync: bool,
     dedupe: bool = True,
     record_crcs: dict[Storage, int] | None = None,
+    inputs: write_policy.Inputs | None = None,
 ) -> WriteReport:
     aliases: dict[str, str] = {}
-    with atomic_output(target, overwrite=overwrite, fsync=fsync, reserve=planned_bytes(entries, kind)) as file:
+    reserve = planned_bytes(entries, kind)
+    with atomic_output(target, overwrite=overwrite, fsync=fsync, reserve=reserve, inputs=inputs) as file:
         if kind == "safetensors":
 
             def write_tensor(ref: TensorRef, out: BinaryIO) -> Iterator[int]:
@@ -910,7 +924,7 @@ def _save_folder(
 
             def open_output(name: str) -> Any:
                 written_files.append(os.path.join(folder, name))
-                return atomic_output(os.path.join(folder, name), overwrite=True, fsync=fsync)
+                return atomic_output(os.path.join(folder, name), overwrite=True, fsync=fsync, inputs=inputs)
 
             total = dcp.write(entries, folder, open_output=open_output, on_bytes=update)
         else:
@@ -922,6 +936,7 @@ def _save_folder(
                     list(shard),
                     os.path.join(folder, name),
                     kind,
+                    inputs=inputs,
                     overwrite=True,
                     metadata=metadata,
                     extra=None,
@@ -938,7 +953,8 @@ def _save_folder(
             if len(shard_files) > 1:
                 index_metadata = {k: metadata_text(v) for k, v in (metadata or {}).items() if k.startswith("ckptconv.")}
                 document = sharded.index_document(weight_map, total, index_metadata)
-                with atomic_output(os.path.join(folder, index_file), overwrite=True, fsync=fsync) as file:
+                index_path = os.path.join(folder, index_file)
+                with atomic_output(index_path, overwrite=True, fsync=fsync, inputs=inputs) as file:
                     file.write(document)
                 written_files.append(os.path.join(folder, index_file))
         if check is not None:

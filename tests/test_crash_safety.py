@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from .conftest import run_cli
 
@@ -80,6 +81,21 @@ def test_overwrite_never_replaces_a_device_fifo_or_socket(
     after = os.lstat(target)
     assert (after.st_ino, stat.S_IFMT(after.st_mode)) == (before.st_ino, stat.S_IFMT(before.st_mode))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt", "out.pt"]
+
+
+@pytest.mark.parametrize("output", ["out.pt", "out.safetensors"])
+def test_an_input_named_like_a_left_over_partial_file_is_never_removed(output: str, tmp_path: Path) -> None:
+    """Before writing OUT, ckptconv removes `.OUT.<8 characters>.partial` files a killed run left; an
+    input of that name (a file rescued from such a run) was deleted, and the conversion then failed."""
+    source = tmp_path / f".{output}.abcdefgh.partial"
+    torch.save({"w": torch.arange(4.0)}, source)
+    before = _sha(source)
+    code, stderr = _run("convert", str(source), str(tmp_path / output), "-q")
+    assert code == 0, stderr
+    assert _sha(source) == before
+    written = tmp_path / output
+    loaded = torch.load(written, weights_only=True) if output.endswith(".pt") else load_file(written)
+    assert torch.equal(loaded["w"], torch.arange(4.0))
 
 
 @pytest.mark.parametrize("link", ["symlink", "hardlink", "same path spelled differently"])

@@ -409,6 +409,24 @@ def test_verify_reference_torch_says_when_it_falls_back_to_ckptconv(tmp_path: Pa
     )
 
 
+@pytest.mark.parametrize("dtype", ["qint8", "quint8", "qint32", "quint4x2"])
+def test_verify_reference_torch_reads_quantized_dtypes_as_stored(dtype: str, tmp_path: Path) -> None:
+    """Tensors of a quantized dtype saved as bytes (what ckptconv reads and writes) made
+    `--verify=torch` fail with "it is a quantized tensor", and a torch warning on stderr."""
+    raw = torch.arange(200, 216, dtype=torch.uint8)
+    source = tmp_path / "q.pt"
+    torch.save({"q": raw.view(getattr(torch, dtype)), "x": torch.ones(2)}, source)
+    output = tmp_path / "out.pt"
+    code, stdout, stderr = run_cli("convert", str(source), str(output), "--verify=torch", "-q")
+    assert (code, stdout, stderr) == (0, "", "")
+    expected, written = torch.load(source, weights_only=True), torch.load(output, weights_only=True)
+    assert written["q"].dtype == expected["q"].dtype and written["q"].shape == expected["q"].shape
+    assert bytes(written["q"].untyped_storage()) == bytes(expected["q"].untyped_storage())
+    code, stdout, stderr = run_cli("verify", str(source), str(output), "--reference", "torch")
+    assert (code, stderr) == (0, ""), stderr
+    assert stdout.startswith("verified: all 2 tensors match bit for bit (source read by torch.load")
+
+
 # ---------------------------------------------------------------------------------------
 # --dtype on every float8
 # ---------------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ SAVE_STYLES: dict[str, dict[str, Any]] = {
     "zip-protocol4": {"pickle_protocol": 4},
     "legacy": {"_use_new_zipfile_serialization": False},
     "legacy-protocol4": {"_use_new_zipfile_serialization": False, "pickle_protocol": 4},
+    # Text opcodes (the magic number as `L...L\n`): was taken for a plain pickle and refused.
+    "legacy-protocol1": {"_use_new_zipfile_serialization": False, "pickle_protocol": 1},
 }
 
 
@@ -64,6 +66,16 @@ def test_every_tensor_equals_torch_load(tmp_path: Path, builder: str, style: str
     path = tmp_path / "ckpt.pt"
     torch.save(obj, path, **SAVE_STYLES[style])
     assert assert_tree_matches_torch(path) > 0
+
+
+def test_a_legacy_file_of_pickle_protocol_0_is_refused_as_torch_refuses_it(tmp_path: Path) -> None:
+    """Protocol 0 turns each storage reference into its text (torch.load: "saved_id must be a tuple")."""
+    path = tmp_path / "p0.pt"
+    torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=False, pickle_protocol=0)
+    with pytest.raises(Exception, match="saved_id must be a tuple"):
+        reference_load(path)
+    with pytest.raises(ckptconv.UnsupportedFormatError, match="saved with pickle protocol 0, whose storage references"):
+        ckptconv.open(path)
 
 
 @pytest.mark.parametrize("style", SAVE_STYLES)

@@ -278,3 +278,26 @@ def test_errors_are_ckptconv_errors_for_random_garbage_after_valid_headers(tmp_p
         path.write_bytes(damaged)
         with contextlib.suppress(CkptconvError):
             open_and_read(path)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_storage_class_ckptconv_does_not_know_is_unsupported_not_damage(legacy: bool, tmp_path: Path) -> None:
+    """A dtype newer than ckptconv (here a made-up torch.Float7Storage) is said to be one, in one line."""
+    data = _torch_file(_use_new_zipfile_serialization=not legacy)
+    if legacy:
+        data = data.replace(b"ctorch\nHalfStorage\n", b"ctorch\nFloat7Storage\n")
+    else:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            pickle_bytes = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+        data = _rezip(
+            data, replace={"data.pkl": pickle_bytes.replace(b"ctorch\nHalfStorage\n", b"ctorch\nFloat7Storage\n")}
+        )
+    source = tmp_path / "new.pt"
+    source.write_bytes(data)
+    with pytest.raises(
+        ckptconv.UnsupportedFormatError, match=r"holds storages of type torch\.Float7Storage, whose dtype"
+    ):
+        open_and_read(source)
+    result = CliRunner().invoke(cli, ["convert", str(source), str(tmp_path / "out.pt")], catch_exceptions=False)
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.pt"]

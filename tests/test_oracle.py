@@ -277,13 +277,21 @@ def examples(draw: Any, *, legacy: bool = False) -> Example:
 
 
 # Dtypes torch only stores and views (no copy kernels): copied as bytes.
-OPAQUE = {torch.float4_e2m1fn_x2: torch.uint8, torch.bits8: torch.uint8, torch.bits16: torch.int16}
+OPAQUE = {
+    torch.float4_e2m1fn_x2: torch.uint8,
+    torch.bits8: torch.uint8,
+    torch.bits16: torch.int16,
+    torch.quint4x2: torch.uint8,
+    torch.quint2x4: torch.uint8,
+}
 
 
 def materialized(tensor: torch.Tensor) -> torch.Tensor:
     """A fresh contiguous copy of the values torch means by ``tensor``: conj and neg applied."""
-    if tensor.dtype in OPAQUE:
-        return materialized(tensor.view(OPAQUE[tensor.dtype])).view(tensor.dtype)
+    if tensor.dtype in OPAQUE:  # the same bytes and layout as integers (a view of a quint stays quantized)
+        as_ints = torch.empty(0, dtype=OPAQUE[tensor.dtype])
+        as_ints.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+        return materialized(as_ints).view(tensor.dtype)
     plain = torch.empty(tensor.shape, dtype=tensor.dtype)
     plain.copy_(tensor.resolve_conj().resolve_neg())
     return plain
@@ -507,6 +515,26 @@ def test_empty_tensors_whose_offset_lies_past_their_storage(tmp_path: Path, lega
     tail = torch.arange(4.0).as_strided((0, 3), (1, 1), 10)
     torch.save({**chunks, "tail": tail, "x": torch.ones(2)}, source, _use_new_zipfile_serialization=not legacy)
     check_conversions(source, Example(None, ()))
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_packed_quantized_dtypes(tmp_path: Path, legacy: bool) -> None:
+    """quint4x2 and quint2x4 (sub-byte integers packed two or four to a byte, saved through
+    QUInt4x2Storage / QUInt2x4Storage) were refused as "a damaged zip checkpoint"."""
+    packed = torch.arange(200, 208, dtype=torch.uint8)
+    state = {"q4": packed.view(torch.quint4x2), "q2": packed.clone().view(torch.quint2x4)[2:6], "x": torch.ones(2)}
+    source = tmp_path / "packed.pt"
+    torch.save(state, source, _use_new_zipfile_serialization=not legacy)
+    expected = expected_weights(source, None)
+    output = tmp_path / "out.pt"
+    result = CliRunner().invoke(cli, ["convert", str(source), str(output), "-q"])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    assert_holds("CLI -> pt", expected, read_pt(output))
+    assert_holds("ckptconv.load", expected, ckptconv.load(source))
+    result = CliRunner().invoke(cli, ["convert", str(source), str(tmp_path / "out.safetensors")])
+    assert result.exit_code == 1 and "is quint4x2, which safetensors cannot store" in result.stderr
+    assert_one_line_refusal(result.stderr)
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 @pytest.mark.parametrize("legacy", [False, True])

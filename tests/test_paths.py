@@ -582,6 +582,33 @@ def test_escape_sequences_in_tensor_names_are_printed_escaped(tmp_path: Path) ->
     assert "\x1b" not in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("encoding", ["latin-1", "cp1252"])
+def test_names_a_terminal_cannot_encode_are_printed_escaped(encoding: str, tmp_path: Path) -> None:
+    """A console in latin-1 or cp1252 (Windows) cannot print 日本: inspect died with UnicodeEncodeError."""
+    path = tmp_path / "日本.pt"
+    torch.save({"日本.weight": torch.ones(1), "héllo": torch.ones(2)}, path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONIOENCODING": encoding}
+    for args in (
+        ["inspect", str(path)],
+        ["inspect", str(path), "--json"],
+        ["convert", str(path), str(path), "--overwrite"],
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "ckptconv", *args], capture_output=True, env=env, timeout=60, check=False
+        )
+        stderr = result.stderr.decode(encoding)
+        assert "Traceback" not in stderr, stderr
+        if args[0] == "convert":  # a refusal naming the file: one line
+            assert result.returncode == 1 and stderr.count("\n") == 1 and "onto its own input" in stderr, stderr
+        elif "--json" in args:
+            assert result.returncode == 0, stderr
+            keys = [t["key"] for t in json.loads(result.stdout.decode(encoding))["tensors"]]
+            assert keys == ["日本.weight", "héllo"]
+        else:
+            assert result.returncode == 0, stderr
+            assert "\\u65e5\\u672c.weight" in result.stdout.decode(encoding)
+
+
 # ---------------------------------------------------------------------------------------
 # Smaller: usage errors, self-describing refusals, exit codes
 # ---------------------------------------------------------------------------------------

@@ -75,6 +75,34 @@ def test_keys_with_dots_are_matched_whole(tmp_path: Path) -> None:
     assert select(tmp_path, obj, "model.ema").where == "model.ema"
 
 
+@pytest.mark.parametrize(
+    ("obj", "select_text", "ways"),
+    [
+        (
+            {"model.state_dict": {"a": torch.ones(1)}, "model": {"state_dict": {"b": torch.zeros(1)}}},
+            "model.state_dict",
+            "'model.state_dict' and 'model' -> 'state_dict'",
+        ),
+        ({"0": {"a": torch.ones(1)}, 0: {"b": torch.zeros(1)}}, "0", "'0' and 0"),
+    ],
+)
+def test_a_select_path_that_names_two_places_is_refused(
+    tmp_path: Path, obj: dict[Any, Any], select_text: str, ways: str
+) -> None:
+    """--select took the longest key silently, though the path named another set of weights too."""
+    source = tmp_path / "ckpt.pt"
+    torch.save(obj, source)
+    with pytest.raises(SelectionError, match=f"names two places in it: {ways}"):
+        ckptconv.open(source).select(select_text)
+    code, _, stderr = run_cli("convert", str(source), str(tmp_path / "out.pt"), "--select", select_text)
+    assert code == 1 and stderr.count("\n") == 1 and "names two places" in stderr, stderr
+    # Nor does the search pick one of two sets of weights that --select cannot tell apart.
+    code, _, stderr = run_cli("convert", str(source), str(tmp_path / "out.pt"))
+    assert code == 1 and stderr.count("\n") == 1, stderr
+    assert f"holds two sets of weights both spelled {select_text!r} ({ways})" in stderr, stderr
+    assert not (tmp_path / "out.pt").exists()
+
+
 def test_ambiguity_lists_candidates(tmp_path: Path) -> None:
     with pytest.raises(SelectionError) as raised:
         select(tmp_path, {"generator": tiny_state_dict(0), "discriminator": tiny_state_dict(1)})

@@ -171,6 +171,22 @@ def test_missing_shard_and_mismatched_index(tmp_path: Path) -> None:
         ckptconv.open(folder)
 
 
+def test_a_key_held_by_two_shards_is_refused(tmp_path: Path) -> None:
+    """The index maps 'k' to the first shard, but the second holds a 'k' too: transformers, which loads
+    every shard in turn, ends with the second's values, ckptconv took the index's. Neither is a safe guess."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    save_file({"k": torch.ones(2), "a": torch.zeros(1)}, folder / first)
+    save_file({"k": torch.full((2,), 7.0), "b": torch.zeros(1)}, folder / second)
+    weight_map = {"k": first, "a": first, "b": second}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(ckptconv.MalformedCheckpointError, match=f"'k' is in {first!r} and in {second!r}"):
+        ckptconv.open(folder)
+
+
 def test_dcp_chunk_outside_the_folder_is_refused(tmp_path: Path) -> None:
     import shutil
 

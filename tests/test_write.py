@@ -205,6 +205,28 @@ def test_tensors_without_plain_bytes_are_refused_by_name(
         ckptconv.load(source, trust=True)
 
 
+@pytest.mark.parametrize("extra", [[], ["--no-provenance"], ["--tied", "copy"]])
+def test_a_tensor_named_like_the_safetensors_metadata_is_refused(extra: list[str], tmp_path: Path) -> None:
+    """'__metadata__' is the header's metadata entry: such a tensor crashed the writer (ValueError) or,
+    with no metadata to fill in, silently took the metadata's place in a file no reader opens."""
+    source = tmp_path / "odd.pt"
+    torch.save({"__metadata__": torch.ones(2), "w": torch.zeros(1)}, source)
+    for output in (tmp_path / "out.safetensors", tmp_path / "shards"):
+        code, stdout, stderr = run_cli(
+            "convert", str(source), str(output) + ("/" if output.name == "shards" else ""), *extra
+        )
+        assert (code, stdout) == (1, ""), stderr
+        assert stderr.count("\n") == 1, stderr
+        assert (
+            "tensor '__metadata__' cannot be stored in safetensors: the name is reserved for the file's metadata"
+            in stderr
+        )
+        assert not output.exists()
+    code, _, stderr = run_cli("convert", str(source), str(tmp_path / "out.pt"))
+    assert code == 0, stderr
+    assert_same_state(torch.load(tmp_path / "out.pt", weights_only=True), torch.load(source, weights_only=True))
+
+
 def test_complex128_cannot_go_to_safetensors(tmp_path: Path) -> None:
     with pytest.raises(ckptconv.WriteError, match="complex128, which safetensors cannot store"):
         ckptconv.save({"c": torch.zeros(2, dtype=torch.complex128)}, tmp_path / "x.safetensors")

@@ -40,9 +40,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     SIGTERM (``kill``, a job scheduler's time limit) is handled like Ctrl-C:
     partial outputs are removed and the exit code is 143.
     """
+    import contextlib
     import gc
     import os
     import signal
+    import sys
     import threading
 
     # ckptconv makes no BLAS calls, but importing numpy starts OpenBLAS's thread pool, whose
@@ -54,6 +56,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     # collector stops walking it each time a streaming cast's short-lived arrays and views set it
     # off (1 GiB to fp16 on the 2-core VM: 0.045 s less CPU, 0.025 s less wall, medians of 6).
     gc.freeze()
+    # Names come from files: a console that cannot encode one (latin-1, Windows' cp1252) gets it as
+    # \uXXXX, which --json output decodes back, instead of a UnicodeEncodeError traceback.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_sigterm)
     cli.main(args=list(argv) if argv is not None else None, prog_name="ckptconv")

@@ -90,6 +90,34 @@ def pickle_location(value: Any, source: str) -> str:
     return value
 
 
+def check_storage_type(path: str, storage_type: Any, damaged: Callable[[str, str], Exception]) -> StorageType:
+    """``storage_type`` if it is a storage class ckptconv knows.
+
+    A ``torch.*Storage`` class it does not know (a dtype newer than ckptconv) is
+    not damage: the refusal says so. Anything else in that place is damage.
+
+    Raises:
+        UnsupportedFormatError: a torch storage class of a dtype ckptconv does not know.
+        Exception: from ``damaged(path, detail)`` for anything else.
+    """
+    from ..errors import UnsupportedFormatError
+    from ..standins import ForeignGlobal
+
+    if isinstance(storage_type, StorageType):
+        return storage_type
+    if (
+        isinstance(storage_type, ForeignGlobal)
+        and storage_type.module.split(".")[0] == "torch"
+        and storage_type.name.endswith("Storage")
+    ):
+        raise UnsupportedFormatError(
+            f"{path!r} holds storages of type {storage_type.qualname}, whose dtype ckptconv does not know; "
+            "convert that tensor to a common dtype with torch, or use a newer ckptconv",
+            path=path,
+        )
+    raise damaged(path, f"a storage has type {short_repr(storage_type)}")
+
+
 def check_same_storage_type(
     path: str, key: str, first: tuple[StorageType, int], again: tuple[StorageType, int]
 ) -> None:

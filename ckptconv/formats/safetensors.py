@@ -30,6 +30,8 @@ __all__ = ["ALIASES_KEY", "looks_safetensors", "read", "write"]
 
 FORMAT = "safetensors"
 ALIASES_KEY = "ckptconv.aliases"
+#: The header entry that holds the file's string metadata, never a tensor.
+METADATA_KEY = "__metadata__"
 # The safetensors library refuses headers over 100 MB; so do we.
 MAX_HEADER_BYTES = 100_000_000
 
@@ -96,7 +98,7 @@ def read_header(path: str) -> tuple[dict[str, Any], int, int]:
 def read(path: str) -> ReadResult:
     """Read a safetensors file lazily; every tensor is a region of the file."""
     header, data_start, size = read_header(path)
-    metadata = header.pop("__metadata__", None)
+    metadata = header.pop(METADATA_KEY, None)
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
@@ -249,6 +251,12 @@ def write(
                 f"tensor {key!r} is {ref.out_dtype.name}, which safetensors cannot store; "
                 "write a .pt file instead (--to pt)"
             )
+        if key == METADATA_KEY:
+            # The header entry of that name is the file's metadata: a tensor there would replace it.
+            raise WriteError(
+                f"tensor {key!r} cannot be stored in safetensors: the name is reserved for the file's metadata; "
+                f"rename it (--rename '^{key}$=NAME') or write a .pt file (--to pt)"
+            )
     # Tied tensors once (the Hugging Face convention), or under every name.
     unique, aliases = split_aliases(entries) if dedupe else (list(entries), {})
     # Largest element types first keeps every tensor aligned to its itemsize,
@@ -272,7 +280,7 @@ def write(
     }
     if aliases:
         all_metadata[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
-    header["__metadata__"] = all_metadata
+    header[METADATA_KEY] = all_metadata
     offset = 0
     for key, ref in unique:
         header[key] = {

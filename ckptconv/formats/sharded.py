@@ -96,6 +96,7 @@ def read(index_path: str, *, max_items: int | None = None) -> ReadResult:
         for global_name, count in result.foreign_globals.items():
             foreign[global_name] = foreign.get(global_name, 0) + count
         devices |= result.saved_devices
+    _refuse_keys_in_two_shards(index_path, shards, weight_map)
     tree: dict[str, TensorRef] = {}
     for key, name in weight_map.items():
         tensor = shards[name].get(key)
@@ -112,6 +113,21 @@ def read(index_path: str, *, max_items: int | None = None) -> ReadResult:
                 tree[key] = tensor
     text_metadata = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
     return ReadResult(FORMAT, tree, foreign, frozenset(devices), text_metadata, tuple(files))  # type: ignore[arg-type]
+
+
+def _refuse_keys_in_two_shards(index_path: str, shards: dict[str, dict[str, Any]], weight_map: dict[str, Any]) -> None:
+    """Refuse a tensor name two shards hold: loaders that read every shard in turn (transformers,
+    accelerate) keep the last one's values, where the index may name the other."""
+    owner: dict[str, str] = {}
+    for name, weights in shards.items():
+        for key in weights:
+            first = owner.setdefault(key, name)
+            if first != name:
+                raise _damaged(
+                    index_path,
+                    f"tensor {key!r} is in {first!r} and in {name!r} (the index names {weight_map.get(key)!r}); "
+                    "loaders that read every shard keep the last, so refusing a checkpoint that reads two ways",
+                )
 
 
 def find_index(folder: str) -> str | None:

@@ -24,7 +24,7 @@ from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..standins import ForeignGlobal, StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, read_exactly_into
 from ..unpickler import DEFAULT_MAX_ITEMS, PickleTruncatedError, Unpickler, recording_unsafe
-from ._base import ReadResult, check_same_storage_type, pickle_location
+from ._base import ReadResult, check_same_storage_type, check_storage_type, pickle_location
 from .torch_zip import MAX_PICKLE_BYTES
 
 __all__ = ["MAGIC_NUMBER", "looks_legacy", "read"]
@@ -34,6 +34,8 @@ MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
 # The magic number as torch.save's default protocol 2 writes it: PROTO 2, LONG1 10 bytes.
 _MAGIC_PICKLE = b"\x80\x02\x8a\x0a" + MAGIC_NUMBER.to_bytes(10, "little") + b"."
+# As protocols 0 and 1 write it: the text opcode LONG.
+_MAGIC_TEXT_PICKLE = b"L" + str(MAGIC_NUMBER).encode() + b"L\n."
 
 _FIRST_READ = 1 << 20
 
@@ -50,7 +52,7 @@ class _PendingRegion:
 
 def looks_legacy(head: bytes) -> bool:
     """True if ``head`` starts with the legacy magic-number pickle (any protocol)."""
-    if head.startswith(_MAGIC_PICKLE):
+    if head.startswith((_MAGIC_PICKLE, _MAGIC_TEXT_PICKLE)):
         return True
     if head[:1] != b"\x80":
         return False
@@ -113,6 +115,12 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
     devices: set[str] = set()
 
     def persistent_load(pid: Any) -> Any:
+        if isinstance(pid, str) and pid.startswith("('storage', "):
+            raise UnsupportedFormatError(
+                f"{path!r} is a legacy torch checkpoint saved with pickle protocol 0, whose storage references "
+                "are text that neither torch.load nor ckptconv reads back; save it again with the default protocol",
+                path=path,
+            )
         if not isinstance(pid, tuple) or not pid:
             raise _damaged(path, f"it refers to {short_repr(pid)}")
         kind = pid[0].decode("ascii", "replace") if isinstance(pid[0], bytes) else pid[0]
@@ -122,7 +130,8 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
         if kind != "storage" or len(pid) != 6:
             raise _damaged(path, f"it refers to {short_repr(pid)} instead of a storage")
         _, storage_type, root_key, location, numel, view_metadata = pid
-        if not isinstance(storage_type, StorageType) or not isinstance(root_key, str):
+        storage_type = check_storage_type(path, storage_type, _damaged)
+        if not isinstance(root_key, str):
             raise _damaged(path, f"storage reference {short_repr(pid)} is malformed")
         if type(numel) is not int or numel < 0:
             raise _damaged(path, f"storage {root_key!r} has size {numel!r}")

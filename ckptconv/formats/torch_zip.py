@@ -39,7 +39,15 @@ from ..errors import MalformedCheckpointError, UnsafeCheckpointError, Unsupporte
 from ..standins import StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, TensorRef, ZipMember, contiguous_strides
 from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
-from ._base import MetadataValue, ReadResult, check_same_storage_type, json_bytes, metadata_text, pickle_location
+from ._base import (
+    MetadataValue,
+    ReadResult,
+    check_same_storage_type,
+    check_storage_type,
+    json_bytes,
+    metadata_text,
+    pickle_location,
+)
 
 __all__ = ["read", "write"]
 
@@ -252,8 +260,7 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
             raise _damaged(path, f"data.pkl refers to {short_repr(pid)} instead of a storage")
         _, storage_type, key, location, numel = pid
-        if not isinstance(storage_type, StorageType):
-            raise _damaged(path, f"a storage has type {short_repr(storage_type)}")
+        storage_type = check_storage_type(path, storage_type, _damaged)
         if not isinstance(key, str) or type(numel) is not int or numel < 0:
             raise _damaged(path, f"storage reference {short_repr(pid)} is malformed")
         dtype = storage_type.dtype
