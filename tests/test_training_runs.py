@@ -635,3 +635,24 @@ def test_a_tag_folder_linked_from_outside_the_run_is_refused(tmp_path: Path) -> 
     (run / "global_step9").symlink_to(outside / "global_step3", target_is_directory=True)
     (run / "latest").write_text("global_step9")
     _refused(run, tmp_path, "its 'latest' names 'global_step9', a link that leads outside the run folder")
+
+
+def test_a_parameter_described_in_two_groups_is_refused(tmp_path: Path) -> None:
+    """fc1.bias renamed fc1.weight in rank 0's param_shapes (group 1): zero_to_fp32 merges the
+    groups' names into one dict for stage 3, places fc1.weight once and then fails its check;
+    ckptconv placed it twice and wrote group 1's 20 values under fc1.weight."""
+    run = _copy("ds_zero3_bf16", tmp_path)
+    _edit_pickle(
+        run / "global_step3" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        b"X\x08\x00\x00\x00fc1.bias",
+        b"X\x0a\x00\x00\x00fc1.weight",
+    )
+    _refused(run, tmp_path, "parameter 'fc1.weight' is described in parameter groups 0 and 1")
+
+
+def test_a_frozen_parameter_saved_in_another_shape_is_refused(tmp_path: Path) -> None:
+    """frozen_param_shapes says [16, 9] where the saved fragment is [12, 12]: zero_to_fp32 gives
+    the fragment as saved, ckptconv reshaped it to [16, 9]."""
+    run = _copy("ds_zero2_bf16", tmp_path)
+    _edit_pickle(run / "global_step3" / "mp_rank_00_model_states.pt", b"h~K\x0cK\x0c\x86", b"h~K\x10K\x09\x86")
+    _refused(run, tmp_path, "frozen parameter 'frozen.weight' is recorded as [16, 9] but saved as [12, 12]")
