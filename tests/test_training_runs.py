@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -361,6 +362,26 @@ def test_fsdp2_a_shard_that_does_not_fit_its_placement_is_refused(tmp_path: Path
     # rank 1's file in place of rank 0's: its shards sit where rank 0's belong by the mesh coordinates
     shutil.copy(run / "model_world_size_2_rank_1.pt", run / "model_world_size_2_rank_0.pt")
     _refused(run, tmp_path, "do not tile a tensor of size [37, 12]")
+
+
+def test_fsdp2_a_tie_on_one_rank_only_is_not_taken_for_all(tmp_path: Path) -> None:
+    """head.weight views emb.weight's storage on rank 0 but holds values of its own on rank 1: the
+    gathered head.weight is rank 0's rows then rank 1's own; ckptconv wrote emb.weight under both."""
+    run = _copy("fsdp2_dtensor", tmp_path)
+    rank1 = run / "model_world_size_2_rank_1.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = torch.load(rank1, weights_only=False, map_location="cpu")  # the fixture, edited
+        state["head.weight"]._local_tensor = state["head.weight"]._local_tensor + 1  # a tensor of its own
+        torch.save(state, rank1)
+    expected = golden("fsdp2_dtensor", "golden_full.pt")
+    rows = expected["emb.weight"].shape[0] - state["head.weight"]._local_tensor.shape[0]
+    expected["head.weight"] = torch.cat([expected["emb.weight"][:rows], state["head.weight"]._local_tensor])
+    out = tmp_path / "model.pt"
+    ckptconv.convert(run, out)
+    ours = torch.load(out, weights_only=True)
+    assert_same_state(ours, expected)
+    assert ours["head.weight"].data_ptr() != ours["emb.weight"].data_ptr()
 
 
 # -- FSDP1: SHARDED_STATE_DICT (ShardedTensor) and LOCAL_STATE_DICT saved per rank ---------
