@@ -300,7 +300,7 @@ def _tensor(
         raise _damaged(
             folder,
             f"{fqn!r} is recorded as {recorded.name} but its chunks hold {dtype.name}; torch's loader would cast "
-            "them, so ckptconv cannot write the values it reads",
+            f"them to {recorded.name}, so it is refused rather than read two ways",
         )
     # Equal volumes are not enough: an overlap (or a chunk listed twice) can hide a hole.
     overlap = _overlapping_chunks([(offsets, piece.shape) for offsets, piece in pieces])
