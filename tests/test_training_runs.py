@@ -547,6 +547,21 @@ def test_megatron_layers_disagreeing_on_their_count_are_refused(tmp_path: Path) 
     _refused(folder, tmp_path, "'decoder.layers.b.weight' stacks 3 layers, other decoder.layers keys 2")
 
 
+def test_a_megatron_layer_name_the_checkpoint_also_holds_is_refused(tmp_path: Path) -> None:
+    """Splitting the stacked decoder.layers.w gives decoder.layers.0.w, which the checkpoint also holds
+    on its own: one of the two was silently written in place of the other."""
+    both = {"decoder.layers.w": torch.arange(6.0).reshape(2, 3), "decoder.layers.0.w": torch.full((3,), 9.0)}
+    folder = tmp_path / "ckpt"
+    torch.distributed.checkpoint.save(both, checkpoint_id=str(folder), no_dist=True)
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    _refused(
+        folder,
+        tmp_path,
+        "layer 0 of the stacked 'decoder.layers.w' would be named 'decoder.layers.0.w', which the checkpoint "
+        "also holds as a tensor of its own",
+    )
+
+
 def test_megatron_optimizer_state_beside_the_model_is_not_selected(tmp_path: Path) -> None:
     state = {
         "decoder.layers.mlp.weight": torch.arange(12.0).reshape(2, 2, 3),
