@@ -26,7 +26,7 @@ from typing import Any, Callable, Union
 from . import write_policy
 from ._text import plural
 from ._version import __version__
-from .discovery import FILE, Item, Planned, discover, plan_outputs
+from .discovery import FILE, Item, Planned, discover, folds_case, plan_outputs
 from .errors import DestinationError, OutputExistsError, WriteError
 from .executors import Job, check_sendable, run_dask, run_local
 from .manifest import MANIFEST_NAME, Manifest, latest_conversions, now, read_records
@@ -274,7 +274,8 @@ def batch(
 
     globs = [glob] if isinstance(glob, str) else list(glob or ())
     notes: list[str] = []
-    planned = plan_outputs(discover(source, globs=globs, exclude=[output], notes=notes), kind)
+    items = discover(source, globs=globs, exclude=[output], notes=notes)
+    planned = plan_outputs(items, kind, fold_case=folds_case(output))
     manifest_path = os.path.join(output, MANIFEST_NAME)
     fingerprint = _fingerprint(options)
     done = latest_conversions(manifest_path) if resume else {}

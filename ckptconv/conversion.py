@@ -19,7 +19,7 @@ from typing import Any, Union
 from . import _cores
 from ._text import plural
 from ._version import __version__
-from .errors import FitError, VerifyError
+from .errors import FitError, TransformError, VerifyError
 from .formats._base import Deferred, MetadataValue
 from .integrity import check_record_crcs
 from .loading import open as open_checkpoint
@@ -213,6 +213,14 @@ def convert(
     for step in pipeline.steps:
         keys = list(state)
         state, report = step.apply(state)
+        if keys and not state:
+            # An output without weights is almost always a pattern that did not match
+            # (ckptconv.save({}, path) writes one on purpose).
+            shown = ", ".join(repr(key) for key in keys[:3])
+            raise TransformError(
+                f"{step.describe()} leaves no tensor of the {len(keys):,} it was given (e.g. {shown}); nothing was "
+                "written: check the pattern, which is searched in the key names after any renaming"
+            )
         reports.append(report)
         notes.extend(_prefix_notes(step, report, keys))
 
@@ -282,7 +290,14 @@ def convert(
                 "ckptconv.transforms": json.dumps(pipeline.describe() + (list(fit_report.plan) if fit_report else [])),
             }
         )
-    extra = checkpoint_metadata(checkpoint.tree, selection, exact=True) if kind == "pt" and options.keep_meta else None
+    extra = None
+    if kind == "pt" and options.keep_meta:
+        unreadable: dict[str, str] = {}
+        extra = checkpoint_metadata(checkpoint.tree, selection, exact=True, unreadable=unreadable)
+        notes.extend(
+            f"--keep-meta left out {name!r} (a {what}, which torch.load(weights_only=True) cannot read)"
+            for name, what in unreadable.items()
+        )
 
     def transform_again(weights: dict[str, TensorRef]) -> Mapping[str, TensorRef]:
         """The same steps, on the weights an independent reader gives."""

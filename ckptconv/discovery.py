@@ -50,6 +50,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -386,12 +387,36 @@ def output_name(item: Item, format: str, *, full: bool = False) -> str:
     return base + _OUTPUT_SUFFIX[format]
 
 
-def plan_outputs(items: Sequence[Item], format: str) -> list[Planned]:
+def folds_case(path: str) -> bool:
+    """Whether the file system that holds ``path`` (or would: its nearest existing folder) takes names
+    that differ only in case for one file (macOS and Windows by default).
+
+    Asked of the nearest existing folder whose name has letters: its name in the other case must
+    lead to the same folder. With no such folder, the platform's default is assumed.
+    """
+    current = os.path.abspath(path)
+    while True:
+        name = os.path.basename(current)
+        parent = os.path.dirname(current)
+        if os.path.isdir(current) and name.swapcase() != name:
+            other = os.path.join(parent, name.swapcase())
+            try:
+                return os.path.samefile(current, other)
+            except OSError:
+                return False
+        if parent == current:
+            return sys.platform in ("darwin", "win32")
+        current = parent
+
+
+def plan_outputs(items: Sequence[Item], format: str, *, fold_case: bool = False) -> list[Planned]:
     """Give every item its output path, resolving collisions deterministically.
 
     Args:
         items: from :func:`discover`.
         format: ``"safetensors"`` or ``"pt"``.
+        fold_case: names that differ only in case are one file where the outputs go
+            (:func:`folds_case`), so they collide too.
 
     Returns:
         One :class:`Planned` per item, in the same order.
@@ -400,24 +425,33 @@ def plan_outputs(items: Sequence[Item], format: str) -> list[Planned]:
         >>> [p.output for p in plan_outputs(discover("zoo"), "safetensors")]  # doctest: +SKIP
         ['a/x.pt.safetensors', 'a/x.pth.safetensors', 'b/model.safetensors']
     """
+
+    def same(name: str) -> str:
+        return name.casefold() if fold_case else name
+
     names = [output_name(item, format) for item in items]
     by_name: dict[str, list[int]] = defaultdict(list)
     for index, name in enumerate(names):
-        by_name[name].append(index)
+        by_name[same(name)].append(index)
     for indices in by_name.values():
         if len(indices) > 1:
             for index in indices:
                 names[index] = output_name(items[index], format, full=True)
     final: dict[str, list[int]] = defaultdict(list)
     for index, name in enumerate(names):
-        final[name].append(index)
+        final[same(name)].append(index)
     planned = []
     for index, (item, name) in enumerate(zip(items, names)):
         problem = ""
-        clash = [items[other].name for other in final[name] if other != index]
+        clash = [items[other].name for other in final[same(name)] if other != index]
         if clash:
+            where = (
+                " (names that differ only in case are one file in the output folder)"
+                if any(names[other] != name for other in final[same(name)])
+                else ""
+            )
             problem = (
-                f"{item.name!r} and {', '.join(repr(c) for c in clash)} would all be written to {name!r}; "
+                f"{item.name!r} and {', '.join(repr(c) for c in clash)} would all be written to {name!r}{where}; "
                 "rename one of them, or leave it out with --glob"
             )
         planned.append(Planned(item, name, problem))

@@ -16,6 +16,7 @@ import math
 import os
 import queue
 import threading
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -36,6 +37,14 @@ class _NotData(Exception):
     """Raised inside :func:`_plain` for values that are not plain data."""
 
 
+class _Unreadable(_NotData):
+    """Plain data that ``torch.load(weights_only=True)`` cannot read back (a frozenset)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
 def _plain(value: Any, depth: int = 0, *, exact: bool = False) -> Any:
     """``value`` as plain data, or raise :class:`_NotData`.
 
@@ -43,7 +52,9 @@ def _plain(value: Any, depth: int = 0, *, exact: bool = False) -> Any:
     become lists, non-finite floats their text, keys text; a mapping whose keys
     JSON cannot hold (tuples, None) or that collide as text is not data. With
     ``exact=True`` (``.pt`` outputs), the values as ``torch.load(weights_only=True)``
-    gives them back: tuples, sets, NaN and integer, float, None and tuple keys kept.
+    gives them back: tuples, sets, NaN, integer, float, None and tuple keys,
+    ``OrderedDict``, ``Counter``, ``bytes``, ``bytearray`` and ``complex`` kept; a
+    frozenset, which that loader refuses, raises :class:`_Unreadable`.
     """
     if depth > _MAX_DEPTH:
         raise _NotData
@@ -51,7 +62,11 @@ def _plain(value: Any, depth: int = 0, *, exact: bool = False) -> Any:
         return value
     if isinstance(value, float):
         return value if exact or math.isfinite(value) else repr(value)
-    if as_tensor(value) is not None or isinstance(value, (NumpyArray, bytes, bytearray)):
+    if exact and type(value) in (bytes, bytearray, complex):
+        return value
+    if exact and type(value) is frozenset:
+        raise _Unreadable("frozenset")
+    if as_tensor(value) is not None or isinstance(value, (NumpyArray, bytes, bytearray, complex)):
         raise _NotData
     if hasattr(value, "item") and hasattr(value, "dtype") and type(value).__module__ == "numpy":
         return _plain(value.item(), depth + 1, exact=exact)  # numpy scalars
@@ -62,7 +77,10 @@ def _plain(value: Any, depth: int = 0, *, exact: bool = False) -> Any:
     if isinstance(value, (list, tuple, set, frozenset)):
         return [_plain(item, depth + 1, exact=exact) for item in value]
     if isinstance(value, Mapping):
+        # OrderedDict and Counter are read back as themselves; any other mapping as a dict.
         result: dict[Any, Any] = {}
+        if exact and isinstance(value, (OrderedDict, Counter)) and type(value) in (OrderedDict, Counter):
+            result = type(value)()
         for key, item in value.items():
             if exact:
                 plain_key = _key(key, depth + 1)
@@ -86,9 +104,11 @@ def _plain(value: Any, depth: int = 0, *, exact: bool = False) -> Any:
 
 
 def _key(value: Any, depth: int) -> Any:
-    """A dict key or set item kept exactly: a number, text, None, or a tuple of them."""
-    if value is None or type(value) in (bool, int, float, str):
+    """A dict key or set item kept exactly: a number, text, bytes, None, or a tuple of them."""
+    if value is None or type(value) in (bool, int, float, str, bytes, complex):
         return value
+    if type(value) is frozenset:
+        raise _Unreadable("frozenset")
     if type(value) is tuple and depth <= _MAX_DEPTH:
         return tuple(_key(item, depth + 1) for item in value)
     raise _NotData
@@ -99,14 +119,18 @@ def _size(plain: Any, *, exact: bool) -> int:
     return len(repr(plain)) if exact else len(json.dumps(plain))
 
 
-def checkpoint_metadata(tree: Any, selection: Selection, *, exact: bool = False) -> dict[str, Any]:
+def checkpoint_metadata(
+    tree: Any, selection: Selection, *, exact: bool = False, unreadable: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The plain-data entries beside the selected weights.
 
     Only the checkpoint's top level is considered; the entry holding the
     weights, other weight copies (EMA), optimizer, scheduler and RNG state,
     and anything containing tensors are left out. ``exact`` keeps the values
     as Python data torch writes and reads back unchanged (for ``.pt`` outputs);
-    otherwise they are JSON-compatible (see :func:`_plain`).
+    otherwise they are JSON-compatible (see :func:`_plain`). Entries left out
+    because ``torch.load(weights_only=True)`` could not read them back go into
+    ``unreadable`` (name -> kind of value), for the caller to say so.
     """
     if isinstance(tree, Mapping):
         items = list(tree.items())
@@ -124,6 +148,10 @@ def checkpoint_metadata(tree: Any, selection: Selection, *, exact: bool = False)
         try:
             plain = _plain(value, exact=exact)
             size = _size(plain, exact=exact)
+        except _Unreadable as error:
+            if unreadable is not None:
+                unreadable[key] = error.kind
+            continue
         except (_NotData, ValueError):  # ValueError: an integer of more digits than Python prints
             continue
         if size <= MAX_ENTRY_BYTES:

@@ -54,15 +54,17 @@ class StepReport:
 
     Attributes:
         step: the step's description.
-        changed: keys renamed, dropped or cast.
+        changed: keys renamed or cast.
         unchanged: keys the step left as they were.
         details: step-specific counts, e.g. keys per wrapper removed by :class:`Canonicalize`.
+        dropped: keys the step removed (:class:`Keep`, :class:`Drop`).
     """
 
     step: str
     changed: int
     unchanged: int
     details: Mapping[str, int] = field(default_factory=dict)
+    dropped: int = 0
 
 
 class Transform(Protocol):
@@ -77,11 +79,11 @@ def _rekey(state: Mapping[str, TensorRef], rename: Callable[[str], str | None], 
     """Apply ``rename`` to every key; None drops the key. Refuses to merge two keys."""
     result: State = {}
     origin: dict[str, str] = {}
-    changed = 0
+    changed = dropped = 0
     for key, tensor in state.items():
         new_key = rename(key)
         if new_key is None:
-            changed += 1
+            dropped += 1
             continue
         if new_key in result:
             raise KeyCollisionError(
@@ -93,7 +95,7 @@ def _rekey(state: Mapping[str, TensorRef], rename: Callable[[str], str | None], 
         result[new_key] = tensor
         origin[new_key] = key
         changed += new_key != key
-    return result, StepReport(step, changed, len(state) - changed)
+    return result, StepReport(step, changed, len(state) - changed - dropped, dropped=dropped)
 
 
 def _components(prefix: str) -> str:
@@ -248,28 +250,38 @@ class Rename:
 
 @dataclass(frozen=True)
 class _KeyFilter:
-    """Keys that match a regular expression (``re.search``) are kept (:class:`Keep`) or dropped (:class:`Drop`)."""
+    """Keys that match a regular expression (``re.search``), or any of several, are kept (:class:`Keep`)
+    or dropped (:class:`Drop`)."""
 
-    pattern: str
+    pattern: str | tuple[str, ...]
     _keeps_matches: ClassVar[bool]
 
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        """The regular expressions, one or more."""
+        return (self.pattern,) if isinstance(self.pattern, str) else tuple(self.pattern)
+
     def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
-        regex = _compile(self.pattern)
+        regexes = [_compile(pattern) for pattern in self.patterns]
         keeps = self._keeps_matches
-        return _rekey(state, lambda key: key if bool(regex.search(key)) == keeps else None, self.describe())
+        return _rekey(
+            state,
+            lambda key: key if any(regex.search(key) for regex in regexes) == keeps else None,
+            self.describe(),
+        )
 
     def describe(self) -> str:
-        return f"{'keep' if self._keeps_matches else 'drop'} keys matching {self.pattern!r}"
+        return f"{'keep' if self._keeps_matches else 'drop'} keys matching {' or '.join(map(repr, self.patterns))}"
 
 
 class Keep(_KeyFilter):
-    """Keep only keys that match a regular expression (``re.search``)."""
+    """Keep only keys that match a regular expression (``re.search``), or any of a tuple of them."""
 
     _keeps_matches = True
 
 
 class Drop(_KeyFilter):
-    """Drop keys that match a regular expression (``re.search``)."""
+    """Drop keys that match a regular expression (``re.search``), or any of a tuple of them."""
 
     _keeps_matches = False
 

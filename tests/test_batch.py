@@ -321,6 +321,34 @@ def test_output_collisions_are_deterministic_and_never_silent(tmp_path: Path) ->
     ]
 
 
+def test_outputs_differing_only_in_case_collide_where_the_file_system_folds_case(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A.pt and a.pt: on macOS or Windows A.safetensors and a.safetensors are one file, so the second
+    item failed as 'already exists' (or, with --overwrite, replaced the first's output while the
+    manifest recorded both). Where the output folder folds case both are refused, naming each other."""
+    zoo = tmp_path / "zoo"
+    (zoo / "Sub").mkdir(parents=True)
+    (zoo / "sub").mkdir()
+    for name in ("A.pt", "a.pt", "Sub/m.pt", "sub/m.pt", "b.pt"):
+        torch.save({"w": torch.ones(2)}, zoo / name)
+    assert not ckptconv.discovery.folds_case(str(tmp_path / "out"))  # this machine's file system keeps case
+    assert not ckptconv.batch(zoo, tmp_path / "kept").failed  # so nothing collides here
+
+    planned = {p.item.name: (p.output, p.problem) for p in plan_outputs(discover(zoo), "safetensors", fold_case=True)}
+    assert planned["b.pt"] == ("b.safetensors", "")
+    assert planned["A.pt"] == (
+        "A.pt.safetensors",
+        "'A.pt' and 'a.pt' would all be written to 'A.pt.safetensors' (names that differ only in case are one "
+        "file in the output folder); rename one of them, or leave it out with --glob",
+    )
+    assert planned["sub/m.pt"][1].startswith("'sub/m.pt' and 'Sub/m.pt' would all be written to 'sub/m.pt.safetensors'")
+    monkeypatch.setattr(ckptconv.batching, "folds_case", lambda path: True)
+    report = ckptconv.batch(zoo, tmp_path / "out")
+    assert sorted(r.source for r in report.failed) == ["A.pt", "Sub/m.pt", "a.pt", "sub/m.pt"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([MANIFEST_NAME, "b.safetensors"])
+
+
 _NAMES = st.lists(
     st.builds(
         lambda folder, stem, suffix: f"{folder}{stem}{suffix}",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import ckptconv
 from ckptconv.cli import cli
@@ -162,3 +163,30 @@ def test_readme_lists_the_exit_codes() -> None:
     text = README.read_text()
     for code in ("0", "1", "2", "3"):
         assert re.search(rf"^\|\s*`?{code}`?\s*\|", text, re.M), code
+
+
+def test_filters_that_leave_no_tensor_are_refused_and_counts_are_true(tmp_path: Path) -> None:
+    """`convert --keep nomatch` wrote a file of 0 tensors, exited 0 and reported '3 changed'."""
+    source = tmp_path / "m.pt"
+    torch.save({"enc.w": torch.ones(2), "dec.w": torch.zeros(3), "head.b": torch.arange(4)}, source)
+    for args, step, given in (
+        (["--keep", "nomatch"], "keep keys matching 'nomatch'", "the 3 it was given (e.g. 'enc.w', 'dec.w', 'head.b')"),
+        (["--keep", "^enc", "--drop", "w$"], "drop keys matching 'w$'", "the 1 it was given (e.g. 'enc.w')"),
+        (["--drop", "."], "drop keys matching '.'", "the 3 it was given (e.g. 'enc.w', 'dec.w', 'head.b')"),
+    ):
+        code, stdout, stderr = run("convert", str(source), str(tmp_path / "out.safetensors"), *args)
+        assert (code, stdout) == (1, "")
+        assert stderr == (
+            f"ckptconv: error: {step} leaves no tensor of {given}; nothing was written: check the pattern, "
+            "which is searched in the key names after any renaming\n"
+        )
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["m.pt"]
+
+    output = tmp_path / "two.safetensors"
+    code, _, stderr = run("convert", str(source), str(output), "--keep", "^enc", "--keep", "^head")
+    assert code == 0
+    assert "keep keys matching '^enc' or '^head': 1 dropped, 2 unchanged" in stderr
+    assert "wrote " in stderr and "(safetensors, 2 tensors" in stderr
+    with safe_open(output, framework="pt") as handle:
+        assert sorted(handle.keys()) == ["enc.w", "head.b"]
+        assert handle.get_tensor("head.b").numpy().tobytes() == torch.arange(4).numpy().tobytes()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -361,3 +362,27 @@ def test_diff_command(tmp_path: Path) -> None:
     assert code == 0 and stdout.startswith("identical: 9 tensors identical")
     code, stdout, _ = run("diff", str(GPU / "cuda0_state_dict.pt"), str(GPU / "bf16_cuda.pt"))
     assert code == 3 and "dtype differs: conv.weight: float32 vs bfloat16" in stdout
+
+
+def test_keep_meta_keeps_every_type_torch_reads_back_and_names_what_it_leaves_out(tmp_path: Path) -> None:
+    """`--keep-meta` wrote OrderedDict and Counter as plain dicts and left out bytes and complex values
+    without a word; a frozenset (torch.load(weights_only=True) cannot read one) became a list."""
+    extra = {
+        "vocab": OrderedDict([("b", 1), ("a", 2)]),
+        "counts": Counter("abca"),
+        "magic": b"\x00\xffck",
+        "buffer": bytearray(b"xy"),
+        "phase": complex(float("nan"), -0.0),
+        "nested": {"k": [b"z", 1j]},
+    }
+    source = tmp_path / "train.pth"
+    torch.save({"state_dict": {"w": torch.ones(2)}, **extra, "frozen": frozenset({1})}, source)
+    kept = tmp_path / "kept.pt"
+    report = ckptconv.convert(source, kept, keep_meta=True)
+    loaded = torch.load(kept, weights_only=True)
+    assert sorted(loaded) == sorted(["state_dict", *extra])
+    for key, value in extra.items():
+        assert repr(loaded[key]) == repr(value), key  # repr tells OrderedDict from dict, bytes from str
+    assert (
+        "--keep-meta left out 'frozen' (a frozenset, which torch.load(weights_only=True) cannot read)" in report.notes
+    )

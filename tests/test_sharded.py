@@ -291,3 +291,29 @@ def test_a_dcp_tensor_split_by_columns_reads_exactly_and_is_not_kept_alive(tmp_p
     del ref, source, chunks
     gc.collect()
     assert alive() is None
+
+
+def test_a_dcp_tensor_whose_chunks_hold_another_dtype_than_recorded_is_refused(tmp_path: Path) -> None:
+    """The metadata says float64 where the chunk holds float32: torch's loader (dcp_to_torch_save)
+    makes a float64 tensor and casts the chunk into it; ckptconv wrote the chunk's float32."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.randn(4, 3), "i": torch.arange(5)}, checkpoint_id=str(folder))
+        with open(folder / ".metadata", "rb") as file:
+            metadata = pickle.load(file)  # written by this test
+        metadata.state_dict_metadata["w"].properties.dtype = torch.float64
+        with open(folder / ".metadata", "wb") as file:
+            pickle.dump(metadata, file)
+        dcp_to_torch_save(folder, tmp_path / "oracle.pt")
+    assert torch.load(tmp_path / "oracle.pt", weights_only=True)["w"].dtype == torch.float64
+    with pytest.raises(
+        ckptconv.MalformedCheckpointError,
+        match="'w' is recorded as float64 but its chunks hold float32; torch's loader would cast them",
+    ):
+        ckptconv.open(folder)

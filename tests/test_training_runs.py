@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -363,6 +364,26 @@ def test_fsdp2_a_shard_that_does_not_fit_its_placement_is_refused(tmp_path: Path
     _refused(run, tmp_path, "do not tile a tensor of size [37, 12]")
 
 
+def test_fsdp2_a_tie_on_one_rank_only_is_not_taken_for_all(tmp_path: Path) -> None:
+    """head.weight views emb.weight's storage on rank 0 but holds values of its own on rank 1: the
+    gathered head.weight is rank 0's rows then rank 1's own; ckptconv wrote emb.weight under both."""
+    run = _copy("fsdp2_dtensor", tmp_path)
+    rank1 = run / "model_world_size_2_rank_1.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = torch.load(rank1, weights_only=False, map_location="cpu")  # the fixture, edited
+        state["head.weight"]._local_tensor = state["head.weight"]._local_tensor + 1  # a tensor of its own
+        torch.save(state, rank1)
+    expected = golden("fsdp2_dtensor", "golden_full.pt")
+    rows = expected["emb.weight"].shape[0] - state["head.weight"]._local_tensor.shape[0]
+    expected["head.weight"] = torch.cat([expected["emb.weight"][:rows], state["head.weight"]._local_tensor])
+    out = tmp_path / "model.pt"
+    ckptconv.convert(run, out)
+    ours = torch.load(out, weights_only=True)
+    assert_same_state(ours, expected)
+    assert ours["head.weight"].data_ptr() != ours["emb.weight"].data_ptr()
+
+
 # -- FSDP1: SHARDED_STATE_DICT (ShardedTensor) and LOCAL_STATE_DICT saved per rank ---------
 
 FSDP1 = ["fsdp1_sharded", "fsdp1_sharded_bf16"]
@@ -526,6 +547,21 @@ def test_megatron_layers_disagreeing_on_their_count_are_refused(tmp_path: Path) 
     _refused(folder, tmp_path, "'decoder.layers.b.weight' stacks 3 layers, other decoder.layers keys 2")
 
 
+def test_a_megatron_layer_name_the_checkpoint_also_holds_is_refused(tmp_path: Path) -> None:
+    """Splitting the stacked decoder.layers.w gives decoder.layers.0.w, which the checkpoint also holds
+    on its own: one of the two was silently written in place of the other."""
+    both = {"decoder.layers.w": torch.arange(6.0).reshape(2, 3), "decoder.layers.0.w": torch.full((3,), 9.0)}
+    folder = tmp_path / "ckpt"
+    torch.distributed.checkpoint.save(both, checkpoint_id=str(folder), no_dist=True)
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    _refused(
+        folder,
+        tmp_path,
+        "layer 0 of the stacked 'decoder.layers.w' would be named 'decoder.layers.0.w', which the checkpoint "
+        "also holds as a tensor of its own",
+    )
+
+
 def test_megatron_optimizer_state_beside_the_model_is_not_selected(tmp_path: Path) -> None:
     state = {
         "decoder.layers.mlp.weight": torch.arange(12.0).reshape(2, 2, 3),
@@ -635,3 +671,24 @@ def test_a_tag_folder_linked_from_outside_the_run_is_refused(tmp_path: Path) -> 
     (run / "global_step9").symlink_to(outside / "global_step3", target_is_directory=True)
     (run / "latest").write_text("global_step9")
     _refused(run, tmp_path, "its 'latest' names 'global_step9', a link that leads outside the run folder")
+
+
+def test_a_parameter_described_in_two_groups_is_refused(tmp_path: Path) -> None:
+    """fc1.bias renamed fc1.weight in rank 0's param_shapes (group 1): zero_to_fp32 merges the
+    groups' names into one dict for stage 3, places fc1.weight once and then fails its check;
+    ckptconv placed it twice and wrote group 1's 20 values under fc1.weight."""
+    run = _copy("ds_zero3_bf16", tmp_path)
+    _edit_pickle(
+        run / "global_step3" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        b"X\x08\x00\x00\x00fc1.bias",
+        b"X\x0a\x00\x00\x00fc1.weight",
+    )
+    _refused(run, tmp_path, "parameter 'fc1.weight' is described in parameter groups 0 and 1")
+
+
+def test_a_frozen_parameter_saved_in_another_shape_is_refused(tmp_path: Path) -> None:
+    """frozen_param_shapes says [16, 9] where the saved fragment is [12, 12]: zero_to_fp32 gives
+    the fragment as saved, ckptconv reshaped it to [16, 9]."""
+    run = _copy("ds_zero2_bf16", tmp_path)
+    _edit_pickle(run / "global_step3" / "mp_rank_00_model_states.pt", b"h~K\x0cK\x0c\x86", b"h~K\x10K\x09\x86")
+    _refused(run, tmp_path, "frozen parameter 'frozen.weight' is recorded as [16, 9] but saved as [12, 12]")

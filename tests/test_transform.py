@@ -118,3 +118,17 @@ def test_rules_never_merge_keys_silently(key_list: list[str], prefix: str) -> No
         except KeyCollisionError:
             continue
         assert len(result) == len(key_list)
+
+
+def test_keep_with_several_patterns_keeps_a_key_any_of_them_matches() -> None:
+    """Repeated --keep options were applied one after another, so `--keep encoder --keep decoder` kept
+    nothing; like --keep-dtype (and --include in other tools), they now keep a key any of them matches."""
+    original = state("encoder.w", "decoder.w", "head.w", "extra")
+    result, report = Keep((r"^encoder\.", r"^decoder\.")).apply(original)
+    assert list(result) == ["encoder.w", "decoder.w"]
+    assert (report.changed, report.dropped, report.unchanged) == (0, 2, 2)  # dropped keys are not "changed"
+    assert Keep((r"^encoder\.", "^head")).describe() == r"keep keys matching '^encoder\\.' or '^head'"
+    _, report = Rename("^head", "out").apply(original)
+    assert (report.changed, report.dropped, report.unchanged) == (1, 0, 3)
+    _, report = Drop("^e").apply(original)
+    assert (report.changed, report.dropped, report.unchanged) == (0, 2, 2)

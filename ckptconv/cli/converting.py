@@ -39,7 +39,10 @@ def run_conversion(
     for note in report.notes:
         say(quiet, f"note: {note}")
     for step in report.steps:
-        say(quiet, f"{step.step}: {step.changed} changed, {step.unchanged} unchanged")
+        counts = ([f"{step.changed} changed"] if step.changed or not step.dropped else []) + (
+            [f"{step.dropped} dropped"] if step.dropped else []
+        )
+        say(quiet, f"{step.step}: {', '.join(counts)}, {step.unchanged} unchanged")
     if options["dry_run"]:
         for old, new in report.renames[:20]:
             echo(f"{old} -> {new}")

@@ -105,7 +105,7 @@ transform_options = compose(
         "keeps",
         multiple=True,
         type=Regex(),
-        help="Keep only keys matching REGEX (after renaming). Repeatable.",
+        help="Keep only keys matching REGEX (after renaming). Repeatable: a key any of them matches is kept.",
     ),
     click.option(
         "--drop", "drops", multiple=True, type=Regex(), help="Drop keys matching REGEX (after renaming). Repeatable."
@@ -201,7 +201,8 @@ def pipeline(leading: Sequence[Any], options: dict[str, Any]) -> Any:
     steps += [StripPrefix(prefix) for prefix in options["strip_prefixes"]]
     steps += [Rename(pattern, replacement) for pattern, replacement in options["renames"]]
     steps += [AddPrefix(prefix) for prefix in options["add_prefixes"]]
-    steps += [Keep(pattern) for pattern in options["keeps"]]
+    if options["keeps"]:
+        steps.append(Keep(tuple(options["keeps"])) if len(options["keeps"]) > 1 else Keep(options["keeps"][0]))
     steps += [Drop(pattern) for pattern in options["drops"]]
     if options["dtype"]:
         steps.append(Cast(options["dtype"], tuple(options["keep_dtypes"]), options["allow_overflow"]))

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .. import read_policy
+from ..dtypes import DType
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..standins import ForeignObject
 from ..suffixes import DCP_DATA_SUFFIX, DCP_METADATA
@@ -294,6 +295,13 @@ def _tensor(
     dtype = pieces[0][1].dtype
     if any(piece.dtype != dtype for _, piece in pieces) or covered != math.prod(shape):
         raise _damaged(folder, f"the chunks of {fqn!r} do not tile a {dtype.name} tensor of size {list(shape)}")
+    recorded = _recorded_dtype(record.get("properties"))
+    if recorded is not None and recorded != dtype:
+        raise _damaged(
+            folder,
+            f"{fqn!r} is recorded as {recorded.name} but its chunks hold {dtype.name}; torch's loader would cast "
+            f"them to {recorded.name}, so it is refused rather than read two ways",
+        )
     # Equal volumes are not enough: an overlap (or a chunk listed twice) can hide a hole.
     overlap = _overlapping_chunks([(offsets, piece.shape) for offsets, piece in pieces])
     if overlap is not None:
@@ -308,6 +316,21 @@ def _tensor(
     source = Assembled(tuple(pieces), shape, dtype.itemsize)
     storage = Storage(math.prod(shape) * dtype.itemsize, source, name=fqn)
     return TensorRef(storage, dtype, shape, contiguous_strides(shape))
+
+
+def _recorded_dtype(properties: Any) -> DType | None:
+    """The dtype a tensor's ``TensorProperties`` record (torch's loader makes the tensor in it), if readable.
+
+    Recent torch pickles them as a tuple ``(dtype, layout, requires_grad, memory_format,
+    pin_memory)``, older versions as a ``__dict__``.
+    """
+    if not isinstance(properties, ForeignObject):
+        return None
+    state = properties.state
+    if isinstance(state, tuple) and state and isinstance(state[0], DType):
+        return state[0]
+    recorded = properties.attributes().get("dtype")
+    return recorded if isinstance(recorded, DType) else None
 
 
 def _overlapping_chunks(

@@ -318,6 +318,8 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
     if not isinstance(param_shapes, list) or not all(isinstance(group, Mapping) for group in param_shapes):
         raise _damaged(model_file, "its param_shapes is not a list of groups")
 
+    _refuse_names_described_twice(param_shapes, model.get("frozen_param_shapes"), model_file)
+
     weights: dict[str, TensorRef] = {}
     # Buffers, widened to fp32 as zero_to_fp32 does (exact: every 16-bit value is an fp32 value).
     buffer_names = model.get("buffer_names") or []
@@ -387,6 +389,33 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
     return ReadResult(FORMAT, result, foreign_globals=foreign, saved_devices=frozenset(devices), metadata=metadata)
 
 
+def _refuse_names_described_twice(param_shapes: list[Mapping[str, Any]], frozen: Any, model_file: str) -> None:
+    """Refuse a parameter that ``param_shapes`` lists in two groups, or that is both trained and frozen.
+
+    zero_to_fp32 reads such a file two ways: stage 3 merges the groups' names
+    into one dict (the name is placed once, and its check then fails), stages 1
+    and 2 place it twice and keep the last values.
+    """
+    seen: dict[str, int] = {}
+    for index, group in enumerate(param_shapes):
+        for name in group:
+            if name in seen:
+                raise _damaged(
+                    model_file,
+                    f"parameter {name!r} is described in parameter groups {seen[name]} and {index}, so its values "
+                    "could come from either; zero_to_fp32 reads it two ways",
+                )
+            seen[name] = index
+    if isinstance(frozen, Mapping):
+        for name in frozen:
+            if name in seen:
+                raise _damaged(
+                    model_file,
+                    f"parameter {name!r} is described both as trained (group {seen[name]}) and as frozen, so its "
+                    "values could come from either",
+                )
+
+
 def _frozen(
     weights: dict[str, TensorRef],
     *,
@@ -427,7 +456,12 @@ def _frozen(
             if not isinstance(value, TensorRef) or value.numel != numel:
                 raise _damaged(model_file, f"frozen parameter {name!r} has no fragment of {numel} elements")
             if value.shape != shape:
-                value = _joined([(0, _flat(value, model_file, name))], shape, name, value.dtype)
+                # DeepSpeed saves stage 1-2 frozen parameters whole; zero_to_fp32 takes the
+                # fragment's own shape, a model the recorded one.
+                raise _damaged(
+                    model_file,
+                    f"frozen parameter {name!r} is recorded as {list(shape)} but saved as {list(value.shape)}",
+                )
             weights[name] = value
             continue
         pieces: list[tuple[int, TensorRef]] = []

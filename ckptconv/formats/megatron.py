@@ -166,6 +166,13 @@ def read(folder: str, *, max_items: int | None = None) -> ReadResult:
         for index in range(layers[key]):  # layer by layer, as a model's state_dict() lists them
             for rest, ref in stacked[key]:
                 name = f"{key}.{index}.{rest}"
+                if name in tree or name in weights:
+                    raise MalformedCheckpointError(
+                        f"{folder!r} is a damaged torch_dist checkpoint: layer {index} of the stacked "
+                        f"'{key}.{rest}' would be named {name!r}, which the checkpoint also holds as a tensor of "
+                        "its own; it reads two ways",
+                        path=folder,
+                    )
                 weights[name] = _layer(ref, index, name)
     metadata = {
         "framework": "Megatron-Core dist_checkpointing (torch_dist)",

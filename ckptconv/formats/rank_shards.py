@@ -398,9 +398,15 @@ def read(folder: str, *, max_items: int | None = None) -> ReadResult:
         if not _is_dtensor(value):
             weights[key] = value  # buffers and plain values: rank 0's
             continue
-        # Tied parameters are separate DTensors whose local shards view the same storage.
-        local = _local_tensor(value)
-        tie = (id(local.storage), local.offset, local.shape, local.stride) if isinstance(local, TensorRef) else key
+        # Tied parameters are separate DTensors whose local shards view the same storage, on every
+        # rank: a rank where they do not holds other values for one of them.
+        locals_ = [_local_tensor(tree[key]) if _is_dtensor(tree[key]) else None for tree in trees]
+        shards = [local for local in locals_ if isinstance(local, TensorRef)]
+        tie: Any = (
+            tuple((id(local.storage), local.offset, local.shape, local.stride) for local in shards)
+            if len(shards) == len(trees)
+            else key
+        )
         if tie in built:
             weights[key] = built[tie]
             continue

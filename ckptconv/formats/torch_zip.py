@@ -29,6 +29,7 @@ import os
 import struct
 import zipfile
 import zlib
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
@@ -520,8 +521,8 @@ class _PickleWriter:
         self.out += b"tR"
 
     def value(self, value: Any) -> None:
-        """Plain data, as torch.load(weights_only=True) gives it back: None, bool, numbers, str, tuple,
-        list, set, dict."""
+        """Plain data, as torch.load(weights_only=True) gives it back: None, bool, numbers (complex too),
+        str, bytes, bytearray, tuple, list, set, dict, OrderedDict, Counter."""
         if value is None:
             self.out += b"N"
         elif isinstance(value, bool):
@@ -542,10 +543,29 @@ class _PickleWriter:
             for item in value:
                 self.value(item)
             self.out += b"e"  # APPENDS
-        elif isinstance(value, (set, frozenset)):
+        elif type(value) is set:
             self._global("builtins", "set")  # set(list), as weights_only allows
             self.value(list(value))
             self.out += b"\x85R"  # TUPLE1, REDUCE
+        elif type(value) is complex:
+            self._global("builtins", "complex")
+            self.out += b"G" + struct.pack(">d", value.real) + b"G" + struct.pack(">d", value.imag) + b"\x86R"
+        elif type(value) in (bytes, bytearray):
+            if type(value) is bytearray:
+                self._global("builtins", "bytearray")
+            self._global("_codecs", "encode")  # bytes as protocol 2 writes them: encode(text, 'latin1')
+            self._str(bytes(value).decode("latin-1"))
+            self._str("latin1")
+            self.out += b"\x86R"  # TUPLE2, REDUCE
+            if type(value) is bytearray:
+                self.out += b"\x85R"
+        elif type(value) in (OrderedDict, Counter):
+            self._global("collections", type(value).__name__)
+            self.out += b")R("  # an empty one, then SETITEMS
+            for key, item in value.items():
+                self.value(key)
+                self.value(item)
+            self.out += b"u"
         elif isinstance(value, dict):
             self.out += b"}("
             for key, item in value.items():
