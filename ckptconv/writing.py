@@ -56,8 +56,8 @@ _FORMAT_NAMES = {
 }
 _FORMAT_TITLES = {"pt": "torch", "safetensors": "safetensors", "dcp": "DCP"}
 _COPY_CHUNK = 32 << 20
-# One buffer of this size carries the bytes copied through Python: it fits a core's L2 cache, so
-# checksumming them and writing them out find them there (see _copy_range).
+# Each thread copying through Python carries the bytes in one buffer of this size: it fits a core's
+# L2 cache, so checksumming them and writing them out find them there (see _copy_through_buffers).
 _COPY_BUFFER = 1 << 20
 #: A copy through buffers is handed out to its threads in runs of this many bytes; the run's
 #: CRC-32s are joined at the end (one crc32_combine per run: 0.7 ms per GiB).
@@ -451,10 +451,11 @@ def _copy_range(
     Returns the bytes' CRC-32 when ``checksum`` is set (0 otherwise), taken
     from the very bytes written. With no checksum wanted and both sides at the
     same offset within a page, the kernel copies (copy_file_range: the bytes
-    never enter Python). Otherwise the bytes pass through one buffer that fits
-    a core's L2 cache and are checksummed there: between offsets out of phase
-    the kernel splits every page (1 GiB took 0.38-0.47 s against 0.27 s through
-    the buffer, CRC-32 included, on the development VM).
+    never enter Python). Otherwise the bytes pass through buffers that fit a
+    core's L2 cache and are checksummed there (:func:`_copy_through_buffers`):
+    between offsets out of phase the kernel splits every page (1 GiB took
+    0.38-0.47 s against 0.27 s through one buffer, CRC-32 included, on the
+    development VM).
     """
     file.flush()
     out = file.fileno()
@@ -486,13 +487,13 @@ def _copy_through_buffers(
     """Copy ``length`` bytes at ``offset`` of ``src`` to the end of ``out``, through L2-sized buffers.
 
     Runs of :data:`_COPY_STRIPE` bytes are handed out in turn to this thread
-    and, when the copy is long enough, to a second one: while one waits for
-    the kernel to fill its page-cache pages, the other reads or checksums
-    (1 GiB on the 2-core VM: 0.26 s against 0.40 s for one thread), where a
-    core is spare (:func:`ckptconv._cores.spare`). Each
-    thread writes its run at the run's place (``pwrite``), through a buffer
-    of its own that stays in its core's cache. Returns the bytes' CRC-32 when
-    ``checksum`` is set, else 0; yields byte counts as runs complete.
+    and, where a core is spare (:func:`ckptconv._cores.spare`) and the copy
+    has more than one run, to a second one: while one waits for the kernel to
+    fill its page-cache pages, the other reads or checksums (1 GiB on the
+    2-core VM: 0.32 s against 0.46 s for one thread). Each thread writes its
+    run at the run's place (``pwrite``), through a buffer of its own that
+    stays in its core's cache. Returns the bytes' CRC-32 when ``checksum`` is
+    set, else 0; yields byte counts as runs complete.
     """
     position = os.lseek(out, 0, os.SEEK_CUR)
     stripes = range(0, length, _COPY_STRIPE)
@@ -551,11 +552,11 @@ def _copy_through_buffers(
         raise failure[0]
     if helped[0] > helper_reported:
         yield helped[0] - helper_reported
-    crc = 0
-    for index, start in enumerate(stripes):
-        crc = crc32_combine(crc, crcs[index], min(_COPY_STRIPE, length - start))
     os.lseek(out, position + length, os.SEEK_SET)
-    return crc if checksum else 0
+    crc = 0
+    for index, start in enumerate(stripes if checksum else ()):
+        crc = crc32_combine(crc, crcs[index], min(_COPY_STRIPE, length - start))
+    return crc
 
 
 def _write_tensor(ref: TensorRef, file: BinaryIO, record_crcs: dict[Storage, int] | None = None) -> Iterator[int]:
