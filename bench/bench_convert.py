@@ -10,6 +10,7 @@ RSS (from wait4's rusage).
     python bench/bench_convert.py                    # 1 and 4 GiB, 5 rounds
     python bench/bench_convert.py --sizes 1 --runs 3 --quick
     python bench/bench_convert.py --sizes 1 --quick --baseline /path/to/other/checkout
+    python bench/bench_convert.py --sizes 1 --quick --idle-only   # on a machine shared with other work
 
 A first, untimed round checks every output bit for bit against torch and fills the
 bytecode cache (children run as an installed package would, with compiled modules).
@@ -41,6 +42,13 @@ HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
 CKPTCONV = [PYTHON, "-m", "ckptconv"]
 TIME = shutil.which("time") if os.path.exists("/usr/bin/time") else None
+#: With --idle-only: how long a quiet spell must last before a run starts, the most CPU time other
+#: processes may use during a run before it is taken again, and how often it is taken at most.
+IDLE_WINDOW_S = 0.5
+IDLE_SLACK_S = 0.08
+IDLE_ATTEMPTS = 20
+#: Runs taken again because other processes used the CPU meanwhile (--idle-only).
+retaken: dict[str, int] = {}
 # Like cp and the torch scripts: no fsync, and no provenance hash of the whole source.
 FAST = " --no-fsync --no-source-hash"
 
@@ -155,6 +163,7 @@ class Case:
     walls: list[float] = field(default_factory=list)
     rss: list[int] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
+    user: list[float] = field(default_factory=list)
 
 
 def drop_from_cache(path: Path) -> bool:
@@ -189,7 +198,49 @@ def child_env(tree: Path, cache: Path) -> dict[str, str]:
     return env
 
 
-def run_once(case: Case, *, timed: bool = True) -> None:
+def busy_cpu_seconds(*, user_only: bool = False) -> float:
+    """CPU time all cores have spent busy since boot (/proc/stat; time stolen by the host counted).
+
+    ``user_only`` counts user time and stolen time only: the kernel's writeback of a run's own
+    output (4 GiB without fsync) runs in kernel threads, as system time nobody else caused.
+    """
+    with open("/proc/stat") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:9]]
+    busy = fields[0] + fields[1] + fields[7] if user_only else sum(fields) - fields[3] - fields[4]
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for_idle(limit_s: float = 300) -> None:
+    """Return once the machine spent a quiet spell (IDLE_WINDOW_S) with next to no CPU in use."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = busy_cpu_seconds()
+        time.sleep(IDLE_WINDOW_S)
+        if busy_cpu_seconds() - before < 0.05:
+            return
+
+
+def run_once(case: Case, *, timed: bool = True, idle_only: bool = False) -> None:
+    """Run ``case`` once; with ``idle_only``, again until no other process used the CPU meanwhile."""
+    for _ in range(IDLE_ATTEMPTS if idle_only and timed and TIME else 1):
+        _prepare(case)  # before the quiet spell: the sync's writeback is not another process's work
+        if idle_only and timed and TIME:
+            wait_for_idle()
+        before = busy_cpu_seconds(user_only=True)
+        _run_once(case, timed=timed)
+        others = busy_cpu_seconds(user_only=True) - before - (case.user[-1] if timed and TIME else 0.0)
+        if not (idle_only and timed and TIME) or others <= IDLE_SLACK_S:
+            return
+        case.walls.pop()
+        case.rss.pop()
+        case.cpu.pop()
+        case.user.pop()
+        retaken[case.name] = retaken.get(case.name, 0) + 1
+        print(f"  again: {case.name} (other processes used {others:.2f} s of user CPU)", file=sys.stderr)
+    raise SystemExit(f"{case.name}: other processes kept using the CPU for {IDLE_ATTEMPTS} runs; try again later")
+
+
+def _prepare(case: Case) -> None:
     if case.output is not None and case.output.exists():
         case.output.unlink()
     # Flush earlier runs' dirty pages first: their writeback would throttle
@@ -199,6 +250,10 @@ def run_once(case: Case, *, timed: bool = True) -> None:
         drop_from_cache(case.source)
     else:
         warm(case.source)
+
+
+def _run_once(case: Case, *, timed: bool = True) -> None:
+    """Run ``case`` once, recording its wall time, peak RSS and CPU time if ``timed``."""
     # GNU time measures the peak RSS: a child of this Python process would
     # inherit its high-water mark across fork and exec.
     rss_file = case.source.parent / "rss.txt"
@@ -220,10 +275,12 @@ def run_once(case: Case, *, timed: bool = True) -> None:
     if not timed:
         return
     case.walls.append(wall)
-    if TIME:
-        rss, user, system = rss_file.read_text().split()[-3:]
-        case.rss.append(int(rss) * 1024)
-        case.cpu.append(float(user) + float(system))
+    if not TIME:
+        return
+    rss, user, system = rss_file.read_text().split()[-3:]
+    case.rss.append(int(rss) * 1024)
+    case.cpu.append(float(user) + float(system))
+    case.user.append(float(user))
 
 
 def with_baseline(cases: list[Case], baseline: Path) -> list[Case]:
@@ -422,6 +479,12 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints for another run")
     parser.add_argument("--baseline", type=Path, help="another source tree to run each ckptconv row from too")
     parser.add_argument("--only", nargs="+", help="only the rows whose name contains one of these (cp always runs)")
+    parser.add_argument(
+        "--idle-only",
+        action="store_true",
+        help="start each run in a quiet spell, and take a run again when other processes used the CPU meanwhile "
+        "(on a machine shared with other work; needs /proc/stat and /usr/bin/time)",
+    )
     args = parser.parse_args()
 
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -444,13 +507,16 @@ def main() -> None:
             order = list(cases)
             random.Random(round_number).shuffle(order)
             for case in order if round_number else cases:
-                run_once(case, timed=round_number > 0)
+                run_once(case, timed=round_number > 0, idle_only=args.idle_only)
                 if round_number == 0:
                     verify_outputs([case])
                 # One output on disk at a time: with --baseline at 4 GiB they would add up to ~80 GB.
                 if case.output is not None and case.output.exists():
                     case.output.unlink()
         results += report(size, cases, paths["pt"].stat().st_size)
+        if retaken:
+            print(f"\nRuns taken again because other processes used the CPU meanwhile: {retaken}")
+            retaken.clear()
         shutil.rmtree(out, ignore_errors=True)
         if not args.keep:
             for path in paths.values():

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-__all__ = ["CORES_VARIABLE", "busy", "in_background", "spare", "usable"]
+__all__ = ["CORES_VARIABLE", "busy", "in_background", "join_uninterrupted", "spare", "usable"]
 
 #: Caps the cores one ckptconv process keeps busy; ``ckptconv batch`` sets it for its worker
 #: processes (the machine's cores shared between them).
@@ -68,3 +68,20 @@ def spare() -> int:
     """Cores left idle by the calling thread and the background work running now (0 or more)."""
     with _lock:
         return max(usable() - 1 - _busy[0], 0)
+
+
+def join_uninterrupted(thread: threading.Thread) -> None:
+    """Wait for ``thread`` to end, even through Ctrl-C, then re-raise what interrupted the wait.
+
+    A copying or reading thread uses descriptors its caller closes once it
+    returns: left running, it could write into whatever file reuses the number.
+    It ends within one run of work once told to stop.
+    """
+    interruption: BaseException | None = None
+    while thread.is_alive():
+        try:
+            thread.join()
+        except BaseException as error:  # KeyboardInterrupt, or SIGTERM's handler raising
+            interruption = error
+    if interruption is not None:
+        raise interruption

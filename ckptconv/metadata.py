@@ -233,7 +233,7 @@ def _read_ahead(fd: int, stop: threading.Event | None) -> Iterator[memoryview]:
             free.put(buffer)
     finally:
         free.put(None)  # the reader stops at its next chunk
-        reader.join()
+        _cores.join_uninterrupted(reader)
 
 
 def source_sha256(path: str, stop: threading.Event | None = None) -> str:

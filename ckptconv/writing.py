@@ -546,7 +546,7 @@ def _copy_through_buffers(
     finally:
         stop.set()  # every run is taken by now, unless this copy failed or was abandoned
         if helper is not None:
-            helper.join()
+            _cores.join_uninterrupted(helper)
     if failure:
         raise failure[0]
     if helped[0] > helper_reported:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,34 @@ def test_a_read_error_while_reading_ahead_reaches_the_caller(tmp_path: Path, mon
     with pytest.raises(OSError, match="Input/output error"):
         metadata.file_sha256(str(path))
     assert [t.name for t in threading.enumerate() if t.name == "ckptconv-hash-read"] == []
+
+
+def test_joining_a_thread_outlasts_an_interruption_then_raises_it() -> None:
+    """A copying thread is waited for to its end even when Ctrl-C interrupts the wait."""
+    release = threading.Event()
+    finished: list[bool] = []
+
+    def work() -> None:
+        release.wait(10)
+        time.sleep(0.2)  # still running when the first wait is interrupted
+        finished.append(True)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    joins = 0
+
+    class Interrupted(threading.Thread):
+        def join(self, timeout: float | None = None) -> None:
+            nonlocal joins
+            joins += 1
+            if joins == 1:
+                release.set()
+                raise KeyboardInterrupt
+            thread.join(timeout)
+
+        def is_alive(self) -> bool:
+            return thread.is_alive()
+
+    with pytest.raises(KeyboardInterrupt):
+        _cores.join_uninterrupted(Interrupted())
+    assert finished == [True] and joins == 2 and not thread.is_alive()
