@@ -60,7 +60,7 @@ from . import read_policy
 from .errors import LoadError
 from .suffixes import CHECKPOINT_SUFFIXES, DCP_DATA_SUFFIX, DCP_METADATA, INDEX_SUFFIX, SAFETENSORS_SUFFIX, TAR_SUFFIX
 
-__all__ = ["Item", "Planned", "discover", "output_name", "plan_outputs", "unread_files"]
+__all__ = ["Item", "Planned", "discover", "folds_case", "output_name", "plan_outputs", "refusal", "unread_files"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -199,6 +199,19 @@ def _index_shards(path: str, folder: str) -> list[str] | None:
     except (CkptconvError, OSError):
         return None
     return sorted({str(shard) for shard in weight_map.values()})
+
+
+def refusal(item: Item, excluded: Iterable[str] = ()) -> str:
+    """Why ``item`` must not be read now, or ``""``: the rules :func:`discover` applied, asked again
+    when the item is converted (it may have become a link out of the source folder since)."""
+    root = item.path
+    for _ in item.name.split("/"):
+        root = os.path.dirname(root)
+    if os.path.islink(item.path) and os.path.isdir(item.path):
+        return f"a link to a folder (to {os.readlink(item.path)!r}); not followed"
+    if os.path.isdir(item.path) or not os.path.lexists(item.path):
+        return ""  # a folder item (DCP, a training run): its files are read by its format's rules
+    return _refusal(item.path, root, excluded)
 
 
 def _refusal(path: str, root: str, excluded: Iterable[str] = ()) -> str:

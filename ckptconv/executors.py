@@ -42,7 +42,7 @@ from typing import IO, Any, Callable
 
 from . import _cores, write_policy
 from ._worker import read_frame, write_frame
-from .discovery import FILE, Item, member_paths
+from .discovery import FILE, Item, member_paths, refusal
 from .errors import CkptconvError, LoadError, TransformError, interruption
 from .options import ConversionOptions
 from .report import CONVERTED, FAILED, ItemResult, OutputFile
@@ -141,12 +141,24 @@ def _snapshot(item: Item) -> tuple[int, int]:
     return size, mtime
 
 
+def _check_still_readable(job: Job) -> None:
+    """Refuse an item that became something discovery never takes (a link out of the source folder,
+    a FIFO) between discovery and now."""
+    output_root = job.output
+    for _ in job.output_name.split("/"):
+        output_root = os.path.dirname(output_root)
+    reason = refusal(job.item, [output_root])
+    if reason:
+        raise LoadError(f"{job.item.name!r} is now {reason}", path=job.item.path)
+
+
 def _convert(job: Job) -> ItemResult:
     """Convert one item; sharded checkpoints and DCP folders are one item each, never split."""
     from .conversion import convert
     from .metadata import file_sha256, source_sha256
 
     item, options = job.item, job.options
+    _check_still_readable(job)
     created = _prepare_folder(job)
     try:
         before = _snapshot(item) if os.path.exists(item.path) else None

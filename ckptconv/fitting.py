@@ -299,6 +299,11 @@ def fit(state: Mapping[str, Any], reference: Any, *, partial: bool = False) -> t
         >>> report.plan                                                                     # doctest: +SKIP
         ('remove wrapper prefixes (canonical names)',)
     """
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"fit takes a mapping of names to tensors, not a {type(state).__name__}; for a file give "
+            "ckptconv.open(path).select().weights"
+        )
     target_reference = reference_from(reference)
     target_keys = list(target_reference.keys)
     # Compare in canonical form, then give every key the reference's own name, so

@@ -194,6 +194,20 @@ def read_limited(path: str, *, limit: int = MAX_TEXT_BYTES, folder: str | None =
     return data
 
 
+def _name_problem(name: object) -> str:
+    """Why ``name`` is not a plain relative ``/``-separated file name inside a folder, or ``""``."""
+    if not isinstance(name, str) or not name:
+        return "is not a file inside its folder (it is not a file name)"
+    parts = name.split("/")
+    if os.path.isabs(name) or ".." in parts:
+        return "is not a file inside its folder (it leads outside the checkpoint folder)"
+    if "\\" in name or "\x00" in name:
+        return "is not a file inside its folder (its name holds a backslash or a NUL character)"
+    if any(part in ("", ".") for part in parts):
+        return "is not a plain name of a file inside its folder (it has a '.' or an empty component)"
+    return ""
+
+
 def member(folder: str, name: object, *, source: str, what: str = "file") -> str:
     """The path of the file ``name`` a folder checkpoint refers to, checked by :func:`check_file`.
 
@@ -205,18 +219,10 @@ def member(folder: str, name: object, *, source: str, what: str = "file") -> str
         MalformedCheckpointError: the name leads out of the folder or is not a name.
         LoadError: the file is missing, or is not a regular file.
     """
-    if (
-        not isinstance(name, str)
-        or not name
-        or os.path.isabs(name)
-        or "\\" in name
-        or "\x00" in name
-        or any(part in ("", ".", "..") for part in name.split("/"))
-    ):
+    problem = _name_problem(name)
+    if problem or not isinstance(name, str):
         raise MalformedCheckpointError(
-            f"{source!r} names the {what} {name!r}, which is not a file inside its folder "
-            "(it leads outside the checkpoint folder); the checkpoint is damaged",
-            path=source,
+            f"{source!r} names the {what} {name!r}, which {problem}; the checkpoint is damaged", path=source
         )
     path = os.path.join(folder, *name.split("/"))
     if not os.path.lexists(path):

@@ -62,3 +62,16 @@ def test_conversions_and_inspect_run_without_torch(tmp_path) -> None:  # type: i
     )
     subprocess.run([sys.executable, "-c", script, str(source), str(tmp_path)], check=True, capture_output=True)
     assert (tmp_path / "c.pt").exists()
+
+
+def test_fit_given_a_path_instead_of_a_state_says_what_it_takes() -> None:
+    """ckptconv.fit("model.pt", model) failed inside with "string indices must be integers"."""
+    import pytest
+
+    for state in ("model.pt", b"model.pt", 3):
+        with pytest.raises(TypeError) as raised:
+            ckptconv.fit(state, {"w": (2,)})  # type: ignore[arg-type]
+        assert str(raised.value) == (
+            f"fit takes a mapping of names to tensors, not a {type(state).__name__}; for a file give "
+            "ckptconv.open(path).select().weights"
+        )

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from torch import nn
 
 import ckptconv
+from ckptconv import batching
 from ckptconv.discovery import Item, discover, plan_outputs
 from ckptconv.executors import Job, run_job, run_local
 from ckptconv.manifest import MANIFEST_NAME, Manifest, read_records
@@ -343,10 +344,37 @@ def test_outputs_differing_only_in_case_collide_where_the_file_system_folds_case
         "file in the output folder); rename one of them, or leave it out with --glob",
     )
     assert planned["sub/m.pt"][1].startswith("'sub/m.pt' and 'Sub/m.pt' would all be written to 'sub/m.pt.safetensors'")
-    monkeypatch.setattr(ckptconv.batching, "folds_case", lambda path: True)
+    monkeypatch.setattr(batching, "folds_case", lambda path: True)
     report = ckptconv.batch(zoo, tmp_path / "out")
     assert sorted(r.source for r in report.failed) == ["A.pt", "Sub/m.pt", "a.pt", "sub/m.pt"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([MANIFEST_NAME, "b.safetensors"])
+
+
+def test_an_item_that_became_a_link_out_of_the_zoo_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between discovery and conversion m.pt became a link to a file outside the source folder, which
+    discovery never takes: the worker read it anyway (and put its first bytes in the error)."""
+    zoo, secret = tmp_path / "zoo", tmp_path / "secret.txt"
+    zoo.mkdir()
+    secret.write_text("root:x:0:0")
+    for name in ("a.pt", "m.pt"):
+        torch.save({"w": torch.ones(2)}, zoo / name)
+    found = batching.discover
+
+    def discover_then_swap(*args: Any, **kwargs: Any) -> Any:
+        items = found(*args, **kwargs)
+        (zoo / "m.pt").unlink()
+        (zoo / "m.pt").symlink_to(secret)
+        return items
+
+    monkeypatch.setattr(batching, "discover", discover_then_swap)
+    report = ckptconv.batch(zoo, tmp_path / "out")
+    (failed,) = report.failed
+    assert failed.source == "m.pt"
+    assert failed.error == (
+        f"'m.pt' is now a link that leads outside the source folder (to {str(secret)!r}); not followed"
+    )
+    assert "72 6f 6f 74" not in (tmp_path / "out" / MANIFEST_NAME).read_text()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([MANIFEST_NAME, "a.safetensors"])
 
 
 _NAMES = st.lists(

@@ -6,6 +6,7 @@ import json
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -317,3 +318,25 @@ def test_a_dcp_tensor_whose_chunks_hold_another_dtype_than_recorded_is_refused(t
         match="'w' is recorded as float64 but its chunks hold float32; torch's loader would cast them",
     ):
         ckptconv.open(folder)
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("./m.safetensors", "is not a plain name of a file inside its folder (it has a '.' or an empty component)"),
+        ("a//m.safetensors", "is not a plain name of a file inside its folder (it has a '.' or an empty component)"),
+        (None, "is not a file inside its folder (it is not a file name);"),
+        ("../m.safetensors", "is not a file inside its folder (it leads outside the checkpoint folder)"),
+        ("/abs/m.safetensors", "is not a file inside its folder (it leads outside the checkpoint folder)"),
+        ("a\\m.safetensors", "is not a file inside its folder (its name holds a backslash or a NUL character)"),
+    ],
+)
+def test_an_index_naming_a_shard_oddly_says_what_is_wrong_with_the_name(
+    name: Any, problem: str, tmp_path: Path
+) -> None:
+    """Every odd shard name was said to lead outside the checkpoint folder, './m.safetensors' and None too."""
+    ckptconv.save({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": name}}))
+    with pytest.raises(ckptconv.MalformedCheckpointError) as raised:
+        ckptconv.open(tmp_path)
+    assert f"names the shard {name!r}, which {problem}" in str(raised.value)

@@ -459,6 +459,15 @@ def test_fsdp1_ranks_disagreeing_on_the_metadata_are_refused(tmp_path: Path) -> 
     _refused(run, tmp_path, "the metadata of 'emb.weight' here differs from rank 0's")
 
 
+def test_fsdp1_a_shard_of_another_dtype_than_its_metadata_records_is_refused(tmp_path: Path) -> None:
+    """Rank 0's ShardedTensor metadata records float64 (tensor_properties) where its shards hold float32:
+    ShardedTensor gathers into a tensor of the recorded dtype; ckptconv wrote float32."""
+    run = _copy("fsdp1_sharded", tmp_path)
+    # torch.float32 is named once in the pickle, by the tensor_properties (the shards' storages are FloatStorage)
+    _edit_pickle(run / "model_world_size_2_rank_0.pt", b"torch\nfloat32\n", b"torch\nfloat64\n")
+    _refused(run, tmp_path, "the local shard of 'emb.weight' at [0, 0] holds float32 but its metadata records float64")
+
+
 def test_fsdp1_scan_is_foreign_not_unsafe() -> None:
     report = ckptconv.scan(RUNS / "fsdp1_sharded")
     assert report.verdict == "foreign", report.reason

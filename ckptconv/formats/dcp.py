@@ -295,7 +295,7 @@ def _tensor(
     dtype = pieces[0][1].dtype
     if any(piece.dtype != dtype for _, piece in pieces) or covered != math.prod(shape):
         raise _damaged(folder, f"the chunks of {fqn!r} do not tile a {dtype.name} tensor of size {list(shape)}")
-    recorded = _recorded_dtype(record.get("properties"))
+    recorded = recorded_dtype(record.get("properties"))
     if recorded is not None and recorded != dtype:
         raise _damaged(
             folder,
@@ -318,8 +318,9 @@ def _tensor(
     return TensorRef(storage, dtype, shape, contiguous_strides(shape))
 
 
-def _recorded_dtype(properties: Any) -> DType | None:
-    """The dtype a tensor's ``TensorProperties`` record (torch's loader makes the tensor in it), if readable.
+def recorded_dtype(properties: Any) -> DType | None:
+    """The dtype a tensor's ``TensorProperties`` record (torch's loader makes the tensor in it), if readable
+    (DCP's, and ShardedTensor's, which pickles alike).
 
     Recent torch pickles them as a tuple ``(dtype, layout, requires_grad, memory_format,
     pin_memory)``, older versions as a ``__dict__``.

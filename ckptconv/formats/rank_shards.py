@@ -45,7 +45,7 @@ from ..standins import ForeignObject
 from ..tensor import Storage, TensorRef, contiguous_strides
 from . import torch_zip
 from ._base import ReadResult
-from .dcp import Assembled, _overlapping_chunks, box_inside
+from .dcp import Assembled, _overlapping_chunks, box_inside, recorded_dtype
 
 __all__ = ["FORMAT", "find_files", "read", "sibling_files"]
 
@@ -187,6 +187,13 @@ def _sharded_tensor(
         if tensor.shape != box[1]:
             raise _damaged(
                 path, f"the local shard of {key!r} at {list(box[0])} is {list(tensor.shape)}, not {list(box[1])}"
+            )
+        recorded = recorded_dtype(meta.get("tensor_properties"))
+        if recorded is not None and tensor.dtype != recorded:
+            raise _damaged(
+                path,
+                f"the local shard of {key!r} at {list(box[0])} holds {tensor.dtype.name} but its metadata records "
+                f"{recorded.name}; gathering it would cast, so it is refused rather than read two ways",
             )
         pieces.append((box[0], tensor))
     return shape, boxes, pieces
