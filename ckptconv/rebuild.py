@@ -101,23 +101,18 @@ def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *rest: An
     typed = _typed_storage(storage)
     if type(offset) is not int:
         raise malformed(f"tensor storage offset {short_repr(offset)} is not an integer")
-    conj, neg = _tensor_bits(rest[2] if len(rest) > 2 else None)
-    return _inside_view(
-        typed,
-        TensorRef.checked(
-            typed.storage,
-            typed.dtype,
-            _as_shape(size, "size"),
-            _as_shape(stride, "stride"),
-            typed.element_offset + offset,
-            conj=conj,
-            neg=neg,
-        ),
+    return _on_storage(
+        typed, typed.dtype, size, stride, typed.element_offset + offset, rest[2] if len(rest) > 2 else None
     )
 
 
-def _inside_view(typed: TypedStorage, ref: TensorRef) -> TensorRef:
-    """``ref`` if it lies inside ``typed``'s storage view (legacy ``view_metadata``), which torch enforces."""
+def _on_storage(typed: TypedStorage, dtype: DType, size: Any, stride: Any, offset: int, metadata: Any) -> TensorRef:
+    """The tensor a rebuild function describes, checked against its storage and, for a legacy
+    storage view (``view_metadata``), against the view's bounds, which torch enforces."""
+    conj, neg = _tensor_bits(metadata)
+    ref = TensorRef.checked(
+        typed.storage, dtype, _as_shape(size, "size"), _as_shape(stride, "stride"), offset, conj=conj, neg=neg
+    )
     if typed.element_count is not None and ref.numel:
         end = (typed.element_offset + typed.element_count) * typed.dtype.itemsize
         if ref.byte_span[0] < typed.element_offset * typed.dtype.itemsize or ref.byte_span[1] > end:
@@ -147,19 +142,7 @@ def _rebuild_tensor_v3(
     base = typed.element_offset * typed.dtype.itemsize
     if base % dtype.itemsize:
         raise malformed("tensor storage offset is not aligned to its dtype")
-    conj, neg = _tensor_bits(metadata)
-    return _inside_view(
-        typed,
-        TensorRef.checked(
-            typed.storage,
-            dtype,
-            _as_shape(size, "size"),
-            _as_shape(stride, "stride"),
-            base // dtype.itemsize + offset,
-            conj=conj,
-            neg=neg,
-        ),
-    )
+    return _on_storage(typed, dtype, size, stride, base // dtype.itemsize + offset, metadata)
 
 
 def _rebuild_parameter(data: Any, *_ignored: Any) -> Any:
