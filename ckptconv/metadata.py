@@ -79,7 +79,7 @@ def _plain(value: Any, depth: int = 0, *, exact: bool = False) -> Any:
     if isinstance(value, Mapping):
         # OrderedDict and Counter are read back as themselves; any other mapping as a dict.
         result: dict[Any, Any] = {}
-        if exact and type(value) in (OrderedDict, Counter):
+        if exact and isinstance(value, (OrderedDict, Counter)) and type(value) in (OrderedDict, Counter):
             result = type(value)()
         for key, item in value.items():
             if exact:
