@@ -596,7 +596,8 @@ def test_verify_takes_an_optional_reader_wherever_it_stands(tmp_path: Path, argu
 
 
 def _legacy_with_views(tensors: list[tuple[str, tuple[str, int, int] | None, int, int]]) -> bytes:
-    """A legacy file of float tensors ``(name, view_metadata, offset, size)`` on one storage '0' of 8 elements."""
+    """A legacy file of float tensors ``(name, view_metadata, offset, size)`` on one storage '0' of 8 elements
+    (a name ``root@name`` gives that tensor the storage key ``root``)."""
 
     def text(value: str) -> bytes:
         return b"X" + struct.pack("<I", len(value)) + value.encode()
@@ -605,9 +606,11 @@ def _legacy_with_views(tensors: list[tuple[str, tuple[str, int, int] | None, int
         return b"J" + struct.pack("<i", value)
 
     body = b"\x80\x02}"
-    for name, view, offset, size in tensors:
+    for named, view, offset, size in tensors:
+        root, _, name = named.rpartition("@")  # "root@name": a tensor whose storage key is not '0'
         meta = b"N" if view is None else b"(" + text(view[0]) + number(view[1]) + number(view[2]) + b"t"
-        pid = b"(" + text("storage") + b"ctorch\nFloatStorage\n" + text("0") + text("cpu") + number(8) + meta + b"tQ"
+        pid = b"(" + text("storage") + b"ctorch\nFloatStorage\n" + text(root or "0") + text("cpu") + number(8)
+        pid += meta + b"tQ"
         body += text(name) + b"ctorch._utils\n_rebuild_tensor_v2\n(" + pid + number(offset) + number(size)
         body += b"\x85" + number(1) + b"\x85\x89ccollections\nOrderedDict\n)RtRs"
     header = b"".join(
@@ -626,6 +629,7 @@ def _legacy_with_views(tensors: list[tuple[str, tuple[str, int, int] | None, int
         ([("x", ("v", 2, 4), 0, 5)], "reaches past the end of its storage view of 4 elements"),  # torch fails too
         ([("x", ("v", 2, 4), 0, 2), ("y", ("v", 5, 3), 0, 2)], "storage view 'v' is given two different places"),
         ([("x", ("0", 2, 4), 0, 2)], "'0' names both a storage and a storage view"),
+        ([("x", ("v", 2, 4), 0, 2), ("v@y", ("w", 0, 2), 0, 2)], "'v' names both a storage and a storage view"),
         ([("x", ("v", 6, 4), 0, 1)], "storage view 'v' (6+4) lies outside its storage '0'"),
     ],
 )

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Union
 
-from ..errors import MalformedCheckpointError
-from ..standins import StorageType, short_repr
+from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from ..standins import ForeignGlobal, StorageType, short_repr
 
 if TYPE_CHECKING:
     from ..tensor import TensorRef
@@ -100,9 +100,6 @@ def check_storage_type(path: str, storage_type: Any, damaged: Callable[[str, str
         UnsupportedFormatError: a torch storage class of a dtype ckptconv does not know.
         Exception: from ``damaged(path, detail)`` for anything else.
     """
-    from ..errors import UnsupportedFormatError
-    from ..standins import ForeignGlobal
-
     if isinstance(storage_type, StorageType):
         return storage_type
     if (

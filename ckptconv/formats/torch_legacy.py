@@ -133,6 +133,8 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
         storage_type = check_storage_type(path, storage_type, _damaged)
         if not isinstance(root_key, str):
             raise _damaged(path, f"storage reference {short_repr(pid)} is malformed")
+        if root_key in views:  # torch would take the view for the storage (as a tensor's or a view's root)
+            raise _ambiguous(path, f"{root_key!r} names both a storage and a storage view")
         if type(numel) is not int or numel < 0:
             raise _damaged(path, f"storage {root_key!r} has size {numel!r}")
         dtype = storage_type.dtype
@@ -147,8 +149,6 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
             storages[root_key] = storage
             itemsizes[root_key] = dtype.itemsize
         if view_metadata is None:
-            if root_key in views:
-                raise _ambiguous(path, f"{root_key!r} names both a storage and a storage view")
             return TypedStorage(storage, dtype)
         return _view(root_key, view_metadata, TypedStorage(storage, dtype, 0, numel))
 
