@@ -60,7 +60,17 @@ from . import read_policy
 from .errors import LoadError
 from .suffixes import CHECKPOINT_SUFFIXES, DCP_DATA_SUFFIX, DCP_METADATA, INDEX_SUFFIX, SAFETENSORS_SUFFIX, TAR_SUFFIX
 
-__all__ = ["Item", "Planned", "discover", "folds_case", "output_name", "plan_outputs", "refusal", "unread_files"]
+__all__ = [
+    "Item",
+    "Planned",
+    "discover",
+    "folder_above",
+    "folds_case",
+    "output_name",
+    "plan_outputs",
+    "refusal",
+    "unread_files",
+]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -201,12 +211,17 @@ def _index_shards(path: str, folder: str) -> list[str] | None:
     return sorted({str(shard) for shard in weight_map.values()})
 
 
+def folder_above(path: str, name: str) -> str:
+    """The folder that ``path`` is ``name`` (``/``-separated, relative) inside of."""
+    for _ in name.split("/"):
+        path = os.path.dirname(path)
+    return path
+
+
 def refusal(item: Item, excluded: Iterable[str] = ()) -> str:
     """Why ``item`` must not be read now, or ``""``: the rules :func:`discover` applied, asked again
     when the item is converted (it may have become a link out of the source folder since)."""
-    root = item.path
-    for _ in item.name.split("/"):
-        root = os.path.dirname(root)
+    root = folder_above(item.path, item.name)
     if os.path.islink(item.path) and os.path.isdir(item.path):
         return f"a link to a folder (to {os.readlink(item.path)!r}); not followed"
     if os.path.isdir(item.path) or not os.path.lexists(item.path):

@@ -42,7 +42,7 @@ from typing import IO, Any, Callable
 
 from . import _cores, write_policy
 from ._worker import read_frame, write_frame
-from .discovery import FILE, Item, member_paths, refusal
+from .discovery import FILE, Item, folder_above, member_paths, refusal
 from .errors import CkptconvError, LoadError, TransformError, interruption
 from .options import ConversionOptions
 from .report import CONVERTED, FAILED, ItemResult, OutputFile
@@ -144,10 +144,7 @@ def _snapshot(item: Item) -> tuple[int, int]:
 def _check_still_readable(job: Job) -> None:
     """Refuse an item that became something discovery never takes (a link out of the source folder,
     a FIFO) between discovery and now."""
-    output_root = job.output
-    for _ in job.output_name.split("/"):
-        output_root = os.path.dirname(output_root)
-    reason = refusal(job.item, [output_root])
+    reason = refusal(job.item, [folder_above(job.output, job.output_name)])
     if reason:
         raise LoadError(f"{job.item.name!r} is now {reason}", path=job.item.path)
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -404,6 +405,27 @@ def _resolutions(node: Any, parts: tuple[str, ...], memo: dict[tuple[int, int], 
         return remembered
     memo[(id(node), len(parts))] = []  # a container that holds itself leads nowhere new
     found: _Found = []
+    for key, child, length in _steps(node, parts):
+        found += [(value, (key, *rest)) for value, rest in _resolutions(child, parts[length:], memo)]
+        if len(found) > 1:
+            break
+    memo[(id(node), len(parts))] = found[:2]
+    return found[:2]
+
+
+def _index(text: str) -> int | None:
+    """``text`` as an integer key or list index, or None (not digits, or digits ``int`` refuses: ``"²"``)."""
+    if not text.isdigit():
+        return None
+    try:
+        return int(text)
+    except ValueError:  # a superscript digit, or more digits than Python converts
+        return None
+
+
+def _steps(node: Any, parts: Sequence[str]) -> list[tuple[PathPart, Any, int]]:
+    """The ways the dotted path ``parts`` may go one step down from ``node``, longest key first:
+    (the key or index, the value under it, how many parts it takes)."""
     items = mapping_items(node)
     if items is None and isinstance(node, ForeignObject):
         items = list(node.attributes().items())
@@ -414,16 +436,14 @@ def _resolutions(node: Any, parts: tuple[str, ...], memo: dict[tuple[int, int], 
             text = ".".join(parts[:length])
             if text in keys:
                 steps.append((text, keys[text], length))
-            if text.isdigit() and int(text) in keys:
-                steps.append((int(text), keys[int(text)], length))
-    elif isinstance(node, (list, tuple)) and parts[0].isdigit() and int(parts[0]) < len(node):
-        steps.append((int(parts[0]), node[int(parts[0])], 1))
-    for key, child, length in steps:
-        found += [(value, (key, *rest)) for value, rest in _resolutions(child, parts[length:], memo)]
-        if len(found) > 1:
-            break
-    memo[(id(node), len(parts))] = found[:2]
-    return found[:2]
+            number = _index(text)
+            if number is not None and number in keys:
+                steps.append((number, keys[number], length))
+    elif isinstance(node, (list, tuple)):
+        number = _index(parts[0])
+        if number is not None and number < len(node):
+            steps.append((number, node[number], 1))
+    return steps
 
 
 def _resolve_first(tree: Any, path_text: str, source: str) -> tuple[Any, tuple[PathPart, ...]]:
@@ -431,30 +451,8 @@ def _resolve_first(tree: Any, path_text: str, source: str) -> tuple[Any, tuple[P
     parts = path_text.split(".") if path_text else []
     path: list[PathPart] = []
     while parts:
-        items = mapping_items(node)
-        if items is None and isinstance(node, ForeignObject):
-            items = list(node.attributes().items())
-        matched = False
-        if items is not None:
-            keys = dict(items)
-            for length in range(len(parts), 0, -1):
-                candidate = ".".join(parts[:length])
-                if candidate in keys:
-                    node, parts = keys[candidate], parts[length:]
-                    path.append(candidate)
-                    matched = True
-                    break
-                if candidate.isdigit() and int(candidate) in keys:
-                    node, parts = keys[int(candidate)], parts[length:]
-                    path.append(int(candidate))
-                    matched = True
-                    break
-        elif isinstance(node, (list, tuple)) and parts[0].isdigit() and int(parts[0]) < len(node):
-            node = node[int(parts[0])]
-            path.append(int(parts[0]))
-            parts = parts[1:]
-            matched = True
-        if not matched:
+        steps = _steps(node, parts)
+        if not steps:
             where = format_path(tuple(path))
             available = ", ".join(repr(str(k)) for k, _ in (path_children(node) or [])[:12])
             raise SelectionError(
@@ -463,6 +461,9 @@ def _resolve_first(tree: Any, path_text: str, source: str) -> tuple[Any, tuple[P
                 + (f"; it has {available}" if available else ""),
                 candidates=[str(k) for k, _ in path_children(node)],
             )
+        key, node, length = steps[0]
+        path.append(key)
+        parts = parts[length:]
     return node, tuple(path)
 
 

@@ -196,3 +196,10 @@ def test_meta_tensors_are_refused_with_what_to_do(tmp_path: Path) -> None:
     torch.save({"w": torch.empty(3, device="meta")}, path)
     with pytest.raises(SelectionError, match=r"meta-device tensors \('w'\).*materialise them"):
         ckptconv.open(path).select()
+
+
+@pytest.mark.parametrize("choice", ["²", "model.²", "layers.²", "9" * 5000])
+def test_select_with_digits_int_refuses_is_a_one_line_error(tmp_path: Path, choice: str) -> None:
+    # str.isdigit() takes "²" and any number of digits; int() refuses both: no key, not a traceback.
+    with pytest.raises(SelectionError, match="has no"):
+        select(tmp_path, {"model": tiny_state_dict(0), "layers": [tiny_state_dict(1)]}, choice)
