@@ -63,10 +63,9 @@ class FileRegion:
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[ReadInto]:
-        from .read_policy import open_file
+        from .read_policy import descriptor
 
-        with open_file(self.path) as file:
-            fd = file.fileno()
+        with descriptor(self.path) as fd:
 
             def read_into(start: int, out: memoryview) -> None:
                 read_exactly_into(fd, self.offset + start, out, self.path)

@@ -35,7 +35,7 @@ from .formats._base import MetadataValue, metadata_text, split_aliases
 from .formats.torch_zip import PlannedStorage
 from .integrity import crc32, crc32_combine
 from .options import TIED
-from .read_policy import open_file
+from .read_policy import descriptor, keeping_open
 from .streaming import iter_bytes_with_crcs, reads_whole_record
 from .suffixes import SAFETENSORS_SUFFIX, TAR_SUFFIX, TORCH_SUFFIXES
 from .tensor import FileRegion, Storage, TensorRef, read_exactly_into
@@ -63,6 +63,10 @@ _COPY_BUFFER = 1 << 20
 #: CRC-32s are joined at the end (one crc32_combine per run: 0.7 ms per GiB).
 _COPY_STRIPE = 8 << 20
 _PAGE = torch_zip.PAGE
+#: Copies up to this many bytes go through the output's own buffer: for small tensors the
+#: system calls of a kernel copy (flush, seek, copy, seek) cost more than the bytes. At least
+#: torch_zip.BUFFERED_RECORD, since records that small are filled into memory, not a file.
+SMALL_COPY = torch_zip.BUFFERED_RECORD
 
 
 @dataclass(frozen=True)
@@ -439,8 +443,8 @@ def _copy_file_region(
     source: FileRegion, start: int, length: int, file: BinaryIO, *, checksum: bool = False
 ) -> Generator[int, None, int]:
     """Copy a run of ``source`` to the end of ``file``: see :func:`_copy_range`."""
-    with open_file(source.path) as src:
-        return (yield from _copy_range(src.fileno(), source.offset + start, length, file, source.path, checksum))
+    with descriptor(source.path) as src:
+        return (yield from _copy_range(src, source.offset + start, length, file, source.path, checksum))
 
 
 def _copy_range(
@@ -455,8 +459,15 @@ def _copy_range(
     core's L2 cache and are checksummed there (:func:`_copy_through_buffers`):
     between offsets out of phase the kernel splits every page (1 GiB took
     0.38-0.47 s against 0.27 s through one buffer, CRC-32 included, on the
-    development VM).
+    development VM). Up to :data:`SMALL_COPY` bytes are written through
+    ``file``'s own buffer, which gathers many small tensors into one write.
     """
+    if length <= SMALL_COPY:
+        data = bytearray(length)
+        read_exactly_into(src, offset, memoryview(data), path)
+        file.write(data)
+        yield length
+        return crc32(data) if checksum else 0
     file.flush()
     out = file.fileno()
     end = offset + length
@@ -633,11 +644,22 @@ def _write_with_crc(
     (crc32 and os.write both release the GIL, so on two cores the checksum
     costs almost nothing on top of the write).
     """
+    crc = 0
+    pieces = iter(chunks)
+    for first in pieces:
+        small, small_crc = first
+        if small.nbytes > SMALL_COPY:
+            break
+        # A small chunk goes through the file's buffer, checksummed here: no thread to start.
+        crc = crc32(small, crc) if small_crc is None else crc32_combine(crc, small_crc, small.nbytes)
+        file.write(small)
+        update(small.nbytes)
+    else:
+        return crc
     file.flush()
     fd = file.fileno()
-    crc = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        for chunk, chunk_crc in chunks:
+        for chunk, chunk_crc in itertools.chain([first], pieces):
             pending = pool.submit(crc32, chunk, crc) if chunk_crc is None else None
             view = chunk
             while view.nbytes:
@@ -767,10 +789,15 @@ def save(
     protected = write_policy.Inputs([*_source_paths(entries), *inputs])
     folder_output = is_folder_destination(path, to, max_shard_size)
     kind = output_format(path, to, folder=folder_output)
-    _check_room(entries, target, kind)
+    # One plan of a .pt file's storages serves the room check and the write: with 10^5 tensors
+    # planning costs seconds.
+    zip_plan = torch_zip.plan_storages(entries) if kind == "pt" and not folder_output else None
+    _check_room(entries, target, kind, planned_bytes(entries, kind, zip_plan=zip_plan))
     total = sum(ref.nbytes for _, ref in entries)
     update, close = _progress_callback(progress, total, target)
-    try:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(close)
+        cleanup.enter_context(keeping_open())  # each source file opened once for all its tensors
         if folder_output:
             return _save_folder(
                 entries,
@@ -792,6 +819,7 @@ def save(
             entries,
             target,
             kind,
+            zip_plan=zip_plan,
             inputs=protected,
             overwrite=overwrite,
             metadata=metadata,
@@ -802,8 +830,6 @@ def save(
             dedupe=tied == "dedupe",
             record_crcs=record_crcs,
         )
-    finally:
-        close()
 
 
 def is_folder_destination(path: PathLike, format: str | None, max_shard_size: int | None) -> bool:
@@ -846,9 +872,12 @@ def _save_file(
     dedupe: bool = True,
     record_crcs: dict[Storage, int] | None = None,
     inputs: write_policy.Inputs | None = None,
+    zip_plan: torch_zip.Plan | None = None,
 ) -> WriteReport:
     aliases: dict[str, str] = {}
-    reserve = planned_bytes(entries, kind)
+    if kind == "pt" and zip_plan is None:
+        zip_plan = torch_zip.plan_storages(entries)
+    reserve = planned_bytes(entries, kind, zip_plan=zip_plan)
     with atomic_output(target, overwrite=overwrite, fsync=fsync, reserve=reserve, inputs=inputs) as file:
         if kind == "safetensors":
 
@@ -864,6 +893,7 @@ def _save_file(
                 entries,
                 file,
                 write_storage=functools.partial(_write_planned_storage, update=update, record_crcs=record_crcs),
+                plan=zip_plan,
                 metadata=metadata,
                 extra=extra,
             )
@@ -981,16 +1011,19 @@ def _with_key(entries: list[tuple[str, TensorRef]], ref: TensorRef, counts: Iter
         raise CastOverflowError(f"tensor {key!r}: {error}", key=key, count=error.count) from None
 
 
-def planned_bytes(entries: Sequence[tuple[str, TensorRef]], kind: str) -> int:
+def planned_bytes(
+    entries: Sequence[tuple[str, TensorRef]], kind: str, *, zip_plan: torch_zip.Plan | None = None
+) -> int:
     """Tensor bytes an output of ``kind`` will hold: ``.pt`` keeps views and ties as torch.save
-    does; the other formats store each distinct tensor once, contiguous."""
+    does (``zip_plan``, when already made, says how); the other formats store each distinct
+    tensor once, contiguous."""
     if kind == "pt":
-        storages, _ = torch_zip.plan_storages(entries)
+        storages, _ = zip_plan or torch_zip.plan_storages(entries)
         return sum(storage.nbytes for storage in storages)
     return sum(ref.nbytes for ref in {ref: None for _, ref in entries})
 
 
-def _check_room(entries: Sequence[tuple[str, TensorRef]], target: str, kind: str) -> None:
+def _check_room(entries: Sequence[tuple[str, TensorRef]], target: str, kind: str, needed: int) -> None:
     """Refuse, before anything is allocated or written, an output larger than the free space.
 
     A view can repeat a few stored bytes (stride 0) into terabytes: a 600-byte
@@ -998,7 +1031,6 @@ def _check_room(entries: Sequence[tuple[str, TensorRef]], target: str, kind: str
     """
     from .report import human_bytes
 
-    needed = planned_bytes(entries, kind)
     folder = os.path.dirname(target)
     while folder and not os.path.isdir(folder):
         folder = os.path.dirname(folder)
