@@ -41,10 +41,10 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _cores, read_policy
+from . import _cores, _gpu_crc, read_policy
 from .errors import LoadError, MalformedCheckpointError
 from .integrity import crc32, crc32_combine
 from .tensor import FileRegion, Storage, read_exactly_into
@@ -88,6 +88,10 @@ MAX_GPU_THREADS = 12
 # block size; 4096 covers every common device. A piece's payload leaves room
 # for rounding its start down and its end up.
 _ALIGN = 4096
+
+#: Take the CRC-32 of whole zip records loaded to a GPU on that GPU, after their copies
+#: (:mod:`ckptconv._gpu_crc`), rather than on the readers' threads. For benchmarks and tests.
+gpu_crc = True
 
 #: When this fraction of a file or more is in the page cache, it is read through it.
 WARM_FRACTION = 0.5
@@ -220,14 +224,15 @@ def _wants_crc(span: Span) -> bool:
     )
 
 
-def _tasks(spans: Sequence[Span], crcs: bool) -> Iterator[_Task]:
-    """Pieces of file regions, and whole spans of every other source, in file order."""
+def _tasks(spans: Sequence[Span], crcs: bool, on_gpu: Container[int] = ()) -> Iterator[_Task]:
+    """Pieces of file regions, and whole spans of every other source, in file order; the CRC-32s of
+    the spans numbered in ``on_gpu`` are left to the GPU (not taken by the readers)."""
     payload = _payload()
-    for span in spans:
+    for number, span in enumerate(spans):
         if span.stop <= span.start:
             continue
         if isinstance(span.storage.source, FileRegion) and span.storage.byteorder == "little":
-            crc = crcs and _wants_crc(span)
+            crc = crcs and _wants_crc(span) and number not in on_gpu
             for position, count in plan_pieces(span.start, span.stop, payload):
                 yield _Task(span, position, count, crc)
         else:
@@ -501,9 +506,16 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
         MalformedCheckpointError: a file is shorter than its header says (the
             first error any reader met; the others stop at their next piece).
     """
+    on_gpu = _gpu_checked(spans) if crcs is not None else {}
+    compilers = [
+        threading.Thread(target=_gpu_crc.kernel, args=(index,), name="ckptconv-crc-kernel", daemon=True)
+        for index in on_gpu
+    ]
+    for compiler in compilers:  # NVRTC compiles while the readers read (it releases the GIL)
+        compiler.start()
     tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
     count = 0
-    for task in _tasks(spans, crcs is not None):
+    for task in _tasks(spans, crcs is not None, {number for numbers in on_gpu.values() for number in numbers}):
         tasks.put(task)
         count += 1
     if count == 0:
@@ -553,3 +565,37 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
             joined = _join_crcs(pieces, storage.nbytes)
             if joined is not None:
                 crcs[storage] = joined
+        for compiler in compilers:
+            compiler.join()
+        for index, numbers in on_gpu.items():
+            kernel = _gpu_crc.kernel(index)
+            if kernel is None:  # check_record_crcs reads these records again
+                continue
+            outs = [spans[number] for number in numbers]
+            try:
+                found = _gpu_crc.record_crcs([span.out for span in outs], kernel)
+            except RuntimeError:  # the launch was refused: check_record_crcs reads these records again
+                continue
+            for span, crc in zip(outs, found):
+                crcs[span.storage] = crc
+
+
+def _gpu_checked(spans: Sequence[Span]) -> dict[int, list[int]]:
+    """The spans whose CRC-32 the GPU takes (whole records with one, on a CUDA device where the
+    kernel is not known to fail), numbered, by device index."""
+    found: dict[int, list[int]] = {}
+    if not gpu_crc:
+        return found
+    for number, span in enumerate(spans):
+        device = span.out.device
+        if device.type == "cuda" and span.stop > span.start and _wants_crc(span):
+            index = device.index if device.index is not None else _current_device()
+            if not _gpu_crc.known_unavailable(index):
+                found.setdefault(index, []).append(number)
+    return found
+
+
+def _current_device() -> int:
+    import torch
+
+    return int(torch.cuda.current_device())

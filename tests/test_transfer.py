@@ -336,3 +336,86 @@ def test_gpu_load_equals_cpu_load(
     loaded = ckptconv.load(path, device="cuda:0")
     assert all(t.device == torch.device("cuda:0") for t in loaded.values())
     assert_same_state({k: v.cpu() for k, v in loaded.items()}, reference, ordered=False)
+
+
+def test_records_left_to_the_gpu_are_not_checksummed_by_the_readers(tmp_path: Path) -> None:
+    """The readers take no CRC-32 of the spans the GPU checks (``on_gpu``), and every other whole record's."""
+    path = tmp_path / "m.pt"
+    torch.save(big_state(), path)
+    refs = dict(ckptconv.open(path).tensors())
+    storages = list(dict.fromkeys(r.storage for r in refs.values() if r.storage.nbytes > 0))
+    spans = [_transfer.Span(s, 0, s.nbytes, torch.empty(s.nbytes, dtype=torch.uint8)) for s in storages]
+    tasks = list(_transfer._tasks(spans, True, {0, 2}))
+    wanted = {task.span.storage for task in tasks if task.crc}
+    assert wanted == {s for number, s in enumerate(storages) if number not in (0, 2)}
+    assert {task.span.storage for task in tasks} == set(storages)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_crc_kernel_equals_zlib() -> None:
+    """The kernel's CRC-32 of records at every start alignment and of lengths around its chunks."""
+    from ckptconv import _gpu_crc
+
+    kernel = _gpu_crc.kernel(0)
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(7)
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=generator)
+    on_gpu = data.to("cuda:0")
+    chunk = _gpu_crc.CHUNK
+    lengths = [1, 2, 3, 15, 16, 17, 31, 33, 4095, chunk - 1, chunk, chunk + 1, 2 * chunk, 5 * chunk + 13, 1 << 21]
+    cases = [(offset, length) for offset in range(0, 40, 3) for length in lengths]
+    got = _gpu_crc.record_crcs([on_gpu[o : o + n] for o, n in cases], kernel)
+    raw = data.numpy().tobytes()
+    assert got == [zlib.crc32(raw[o : o + n]) for o, n in cases]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_gpu_crcs_come_from_the_gpu_or_the_readers(
+    tmp_path: Path, on_gpu: bool, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``gpu_crc`` every record's CRC-32 is taken by one kernel launch after the copies; without,
+    by the readers; the same values either way, those the archive records."""
+    from ckptconv import _gpu_crc
+
+    monkeypatch.setattr(_transfer, "gpu_crc", on_gpu)
+    launches: list[int] = []
+    real = _gpu_crc.record_crcs
+
+    def counted(outs: list[torch.Tensor], kernel: object) -> list[int]:
+        launches.append(len(outs))
+        return real(outs, kernel)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_gpu_crc, "record_crcs", counted)
+    path = tmp_path / "m.pt"
+    torch.save(big_state(), path)
+    refs = dict(ckptconv.open(path).tensors())
+    crcs: dict[object, int] = {}
+    from ckptconv._torch import to_torch
+
+    to_torch(refs, device="cuda:0", crcs=crcs)  # type: ignore[arg-type]
+    records = {r.storage for r in refs.values() if r.storage.nbytes > 0}
+    assert launches == ([len(records)] if on_gpu else [])
+    assert {s: crcs[s] for s in records} == {s: s.source.crc32 for s in records}  # type: ignore[union-attr]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_load_without_the_kernel_still_refuses_a_flipped_bit(
+    tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernel cannot be made after the readers left the CRC-32s to it, the records are read
+    again and checked (check_record_crcs), so a flipped bit is still refused."""
+    from ckptconv import _gpu_crc
+
+    monkeypatch.setattr(_gpu_crc, "kernel", lambda device: None)
+    path = tmp_path / "m.pt"
+    torch.save(big_state(), path)
+    record = dict(ckptconv.open(path).tensors())["w1"].storage
+    data = bytearray(path.read_bytes())
+    data[record.source.offset + 5] ^= 0x40  # type: ignore[union-attr]
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(MalformedCheckpointError, match=r"record .* \(tensor 'w1'\) has CRC-32"):
+        ckptconv.load(damaged, device="cuda:0")
+    loaded = ckptconv.load(path, device="cuda:0")
+    assert_same_state({k: v.cpu() for k, v in loaded.items()}, reference_load(path), ordered=False)
