@@ -43,7 +43,7 @@ import ckptconv._gpu_crc as G
 from ckptconv.integrity import crc32 as host_crc
 t = time.perf_counter(); k = G.kernel(0); compile_s = time.perf_counter() - t
 t = time.perf_counter(); G.kernel(0); again_s = time.perf_counter() - t
-assert k is not None, "no kernel"
+assert k is not None, "no kernel: " + G.failures.get(0, "?")
 rng = random.Random(0)
 buf = torch.randint(0, 256, (1 << 26,), dtype=torch.uint8, device="cuda:0")
 host = buf.cpu().numpy().tobytes()

@@ -169,11 +169,11 @@ class Kernel:
     @contextlib.contextmanager
     def _current(self) -> Iterator[None]:
         """The device's context current on this thread, whatever was before (driver calls use it)."""
-        _check(self.libcuda.cuCtxPushCurrent(self.context), "cuCtxPushCurrent")
+        _check(self.libcuda.cuCtxPushCurrent_v2(self.context), "cuCtxPushCurrent")
         try:
             yield
         finally:
-            self.libcuda.cuCtxPopCurrent(ctypes.byref(ctypes.c_void_p()))
+            self.libcuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
     def launch(self, table: torch.Tensor, records: int, total: int, out: torch.Tensor, stream: int) -> None:
         """Queue the kernel on ``stream`` (a CUDA stream handle); ``table`` and ``out`` on the device."""
@@ -237,6 +237,9 @@ def _compile(text: str, arch: str) -> bytes:
 _LOCK = threading.Lock()
 _KERNELS: dict[int, Kernel | None] = {}
 
+#: Why the kernel could not be made, by device (for ``CKPTCONV_DEBUG`` and the benchmarks).
+failures: dict[int, str] = {}
+
 
 def kernel(device: int) -> Kernel | None:
     """The kernel on CUDA device ``device``, compiled once per process; None where it cannot be made."""
@@ -244,8 +247,9 @@ def kernel(device: int) -> Kernel | None:
         if device not in _KERNELS:
             try:
                 _KERNELS[device] = Kernel(device)
-            except (OSError, RuntimeError, AttributeError):
+            except (OSError, RuntimeError, AttributeError) as error:
                 _KERNELS[device] = None
+                failures[device] = f"{type(error).__name__}: {error}"
         return _KERNELS[device]
 
 
