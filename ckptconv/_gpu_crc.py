@@ -254,7 +254,12 @@ def kernel(device: int) -> Kernel | None:
 
 
 def known_unavailable(device: int) -> bool:
-    """True when the kernel was tried on ``device`` and could not be made."""
+    """True when the kernel cannot be had on ``device``: PyTorch is not built for CUDA (ROCm), or
+    the kernel was tried there and could not be made."""
+    import torch
+
+    if not torch.version.cuda or getattr(torch.version, "hip", None):
+        return True
     return device in _KERNELS and _KERNELS[device] is None
 
 
