@@ -83,7 +83,7 @@ report(compile_s=round(compile_s, 4), cached_s=round(again_s, 6), sweep=f"{len(c
 # ckptconv._transfer.gpu_crc.
 LOAD = LOAD4.replace(
     '(I, "check_record_crcs", "crc_check")):',
-    '(I, "check_record_crcs", "crc_check"), (G, "kernel", "kernel"), (G.Groups, "launch", "gpu_crc"),'
+    '(I, "check_record_crcs", "crc_check"), (G, "kernel", "kernel"), (G, "launch", "gpu_crc"),'
     ' (T._GpuChecks, "finish", "gpu_crc_tail")):',
 ).replace(
     'for what in ("open", "to_torch", "read_spans", "crc_check"):',

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import glob
 import importlib.util
 import os
@@ -38,7 +39,7 @@ from .integrity import _x2n_table
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CHUNK", "Groups", "Kernel", "kernel", "plan", "ready", "record_crcs"]
+__all__ = ["CHUNK", "Kernel", "Launched", "collect", "kernel", "launch", "plan", "ready", "record_crcs"]
 
 #: Bytes of a record each GPU thread checksums: 8 GiB make 512 Ki threads, two waves of an H200.
 CHUNK = 16 << 10
@@ -175,13 +176,13 @@ class Kernel:
         finally:
             self.libcuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
-    def launch(self, table: int, records: int, total: int, out: int, stream: int) -> None:
-        """Queue the kernel on ``stream`` (a CUDA stream handle); ``table`` and ``out`` are device addresses."""
+    def launch(self, table: torch.Tensor, records: int, total: int, out: torch.Tensor, stream: int) -> None:
+        """Queue the kernel on ``stream`` (a CUDA stream handle); ``table`` and ``out`` on the device."""
         values = (
-            ctypes.c_uint64(table),
+            ctypes.c_uint64(table.data_ptr()),
             ctypes.c_int(records),
             ctypes.c_uint(CHUNK),
-            ctypes.c_uint64(out),
+            ctypes.c_uint64(out.data_ptr()),
         )
         arguments = (ctypes.c_void_p * len(values))(*(ctypes.addressof(value) for value in values))
         blocks = -(-total // _BLOCK)
@@ -268,65 +269,49 @@ def known_unavailable(device: int) -> bool:
     return device in _KERNELS and _KERNELS[device] is None
 
 
-class Groups:
-    """The CRC-32s of groups of records (uint8 tensors on one device, each one whole record).
+@dataclasses.dataclass
+class Launched:
+    """CRC-32s queued on a stream: the registers to come (``result``) and the records' ``lengths``."""
 
-    Every group's table is uploaded at once, here, on ``stream``, before the readers' copies
-    start: a table copied from pageable memory while the copy engine is busy with them made
-    each launch wait 1.5-2 ms (bench/results/bench_gpu_load_h200.md, round 5). A launch is
-    then only the kernel, queued on ``stream``; :meth:`collect` reads every register at once.
-    """
+    result: torch.Tensor | None
+    lengths: list[int]
+    table: torch.Tensor | None  # kept alive until the kernel has run
 
-    def __init__(self, groups: Sequence[Sequence[torch.Tensor]], device: int, stream: Any) -> None:
-        import numpy as np
-        import torch
 
-        self.parts: list[tuple[int, int, int, int]] = []  # table row, first register, records, chunks
-        self.lengths: list[list[int]] = []
-        tables = []
-        row = register = 0
-        for outs in groups:
-            lengths = [int(out.numel()) for out in outs]
-            firsts, total = plan(lengths)
-            table = np.empty(3 * len(outs) + 1, dtype=np.uint64)
-            table[0:-1:3] = [out.data_ptr() for out in outs]
-            table[1:-1:3] = lengths
-            table[2:-1:3] = firsts
-            table[-1] = total
-            tables.append(table)
-            self.parts.append((row, register, len(outs), total))
-            self.lengths.append(lengths)
-            row += len(table)
-            register += len(outs)
-        self.stream = stream
-        self.registers: Any = None
-        with torch.cuda.stream(stream):
-            joined = np.concatenate(tables) if tables else np.zeros(1, dtype=np.uint64)
-            self.table = torch.from_numpy(joined.view(np.int64)).to(torch.device("cuda", device))
-            self.result = torch.zeros(max(1, register), dtype=torch.int32, device=torch.device("cuda", device))
+def launch(outs: Sequence[torch.Tensor], kernel_: Kernel, stream: Any = None) -> Launched:
+    """Queue the CRC-32s of ``outs`` (uint8 tensors on the kernel's device, each one whole record)
+    on ``stream`` (the device's current stream when None), after whatever was queued on it."""
+    import numpy as np
+    import torch
 
-    def launch(self, group: int, kernel_: Kernel) -> None:
-        """Queue group ``group``'s kernel on the stream (after the tables' upload)."""
-        row, register, records, total = self.parts[group]
-        if total:
-            table = self.table.data_ptr() + 8 * row
-            kernel_.launch(table, records, total, self.result.data_ptr() + 4 * register, self.stream.cuda_stream)
+    device = torch.device("cuda", kernel_.device)
+    lengths = [int(out.numel()) for out in outs]
+    firsts, total = plan(lengths)
+    if total == 0:
+        return Launched(None, lengths, None)
+    table = np.empty(3 * len(outs) + 1, dtype=np.uint64)
+    table[0:-1:3] = [out.data_ptr() for out in outs]
+    table[1:-1:3] = lengths
+    table[2:-1:3] = firsts
+    table[-1] = total
+    stream = stream if stream is not None else torch.cuda.current_stream(device)
+    with torch.cuda.stream(stream):
+        on_device = torch.from_numpy(table.view(np.int64)).to(device)
+        result = torch.zeros(len(outs), dtype=torch.int32, device=device)
+        kernel_.launch(on_device, len(outs), total, result, stream.cuda_stream)
+    return Launched(result, lengths, on_device)
 
-    def collect(self, group: int) -> list[int]:
-        """Group ``group``'s CRC-32s, once the stream has run its kernel (the caller synchronizes)."""
-        import numpy as np
 
-        if self.registers is None:
-            self.registers = self.result.cpu().numpy().view(np.uint32)
-        _, register, records, _ = self.parts[group]
-        found = self.registers[register : register + records]
-        return [int(~int(value) & 0xFFFFFFFF) if n else 0 for value, n in zip(found, self.lengths[group])]
+def collect(launched: Launched) -> list[int]:
+    """The CRC-32s of a launch, once its stream has run it (the caller synchronizes)."""
+    import numpy as np
+
+    if launched.result is None:
+        return [0] * len(launched.lengths)
+    registers = launched.result.cpu().numpy().view(np.uint32)
+    return [int(~int(register) & 0xFFFFFFFF) if n else 0 for register, n in zip(registers, launched.lengths)]
 
 
 def record_crcs(outs: Sequence[torch.Tensor], kernel_: Kernel) -> list[int]:
     """The CRC-32 of each of ``outs``, on the device's current stream; waits for them."""
-    import torch
-
-    groups = Groups([outs], kernel_.device, torch.cuda.current_stream(kernel_.device))
-    groups.launch(0, kernel_)
-    return groups.collect(0)
+    return collect(launch(outs, kernel_))

@@ -503,8 +503,7 @@ class _GpuChecks:
     """The CRC-32s of whole zip records loaded to a GPU, taken there (:mod:`ckptconv._gpu_crc`).
 
     The records are cut into groups (in file order, the readers' order) of about
-    :data:`GPU_CRC_GROUP` bytes, whose tables go to the device before the reads
-    (:class:`ckptconv._gpu_crc.Groups`). A group's kernel is queued on a stream of its own
+    :data:`GPU_CRC_GROUP` bytes. A group's kernel is queued on a stream of its own
     once every piece of it has been copied: a reader learns that of its piece when
     it reuses the buffer, or at its end. Groups whose kernel was not compiled yet
     (NVRTC runs on a thread of its own, started here) are queued by :meth:`finish`.
@@ -529,17 +528,9 @@ class _GpuChecks:
                 size += spans[number].stop - spans[number].start
         self.pieces = [0] * len(self.groups)  # pieces not yet on the device, counted as tasks are made
         self.queued = [False] * len(self.groups)
-        self.launched = [False] * len(self.groups)
+        self.launched: list[_gpu_crc.Launched | None] = [None] * len(self.groups)
         self.lock = threading.Lock()
         self.streams = {index: torch.cuda.Stream(index) for index in on_gpu}  # type: ignore[no-untyped-call]
-        self.local: list[int] = []  # each group's number among its device's
-        members: dict[int, list[list[torch.Tensor]]] = {index: [] for index in on_gpu}
-        for index, numbers in self.groups:
-            self.local.append(len(members[index]))
-            members[index].append([spans[number].out for number in numbers])
-        for index, stream in self.streams.items():  # after the destinations were allocated
-            stream.wait_stream(torch.cuda.current_stream(index))
-        self.batches = {index: _gpu_crc.Groups(members[index], index, self.streams[index]) for index in on_gpu}
         self.compilers = [
             threading.Thread(target=_gpu_crc.kernel, args=(index,), name="ckptconv-crc-kernel", daemon=True)
             for index in on_gpu
@@ -566,11 +557,11 @@ class _GpuChecks:
         self._launch(group, kernel)
 
     def _launch(self, group: int, kernel: _gpu_crc.Kernel) -> None:
+        index, numbers = self.groups[group]
         try:
-            self.batches[self.groups[group][0]].launch(self.local[group], kernel)
+            self.launched[group] = _gpu_crc.launch([self.spans[n].out for n in numbers], kernel, self.streams[index])
         except RuntimeError:  # refused: these records are read again by check_record_crcs
-            return
-        self.launched[group] = True
+            self.launched[group] = None
 
     def settle(self) -> None:
         """Wait for the kernels queued (they read the destinations)."""
@@ -590,9 +581,10 @@ class _GpuChecks:
             if kernel is not None:
                 self._launch(group, kernel)
         self.settle()
-        for group, (index, numbers) in enumerate(self.groups):
-            if self.launched[group]:
-                for number, crc in zip(numbers, self.batches[index].collect(self.local[group])):
+        for group, (_, numbers) in enumerate(self.groups):
+            launched = self.launched[group]
+            if launched is not None:
+                for number, crc in zip(numbers, _gpu_crc.collect(launched)):
                     crcs[self.spans[number].storage] = crc
 
 

@@ -387,13 +387,13 @@ def test_gpu_crcs_come_from_the_gpu_or_the_readers(
     if how == "gpu, after the reads":
         monkeypatch.setattr(_gpu_crc, "ready", lambda device: None)
     launches: list[int] = []
-    real = _gpu_crc.Groups.launch
+    real = _gpu_crc.launch
 
-    def counted(self: _gpu_crc.Groups, group: int, kernel: _gpu_crc.Kernel) -> None:
-        launches.append(len(self.lengths[group]))
-        real(self, group, kernel)
+    def counted(outs: list[torch.Tensor], kernel: object, stream: object = None) -> object:
+        launches.append(len(outs))
+        return real(outs, kernel, stream)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_gpu_crc.Groups, "launch", counted)
+    monkeypatch.setattr(_gpu_crc, "launch", counted)
     path = tmp_path / "m.pt"
     torch.save(big_state(), path)
     refs = dict(ckptconv.open(path).tensors())
@@ -417,7 +417,7 @@ def test_gpu_load_with_a_refused_launch_still_refuses_a_flipped_bit(
     def refused(*args: object, **kwargs: object) -> None:
         raise RuntimeError("cuLaunchKernel failed with CUDA error 1")
 
-    monkeypatch.setattr(_gpu_crc.Groups, "launch", refused)
+    monkeypatch.setattr(_gpu_crc, "launch", refused)
     path = tmp_path / "m.pt"
     torch.save(big_state(), path)
     record = dict(ckptconv.open(path).tensors())["w2"].storage
