@@ -78,16 +78,14 @@ report(compile_s=round(compile_s, 4), cached_s=round(again_s, 6), sweep=f"{len(c
        checked_8gib=f"{checked} records equal ISA-L", isal_one_thread_gbps=round(isal_gbps, 1))
 """
 
-# probe_gpu_round4's timed load, with the kernel's compilation, its launches and what is left of the
-# GPU CRC-32s after the reads (_GpuChecks.finish) timed too, and ARGS["gpu_crc"] setting
-# ckptconv._transfer.gpu_crc.
+# probe_gpu_round4's timed load, with the kernel's compilation and the GPU CRC-32s timed too, and
+# ARGS["gpu_crc"] setting ckptconv._transfer.gpu_crc.
 LOAD = LOAD4.replace(
     '(I, "check_record_crcs", "crc_check")):',
-    '(I, "check_record_crcs", "crc_check"), (G, "kernel", "kernel"), (G, "launch", "gpu_crc"),'
-    ' (T._GpuChecks, "finish", "gpu_crc_tail")):',
+    '(I, "check_record_crcs", "crc_check"), (G, "kernel", "kernel"), (G, "record_crcs", "gpu_crc")):',
 ).replace(
     'for what in ("open", "to_torch", "read_spans", "crc_check"):',
-    'for what in ("open", "to_torch", "read_spans", "crc_check", "kernel", "gpu_crc", "gpu_crc_tail"):',
+    'for what in ("open", "to_torch", "read_spans", "crc_check", "kernel", "gpu_crc"):',
 )
 KNOBS = 'for name, value in ARGS["knobs"].items():'
 LOAD = "import ckptconv._gpu_crc as G\n" + LOAD.replace(KNOBS, "T.gpu_crc = ARGS.get('gpu_crc', True)\n" + KNOBS)
@@ -106,18 +104,16 @@ if ARGS.get("early_pin"):
 """
 LOAD = LOAD.replace("\ndef summary(t0, wall):", EARLY_PIN + "\ndef summary(t0, wall):")
 assert "open_early" in LOAD
-assert '(G, "kernel", "kernel")' in LOAD and '"gpu_crc", "gpu_crc_tail"):' in LOAD and "T.gpu_crc" in LOAD
+assert '(G, "kernel", "kernel")' in LOAD and '"kernel", "gpu_crc"):' in LOAD and "T.gpu_crc" in LOAD
 
 VARIANTS: list[tuple[str, str, dict[str, object]]] = [
     ("st", ".safetensors", {}),
     ("pt crc on the GPU", ".pt", {}),
-    ("pt crc on the GPU, one group after the reads", ".pt", {"knobs": {"GPU_CRC_GROUP": 1 << 40}}),
     ("pt crc on the readers (main)", ".pt", {"gpu_crc": False}),
     ("pt check_crc=False", ".pt", {"crc": False}),
+    ("st, staging pinned during the parse", ".safetensors", {"early_pin": True}),
+    ("pt crc on the GPU, staging pinned during the parse", ".pt", {"early_pin": True}),
 ]
-# Call 3 of round 5 also ran ("st, staging pinned during the parse", ".safetensors", {"early_pin": True})
-# and ("pt crc on the GPU, staging pinned during the parse", ".pt", {"early_pin": True}), with the
-# GPU's CRC-32s all taken after the reads.
 
 TIMELINES: list[tuple[str, str, dict[str, object]]] = [
     ("pt crc on the GPU, twice", ".pt", {"twice": True}),

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import glob
 import importlib.util
 import os
@@ -39,7 +38,7 @@ from .integrity import _x2n_table
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CHUNK", "Kernel", "Launched", "collect", "kernel", "launch", "plan", "ready", "record_crcs"]
+__all__ = ["CHUNK", "Kernel", "kernel", "plan", "record_crcs"]
 
 #: Bytes of a record each GPU thread checksums: 8 GiB make 512 Ki threads, two waves of an H200.
 CHUNK = 16 << 10
@@ -254,11 +253,6 @@ def kernel(device: int) -> Kernel | None:
         return _KERNELS[device]
 
 
-def ready(device: int) -> Kernel | None:
-    """The kernel on ``device`` if it is made already (without waiting for a compilation)."""
-    return _KERNELS.get(device)
-
-
 def known_unavailable(device: int) -> bool:
     """True when the kernel cannot be had on ``device``: PyTorch is not built for CUDA (ROCm), or
     the kernel was tried there and could not be made."""
@@ -269,18 +263,11 @@ def known_unavailable(device: int) -> bool:
     return device in _KERNELS and _KERNELS[device] is None
 
 
-@dataclasses.dataclass
-class Launched:
-    """CRC-32s queued on a stream: the registers to come (``result``) and the records' ``lengths``."""
+def record_crcs(outs: Sequence[torch.Tensor], kernel_: Kernel) -> list[int]:
+    """The CRC-32 of each of ``outs`` (uint8 tensors on the kernel's device, each one whole record).
 
-    result: torch.Tensor | None
-    lengths: list[int]
-    table: torch.Tensor | None  # kept alive until the kernel has run
-
-
-def launch(outs: Sequence[torch.Tensor], kernel_: Kernel, stream: Any = None) -> Launched:
-    """Queue the CRC-32s of ``outs`` (uint8 tensors on the kernel's device, each one whole record)
-    on ``stream`` (the device's current stream when None), after whatever was queued on it."""
+    Runs on the device's current stream, after whatever was queued on it, and waits for the result.
+    """
     import numpy as np
     import torch
 
@@ -288,30 +275,14 @@ def launch(outs: Sequence[torch.Tensor], kernel_: Kernel, stream: Any = None) ->
     lengths = [int(out.numel()) for out in outs]
     firsts, total = plan(lengths)
     if total == 0:
-        return Launched(None, lengths, None)
+        return [0] * len(outs)
     table = np.empty(3 * len(outs) + 1, dtype=np.uint64)
     table[0:-1:3] = [out.data_ptr() for out in outs]
     table[1:-1:3] = lengths
     table[2:-1:3] = firsts
     table[-1] = total
-    stream = stream if stream is not None else torch.cuda.current_stream(device)
-    with torch.cuda.stream(stream):
-        on_device = torch.from_numpy(table.view(np.int64)).to(device)
-        result = torch.zeros(len(outs), dtype=torch.int32, device=device)
-        kernel_.launch(on_device, len(outs), total, result, stream.cuda_stream)
-    return Launched(result, lengths, on_device)
-
-
-def collect(launched: Launched) -> list[int]:
-    """The CRC-32s of a launch, once its stream has run it (the caller synchronizes)."""
-    import numpy as np
-
-    if launched.result is None:
-        return [0] * len(launched.lengths)
-    registers = launched.result.cpu().numpy().view(np.uint32)
-    return [int(~int(register) & 0xFFFFFFFF) if n else 0 for register, n in zip(registers, launched.lengths)]
-
-
-def record_crcs(outs: Sequence[torch.Tensor], kernel_: Kernel) -> list[int]:
-    """The CRC-32 of each of ``outs``, on the device's current stream; waits for them."""
-    return collect(launch(outs, kernel_))
+    on_device = torch.from_numpy(table.view(np.int64)).to(device)
+    result = torch.zeros(len(outs), dtype=torch.int32, device=device)
+    kernel_.launch(on_device, len(outs), total, result, torch.cuda.current_stream(device).cuda_stream)
+    registers = result.cpu().numpy().view(np.uint32)
+    return [int(~int(register) & 0xFFFFFFFF) if length else 0 for register, length in zip(registers, lengths)]

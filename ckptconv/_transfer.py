@@ -41,7 +41,7 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _cores, _gpu_crc, read_policy
@@ -140,13 +140,12 @@ class Span:
 @dataclasses.dataclass(frozen=True)
 class _Task:
     """A piece to read: ``count`` bytes of ``span`` from ``position`` (storage numbering), or the whole
-    span in order when ``count`` is None; ``crc`` when the reader takes its CRC-32."""
+    span in order when ``count`` is None; ``crc`` when its CRC-32 is wanted."""
 
     span: Span
     position: int
     count: int | None
     crc: bool = False
-    group: int = -1  # the GPU's group of CRC-32 checks it belongs to (:class:`_GpuChecks`), if any
 
 
 @functools.cache
@@ -225,19 +224,17 @@ def _wants_crc(span: Span) -> bool:
     )
 
 
-def _tasks(spans: Sequence[Span], crcs: bool, on_gpu: Mapping[int, int] | None = None) -> Iterator[_Task]:
+def _tasks(spans: Sequence[Span], crcs: bool, on_gpu: Container[int] = ()) -> Iterator[_Task]:
     """Pieces of file regions, and whole spans of every other source, in file order; the CRC-32s of
-    the spans numbered in ``on_gpu`` are left to the GPU (their pieces carry the group it gives)."""
+    the spans numbered in ``on_gpu`` are left to the GPU (not taken by the readers)."""
     payload = _payload()
-    on_gpu = on_gpu or {}
     for number, span in enumerate(spans):
         if span.stop <= span.start:
             continue
         if isinstance(span.storage.source, FileRegion) and span.storage.byteorder == "little":
-            group = on_gpu.get(number, -1)
-            crc = crcs and _wants_crc(span) and group < 0
+            crc = crcs and _wants_crc(span) and number not in on_gpu
             for position, count in plan_pieces(span.start, span.stop, payload):
-                yield _Task(span, position, count, crc, group)
+                yield _Task(span, position, count, crc)
         else:
             yield _Task(span, span.start, None)
 
@@ -363,7 +360,6 @@ class _Shared:
     callers: dict[Any, Any]
     pinned: _Pinned | None
     crcs: dict[Storage, list[tuple[int, int, int]]]
-    checks: _GpuChecks | None = None
 
 
 class _Worker:
@@ -375,7 +371,6 @@ class _Worker:
         self.buffers: list[torch.Tensor] = []
         self.views: list[memoryview] = []
         self.events: list[Any] = []
-        self.pieces: list[_Task | None] = []  # the piece each buffer's pending copy moves
         self.turn = 0
         self.wants_more = True
         self.streams: dict[Any, Any] = {}
@@ -408,7 +403,6 @@ class _Worker:
                 self.shared.files.fd(source.path), source.offset + task.position, view[: task.count], source.path
             )
         self._upload(span, task.position, slot, skip, task.count)
-        self.pieces[slot] = task
         if task.crc:  # while the copy runs: both only read the buffer
             self._record_crc(task, view[skip : skip + task.count])
 
@@ -438,7 +432,6 @@ class _Worker:
             self.buffers.append(buffer)
             self.views.append(buffer.numpy().data)
             self.events.append(None)
-            self.pieces.append(None)
         self.wants_more = len(self.buffers) < DEPTH
 
     @staticmethod
@@ -459,15 +452,7 @@ class _Worker:
         if event is not None:
             event.synchronize()  # releases the GIL
             self.events[slot] = None
-            self._copied(slot)
         return slot
-
-    def _copied(self, slot: int) -> None:
-        """The copy out of buffer ``slot`` has finished: its piece is on the device."""
-        task = self.pieces[slot]
-        self.pieces[slot] = None
-        if task is not None and self.shared.checks is not None:
-            self.shared.checks.copied(task)
 
     def _upload(self, span: Span, position: int, slot: int, skip: int, count: int) -> None:
         import torch
@@ -490,102 +475,6 @@ class _Worker:
     def finish(self) -> None:
         for stream in self.streams.values():
             stream.synchronize()
-        for slot in range(len(self.pieces)):
-            self._copied(slot)
-
-
-#: The GPU takes the CRC-32s of whole records in groups of about this many bytes, each as soon
-#: as all of its pieces are on the device, so that only the last group's are left after the reads.
-GPU_CRC_GROUP = 512 << 20
-
-
-class _GpuChecks:
-    """The CRC-32s of whole zip records loaded to a GPU, taken there (:mod:`ckptconv._gpu_crc`).
-
-    The records are cut into groups (in file order, the readers' order) of about
-    :data:`GPU_CRC_GROUP` bytes. A group's kernel is queued on a stream of its own
-    once every piece of it has been copied: a reader learns that of its piece when
-    it reuses the buffer, or at its end. Groups whose kernel was not compiled yet
-    (NVRTC runs on a thread of its own, started here) are queued by :meth:`finish`.
-    A group whose kernel cannot be had or launched is left out of the CRC-32s
-    returned, so ``check_record_crcs`` reads those records again.
-    """
-
-    def __init__(self, spans: Sequence[Span], on_gpu: Mapping[int, Sequence[int]]) -> None:
-        import torch
-
-        self.spans = spans
-        self.groups: list[tuple[int, list[int]]] = []  # (device index, span numbers)
-        self.group_of: dict[int, int] = {}
-        for index, numbers in on_gpu.items():
-            size = GPU_CRC_GROUP
-            for number in numbers:
-                if size >= GPU_CRC_GROUP:
-                    self.groups.append((index, []))
-                    size = 0
-                self.groups[-1][1].append(number)
-                self.group_of[number] = len(self.groups) - 1
-                size += spans[number].stop - spans[number].start
-        self.pieces = [0] * len(self.groups)  # pieces not yet on the device, counted as tasks are made
-        self.queued = [False] * len(self.groups)
-        self.launched: list[_gpu_crc.Launched | None] = [None] * len(self.groups)
-        self.lock = threading.Lock()
-        self.streams = {index: torch.cuda.Stream(index) for index in on_gpu}  # type: ignore[no-untyped-call]
-        self.compilers = [
-            threading.Thread(target=_gpu_crc.kernel, args=(index,), name="ckptconv-crc-kernel", daemon=True)
-            for index in on_gpu
-        ]
-        for compiler in self.compilers:  # NVRTC compiles while the readers read (it releases the GIL)
-            compiler.start()
-
-    def counted(self, task: _Task) -> None:
-        """One more piece of a group to copy (before any reader starts)."""
-        if task.group >= 0:
-            self.pieces[task.group] += 1
-
-    def copied(self, task: _Task) -> None:
-        """A piece is on its device; the last of its group queues the group's kernel, if compiled."""
-        if task.group < 0:
-            return
-        group = task.group
-        with self.lock:
-            self.pieces[group] -= 1
-            kernel = _gpu_crc.ready(self.groups[group][0])
-            if self.pieces[group] or self.queued[group] or kernel is None:
-                return
-            self.queued[group] = True
-        self._launch(group, kernel)
-
-    def _launch(self, group: int, kernel: _gpu_crc.Kernel) -> None:
-        index, numbers = self.groups[group]
-        try:
-            self.launched[group] = _gpu_crc.launch([self.spans[n].out for n in numbers], kernel, self.streams[index])
-        except RuntimeError:  # refused: these records are read again by check_record_crcs
-            self.launched[group] = None
-
-    def settle(self) -> None:
-        """Wait for the kernels queued (they read the destinations)."""
-        for stream in self.streams.values():
-            stream.synchronize()
-
-    def finish(self, crcs: dict[Storage, int]) -> None:
-        """After every reader: queue the groups left, wait, and put every record's CRC-32 in ``crcs``."""
-        for compiler in self.compilers:
-            compiler.join()
-        for group, (index, _) in enumerate(self.groups):
-            with self.lock:
-                if self.queued[group] or self.pieces[group]:
-                    continue
-                self.queued[group] = True
-            kernel = _gpu_crc.kernel(index)
-            if kernel is not None:
-                self._launch(group, kernel)
-        self.settle()
-        for group, (_, numbers) in enumerate(self.groups):
-            launched = self.launched[group]
-            if launched is not None:
-                for number, crc in zip(numbers, _gpu_crc.collect(launched)):
-                    crcs[self.spans[number].storage] = crc
 
 
 def _join_crcs(pieces: list[tuple[int, int, int]], nbytes: int) -> int | None:
@@ -618,13 +507,16 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
             first error any reader met; the others stop at their next piece).
     """
     on_gpu = _gpu_checked(spans) if crcs is not None else {}
-    checks = _GpuChecks(spans, on_gpu) if on_gpu else None
+    compilers = [
+        threading.Thread(target=_gpu_crc.kernel, args=(index,), name="ckptconv-crc-kernel", daemon=True)
+        for index in on_gpu
+    ]
+    for compiler in compilers:  # NVRTC compiles while the readers read (it releases the GIL)
+        compiler.start()
     tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
     count = 0
-    for task in _tasks(spans, crcs is not None, checks.group_of if checks is not None else None):
+    for task in _tasks(spans, crcs is not None, {number for numbers in on_gpu.values() for number in numbers}):
         tasks.put(task)
-        if checks is not None:
-            checks.counted(task)
         count += 1
     if count == 0:
         return
@@ -635,7 +527,7 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
 
             callers[span.out.device] = torch.cuda.current_stream(span.out.device)
     threads = max(1, min(threads or reader_threads(gpu=bool(callers)), count))
-    shared = _Shared(_Files(direct_io), callers, _Pinned(threads * DEPTH) if callers else None, {}, checks)
+    shared = _Shared(_Files(direct_io), callers, _Pinned(threads * DEPTH) if callers else None, {})
     errors: list[BaseException] = []
     failed = threading.Event()
 
@@ -666,8 +558,6 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
         if shared.pinned is not None:
             shared.pinned.close()
         shared.files.close()
-        if errors and checks is not None:
-            checks.settle()
     if errors:
         raise errors[0]
     if crcs is not None:
@@ -675,8 +565,19 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
             joined = _join_crcs(pieces, storage.nbytes)
             if joined is not None:
                 crcs[storage] = joined
-        if checks is not None:
-            checks.finish(crcs)
+        for compiler in compilers:
+            compiler.join()
+        for index, numbers in on_gpu.items():
+            kernel = _gpu_crc.kernel(index)
+            if kernel is None:  # check_record_crcs reads these records again
+                continue
+            outs = [spans[number] for number in numbers]
+            try:
+                found = _gpu_crc.record_crcs([span.out for span in outs], kernel)
+            except RuntimeError:  # the launch was refused: check_record_crcs reads these records again
+                continue
+            for span, crc in zip(outs, found):
+                crcs[span.storage] = crc
 
 
 def _gpu_checked(spans: Sequence[Span]) -> dict[int, list[int]]:
