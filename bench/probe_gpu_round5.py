@@ -106,6 +106,13 @@ LOAD = LOAD.replace("\ndef summary(t0, wall):", EARLY_PIN + "\ndef summary(t0, w
 assert "open_early" in LOAD
 assert '(G, "kernel", "kernel")' in LOAD and '"kernel", "gpu_crc"):' in LOAD and "T.gpu_crc" in LOAD
 
+# (title, file suffix, LOAD arguments besides the path). Round 5 ran five calls on one H200
+# (bench/results/bench_gpu_load_h200.md): calls 1 (commit ef64e1d) and 2 (c7cff34) the first four
+# and the sharded folder (in call 1 the kernel could not be loaded, unversioned driver entry points,
+# and the loads fell back to reading the records again); call 3 (cff68fd) this list; calls 4
+# (cdfb369) and 5 (eee42db) the first four and "pt crc on the GPU, one group after the reads", with
+# the GPU's CRC-32s taken in groups of 512 MiB of records as their copies finished (reverted: no
+# faster than one launch after the reads).
 VARIANTS: list[tuple[str, str, dict[str, object]]] = [
     ("st", ".safetensors", {}),
     ("pt crc on the GPU", ".pt", {}),
