@@ -199,9 +199,8 @@ def load(
             visible GPU with the most free memory, else the CPU (with a
             :class:`~ckptconv.devices.DeviceFallbackWarning`).
         check_crc: compare every zip record read with the CRC-32 the archive
-            records (torch.load does not): taken as the tensors are read, or, on
-            a CUDA GPU, by a kernel over the bytes that landed there; False loads
-            a damaged file's bytes as they are.
+            records (torch.load does not), on a second thread while the tensors
+            are read; False loads a damaged file's bytes as they are.
 
     Returns:
         A dict of names to tensors, ready for ``model.load_state_dict``.
