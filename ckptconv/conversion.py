@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from . import _cores
+from ._gc import collector_paused
 from ._text import plural
 from ._version import __version__
 from .errors import FitError, TransformError, VerifyError
@@ -192,6 +193,19 @@ def convert(
         ...                  transforms=[ckptconv.StripPrefix("module"), ckptconv.Cast("bf16")])  # doctest: +SKIP
     """
     options = (options or ConversionOptions()).with_changes("convert", **changes)
+    # Its bookkeeping builds and walks objects for every tensor: see ckptconv._gc.
+    with collector_paused():
+        return _convert(source, destination, options, dry_run=dry_run, progress=progress)
+
+
+def _convert(
+    source: PathLike,
+    destination: PathLike | None,
+    options: ConversionOptions,
+    *,
+    dry_run: bool,
+    progress: Progress,
+) -> ConversionReport:
     pipeline = options.transforms
     select, to, fit_to, max_shard_size = options.select, options.to, options.fit_to, options.max_shard_size
     reference = "ckptconv" if options.verify is True else (options.verify or None)

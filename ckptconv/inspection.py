@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Union
 
+from ._gc import collector_paused
 from .errors import SelectionError
 from .loading import open as open_checkpoint
 from .standins import ForeignGlobal, ForeignObject, NumpyArray
@@ -165,6 +166,11 @@ def inspect(path: PathLike, *, select: str | None = None, trust: bool = False) -
         >>> info.selected, info.parameters        # doctest: +SKIP
         ('state_dict', 11689512)
     """
+    with collector_paused():  # an object or more per tensor: see ckptconv._gc
+        return _inspect(path, select=select, trust=trust)
+
+
+def _inspect(path: PathLike, *, select: str | None, trust: bool) -> CheckpointInfo:
     checkpoint = open_checkpoint(path, trust=trust)
     selected: str | None = None
     note = error = ""

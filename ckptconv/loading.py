@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 from . import formats
+from ._gc import collector_paused
 from .errors import CkptconvError, LoadError, MalformedCheckpointError
 from .formats._base import ReadResult
 from .selection import Selection, select_weights
@@ -137,7 +138,8 @@ def open(path: PathLike, *, trust: bool = False) -> Checkpoint:
         result = _read_trusted(path, kind)
     else:
         try:
-            result = formats.READERS[kind](path)
+            with collector_paused():
+                result = formats.READERS[kind](path)
         except CkptconvError:
             raise
         except _PARSE_FAILURES as error:
@@ -199,8 +201,9 @@ def load(
             visible GPU with the most free memory, else the CPU (with a
             :class:`~ckptconv.devices.DeviceFallbackWarning`).
         check_crc: compare every zip record read with the CRC-32 the archive
-            records (torch.load does not), on a second thread while the tensors
-            are read; False loads a damaged file's bytes as they are.
+            records (torch.load does not): taken from the bytes as they are
+            read, or on the GPU once they are there (``device="cuda"``); False
+            loads a damaged file's bytes as they are.
 
     Returns:
         A dict of names to tensors, ready for ``model.load_state_dict``.

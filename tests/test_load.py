@@ -279,3 +279,33 @@ def test_trust_hands_the_file_to_torch_load(tmp_path: Path, monkeypatch: pytest.
     # Without trust the same file opens too, through stand-ins, and gives the same weights.
     assert "trusted_nets.Net" in ckptconv.open(path).foreign_globals
     assert_same_state(ckptconv.load(path), net.state_dict())
+
+
+def test_open_pauses_the_cyclic_collector_only_while_it_reads(tmp_path: Path) -> None:
+    """The collector is off while a reader builds the tree (ckptconv._gc), and comes back as it was."""
+    import gc
+
+    from ckptconv import formats
+    from ckptconv.formats import torch_zip
+
+    path = tmp_path / "x.pt"
+    torch.save({"w": torch.arange(3.0)}, path)
+    seen: list[bool] = []
+    original = formats.READERS[torch_zip.FORMAT]
+    formats.READERS[torch_zip.FORMAT] = lambda p: (seen.append(gc.isenabled()), original(p))[1]
+    try:
+        assert gc.isenabled()
+        ckptconv.open(path)
+        assert seen == [False] and gc.isenabled()
+        (tmp_path / "bad.pt").write_bytes(path.read_bytes()[:-30])
+        with pytest.raises(ckptconv.LoadError):
+            ckptconv.open(tmp_path / "bad.pt")
+        assert gc.isenabled()  # restarted after a failure too
+        gc.disable()
+        try:
+            ckptconv.open(path)
+            assert not gc.isenabled()  # a collector someone else turned off stays off
+        finally:
+            gc.enable()
+    finally:
+        formats.READERS[torch_zip.FORMAT] = original
