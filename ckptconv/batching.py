@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Union
 
 from . import write_policy
+from ._paths import PathLike, as_path
 from ._text import plural
 from ._version import __version__
 from .discovery import FILE, Item, Planned, discover, folds_case, plan_outputs
@@ -37,7 +38,6 @@ from .writing import output_format
 
 __all__ = ["batch"]
 
-PathLike = Union[str, "os.PathLike[str]"]
 BatchProgress = Union[bool, Callable[[ItemResult], None]]
 
 EXECUTORS = ("local", "dask")
@@ -262,25 +262,24 @@ def batch(
         raise ValueError("batch does not fit keys to a reference; use ckptconv.convert(..., fit_to=...) per file")
     kind = output_format("", options.to or "safetensors")
     options = options.with_changes(to=kind)
-    source = os.path.abspath(os.fspath(source_dir))
-    output = os.path.abspath(os.fspath(output_dir))
+    source_dir, output_dir = as_path(source_dir), as_path(output_dir)
+    source = os.path.abspath(source_dir)
+    output = os.path.abspath(output_dir)
     # Compare real paths: SRC or DST spelled through a link is still the same folder.
     if os.path.realpath(output) == os.path.realpath(source):
-        raise WriteError(
-            f"the output folder {os.fspath(output_dir)!r} is the source folder; choose another one", path=output
-        )
+        raise WriteError(f"the output folder {output_dir!r} is the source folder; choose another one", path=output)
     if os.path.exists(output) and not os.path.isdir(output):
-        raise WriteError(f"{os.fspath(output_dir)!r} is a file; the output must be a folder", path=output)
+        raise WriteError(f"{output_dir!r} is a file; the output must be a folder", path=output)
 
     globs = [glob] if isinstance(glob, str) else list(glob or ())
     notes: list[str] = []
-    items = discover(source, globs=globs, exclude=[output], notes=notes)
+    items = discover(source_dir, globs=globs, exclude=[output], notes=notes)
     planned = plan_outputs(items, kind, fold_case=folds_case(output))
     manifest_path = os.path.join(output, MANIFEST_NAME)
     fingerprint = _fingerprint(options)
     done = latest_conversions(manifest_path) if resume else {}
     if resume and not options.overwrite:
-        _check_same_options(manifest_path, os.fspath(output_dir), done, planned, options)
+        _check_same_options(manifest_path, output_dir, done, planned, options)
 
     results: dict[str, ItemResult] = {}
     refused: list[ItemResult] = []

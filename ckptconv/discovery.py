@@ -54,9 +54,9 @@ import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from . import read_policy
+from ._paths import PathLike, as_path, missing
 from .errors import LoadError
 from .suffixes import CHECKPOINT_SUFFIXES, DCP_DATA_SUFFIX, DCP_METADATA, INDEX_SUFFIX, SAFETENSORS_SUFFIX, TAR_SUFFIX
 
@@ -72,7 +72,6 @@ __all__ = [
     "unread_files",
 ]
 
-PathLike = Union[str, "os.PathLike[str]"]
 
 FILE = "file"
 SHARDED = "sharded"
@@ -319,13 +318,14 @@ def discover(
     """
     from .formats import is_checkpoint_file
 
-    given = os.path.abspath(os.fspath(source_dir))
+    shown = as_path(source_dir)
+    given = os.path.abspath(shown)
     if not os.path.exists(given):
-        raise LoadError(f"{os.fspath(source_dir)!r} does not exist; check the path", path=given)
+        raise LoadError(f"{missing(shown)}; check the path", path=given)
     if not os.path.isdir(given):
-        raise LoadError(f"{os.fspath(source_dir)!r} is not a folder; use `ckptconv convert` for one file", path=given)
+        raise LoadError(f"{shown!r} is not a folder; use `ckptconv convert` for one file", path=given)
     root = os.path.realpath(given)  # SRC spelled through a link: walk (and compare) the real folder
-    excluded = {os.path.realpath(os.fspath(path)) for path in exclude}
+    excluded = {os.path.realpath(as_path(path)) for path in exclude}
     patterns = [_glob_regex(pattern) for pattern in globs]
     items: list[Item] = []
     claimed: set[str] = set()  # files an index in a folder above claimed as its shards

@@ -21,9 +21,10 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from . import read_policy
+from ._paths import PathLike, as_path
 from .errors import CkptconvError, FitError, KeyCollisionError, LoadError, UnsupportedFormatError
 from .transforms import AddPrefix, Canonicalize, StripPrefix, Transform, canonical_keys
 
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 
 __all__ = ["FitReport", "Reference", "fit", "load_into", "reference_from"]
 
-PathLike = Union[str, "os.PathLike[str]"]
 
 # How many mismatched keys a report lists in full.
 _SHOWN = 20
@@ -140,8 +140,8 @@ def reference_from(reference: Any) -> Reference:
             {k: s for k, v in reference.items() if (s := _shape(v)) is not None},
             "the reference state dict",
         )
-    if isinstance(reference, (str, os.PathLike)):
-        text = os.fspath(reference)
+    if isinstance(reference, (str, bytes, os.PathLike)):
+        text = as_path(reference)
         if os.path.exists(text):
             return _reference_from_file(text)
         if ":" in text and os.path.sep not in text.split(":", 1)[0]:
@@ -390,7 +390,7 @@ def load_into(
     from ._torch import to_torch
     from .loading import open as open_checkpoint
 
-    weights = open_checkpoint(path, trust=trust).select(select).weights
+    weights = open_checkpoint(as_path(path), trust=trust).select(select).weights
     fitted, report = fit(weights, model, partial=not strict)
     if not report.ok:
         if strict:

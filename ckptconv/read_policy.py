@@ -31,6 +31,7 @@ import os
 import stat
 from collections.abc import Iterator
 
+from ._paths import missing
 from .errors import LoadError, MalformedCheckpointError, UnsupportedFormatError
 
 __all__ = [
@@ -99,10 +100,10 @@ def within(path: str, folder: str) -> bool:
 
 
 def _stat_error(error: OSError, path: str) -> LoadError:
-    if isinstance(error, FileNotFoundError):
+    if isinstance(error, (FileNotFoundError, NotADirectoryError)):
         if os.path.islink(path):
             return LoadError(f"{path!r} is a link to a missing file; check the path", path=path)
-        return LoadError(f"{path!r} does not exist; check the path", path=path)
+        return LoadError(f"{missing(path)}; check the path", path=path)
     if isinstance(error, PermissionError):
         return LoadError(f"{path!r} cannot be read: permission denied", path=path)
     return LoadError(f"{path!r} cannot be read: {error.strerror or error}", path=path)

@@ -42,15 +42,15 @@ import zipfile
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from . import read_policy
+from ._paths import PathLike, as_path, missing
 from .errors import CkptconvError, LoadError, MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from .unpickler import UnsafeFinding, recording_unsafe
 
 __all__ = ["SAFE", "VERDICTS", "ScanReport", "ScanSummary", "scan", "scan_many"]
 
-PathLike = Union[str, "os.PathLike[str]"]
 
 SAFE = "safe"
 FOREIGN = "foreign"
@@ -181,7 +181,7 @@ def scan(path: PathLike) -> ScanReport:
     """
     from .loading import open as open_checkpoint
 
-    path = os.fspath(path)
+    path = as_path(path)
     findings: list[UnsafeFinding] = []
     with recording_unsafe(findings):
         try:
@@ -334,9 +334,9 @@ def scan_many(paths: Iterable[PathLike]) -> ScanSummary:
 
     reports = []
     for raw in paths:
-        path = os.fspath(raw)
+        path = as_path(raw)
         if not os.path.lexists(path):
-            raise LoadError(f"{path!r} does not exist; check the path", path=path)
+            raise LoadError(f"{missing(path)}; check the path", path=path)
         if os.path.isdir(path) and not dcp.is_dcp_folder(path) and sharded.find_index(path) is None:
             for item in discover(path):
                 reports.append(scan(item.path))

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
+from ._paths import PathLike, as_path
 from .integrity import check_record_crcs
 from .tensor import TensorRef
 from .transforms import Pipeline, Transform
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from .selection import Selection
 
 __all__ = ["DiffReport", "TensorDifference", "VerifyReport", "compare", "diff", "verify"]
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +131,7 @@ def verify(
     """
     from .loading import open as open_checkpoint
 
+    source, output = as_path(source), as_path(output)
     pipeline = transforms if isinstance(transforms, Pipeline) else Pipeline.of(transforms)
     source_checkpoint = open_checkpoint(source, trust=trust)
     selection = source_checkpoint.select(select)
@@ -290,8 +289,8 @@ def diff(
     """
     from .loading import open as open_checkpoint
 
-    first = open_checkpoint(a, trust=trust).select(select_a).weights
-    second = open_checkpoint(b, trust=trust).select(select_b).weights
+    first = open_checkpoint(as_path(a), trust=trust).select(select_a).weights
+    second = open_checkpoint(as_path(b), trust=trust).select(select_b).weights
     differences = []
     same = 0
     for key, left in first.items():

@@ -31,6 +31,7 @@ import stat
 from collections.abc import Iterable
 from typing import BinaryIO
 
+from ._paths import tilde_note
 from .errors import WriteError
 
 __all__ = [
@@ -186,7 +187,7 @@ def make_folders(folder: str, *, root: str | None = None) -> list[str]:
     if root is None:
         parent, parts = os.path.dirname(os.path.abspath(folder)), [os.path.basename(os.path.abspath(folder))]
         if not os.path.isdir(parent):
-            raise WriteError(f"folder {parent!r} does not exist; create it first", path=folder)
+            raise WriteError(f"folder {parent!r} does not exist{tilde_note(parent)}; create it first", path=folder)
     else:
         parent = os.path.abspath(root)
         parts = _check_parts(os.path.relpath(os.path.abspath(folder), parent), folder)

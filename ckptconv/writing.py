@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Union
 
 from . import _cores, write_policy
+from ._paths import PathLike, as_path, tilde_note
 from ._text import shown
 from .errors import CastOverflowError, CkptconvError, DestinationError, OutputExistsError, WriteError
 from .formats import dcp, safetensors, sharded, torch_zip
@@ -42,7 +43,6 @@ from .tensor import FileRegion, Storage, TensorRef, read_exactly_into
 
 __all__ = ["WriteReport", "output_format", "save"]
 
-PathLike = Union[str, "os.PathLike[str]"]
 Progress = Union[bool, Callable[[int], None]]
 
 _FORMAT_NAMES = {
@@ -110,7 +110,7 @@ def output_format(path: PathLike, to: str | None = None, *, folder: bool = False
         DestinationError: ``to`` contradicts the destination's suffix (``o.safetensors`` with ``pt``).
         WriteError: neither ``to`` nor the suffix says which format to write.
     """
-    text = os.fspath(path)
+    text = as_path(path)
     named = None if folder or not text else _suffix_format(os.path.basename(text))
     if to is not None:
         name = _FORMAT_NAMES.get(to.lower())
@@ -393,7 +393,7 @@ def atomic_output(
         OutputExistsError: ``path`` exists and ``overwrite`` is False.
         WriteError: the folder is missing or not writable, the disk is full, ...
     """
-    shown = os.fspath(path)
+    shown = as_path(path)
     target = os.path.abspath(shown)
     folder = os.path.dirname(target)
     if os.path.isdir(target):
@@ -404,7 +404,7 @@ def atomic_output(
         except OSError as error:
             if error.errno == errno.ENAMETOOLONG:
                 raise write_policy.os_error(error, target) from None
-        raise WriteError(f"folder {folder!r} does not exist; create it first", path=target)
+        raise WriteError(f"folder {folder!r} does not exist{tilde_note(shown)}; create it first", path=target)
     if os.path.lexists(target) and not overwrite:
         raise OutputExistsError(f"{shown!r} already exists; pass --overwrite to replace it", path=target)
     write_policy.check_replaceable(target, shown)
@@ -784,8 +784,9 @@ def save(
         to = format
     if tied not in TIED:
         raise ValueError(f"tied must be one of {', '.join(TIED)}, not {tied!r}")
+    path = as_path(path)
     entries = _entries(state)
-    target = os.path.abspath(os.fspath(path))
+    target = os.path.abspath(path)
     protected = write_policy.Inputs([*_source_paths(entries), *inputs])
     folder_output = is_folder_destination(path, to, max_shard_size)
     kind = output_format(path, to, folder=folder_output)
@@ -839,7 +840,7 @@ def is_folder_destination(path: PathLike, format: str | None, max_shard_size: in
         DestinationError: a folder would be created under a file's name (``m5.safetensors``
             with ``max_shard_size``, or with ``format="dcp"``).
     """
-    text = os.fspath(path)
+    text = as_path(path)
     if os.path.isdir(text) or text.endswith(("/", os.sep)):
         return True
     dcp = (format or "").lower() == "dcp"

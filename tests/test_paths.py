@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from safetensors.torch import load_file
 
@@ -947,3 +948,106 @@ def test_hugging_face_cache_snapshots_are_read(tmp_path: Path) -> None:
     (snapshot / "model-00001-of-00002.safetensors").symlink_to(tmp_path / "private.safetensors")
     with pytest.raises(ckptconv.MalformedCheckpointError, match="leads outside the checkpoint folder"):
         ckptconv.open(snapshot)
+
+
+# ---------------------------------------------------------------------------------------
+# The paths the Python API takes: str, bytes, os.PathLike of either; taken as written
+# ---------------------------------------------------------------------------------------
+
+
+class _BytesPath:
+    """An ``os.PathLike[bytes]``, as ``os.fsencode``-minded code passes paths."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = os.fsencode(path)
+
+    def __fspath__(self) -> bytes:
+        return self.path
+
+
+@pytest.mark.parametrize("spell", [os.fsencode, _BytesPath], ids=["bytes", "PathLike[bytes]"])
+def test_every_entry_point_takes_bytes_paths(tmp_path: Path, spell: object) -> None:
+    """bytes paths went in as far as a str method and failed there with "a bytes-like object is
+    required, not 'str'"; they are now what os.fsdecode makes of them, in every function."""
+    path = spell  # type: ignore[assignment]
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    source = zoo / "caf\udce9.pt"  # not UTF-8: the same bytes must be opened
+    expected = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "i": torch.tensor([7], dtype=torch.int64)}
+    torch.save(expected, source)
+
+    def same(actual: dict[str, torch.Tensor]) -> None:
+        assert actual.keys() == expected.keys()
+        assert all(torch.equal(actual[k], expected[k]) and actual[k].dtype == expected[k].dtype for k in expected)
+
+    same(ckptconv.load(path(source)))  # type: ignore[operator]
+    assert ckptconv.open(path(source)).format == "torch-zip"  # type: ignore[operator]
+    assert ckptconv.inspect(path(source)).format == "torch-zip"  # type: ignore[operator]
+    assert ckptconv.scan(path(source)).verdict == "safe"  # type: ignore[operator]
+    assert [r.verdict for r in ckptconv.scan_many([path(zoo)]).reports] == ["safe"]  # type: ignore[operator]
+    converted = tmp_path / "out.safetensors"
+    ckptconv.convert(path(source), path(converted))  # type: ignore[operator]
+    same(load_file(converted))
+    assert ckptconv.verify(path(source), path(converted)).ok  # type: ignore[operator]
+    assert ckptconv.diff(path(source), path(converted)).identical  # type: ignore[operator]
+    saved = tmp_path / "saved.pt"
+    ckptconv.save(expected, path(saved))  # type: ignore[operator]
+    same(torch.load(saved, weights_only=True))
+    report = ckptconv.batch(path(zoo), path(tmp_path / "out"))  # type: ignore[operator]
+    assert report.failed == ()
+    same(safetensors.torch.load((tmp_path / "out" / "caf\udce9.safetensors").read_bytes()))  # it takes no such name
+    fitted, _ = ckptconv.fit(expected, path(converted))  # type: ignore[operator]
+    assert fitted.keys() == expected.keys()
+
+
+_NOT_EXPANDED = "(a leading '~' is not expanded: ckptconv, like torch.load, takes paths as written)"
+
+
+def test_tilde_is_taken_as_written_as_torch_does_and_the_error_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    torch.save({"w": torch.ones(2)}, home / "m.pt")
+    monkeypatch.setenv("HOME", str(home))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with pytest.raises(FileNotFoundError):  # torch does not expand it either
+        torch.load("~/m.pt", weights_only=True)
+    said = f"'~/m.pt' does not exist {_NOT_EXPANDED}; check the path"
+    for call in (
+        lambda: ckptconv.load("~/m.pt"),
+        lambda: ckptconv.inspect("~/m.pt"),
+        lambda: ckptconv.convert("~/m.pt", "o.safetensors"),
+        lambda: ckptconv.scan_many(["~/m.pt"]),
+    ):
+        with pytest.raises(ckptconv.LoadError) as caught:
+            call()
+        assert str(caught.value) == said
+    assert ckptconv.scan("~/m.pt").reason == said.removeprefix("'~/m.pt' ")  # a reason about the path shown
+    with pytest.raises(ckptconv.LoadError) as caught:
+        ckptconv.batch("~", "out")
+    assert str(caught.value) == f"'~' does not exist {_NOT_EXPANDED}; check the path"
+    with pytest.raises(ckptconv.WriteError) as caught:
+        ckptconv.save({"w": torch.ones(2)}, "~/o.pt")
+    assert str(caught.value) == f"folder {str(work / '~')!r} does not exist {_NOT_EXPANDED}; create it first"
+    assert run_cli("convert", "~/m.pt", "o.pt") == (1, "", f"ckptconv: error: {said}\n")
+    assert os.listdir(work) == []
+
+
+def test_a_file_named_as_a_folder_says_it_is_a_file(tmp_path: Path) -> None:
+    """``scan m.pt/`` said 'm.pt/' does not exist; convert said "cannot be read: Not a directory"."""
+    source = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(2)}, source)
+    said = f"{str(source) + '/'!r} ends in '/', but {str(source)!r} is a file, not a folder; check the path"
+    for command in ("scan", "inspect"):
+        assert run_cli(command, f"{source}/") == (1, "", f"ckptconv: error: {said}\n")
+    assert run_cli("convert", f"{source}/", str(tmp_path / "o.pt")) == (1, "", f"ckptconv: error: {said}\n")
+    inner = f"{source}/x.pt"
+    assert run_cli("inspect", inner) == (
+        1,
+        "",
+        f"ckptconv: error: {inner!r} does not exist: {str(source)!r} is a file, not a folder; check the path\n",
+    )
+    assert sorted(os.listdir(tmp_path)) == ["m.pt"]

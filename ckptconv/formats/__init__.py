@@ -13,6 +13,7 @@ import zipfile
 from typing import Callable
 
 from .. import read_policy
+from .._paths import PathLike, as_path
 from ..errors import LoadError, UnsupportedFormatError
 from ..suffixes import CHECKPOINT_SUFFIXES, INDEX_SUFFIXES
 from . import dcp, deepspeed, megatron, rank_shards, raw_pickle, safetensors, sharded, torch_legacy, torch_zip
@@ -33,8 +34,9 @@ READERS: dict[str, Callable[[str], ReadResult]] = {
 }
 
 
-def resolve(path: str) -> tuple[str, str]:
-    """``(format, path to read)`` for a file or a checkpoint folder.
+def resolve(path: PathLike) -> tuple[str, str]:
+    """``(format, path to read)`` for a file or a checkpoint folder (``path`` as :func:`ckptconv._paths.as_path`
+    takes it: every reader's entry, ``ckptconv.open``, comes through here).
 
     A folder is a DCP checkpoint (it has ``.metadata``), a sharded checkpoint
     (it has one ``*.index.json``), or a folder holding a single checkpoint file
@@ -43,6 +45,7 @@ def resolve(path: str) -> tuple[str, str]:
     Raises:
         LoadError: see :func:`detect`; or the folder holds no checkpoint, or several.
     """
+    path = as_path(path)
     if os.path.isdir(path):
         if megatron.is_torch_dist_folder(path):
             return megatron.FORMAT, path
