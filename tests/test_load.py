@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +22,7 @@ from .conftest import (
     assert_same_state,
     assert_same_tensor,
     reference_load,
+    run_cli,
     tiny_state_dict,
     torch_tensors,
     training_checkpoint,
@@ -40,6 +43,8 @@ SAVE_STYLES: dict[str, dict[str, Any]] = {
     "legacy-protocol4": {"_use_new_zipfile_serialization": False, "pickle_protocol": 4},
     # Text opcodes (the magic number as `L...L\n`): was taken for a plain pickle and refused.
     "legacy-protocol1": {"_use_new_zipfile_serialization": False, "pickle_protocol": 1},
+    "zip-protocol1": {"pickle_protocol": 1},
+    "zip-protocol5": {"pickle_protocol": 5},
 }
 
 
@@ -68,14 +73,43 @@ def test_every_tensor_equals_torch_load(tmp_path: Path, builder: str, style: str
     assert assert_tree_matches_torch(path) > 0
 
 
-def test_a_legacy_file_of_pickle_protocol_0_is_refused_as_torch_refuses_it(tmp_path: Path) -> None:
-    """Protocol 0 turns each storage reference into its text (torch.load: "saved_id must be a tuple")."""
+@pytest.mark.parametrize(("zip_format", "what"), [(False, "legacy torch"), (True, "torch")])
+def test_a_file_of_pickle_protocol_0_is_refused_as_torch_refuses_it(
+    tmp_path: Path, zip_format: bool, what: str
+) -> None:
+    """Protocol 0 turns each storage reference into its text (torch.load: "saved_id must be a tuple"); a zip
+    file of protocol 0 was called damaged ("data.pkl refers to ... instead of a storage")."""
     path = tmp_path / "p0.pt"
-    torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=False, pickle_protocol=0)
+    torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=zip_format, pickle_protocol=0)
     with pytest.raises(Exception, match="saved_id must be a tuple"):
         reference_load(path)
-    with pytest.raises(ckptconv.UnsupportedFormatError, match="saved with pickle protocol 0, whose storage references"):
+    with pytest.raises(Exception, match="saved_id must be a tuple"):
+        torch.load(path, weights_only=False)
+    said = (
+        f"{str(path)!r} is a {what} checkpoint saved with pickle protocol 0, whose storage references are text "
+        "that neither torch.load nor ckptconv reads back; save it again with the default protocol"
+    )
+    with pytest.raises(ckptconv.UnsupportedFormatError) as caught:
         ckptconv.open(path)
+    assert str(caught.value) == said
+    assert run_cli("convert", str(path), str(tmp_path / "o.safetensors")) == (1, "", f"ckptconv: error: {said}\n")
+    assert os.listdir(tmp_path) == ["p0.pt"]
+
+
+@pytest.mark.parametrize("protocol", [0, 1])
+def test_an_old_protocol_plain_pickle_says_what_it_holds_as_protocol_2_does(tmp_path: Path, protocol: int) -> None:
+    """pickle.dumps of tensors (which torch.load reads in no mode: it is no torch.save file) at protocol 0 or 1
+    was "not a checkpoint format ckptconv knows" once its content failed; protocol 2 said what was wrong."""
+    state = {"w": torch.ones(2)}
+    reasons = []
+    for number in (protocol, 2):
+        path = tmp_path / f"p{number}.pkl"
+        path.write_bytes(pickle.dumps(state, protocol=number))
+        with pytest.raises(Exception, match="Invalid magic number"):
+            torch.load(path, weights_only=False)
+        reasons.append(re.sub(r"at pickle byte \d+", "at pickle byte N", ckptconv.scan(path).reason))
+    assert reasons[0] == reasons[1]
+    assert "not a checkpoint format ckptconv knows" not in reasons[0]
 
 
 @pytest.mark.parametrize("style", SAVE_STYLES)

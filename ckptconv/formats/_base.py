@@ -90,6 +90,20 @@ def pickle_location(value: Any, source: str) -> str:
     return value
 
 
+def text_storage_reference(path: str, pid: Any, what: str) -> UnsupportedFormatError | None:
+    """The refusal for a storage reference pickled as text, as ``torch.save(..., pickle_protocol=0)``
+    writes them (``"('storage', <class 'torch.FloatStorage'>, '0', 'cpu', 3)"``): torch.load cannot read
+    them back either, whether ``weights_only`` or not (its loader asserts the id is a tuple). None for
+    any other reference. ``what``: ``"torch"`` or ``"legacy torch"``."""
+    if isinstance(pid, str) and pid.startswith("('storage', "):
+        return UnsupportedFormatError(
+            f"{path!r} is a {what} checkpoint saved with pickle protocol 0, whose storage references are text "
+            "that neither torch.load nor ckptconv reads back; save it again with the default protocol",
+            path=path,
+        )
+    return None
+
+
 def check_storage_type(path: str, storage_type: Any, damaged: Callable[[str, str], Exception]) -> StorageType:
     """``storage_type`` if it is a storage class ckptconv knows.
 

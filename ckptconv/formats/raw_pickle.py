@@ -7,6 +7,8 @@ arrays. The file is read into memory once; arrays become in-memory tensors.
 
 from __future__ import annotations
 
+import pickletools
+
 from .. import read_policy
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..standins import short_repr
@@ -25,8 +27,8 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
     try:
         tree = unpickler.load()
     except MalformedCheckpointError:
-        if data[:1] == b"\x80":
-            raise
+        if data[:1] == b"\x80" or _parses(data):
+            raise  # a pickle, whatever it holds: say what is wrong with what it holds
         # Only the first byte suggested an old-protocol pickle; it was a guess.
         raise UnsupportedFormatError(
             f"{path!r} is not a checkpoint format ckptconv knows (it starts with bytes "
@@ -42,3 +44,14 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
         )
     unpickler.check_end()
     return ReadResult(FORMAT, tree, unpickler.foreign_globals)
+
+
+def _parses(data: bytes) -> bool:
+    """True when ``data`` starts with a complete, well-formed pickle (protocol 0 and 1 have no header to
+    tell them by): its opcodes are only parsed by ``pickletools``, never run."""
+    try:
+        for _ in pickletools.genops(data):  # stops after STOP
+            pass
+    except Exception:
+        return False
+    return True

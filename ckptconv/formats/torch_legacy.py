@@ -24,7 +24,7 @@ from ..errors import MalformedCheckpointError, UnsupportedFormatError
 from ..standins import ForeignGlobal, StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, read_exactly_into
 from ..unpickler import DEFAULT_MAX_ITEMS, PickleTruncatedError, Unpickler, recording_unsafe
-from ._base import ReadResult, check_same_storage_type, check_storage_type, pickle_location
+from ._base import ReadResult, check_same_storage_type, check_storage_type, pickle_location, text_storage_reference
 from .torch_zip import MAX_PICKLE_BYTES
 
 __all__ = ["MAGIC_NUMBER", "looks_legacy", "read"]
@@ -115,12 +115,9 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
     devices: set[str] = set()
 
     def persistent_load(pid: Any) -> Any:
-        if isinstance(pid, str) and pid.startswith("('storage', "):
-            raise UnsupportedFormatError(
-                f"{path!r} is a legacy torch checkpoint saved with pickle protocol 0, whose storage references "
-                "are text that neither torch.load nor ckptconv reads back; save it again with the default protocol",
-                path=path,
-            )
+        refusal = text_storage_reference(path, pid, "legacy torch")
+        if refusal is not None:
+            raise refusal
         if not isinstance(pid, tuple) or not pid:
             raise _damaged(path, f"it refers to {short_repr(pid)}")
         kind = pid[0].decode("ascii", "replace") if isinstance(pid[0], bytes) else pid[0]

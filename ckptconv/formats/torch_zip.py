@@ -48,6 +48,7 @@ from ._base import (
     json_bytes,
     metadata_text,
     pickle_location,
+    text_storage_reference,
 )
 
 __all__ = ["read", "write"]
@@ -258,6 +259,9 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
     devices: set[str] = set()
 
     def persistent_load(pid: Any) -> TypedStorage:
+        refusal = text_storage_reference(path, pid, "torch")
+        if refusal is not None:
+            raise refusal
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")):
             raise _damaged(path, f"data.pkl refers to {short_repr(pid)} instead of a storage")
         _, storage_type, key, location, numel = pid
