@@ -548,6 +548,76 @@ def test_two_dcp_tensors_stored_in_the_same_bytes_are_refused(tmp_path: Path) ->
         ckptconv.open(folder)
 
 
+def _saved_dcp(tmp_path: Path, edit: object) -> Path:
+    """A DCP folder ``torch.distributed.checkpoint.save`` writes (one process, no process group), with its
+    .metadata changed by ``edit(metadata)``."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "dcp"
+    state = {"model": {"w": torch.arange(4.0), "b": torch.ones(2)}, "ema": {"w": torch.full((4,), 7.0)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized, assuming ... a single process"
+        dcp.save(state, checkpoint_id=str(folder))
+    with open(folder / ".metadata", "rb") as file:
+        metadata = pickle.load(file)
+    edit(metadata)  # type: ignore[operator]
+    with open(folder / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("paths", "said"),
+    [
+        (
+            {"ema.w": ("model", "w")},
+            "its planner_data puts 'model.w' and 'ema.w' at the same place ['model', 'w']; one would be lost",
+        ),
+        (
+            {"ema.w": ("model", "w", "x")},
+            "its planner_data puts 'ema.w' at ['model', 'w', 'x'], inside 'model.w' at ['model', 'w']; "
+            "one would be lost",
+        ),
+        (
+            {"model.w": ("model",)},
+            "its planner_data puts 'model.b' at ['model', 'b'], inside 'model.w' at ['model']; one would be lost",
+        ),
+        ({"ema.w": "ema.w"}, "its planner_data gives 'ema.w' the path 'ema.w', not a list of names"),
+        ({"ema.w": ()}, "its planner_data gives 'ema.w' the path (), not a list of names"),
+    ],
+    ids=["same-place", "inside-a-tensor", "a-tensor-around-others", "a-string", "empty"],
+)
+def test_dcp_planner_data_that_puts_two_tensors_in_one_place_is_refused(
+    tmp_path: Path, paths: dict[str, object], said: str
+) -> None:
+    """torch's loader (set_element) rebuilds the state dict from planner_data: two entries at one path keep the
+    last one and drop the other, silently; ckptconv kept one too (or fell back to the flat names)."""
+    folder = _saved_dcp(tmp_path, lambda metadata: metadata.planner_data.update(paths))  # type: ignore[attr-defined]
+    if paths == {"ema.w": ("model", "w")}:  # what torch does with it: 'ema.w' is gone without a word
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp_to_torch_save(str(folder), str(tmp_path / "torch.pt"))
+        assert sorted(torch.load(tmp_path / "torch.pt", weights_only=True)) == ["model"]
+        (tmp_path / "torch.pt").unlink()
+    line = f"{str(folder)!r} is a damaged DCP checkpoint: {said}"
+    with pytest.raises(MalformedCheckpointError) as caught:
+        ckptconv.open(folder)
+    assert str(caught.value) == line
+    assert run_cli("convert", str(folder), str(tmp_path / "out.safetensors")) == (1, "", f"ckptconv: error: {line}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
+
+
+def test_dcp_planner_data_paths_nest_the_state_as_torch_does(tmp_path: Path) -> None:
+    folder = _saved_dcp(tmp_path, lambda metadata: None)
+    tree = ckptconv.open(folder).tree
+    assert sorted(tree) == ["ema", "model"] and sorted(tree["model"]) == ["b", "w"]
+    assert torch.equal(ckptconv.load(folder, select="ema")["w"], torch.full((4,), 7.0))
+
+
 # ---------------------------------------------------------------------------------------
 # Sizes before allocation
 # ---------------------------------------------------------------------------------------

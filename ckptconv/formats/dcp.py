@@ -35,7 +35,7 @@ from typing import Any, Callable
 from .. import read_policy
 from ..dtypes import DType
 from ..errors import MalformedCheckpointError, UnsupportedFormatError
-from ..standins import ForeignObject
+from ..standins import ForeignObject, short_repr
 from ..suffixes import DCP_DATA_SUFFIX, DCP_METADATA
 from ..tensor import ReadInto, Storage, TensorRef, contiguous_strides
 from ..unpickler import DEFAULT_MAX_ITEMS, Unpickler
@@ -231,7 +231,7 @@ def read(folder: str, *, max_items: int | None = None) -> ReadResult:
             path, start, length = region(fqn, ())
             flat[fqn] = torch_zip.read(path, region=(start, length), max_items=max_items).tree
     _check_disjoint(folder, claimed)
-    tree = _nest(flat, metadata.get("planner_data"))
+    tree = _nest(flat, metadata.get("planner_data"), folder)
     foreign = {name: count for name, count in unpickler.foreign_globals.items() if not name.startswith(_DCP_CLASSES)}
     return ReadResult(
         FORMAT,
@@ -362,22 +362,44 @@ def _check_disjoint(folder: str, claimed: list[tuple[str, int, int, str]]) -> No
             )
 
 
-def _nest(flat: dict[str, Any], planner_data: Any) -> Any:
-    """Rebuild the nested state dict DCP flattened, from the paths in ``planner_data``."""
+def _nest(flat: dict[str, Any], planner_data: Any, folder: str) -> Any:
+    """Rebuild the nested state dict DCP flattened, from the paths in ``planner_data`` (an entry without
+    one stays at the top under its flat name, as torch's loader leaves it).
+
+    Two entries at one place, or one inside another's value, are refused: torch's loader (``set_element``)
+    keeps whichever comes last, or fails, depending on their order.
+    """
     if not isinstance(planner_data, Mapping):
         return flat
+    paths: dict[str, tuple[str | int, ...]] = {}
+    for fqn in flat:
+        path = planner_data.get(fqn, (fqn,))
+        if not isinstance(path, (tuple, list)) or not path or not all(type(part) in (str, int) for part in path):
+            raise _damaged(folder, f"its planner_data gives {fqn!r} the path {short_repr(path)}, not a list of names")
+        paths[fqn] = tuple(path)
+    leaves = {path: fqn for fqn, path in reversed(paths.items())}  # the first fqn at each path
+    for fqn, path in paths.items():
+        other = leaves[path]
+        if other != fqn:
+            raise _damaged(
+                folder,
+                f"its planner_data puts {other!r} and {fqn!r} at the same place {list(path)}; one would be lost",
+            )
+        for end in range(1, len(path)):
+            outer = leaves.get(path[:end])
+            if outer is not None:
+                raise _damaged(
+                    folder,
+                    f"its planner_data puts {fqn!r} at {list(path)}, inside {outer!r} at {list(path[:end])}; "
+                    "one would be lost",
+                )
     tree: dict[Any, Any] = {}
     for fqn, value in flat.items():
-        path = planner_data.get(fqn)
-        if not isinstance(path, (tuple, list)) or not path or not all(isinstance(p, (str, int)) for p in path):
-            path = (fqn,)
+        *parents, last = paths[fqn]
         node = tree
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                return flat  # inconsistent paths: fall back to the flat names
-            node = child
-        node[path[-1]] = value
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
     return tree
 
 
