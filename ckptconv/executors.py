@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from queue import Queue
 from typing import IO, Any, Callable
 
-from . import _cores, write_policy
+from . import _cores, read_policy, write_policy
 from ._worker import read_frame, write_frame
 from .discovery import FILE, Item, folder_above, member_paths, refusal
 from .errors import CkptconvError, LoadError, TransformError, interruption
@@ -150,7 +150,14 @@ def _check_still_readable(job: Job) -> None:
 
 
 def _convert(job: Job) -> ItemResult:
-    """Convert one item; sharded checkpoints and DCP folders are one item each, never split."""
+    """Convert one item; sharded checkpoints and DCP folders are one item each, never split. Every file
+    read meanwhile must stay inside the source folder (:func:`ckptconv.read_policy.confined`): the check
+    below is asked again at each open, so a file swapped for a link after it is not read either."""
+    with read_policy.confined(folder_above(job.item.path, job.item.name)):
+        return _convert_confined(job)
+
+
+def _convert_confined(job: Job) -> ItemResult:
     from .conversion import convert
     from .metadata import file_sha256, source_sha256
 

@@ -17,6 +17,10 @@ checksums, the byte sources of lazy tensors). The rules:
   repository's ``blobs`` (which every file of a snapshot is). The same
   holds for the members :func:`ckptconv.discovery.discover` finds under SRC.
   The path a user names on the command line is theirs to choose, links included.
+* **Inside the source folder of a batch.** While a batch converts an item,
+  every file read under its source folder (:func:`confined`) must lead inside
+  it, whatever opens it, so an item swapped for a link out of SRC after
+  discovery checked it is refused when it is opened, not read.
 * **Size caps** for files read whole into memory as JSON or text: indexes,
   key lists (:data:`MAX_TEXT_BYTES`); the cap is enforced on the bytes read,
   not on the size the file system reports (``/proc`` files report 0).
@@ -29,6 +33,8 @@ import contextvars
 import io
 import os
 import stat
+import threading
+from collections import Counter
 from collections.abc import Iterator
 
 from ._paths import missing
@@ -37,6 +43,7 @@ from .errors import LoadError, MalformedCheckpointError, UnsupportedFormatError
 __all__ = [
     "MAX_TEXT_BYTES",
     "check_file",
+    "confined",
     "descriptor",
     "hub_blob",
     "inside",
@@ -99,6 +106,53 @@ def within(path: str, folder: str) -> bool:
     return inside(path, folder) or hub_blob(path, folder)
 
 
+# Source folders of batches being converted (absolute, real paths), counted: one per item in progress.
+_CONFINED: Counter[str] = Counter()
+_CONFINED_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def confined(folder: str) -> Iterator[None]:
+    """While active, a file read under ``folder`` (its path spelled through ``folder``) must lead inside it,
+    or be a Hugging Face cache snapshot's link into its blobs (the rule :func:`ckptconv.discovery.discover`
+    applied when it found the file), in every thread of this process and whatever reads it: a batch worker
+    converts its item inside this, so a file swapped for a link out of SRC since discovery is refused when
+    it is opened.
+
+    Example:
+        >>> with confined("/data/zoo"):               # doctest: +SKIP
+        ...     ckptconv.convert("/data/zoo/m.pt", "/out/m.safetensors")
+    """
+    root = os.path.realpath(folder)
+    with _CONFINED_LOCK:
+        _CONFINED[root] += 1
+    try:
+        yield
+    finally:
+        with _CONFINED_LOCK:
+            _CONFINED[root] -= 1
+            if not _CONFINED[root]:
+                del _CONFINED[root]
+
+
+def _confining(path: str) -> list[str]:
+    """The :func:`confined` folders ``path`` is spelled under."""
+    if not _CONFINED:
+        return []
+    absolute = os.path.abspath(path)
+    with _CONFINED_LOCK:
+        roots = list(_CONFINED)
+    return [root for root in roots if absolute.startswith(root.rstrip(os.sep) + os.sep)]
+
+
+def _escapes(path: str) -> str | None:
+    """The :func:`confined` folder whose rule ``path`` breaks, or None."""
+    for root in _confining(path):
+        if not (inside(path, root) or hub_blob(path, os.path.dirname(os.path.abspath(path)))):
+            return root
+    return None
+
+
 def _stat_error(error: OSError, path: str) -> LoadError:
     if isinstance(error, (FileNotFoundError, NotADirectoryError)):
         if os.path.islink(path):
@@ -128,6 +182,13 @@ def check_file(path: str, *, folder: str | None = None) -> os.stat_result:
             "ckptconv reads only files inside it (copy the file in instead of linking it)",
             path=path,
         )
+    root = _escapes(path)
+    if root is not None:
+        raise LoadError(
+            f"{path!r} is a link that leads outside the source folder {root!r} (to {os.path.realpath(path)!r}); "
+            "not followed",
+            path=path,
+        )
     if stat.S_ISDIR(info.st_mode):
         raise UnsupportedFormatError(f"{path!r} is a folder; give the checkpoint file inside it", path=path)
     if not stat.S_ISREG(info.st_mode):
@@ -148,7 +209,7 @@ def open_descriptor(path: str, *, folder: str | None = None, flags: int = 0) -> 
     info = check_file(path, folder=folder)
     target = path
     flags |= _OPEN_FLAGS
-    if folder is not None:
+    if folder is not None or _confining(path):
         # Open the resolved path without following a link in its last component, so a
         # link swapped in after the check cannot lead out of the folder.
         target = os.path.realpath(path)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -375,6 +376,57 @@ def test_an_item_that_became_a_link_out_of_the_zoo_is_not_read(tmp_path: Path, m
     )
     assert "72 6f 6f 74" not in (tmp_path / "out" / MANIFEST_NAME).read_text()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([MANIFEST_NAME, "a.safetensors"])
+
+
+@pytest.mark.parametrize("kind", ["file", "dcp"])
+def test_an_item_swapped_for_a_link_after_the_worker_checked_it_is_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The worker asked discovery's rules again, then opened the item by name: swapped for a link out of
+    the zoo in between, the file outside was converted (its weights in the output). Every open during the
+    item now asks the read policy, which holds it to the source folder."""
+    from ckptconv import executors
+
+    zoo, outside = tmp_path / "zoo", tmp_path / "outside"
+    zoo.mkdir()
+    outside.mkdir()
+    torch.save({"w": torch.ones(2)}, zoo / "a.pt")
+    secret = {"secret": torch.arange(3.0)}
+    if kind == "file":
+        torch.save({"w": torch.ones(2)}, zoo / "m.pt")
+        torch.save(secret, outside / "m.pt")
+        swapped, target = zoo / "m.pt", outside / "m.pt"
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+            dcp.save({"w": torch.ones(2)}, checkpoint_id=str(zoo / "m"))
+            dcp.save(secret, checkpoint_id=str(outside / "m"))
+        swapped, target = zoo / "m", outside / "m"  # the DCP folder itself
+    prepare = executors._prepare_folder
+
+    def swap_then_prepare(job: Any) -> Any:
+        if job.item.name in ("m.pt", "m"):
+            if swapped.is_dir():
+                shutil.rmtree(swapped)
+            else:
+                swapped.unlink()
+            swapped.symlink_to(target)
+        return prepare(job)
+
+    monkeypatch.setattr(executors, "_prepare_folder", swap_then_prepare)
+    report = ckptconv.batch(zoo, tmp_path / "out")
+    (failed,) = report.failed
+    assert failed.source == ("m.pt" if kind == "file" else "m")
+    read, leads_to = (swapped, target) if kind == "file" else (swapped / ".metadata", target / ".metadata")
+    assert failed.error == (
+        f"{str(read)!r} is a link that leads outside the source folder {str(zoo)!r} (to {str(leads_to)!r}); "
+        "not followed"
+    )
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([MANIFEST_NAME, "a.safetensors"])
+    # Outside a batch the path a user names is theirs: the same link converts.
+    assert ckptconv.load(swapped).keys() == {"secret"}
 
 
 _NAMES = st.lists(
