@@ -157,16 +157,66 @@ def test_unparsable_safetensors_headers(raw: bytes, message: str, tmp_path: Path
 
 
 def _rezip(
-    data: bytes, *, compression: int = zipfile.ZIP_STORED, drop: str = "", replace: dict[str, bytes] | None = None
+    data: bytes,
+    *,
+    compression: int = zipfile.ZIP_STORED,
+    drop: str = "",
+    replace: dict[str, bytes] | None = None,
+    add: dict[str, bytes] | None = None,
 ) -> bytes:
     out = io.BytesIO()
     with zipfile.ZipFile(io.BytesIO(data)) as old, zipfile.ZipFile(out, "w", compression) as new:
         for info in old.infolist():
-            short = info.filename.split("/", 1)[1]
+            root, short = info.filename.split("/", 1)
             if short == drop:
                 continue
             new.writestr(info.filename, (replace or {}).get(short, old.read(info)))
+        for short, content in (add or {}).items():
+            new.writestr(f"{root}/{short}", content)
     return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("version", "refusal"),
+    [
+        (b"3\n", ""),
+        (b"10", ""),
+        (b" +03abc", ""),
+        (b"11", "is a torch zip checkpoint of format version 11, which torch.load reads only from 1 to 10"),
+        (b"0", "is a torch zip checkpoint of format version 0, which torch.load reads only from 1 to 10"),
+        (b"-1", "is a torch zip checkpoint of format version -1, which torch.load reads only from 1 to 10"),
+        (b"0x3", "is a torch zip checkpoint of format version 0, which torch.load reads only from 1 to 10"),
+        (b"9" * 40, "is a torch zip checkpoint of format version 99999999999999999999999999999999..., which"),
+        (b"abc", "is a damaged zip checkpoint: its version record says b'abc', not a number"),
+        (b"", "is a damaged zip checkpoint: its version record says b'', not a number"),
+        (None, "is a damaged zip checkpoint: it has no version record, which torch.load requires"),
+    ],
+    ids=["3", "10", "+03abc", "11", "0", "-1", "0x3", "9x40", "abc", "empty", "missing"],
+)
+def test_the_format_version_is_read_as_torch_reads_it(version: bytes | None, refusal: str, tmp_path: Path) -> None:
+    """ckptconv never looked at the version record: a file of a format version torch.load refuses (a newer
+    torch's, whose records may mean something else) or of none was read as if it were version 3."""
+    state = {"w": torch.arange(4.0), "i": torch.tensor([5, 6])}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    path = tmp_path / "v.pt"
+    if version is None:
+        path.write_bytes(_rezip(buffer.getvalue(), drop="version"))
+    else:
+        path.write_bytes(_rezip(buffer.getvalue(), replace={"version": version}))
+    if not refusal:
+        loaded = ckptconv.load(path)
+        assert all(torch.equal(loaded[k], v) for k, v in torch.load(path, weights_only=True).items())
+        return
+    with pytest.raises((RuntimeError, IndexError), match=r"version|hasRecord|stoull"):  # IndexError: overflow
+        torch.load(path, weights_only=True)
+    with pytest.raises(CkptconvError) as caught:
+        ckptconv.open(path)
+    assert str(caught.value).startswith(f"{str(path)!r} {refusal}")
+    # .data/version, where torch looks first, wins over version
+    path.write_bytes(_rezip(buffer.getvalue(), replace={"version": b"3"}, add={".data/version": version or b"x"}))
+    with pytest.raises(CkptconvError):
+        ckptconv.open(path)
 
 
 def _flip_in_record(data: bytes, name: str, where: int = 5) -> bytes:

@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import struct
 import zipfile
 import zlib
@@ -57,6 +58,11 @@ FORMAT = "torch-zip"
 
 # data.pkl holds structure, not tensor bytes; a larger one is not a checkpoint.
 MAX_PICKLE_BYTES = 2 << 30
+
+# The archive format versions torch.load reads (caffe2/serialize/versions.h, kMinSupportedFileFormatVersion
+# and kMaxSupportedFileFormatVersion in torch 2.13); torch.save writes 3. Outside them torch.load refuses.
+FORMAT_VERSIONS = range(1, 11)
+_MAX_VERSION_BYTES = 4096
 
 # Deflate cannot expand data more than 1032:1 (RFC 1951: 258 bytes per 2-bit
 # code at best); a record that claims more is lying about its size, or a zip bomb.
@@ -253,6 +259,7 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
         raise _damaged(path, f"data.pkl cannot be read ({error})") from None
     if byteorder not in ("little", "big"):
         raise _damaged(path, f"its byteorder record says {short_repr(byteorder)}")
+    _check_version(path, archive, file, infos, root, crc_recorded)
 
     storages: dict[str, Storage] = {}
     types: dict[str, tuple[StorageType, int]] = {}
@@ -307,6 +314,40 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
     unpickler.check_end()
     metadata = _read_metadata(archive, infos.get(f"{root}{METADATA_RECORD}"))
     return ReadResult(FORMAT, tree, unpickler.foreign_globals, frozenset(devices), metadata)
+
+
+def _check_version(
+    path: str, archive: zipfile.ZipFile, file: Any, infos: Mapping[str, zipfile.ZipInfo], root: str, check_crc: bool
+) -> None:
+    """Refuse an archive whose format version torch.load refuses: none recorded, not a number, or outside
+    :data:`FORMAT_VERSIONS` (a newer format may mean something else by the same records).
+
+    torch reads ``.data/version``, else ``version``, as ``std::stoll`` does: leading white space, a sign,
+    then decimal digits, whatever follows them.
+    """
+    info = infos.get(f"{root}.data/version") or infos.get(f"{root}version")
+    if info is None:
+        raise _damaged(path, "it has no version record, which torch.load requires")
+    if info.file_size > _MAX_VERSION_BYTES:
+        raise _damaged(path, f"its version record holds {info.file_size} bytes")
+    check_compression(info, path)
+    try:
+        raw = member_bytes(archive, file, info, path, check_crc=check_crc)
+    except _ZIP_ERRORS as error:
+        raise _damaged(path, f"its version record cannot be read ({error})") from None
+    match = re.match(rb"[ \t\n\v\f\r]*([+-]?[0-9]+)", raw)
+    if match is None:
+        raise _damaged(path, f"its version record says {short_repr(raw)}, not a number")
+    digits = match.group(1)
+    version = int(digits) if len(digits) <= 32 else None
+    if version not in FORMAT_VERSIONS:
+        shown = version if version is not None else digits[:32].decode() + "..."
+        raise UnsupportedFormatError(
+            f"{path!r} is a torch zip checkpoint of format version {shown}, which torch.load reads only from "
+            f"{FORMAT_VERSIONS[0]} to {FORMAT_VERSIONS[-1]} (written by a newer torch?); refusing rather than "
+            "guessing what its records mean",
+            path=path,
+        )
 
 
 def member_bytes(archive: zipfile.ZipFile, file: Any, info: zipfile.ZipInfo, path: str, *, check_crc: bool) -> bytes:
