@@ -96,8 +96,16 @@ def _tensor_bits(metadata: Any) -> tuple[bool, bool]:
     return "conj" in metadata, "neg" in metadata
 
 
+def _check_requires_grad(value: Any) -> None:
+    """torch sets ``requires_grad`` from the pickle, and takes only a bool ("requires_grad must be a bool")."""
+    if type(value) is not bool:
+        raise malformed(f"tensor requires_grad {short_repr(value)} is not True or False")
+
+
 def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> TensorRef:
     # v2's rest: requires_grad, backward_hooks[, metadata]; the legacy _rebuild_tensor has none.
+    if rest:
+        _check_requires_grad(rest[0])
     typed = _typed_storage(storage)
     if type(offset) is not int:
         raise malformed(f"tensor storage offset {short_repr(offset)} is not an integer")
@@ -134,6 +142,7 @@ def _rebuild_tensor_v3(
     metadata: Any = None,
 ) -> TensorRef:
     # v3 carries the dtype separately: the storage is untyped bytes.
+    _check_requires_grad(requires_grad)
     typed = _typed_storage(storage)
     if not isinstance(dtype, DType):
         raise malformed(f"tensor dtype {short_repr(dtype)} is not a torch dtype")
@@ -145,8 +154,15 @@ def _rebuild_tensor_v3(
     return _on_storage(typed, dtype, size, stride, base // dtype.itemsize + offset, metadata)
 
 
-def _rebuild_parameter(data: Any, *_ignored: Any) -> Any:
-    # A Parameter is its data as far as a state dict is concerned.
+def _rebuild_parameter(data: Any, *rest: Any) -> Any:
+    # A Parameter is its data as far as a state dict is concerned; rest: requires_grad[, hooks[, state]].
+    if rest:
+        _check_requires_grad(rest[0])
+    return data
+
+
+def _rebuild_device_tensor(data: Any, dtype: Any, device: Any, requires_grad: Any) -> Any:
+    _check_requires_grad(requires_grad)
     return data
 
 
@@ -379,7 +395,7 @@ _register(["torch._utils._rebuild_tensor_v3"], _rebuild_tensor_v3, 7, 8)
 _register(["torch._utils._rebuild_parameter", "torch.nn.parameter.Parameter"], _rebuild_parameter, 1, 3)
 _register(["torch._utils._rebuild_parameter_with_state"], _rebuild_parameter, 4, 4)
 _register(["torch._tensor._rebuild_from_type_v2", "torch._tensor._rebuild_from_type"], _rebuild_from_type_v2, 4, 4)
-_register(["torch._utils._rebuild_device_tensor_from_cpu_tensor"], _rebuild_parameter, 4, 4)
+_register(["torch._utils._rebuild_device_tensor_from_cpu_tensor"], _rebuild_device_tensor, 4, 4)
 _register(["torch.Size"], _torch_size, 0, 1)
 _register(["torch.device"], _torch_device, 1, 2)
 _register(["collections.OrderedDict"], _ordered_dict, 0, 1)

@@ -21,7 +21,7 @@ import math
 import os
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -224,6 +224,24 @@ class Storage:
         return out
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def shape_overflows(shape: Iterable[int]) -> bool:
+    """True when torch cannot hold a tensor of ``shape``: a size above int64's maximum, or an element count
+    ``TensorImpl::safe_compute_numel`` refuses: it multiplies the sizes left to right in uint64 and refuses
+    any product that wraps, even one a later zero would bring back to 0 (``(2**62, 2**62, 0)``), and a
+    count above int64's maximum ("numel: integer multiplication overflow")."""
+    product = 1
+    for size in shape:
+        if size > _INT64_MAX:
+            return True
+        product *= size
+        if product >= 2**64:
+            return True
+    return product > _INT64_MAX
+
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Row-major strides (in elements) for ``shape``."""
     strides = []
@@ -297,10 +315,15 @@ class TensorRef:
                 f"a {dtype.name} tensor carries the negative bit, which torch cannot apply to {dtype.name}; "
                 "the checkpoint is damaged"
             )
-        ints_ok = all(type(v) is int and v >= 0 for v in (*shape, *stride, offset))
+        ints_ok = all(type(v) is int and 0 <= v <= _INT64_MAX for v in (*shape, *stride, offset))
         if not ints_ok or len(shape) != len(stride) or len(shape) > 64:
             raise MalformedCheckpointError(
                 f"tensor view (size {shape}, stride {stride}, offset {offset}) is invalid; the checkpoint is damaged"
+            )
+        if shape_overflows(shape):
+            raise MalformedCheckpointError(
+                f"tensor of size {list(shape)} has more elements than an int64 counts (torch.load refuses it: "
+                "'numel: integer multiplication overflow'); the checkpoint is damaged"
             )
         ref = cls(storage, dtype, tuple(shape), tuple(stride), offset, origin=origin, conj=conj, neg=neg)
         end = ref.byte_span[1]

@@ -661,6 +661,85 @@ def test_verify_takes_an_optional_reader_wherever_it_stands(tmp_path: Path, argu
 
 
 # ---------------------------------------------------------------------------------------
+# Sizes torch cannot count
+# ---------------------------------------------------------------------------------------
+
+
+def _zip_with_view(size: tuple[int, ...], stride: tuple[int, ...], offset: int, requires_grad: object = False) -> bytes:
+    """A zip checkpoint {"t": a float tensor of ``size``/``stride``/``offset`` on a storage of 6 floats}, as
+    torch.save lays it out, with the view's numbers as given."""
+    import collections
+    import io
+
+    class Reference:
+        pass
+
+    class View:
+        def __reduce__(self) -> tuple[object, ...]:
+            rebuild = torch._utils._rebuild_tensor_v2  # type: ignore[attr-defined]
+            return (rebuild, (Reference(), offset, size, stride, requires_grad, collections.OrderedDict()))
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: object) -> object:
+            return ("storage", torch.FloatStorage, "0", "cpu", 6) if isinstance(obj, Reference) else None
+
+    data = io.BytesIO()
+    Pickler(data, protocol=2).dump({"t": View()})
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        archive.writestr("archive/data.pkl", data.getvalue())
+        archive.writestr("archive/byteorder", b"little")
+        archive.writestr("archive/data/0", struct.pack("<6f", *range(6)))
+        archive.writestr("archive/version", b"3\n")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("size", "stride", "offset", "refusal"),
+    [
+        ((2**32, 2**32), (0, 0), 0, "has more elements than an int64 counts"),
+        ((2**62, 2), (0, 0), 0, "has more elements than an int64 counts"),
+        ((2**62, 2**62, 0), (1, 1, 1), 0, "has more elements than an int64 counts"),  # wraps before the 0
+        ((1,), (2**63,), 0, "is invalid"),
+        ((0,), (1,), 2**63, "is invalid"),
+        ((2**64, 0), (1, 1), 0, "is invalid"),
+        ((0, 2**62, 2**62), (1, 1, 1), 0, ""),  # 0 first: the product never wraps
+        ((2**31, 2**31), (0, 0), 0, ""),
+    ],
+    ids=["2^64", "2^63", "wraps-then-0", "stride-2^63", "offset-2^63", "size-2^64", "0-first", "2^62"],
+)
+def test_a_view_torch_cannot_count_is_refused_not_a_traceback(
+    tmp_path: Path, size: tuple[int, ...], stride: tuple[int, ...], offset: int, refusal: str
+) -> None:
+    """ckptconv.load ended in torch's own RuntimeError ('numel: integer multiplication overflow') or a
+    TypeError ('Overflow when unpacking long long'), and convert wrote an empty tensor of that shape."""
+    source = tmp_path / "view.pt"
+    source.write_bytes(_zip_with_view(size, stride, offset))
+    if not refusal:
+        expected = torch.load(source, weights_only=True)["t"]
+        loaded = ckptconv.load(source)["t"]
+        assert (loaded.shape, loaded.stride(), loaded.dtype) == (expected.shape, expected.stride(), expected.dtype)
+        return
+    with pytest.raises((RuntimeError, TypeError, ValueError), match=r"overflow|Overflow"):
+        torch.load(source, weights_only=True)
+    with pytest.raises(MalformedCheckpointError, match=refusal):
+        ckptconv.load(source)
+    code, stdout, stderr = run_cli("convert", str(source), str(tmp_path / "out.safetensors"))
+    assert (code, stdout, stderr.count("\n")) == (1, "", 1) and refusal in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["view.pt"]
+
+
+@pytest.mark.parametrize("requires_grad", [1, None, "yes"])
+def test_requires_grad_that_is_not_a_bool_is_refused_as_torch_refuses_it(tmp_path: Path, requires_grad: object) -> None:
+    source = tmp_path / "grad.pt"
+    source.write_bytes(_zip_with_view((2,), (1,), 0, requires_grad))
+    with pytest.raises(RuntimeError, match="requires_grad must be a bool"):
+        torch.load(source, weights_only=True)
+    with pytest.raises(MalformedCheckpointError, match=f"tensor requires_grad {requires_grad!r} is not True or False"):
+        ckptconv.open(source)
+
+
+# ---------------------------------------------------------------------------------------
 # Storage views of the legacy format (torch before 1.0 wrote them; torch.load still reads them)
 # ---------------------------------------------------------------------------------------
 

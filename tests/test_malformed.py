@@ -122,6 +122,15 @@ BAD_SAFETENSORS = {
         "does not match the tensors",
     ),
     "too many dimensions": ({"a": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}}, "has shape"),
+    # The product wraps before the 0 (the safetensors library's checked product refuses it; torch's too).
+    "shape that wraps then 0": (
+        {"a": {"dtype": "F32", "shape": [2**62, 2**62, 0], "data_offsets": [0, 0]}},
+        r"has shape \[4611686018427387904, 4611686018427387904, 0\], whose sizes or their product overflow int64",
+    ),
+    "size over int64": (
+        {"a": {"dtype": "F32", "shape": [2**63, 0], "data_offsets": [0, 0]}},
+        "whose sizes or their product overflow int64",
+    ),
 }
 
 
@@ -146,14 +155,58 @@ def test_inconsistent_safetensors_headers(case: str, tmp_path: Path) -> None:
         (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "is not valid JSON"),
         (b"{" + b" " * 50, "is not valid JSON"),
         (b'{"a": NaN}', "is not a tensor description"),
+        (
+            b'{"\\ud800": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}',
+            r"the string '\\ud800' holds a lone surrogate escape, which is not Unicode",
+        ),
+        (b'{"__metadata__": {"k": "\\udfff"}}', "holds a lone surrogate escape"),
     ],
-    ids=["duplicate keys", "non-UTF-8", "nested 100,000 deep", "unterminated", "NaN"],
+    ids=["duplicate keys", "non-UTF-8", "nested 100,000 deep", "unterminated", "NaN", "lone surrogate", "in metadata"],
 )
 def test_unparsable_safetensors_headers(raw: bytes, message: str, tmp_path: Path) -> None:
     path = tmp_path / "bad.safetensors"
     path.write_bytes(_safetensors(None, b"\0" * 8, raw_header=raw))
     with pytest.raises(MalformedCheckpointError, match=message):
         ckptconv.open(path)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"\\ud800": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}',
+        b'{"a": {"dtype": "F32", "shape": [4611686018427387904, 4611686018427387904, 0], "data_offsets": [0, 0]}}',
+        b'{"a": {"dtype": "F32", "shape": [9223372036854775808, 0], "data_offsets": [0, 0]}}',
+    ],
+    ids=["lone surrogate", "wraps then 0", "size over int64"],
+)
+def test_safetensors_headers_the_library_refuses_are_refused(raw: bytes, tmp_path: Path) -> None:
+    """Python's json took half a surrogate pair as a key (no UTF-8 output can hold it); a shape whose
+    product wraps before a 0 was an empty tensor, and ckptconv.load ended in torch's RuntimeError."""
+    import safetensors.torch
+
+    path = tmp_path / "bad.safetensors"
+    data = b"\0" * 8 if b"[0, 8]" in raw else b""  # every byte indexed: only the oddity is wrong
+    path.write_bytes(_safetensors(None, data, raw_header=raw))
+    with pytest.raises(Exception):  # noqa: B017 - SafetensorError or torch's overflow, as it comes
+        safetensors.torch.load_file(path)
+    with pytest.raises(MalformedCheckpointError):
+        ckptconv.load(path)
+
+
+@pytest.mark.parametrize("space", [b" ", b"\n", b"\r\n\t "])
+def test_a_safetensors_header_may_start_with_json_white_space(space: bytes, tmp_path: Path) -> None:
+    """The safetensors library reads a header that starts with white space; ckptconv said the file was not a
+    checkpoint format it knows."""
+    import safetensors.torch
+
+    header = b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    data = struct.pack("<2f", 1.5, -2.0)
+    path = tmp_path / "spaced.safetensors"
+    path.write_bytes(struct.pack("<Q", len(space + header)) + space + header + data)
+    expected = safetensors.torch.load_file(path)
+    loaded = ckptconv.load(path)
+    assert loaded.keys() == expected.keys() and torch.equal(loaded["a"], expected["a"])
+    assert ckptconv.scan(path).verdict == "safe"
 
 
 def _rezip(

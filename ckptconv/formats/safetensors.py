@@ -23,7 +23,7 @@ from typing import Any, BinaryIO, Callable
 from .. import read_policy
 from ..dtypes import dtype_by_safetensors_code
 from ..errors import MalformedCheckpointError, UnsupportedFormatError, WriteError
-from ..tensor import FileRegion, Storage, TensorRef, contiguous_strides
+from ..tensor import FileRegion, Storage, TensorRef, contiguous_strides, shape_overflows
 from ._base import Deferred, MetadataValue, ReadResult, metadata_text, split_aliases
 
 __all__ = ["ALIASES_KEY", "looks_safetensors", "read", "write"]
@@ -41,7 +41,8 @@ def looks_safetensors(head: bytes, size: int) -> bool:
     if len(head) < 9:
         return False
     header_length = int.from_bytes(head[:8], "little")
-    return 2 <= header_length <= size - 8 and head[8:9] == b"{"
+    # JSON may start with white space, and the safetensors library reads such a header.
+    return 2 <= header_length <= size - 8 and head[8:].lstrip(_JSON_SPACE)[:1] == b"{"
 
 
 def _is_utf8(text: str) -> bool:
@@ -61,11 +62,19 @@ def _damaged(path: str, detail: str) -> MalformedCheckpointError:
     return MalformedCheckpointError(f"{path!r} is a damaged safetensors file: {detail}", path=path)
 
 
+_JSON_SPACE = b" \t\n\r"
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in pairs:
         if key in result:
             raise ValueError(f"duplicate key {key!r}")
+        # Python's json takes "\ud800" (half a surrogate pair) as a string; the safetensors library
+        # refuses it, and no UTF-8 file can hold it.
+        for text in (key, value):
+            if isinstance(text, str) and not _is_utf8(text):
+                raise ValueError(f"the string {text!r} holds a lone surrogate escape, which is not Unicode")
         result[key] = value
     return result
 
@@ -118,6 +127,8 @@ def read(path: str) -> ReadResult:
         offsets = entry.get("data_offsets")
         if not (isinstance(shape, list) and len(shape) <= 64 and all(type(s) is int and s >= 0 for s in shape)):
             raise _damaged(path, f"tensor {key!r} has shape {shape!r}")
+        if shape_overflows(shape):  # the safetensors library's checked product; torch's int64 sizes
+            raise _damaged(path, f"tensor {key!r} has shape {shape}, whose sizes or their product overflow int64")
         if code == _PACKED_F4:
             # The safetensors library stores torch's float4_e2m1fn_x2 (two 4-bit floats a byte)
             # as F4 with the last dimension counted in 4-bit elements.
