@@ -121,6 +121,15 @@ BAD_SAFETENSORS = {
         {"__metadata__": {"ckptconv.aliases": '{"b": "zzz"}'}, "a": {**F32, "data_offsets": [0, 8]}},
         "does not match the tensors",
     ),
+    # Two readings of one alias (Python's json keeps the last); an alias the writer could never have written.
+    "alias named twice": (
+        {"__metadata__": {"ckptconv.aliases": '{"b": "a", "b": "c"}'}, "a": {**F32, "data_offsets": [0, 8]}},
+        r"metadata is not JSON \(duplicate key 'b'\)",
+    ),
+    "alias named __metadata__": (
+        {"__metadata__": {"ckptconv.aliases": '{"__metadata__": "a"}'}, "a": {**F32, "data_offsets": [0, 8]}},
+        "alias '__metadata__' -> 'a' does not match the tensors",
+    ),
     "too many dimensions": ({"a": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}}, "has shape"),
     # The product wraps before the 0 (the safetensors library's checked product refuses it; torch's too).
     "shape that wraps then 0": (

@@ -179,13 +179,13 @@ def _restore_aliases(path: str, tree: dict[str, TensorRef], metadata: dict[str, 
     if raw is None:
         return
     try:
-        aliases = json.loads(raw)
-    except ValueError:
-        raise _damaged(path, f"its {ALIASES_KEY} metadata is not JSON") from None
+        aliases = json.loads(raw, object_pairs_hook=_no_duplicates)  # an alias named twice is two readings
+    except (ValueError, RecursionError) as error:
+        raise _damaged(path, f"its {ALIASES_KEY} metadata is not JSON ({error})") from None
     if not isinstance(aliases, dict):
         raise _damaged(path, f"its {ALIASES_KEY} metadata is not a JSON object")
     for alias, target in aliases.items():
-        if not isinstance(target, str) or target not in tree or alias in tree:
+        if not isinstance(target, str) or target not in tree or alias in tree or alias == METADATA_KEY:
             raise _damaged(path, f"alias {alias!r} -> {target!r} does not match the tensors")
         tree[alias] = tree[target]
 
