@@ -188,6 +188,35 @@ def test_a_key_held_by_two_shards_is_refused(tmp_path: Path) -> None:
         ckptconv.open(folder)
 
 
+@pytest.mark.parametrize(
+    ("index", "said"),
+    [
+        (
+            '{"weight_map": {"k": "a.safetensors", "k": "b.safetensors"}}',
+            "is a damaged sharded checkpoint index: it is not valid JSON (duplicate key 'k')",
+        ),
+        (
+            '{"weight_map": {"k": ["a.safetensors"]}}',
+            "names the shard ['a.safetensors'], which is not a file inside its folder (it is not a file name); "
+            "the checkpoint is damaged",
+        ),
+    ],
+    ids=["key named twice", "shard not a name"],
+)
+def test_an_index_that_names_a_key_twice_or_oddly_is_refused(tmp_path: Path, index: str, said: str) -> None:
+    """json kept the last of two entries for 'k' (b's 7s), though 'a.safetensors' holds a 'k' too and the
+    index named it first; a shard named by a list ended in "could not be parsed (TypeError: unhashable ...)"."""
+    from safetensors.torch import save_file
+
+    save_file({"k": torch.ones(2)}, tmp_path / "a.safetensors")
+    save_file({"k": torch.full((2,), 7.0)}, tmp_path / "b.safetensors")
+    index_path = tmp_path / "model.safetensors.index.json"
+    index_path.write_text(index)
+    with pytest.raises(ckptconv.MalformedCheckpointError) as caught:
+        ckptconv.open(tmp_path)
+    assert str(caught.value) == f"{str(index_path)!r} {said}"
+
+
 def test_dcp_chunk_outside_the_folder_is_refused(tmp_path: Path) -> None:
     import shutil
 

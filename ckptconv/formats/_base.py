@@ -69,6 +69,41 @@ def metadata_text(value: MetadataValue) -> str:
     return value
 
 
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a key named twice (Python's json keeps the last, other
+    readers the first) and strings that are not Unicode: Python's json takes ``"\\ud800"`` (half a
+    surrogate pair) as a string, where the safetensors library refuses it and no UTF-8 file can hold it.
+
+    Raises:
+        ValueError: either, as json.loads raises for what is not JSON.
+    """
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        for text in (key, value):
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError(
+                        f"the string {text!r} holds a lone surrogate escape, which is not Unicode"
+                    ) from None
+        result[key] = value
+    return result
+
+
+def json_object(text: str) -> Any:
+    """``json.loads`` as the safetensors library parses a header, for every JSON file of a checkpoint
+    (safetensors headers, their aliases, shard indexes): see :func:`_unique_pairs`.
+
+    Raises:
+        ValueError: the text is not such JSON.
+        RecursionError: it nests too deep.
+    """
+    return json.loads(text, object_pairs_hook=_unique_pairs)
+
+
 def json_bytes(value: Any, **options: Any) -> bytes:
     """``value`` as UTF-8 JSON; strings holding lone surrogates (from names that are not UTF-8)
     fall back to JSON's ``\\uXXXX`` escapes, which ``json.loads`` reads back exactly."""

@@ -24,7 +24,7 @@ from .. import read_policy
 from ..dtypes import dtype_by_safetensors_code
 from ..errors import MalformedCheckpointError, UnsupportedFormatError, WriteError
 from ..tensor import FileRegion, Storage, TensorRef, contiguous_strides, shape_overflows
-from ._base import Deferred, MetadataValue, ReadResult, metadata_text, split_aliases
+from ._base import Deferred, MetadataValue, ReadResult, json_object, metadata_text, split_aliases
 
 __all__ = ["ALIASES_KEY", "looks_safetensors", "read", "write"]
 
@@ -65,20 +65,6 @@ def _damaged(path: str, detail: str) -> MalformedCheckpointError:
 _JSON_SPACE = b" \t\n\r"
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key!r}")
-        # Python's json takes "\ud800" (half a surrogate pair) as a string; the safetensors library
-        # refuses it, and no UTF-8 file can hold it.
-        for text in (key, value):
-            if isinstance(text, str) and not _is_utf8(text):
-                raise ValueError(f"the string {text!r} holds a lone surrogate escape, which is not Unicode")
-        result[key] = value
-    return result
-
-
 def read_header(path: str) -> tuple[dict[str, Any], int, int]:
     """The parsed JSON header, the offset where tensor data starts, and the file size."""
     with read_policy.open_file(path) as file:
@@ -96,7 +82,7 @@ def read_header(path: str) -> tuple[dict[str, Any], int, int]:
             )
         raw = file.read(header_length)
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json_object(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise _damaged(path, f"its header is not valid JSON ({error})") from None
     if not isinstance(header, dict):
@@ -179,7 +165,7 @@ def _restore_aliases(path: str, tree: dict[str, TensorRef], metadata: dict[str, 
     if raw is None:
         return
     try:
-        aliases = json.loads(raw, object_pairs_hook=_no_duplicates)  # an alias named twice is two readings
+        aliases = json_object(raw)  # an alias named twice is two readings
     except (ValueError, RecursionError) as error:
         raise _damaged(path, f"its {ALIASES_KEY} metadata is not JSON ({error})") from None
     if not isinstance(aliases, dict):

@@ -26,7 +26,7 @@ from .. import read_policy
 from ..errors import MalformedCheckpointError
 from ..suffixes import INDEX_SUFFIXES
 from ..tensor import TensorRef
-from ._base import ReadResult, json_bytes
+from ._base import ReadResult, json_bytes, json_object
 
 __all__ = ["ShardPlan", "checkpoint_files", "plan_shards", "read", "shard_names"]
 
@@ -59,12 +59,15 @@ def read_index(index_path: str, *, folder: str | None = None) -> tuple[dict[str,
     """
     raw = read_policy.read_limited(index_path, limit=MAX_INDEX_BYTES, folder=folder, what="shard index")
     try:
-        index = json.loads(raw.decode("utf-8"))
+        index = json_object(raw.decode("utf-8"))  # a key named twice maps it to two shards
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise _damaged(index_path, f"it is not valid JSON ({error})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(key, str) for key in weight_map):
         raise _damaged(index_path, "it has no weight_map of names to shard files")
+    for name in weight_map.values():
+        if not isinstance(name, str):
+            shard_path(index_path, name)  # says what is wrong with it, before a list is hashed
     metadata = index.get("metadata")
     return weight_map, metadata if isinstance(metadata, dict) else {}
 
