@@ -338,12 +338,15 @@ def scan_many(paths: Iterable[PathLike]) -> ScanSummary:
         if not os.path.lexists(path):
             raise LoadError(f"{missing(path)}; check the path", path=path)
         if os.path.isdir(path) and not dcp.is_dcp_folder(path) and sharded.find_index(path) is None:
-            for item in discover(path):
-                reports.append(scan(item.path))
-                if item.kind == RUN:
-                    # A training run is one item to convert, but every pickle in it is scanned:
-                    # older tags, optimizer files beside per-rank model files.
-                    reports.extend(scan(extra) for extra in unread_files(item))
+            # Discovery follows a link only inside the folder; held to that while scanning too, a file
+            # swapped for a link out of it since is refused, not read (and its first bytes not shown).
+            with read_policy.confined(path):
+                for item in discover(path):
+                    reports.append(scan(item.path))
+                    if item.kind == RUN:
+                        # A training run is one item to convert, but every pickle in it is scanned:
+                        # older tags, optimizer files beside per-rank model files.
+                        reports.extend(scan(extra) for extra in unread_files(item))
         else:
             reports.append(scan(path))
     return ScanSummary(tuple(reports))

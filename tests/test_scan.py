@@ -516,3 +516,31 @@ def test_a_broken_file_that_names_code_is_unsafe_and_says_both(tmp_path: Path) -
     assert report.reason.endswith(
         "is truncated: its pickle ends at byte 24 before the STOP opcode; the file is incomplete or damaged"
     )
+
+
+def test_a_file_swapped_for_a_link_out_of_the_folder_after_discovery_is_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scan_many found m.pt, which then became a link to a private file outside the folder: scan read it
+    and showed its first bytes ("it starts with bytes 72 6f 6f 74 ...")."""
+    from ckptconv import discovery
+
+    zoo, secret = tmp_path / "zoo", tmp_path / "secret.txt"
+    zoo.mkdir()
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n" * 2)
+    torch.save({"w": torch.ones(2)}, zoo / "m.pt")
+    found = discovery.discover
+
+    def discover_then_swap(*args: Any, **kwargs: Any) -> Any:
+        items = found(*args, **kwargs)
+        (zoo / "m.pt").unlink()
+        (zoo / "m.pt").symlink_to(secret)
+        return items
+
+    monkeypatch.setattr(discovery, "discover", discover_then_swap)
+    (report,) = ckptconv.scan_many([zoo]).reports
+    assert report.reason == (
+        f"is a link that leads outside the source folder {str(zoo)!r} (to {str(secret)!r}); not followed"
+    )
+    assert "72 6f 6f 74" not in report.reason
+    assert ckptconv.scan(zoo / "m.pt").verdict != "safe"  # named itself, the link is followed: the user's choice
