@@ -14,10 +14,11 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from . import _cores
 from ._gc import collector_paused
+from ._paths import PathLike, as_path
 from ._text import plural
 from ._version import __version__
 from .errors import FitError, TransformError, VerifyError
@@ -34,7 +35,6 @@ from .writing import Progress, fills_record_crcs, is_folder_destination, output_
 
 __all__ = ["ConversionReport", "convert"]
 
-PathLike = Union[str, "os.PathLike[str]"]
 
 # Wrapper prefixes users meet, for hints when the one they asked for is absent.
 _KNOWN_WRAPPERS = (
@@ -192,6 +192,7 @@ def convert(
         >>> ckptconv.convert("dp_model.pkl", "model.safetensors",
         ...                  transforms=[ckptconv.StripPrefix("module"), ckptconv.Cast("bf16")])  # doctest: +SKIP
     """
+    source, destination = as_path(source), None if destination is None else as_path(destination)
     options = (options or ConversionOptions()).with_changes("convert", **changes)
     # Its bookkeeping builds and walks objects for every tensor: see ckptconv._gc.
     with collector_paused():

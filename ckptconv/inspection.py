@@ -8,13 +8,13 @@ library's.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from ._gc import collector_paused
+from ._paths import PathLike
 from .errors import SelectionError
 from .loading import open as open_checkpoint
 from .standins import ForeignGlobal, ForeignObject, NumpyArray
@@ -23,7 +23,6 @@ from .tensor import TensorRef
 
 __all__ = ["CheckpointInfo", "TensorInfo", "inspect"]
 
-PathLike = Union[str, "os.PathLike[str]"]
 
 #: Keys a :class:`TensorInfo` names among those sharing its storage (``shares_count`` counts them all).
 MAX_SHARES_LISTED = 8

@@ -17,10 +17,11 @@ import zipfile
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from . import formats
 from ._gc import collector_paused
+from ._paths import PathLike, as_path
 from .errors import CkptconvError, LoadError, MalformedCheckpointError
 from .formats._base import ReadResult
 from .selection import Selection, select_weights
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Checkpoint", "load", "open"]
 
-PathLike = Union[str, "os.PathLike[str]"]
 
 # What parsing a hostile file can raise from the standard library's zip, json
 # and struct code; each becomes a MalformedCheckpointError.
@@ -132,7 +132,7 @@ def open(path: PathLike, *, trust: bool = False) -> Checkpoint:
         >>> ckpt.select().weights["conv1.weight"].shape  # doctest: +SKIP
         (64, 3, 7, 7)
     """
-    path = os.fspath(path)
+    path = as_path(path)
     kind, path = formats.resolve(path)
     if trust:
         result = _read_trusted(path, kind)
