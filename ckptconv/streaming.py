@@ -198,7 +198,10 @@ def _chunks(
                 read_into(position, raw.data)
                 yield _bytes_view(_cast(ref, raw.view(np.dtype(ref.dtype.numpy)))), None
         return
-    piece_bytes = max(min(chunk // 2, CAST_PIECE_BYTES) // itemsize, 1) * itemsize
+    if end - start <= min(chunk, SMALL_CAST_BYTES):
+        piece_bytes = end - start  # one piece, cast on this thread
+    else:
+        piece_bytes = max(min(chunk // 2, CAST_PIECE_BYTES) // itemsize, 1) * itemsize
     yield from _iter_cast_pieces(
         ref, start, end, piece_bytes, record_crcs if reads_whole_record(ref) else None, chunk_crcs=chunk_crcs
     )
@@ -269,6 +272,10 @@ def _blocks(view: np.ndarray, limit: int) -> Iterator[np.ndarray]:
 #: 2-core VM (32 MiB L3), a 1 GiB float32 -> float16 cast took 1.41 s of CPU with 8 MiB
 #: pieces, 1.00 s with 4 MiB and 1.12 s with 2 MiB (where handing pieces over costs more).
 CAST_PIECE_BYTES = 4 << 20
+#: A cast of up to this many source bytes runs as one piece on the caller's thread: split in two,
+#: a tensor of a few bytes started a pool of two threads (30,000 tiny tensors to bf16: 26 s, of
+#: which 8.6 s of CPU, the rest waiting for threads).
+SMALL_CAST_BYTES = 1 << 20
 
 # Buffers the cast path reuses from piece to piece and tensor to tensor, so
 # that no piece faults in (and the kernel zeroes) fresh pages: the cast of a
