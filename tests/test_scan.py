@@ -481,6 +481,73 @@ def test_two_zip_records_of_one_name(tmp_path: Any) -> None:
     assert report.verdict == "unsafe" and report.unsafe[0].name == "posix.system"
 
 
+def test_a_zip_appended_to_another_is_refused_not_read_as_the_second(tmp_path: Any) -> None:
+    """torch's reader takes the directory's offsets from the start of the file, Python's zipfile shifts
+    them past the bytes before the archive: a benign torch.save file appended to one whose data.pkl names
+    posix.system was the benign one to ckptconv (scan: 'safe') and the other to torch.load."""
+    import zipfile
+
+    def archive_of(data_pkl: bytes) -> bytes:
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as archive:
+            archive.writestr("archive/data.pkl", data_pkl)
+            archive.writestr("archive/byteorder", "little")
+            archive.writestr("archive/version", "3\n")
+        return buffer.getvalue()
+
+    benign = pickle.dumps({"a": "x" * 40}, protocol=2)
+    evil = call("posix", "system", "id", protocol=2)
+    evil = call("posix", "system", "id" + " " * (len(benign) - len(evil)), protocol=2)
+    assert len(benign) == len(evil)  # the same layout: the second archive's directory numbers fit the first
+    first, second = archive_of(evil), archive_of(benign)
+    path = _write(tmp_path, "two.pt", first + second)
+    asked: list[str] = []
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            asked.append(f"{module}.{name}")
+            return lambda *args: None
+
+    class Module:
+        Unpickler = Recording
+        load = staticmethod(pickle.load)
+        __name__ = "recording"
+
+    torch.load(path, weights_only=False, pickle_module=Module)  # nothing runs: find_class is ours
+    assert asked == ["posix.system"]
+    with zipfile.ZipFile(path) as archive:  # the second archive's records
+        assert archive.read("archive/data.pkl") == benign
+    shift = len(first)
+    said = (
+        f"has {shift} bytes before its zip archive that the archive's directory does not count (another "
+        "archive?); torch reads the records at the offsets as recorded and other zip readers past those bytes, "
+        "so refusing a file that can be read two ways (nothing was executed)"
+    )
+    with pytest.raises(UnsafeCheckpointError) as caught:
+        ckptconv.open(path)
+    assert str(caught.value) == f"{str(path)!r} {said}"
+    report = ckptconv.scan(path)
+    assert (report.verdict, report.reason) == ("unsafe", said)
+
+
+def test_two_torch_files_one_after_the_other_are_refused(tmp_path: Any) -> None:
+    """Plain concatenation: torch.load reads the first file's tensors, Python's zipfile the second's."""
+    buffers = []
+    for value in (1.0, 2.0):
+        buffer = io.BytesIO()
+        torch.save({"w": torch.full((4,), value)}, buffer)
+        buffers.append(buffer.getvalue())
+    path = _write(tmp_path, "both.pt", b"".join(buffers))
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.full((4,), 1.0))
+    with pytest.raises(UnsafeCheckpointError, match=f"has {len(buffers[0])} bytes before its zip archive"):
+        ckptconv.load(path)
+    from tests.conftest import run_cli
+
+    code, stdout, stderr = run_cli("convert", str(path), str(tmp_path / "out.safetensors"))
+    assert (code, stdout, stderr.count("\n")) == (1, "", 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["both.pt"]
+
+
 def test_scan_answers_with_a_verdict_for_damaged_variants(corpus: list[tuple[Any, str]], tmp_path: Any) -> None:
     """Random byte flips, cuts and insertions in every kind of sample: a verdict, never an exception."""
     import random

@@ -224,8 +224,29 @@ def read(path: str, *, max_items: int | None = None, region: tuple[int, int] | N
             return _read_archive(path, archive, source, base, max_items)
 
 
+def _bytes_before_archive(archive: zipfile.ZipFile, file: Any) -> int:
+    """How far Python's zipfile shifted every offset the archive records: the bytes before the archive
+    that its directory does not count (``concat`` in ``ZipFile._RealGetContents``), nonzero when the
+    archive was appended to other data, another archive included."""
+    # The end record ZipFile itself read; the module has parsed it this way since Python 2.
+    end_record = zipfile._EndRecData(file)  # type: ignore[attr-defined]
+    recorded: int = end_record[6]  # zipfile._ECD_OFFSET: the directory's offset, as recorded
+    return archive.start_dir - recorded
+
+
 def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max_items: int | None) -> ReadResult:
     size = file.seek(0, io.SEEK_END)
+    shift = _bytes_before_archive(archive, file)
+    if shift:
+        # torch's reader (miniz) takes the recorded offsets as they are, from the start of the file, where
+        # Python's shifts them past what comes first: appended to another archive, the file is one
+        # checkpoint to torch and another to every Python tool, ckptconv's scan included.
+        raise UnsafeCheckpointError(
+            f"{path!r} has {shift} bytes before its zip archive that the archive's directory does not count "
+            "(another archive?); torch reads the records at the offsets as recorded and other zip readers past "
+            "those bytes, so refusing a file that can be read two ways (nothing was executed)",
+            path=path,
+        )
     infos: dict[str, zipfile.ZipInfo] = {}
     for info in archive.infolist():
         if info.filename in infos:
