@@ -10,7 +10,8 @@ within each round (rows and helpers shared with ``bench_convert.py``)::
     python -P bench/bench_many_tensors.py --tensors 30000 300000 --runs 3
     python -P bench/bench_many_tensors.py --tensors 300000 --baseline /path/to/other/checkout --idle-only
 
-A first, untimed round checks every ckptconv output against torch (every tensor, bit for bit).
+A first, untimed round checks every ckptconv output against torch (every tensor, bit for bit; the bf16
+row against ``Tensor.to``).
 Reports the median wall and user CPU time, microseconds per tensor, and the peak RSS.
 """
 
@@ -49,6 +50,8 @@ CHECK_SCRIPT = textwrap.dedent(
     source, output = sys.argv[1], sys.argv[2]
     want = load_file(source) if source.endswith(".safetensors") else torch.load(source, weights_only=True)
     got = load_file(output) if output.endswith(".safetensors") else torch.load(output, weights_only=True)
+    if len(sys.argv) > 3:  # the output was cast: compare with Tensor.to
+        want = {key: value.to(getattr(torch, sys.argv[3])) for key, value in want.items()}
     assert sorted(got) == sorted(want), "keys differ"
     for key, value in want.items():
         assert got[key].dtype == value.dtype and torch.equal(got[key].view(torch.uint8), value.view(torch.uint8)), key
@@ -82,6 +85,12 @@ def cases_for(paths: dict[str, Path], out: Path, quick: bool) -> list[Case]:
             out / "b.pt",
         ),
         Case(
+            "ckptconv convert x.pt y.safetensors --dtype bf16" + FAST,
+            [*CKPTCONV, "convert", str(pt), str(out / "d.safetensors"), "--dtype", "bf16", *FAST.split(), "-q"],
+            pt,
+            out / "d.safetensors",
+        ),
+        Case(
             "ckptconv strip-module x.pt y.pt" + FAST,
             [*CKPTCONV, "strip-module", str(pt), str(out / "c.pt"), *FAST.split(), "-q"],
             pt,
@@ -110,7 +119,17 @@ def check(case: Case) -> None:
     if case.output is None or not case.name.startswith("ckptconv"):
         return
     result = subprocess.run(
-        [PYTHON, "-c", CHECK_SCRIPT, str(case.source), str(case.output)], capture_output=True, text=True, check=False
+        [
+            PYTHON,
+            "-c",
+            CHECK_SCRIPT,
+            str(case.source),
+            str(case.output),
+            *(["bfloat16"] if "bf16" in case.name else []),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     status = (result.stdout or result.stderr).strip().splitlines()[-1:]
     print(f"  verified {case.name}: {' '.join(status)}", file=sys.stderr)
