@@ -611,3 +611,48 @@ def test_a_file_swapped_for_a_link_out_of_the_folder_after_discovery_is_not_read
     )
     assert "72 6f 6f 74" not in report.reason
     assert ckptconv.scan(zoo / "m.pt").verdict != "safe"  # named itself, the link is followed: the user's choice
+
+
+def _legacy_that_is_also_a_tar() -> bytes:
+    """A legacy torch.save file whose first 512 bytes are also a valid (v7) tar header: the sys_info pickle
+    is a string that holds the header's octal fields and checksum at their offsets."""
+    import pickletools
+
+    buffer = io.BytesIO()
+    torch.save({"w": torch.arange(4.0)}, buffer, _use_new_zipfile_serialization=False)
+    raw = buffer.getvalue()
+    ends, start = [], 0
+    for _ in range(3):  # magic number, protocol, sys_info
+        end = next(p for op, _, p in pickletools.genops(io.BytesIO(raw[start:])) if op.name == "STOP")
+        start += end + 1
+        ends.append(start)
+    head = raw[: ends[1]] + b"\x80\x02X"  # then a BINUNICODE string filling the rest of the block
+    text_at = len(head) + 4
+    block = bytearray(b"a" * 157 + b"\0" * (512 - 157))
+    for at, field in {100: b"0000644\0", 108: b"0000000\0", 116: b"0000000\0", 124: b"00000000000\0"}.items():
+        block[at : at + len(field)] = field
+    block[136:157] = b"00000000000\0" + b" " * 8 + b"0"  # mtime, checksum (spaces while summing), type
+    block[:text_at] = head + struct.pack("<I", 512 - text_at)
+    block[148:156] = b"%06o\0 " % sum(block)
+    return bytes(block) + b"." + raw[ends[2] :]
+
+
+def test_a_legacy_file_that_is_also_a_tar_archive_is_refused(tmp_path: Any) -> None:
+    """torch.load opens a non-zip file with tarfile first and, when that works, reads the pre-0.4 tar
+    format (weights_only=True refuses it) instead of the legacy pickles ckptconv read: scan said 'safe'
+    about pickles torch never reads."""
+    import tarfile
+
+    path = _write(tmp_path, "both.pt", _legacy_that_is_also_a_tar())
+    with tarfile.open(path, mode="r:"):
+        pass
+    with pytest.raises(RuntimeError, match=r"legacy \.tar format"):
+        torch.load(path, weights_only=True)
+    said = (
+        "is both a legacy torch checkpoint and a tar archive, which torch.load reads instead (torch's pre-0.4 "
+        "format; weights_only=True refuses it), so refusing a file that can be read two ways (nothing was executed)"
+    )
+    with pytest.raises(UnsafeCheckpointError) as caught:
+        ckptconv.open(path)
+    assert str(caught.value) == f"{path!r} {said}"
+    assert (ckptconv.scan(path).verdict, ckptconv.scan(path).reason) == ("unsafe", said)

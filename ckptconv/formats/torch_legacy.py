@@ -17,10 +17,11 @@ The even older tar format (torch < 0.4) is recognised and refused.
 from __future__ import annotations
 
 import os
+import tarfile
 from typing import Any, Callable, Literal
 
 from .. import read_policy
-from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from ..errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from ..standins import ForeignGlobal, StorageType, TypedStorage, short_repr
 from ..tensor import FileRegion, Storage, read_exactly_into
 from ..unpickler import DEFAULT_MAX_ITEMS, PickleTruncatedError, Unpickler, recording_unsafe
@@ -70,6 +71,13 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
     buffer that grows only if a pickle runs past it.
     """
     with read_policy.open_file(path) as file:
+        if _opens_as_tar(file):
+            raise UnsafeCheckpointError(
+                f"{path!r} is both a legacy torch checkpoint and a tar archive, which torch.load reads instead "
+                "(torch's pre-0.4 format; weights_only=True refuses it), so refusing a file that can be read two "
+                "ways (nothing was executed)",
+                path=path,
+            )
         size = os.fstat(file.fileno()).st_size
         buffer_size = min(size, _FIRST_READ)
         while True:
@@ -87,6 +95,21 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
                         path, f"its pickles run past the first {MAX_PICKLE_BYTES} bytes (the limit)"
                     ) from None
                 buffer_size = min(size, buffer_size * 8, MAX_PICKLE_BYTES)
+
+
+def _opens_as_tar(file: Any) -> bool:
+    """True when ``tarfile`` opens the file, as torch.load tries first for a file that is not a zip: it then
+    reads the file as a pre-0.4 tar checkpoint (its members ``storages``, ``tensors`` and ``pickle``),
+    whatever the legacy pickles at the same bytes say. A file can be both: the header's fields are plain
+    text at fixed offsets, which a string in the ``sys_info`` pickle can hold."""
+    file.seek(0)
+    try:
+        with tarfile.open(fileobj=file, mode="r:", format=tarfile.PAX_FORMAT):
+            return True
+    except tarfile.TarError:
+        return False
+    finally:
+        file.seek(0)
 
 
 def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None) -> ReadResult:
