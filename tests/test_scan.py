@@ -656,3 +656,40 @@ def test_a_legacy_file_that_is_also_a_tar_archive_is_refused(tmp_path: Any) -> N
         ckptconv.open(path)
     assert str(caught.value) == f"{path!r} {said}"
     assert (ckptconv.scan(path).verdict, ckptconv.scan(path).reason) == ("unsafe", said)
+
+
+def test_records_whose_names_differ_only_in_case_are_refused(tmp_path: Any) -> None:
+    """torch's reader finds a record whatever the case of its name, and with 'archive/DATA.PKL' after
+    'archive/data.pkl' it runs the second; Python's zipfile, and so ckptconv, read the first."""
+    import zipfile
+
+    saved = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, saved)
+    evil = call("posix", "system", "id", protocol=2)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(saved.getvalue())) as good, zipfile.ZipFile(buffer, "w") as archive:
+        for info in good.infolist():
+            archive.writestr(info.filename, good.read(info))
+        archive.writestr("archive/DATA.PKL", evil)
+    path = _write(tmp_path, "case.pt", buffer.getvalue())
+    asked: list[str] = []
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            asked.append(f"{module}.{name}")
+            return lambda *args: None
+
+    class Module:
+        Unpickler = Recording
+        load = staticmethod(pickle.load)
+        __name__ = "recording"
+
+    torch.load(path, weights_only=False, pickle_module=Module)  # nothing runs: find_class is ours
+    assert asked == ["posix.system"]
+    with pytest.raises(UnsafeCheckpointError) as caught:
+        ckptconv.open(path)
+    assert str(caught.value) == (
+        f"{path!r} holds records named 'archive/data.pkl' and 'archive/DATA.PKL', one name to torch's reader "
+        "(it ignores case), so refusing a file that can be read two ways (nothing was executed)"
+    )
+    assert ckptconv.scan(path).verdict == "unsafe"

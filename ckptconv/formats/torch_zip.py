@@ -224,6 +224,9 @@ def read(path: str, *, max_items: int | None = None, region: tuple[int, int] | N
             return _read_archive(path, archive, source, base, max_items)
 
 
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
 def _bytes_before_archive(archive: zipfile.ZipFile, file: Any) -> int:
     """How far Python's zipfile shifted every offset the archive records: the bytes before the archive
     that its directory does not count (``concat`` in ``ZipFile._RealGetContents``), nonzero when the
@@ -248,7 +251,18 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
             path=path,
         )
     infos: dict[str, zipfile.ZipInfo] = {}
+    folded: dict[str, str] = {}
     for info in archive.infolist():
+        other = folded.setdefault(info.filename.translate(_ASCII_LOWER), info.filename)
+        if other != info.filename:
+            # torch's reader (miniz, without MZ_ZIP_FLAG_CASE_SENSITIVE) finds a record whatever the case
+            # of its name: which of the two it takes for 'data.pkl' is not Python's answer.
+            raise UnsafeCheckpointError(
+                f"{path!r} holds records named {short_repr(other)} and {short_repr(info.filename)}, one name to "
+                "torch's reader (it ignores case), so refusing a file that can be read two ways (nothing was "
+                "executed)",
+                path=path,
+            )
         if info.filename in infos:
             # torch's reader takes the first record of a name, Python's zipfile the last: a
             # benign copy can hide the pickle torch.load would run.
