@@ -343,3 +343,31 @@ def test_open_pauses_the_cyclic_collector_only_while_it_reads(tmp_path: Path) ->
             gc.enable()
     finally:
         formats.READERS[torch_zip.FORMAT] = original
+
+
+def test_a_legacy_file_whose_sys_info_says_big_endian_is_read_little_endian_as_torch_reads_it(tmp_path: Path) -> None:
+    """torch writes legacy storages and their element counts little-endian on every machine and reads them
+    so, whatever sys_info's little_endian says; ckptconv byte-swapped them by sys_info (and so refused a
+    file torch reads, "holds 432345564227567616 elements")."""
+    import io
+    import pickletools
+
+    state = {"f": torch.arange(6, dtype=torch.float32), "i": torch.arange(3, dtype=torch.int64) - 1}
+    buffer = io.BytesIO()
+    torch.save(state, buffer, _use_new_zipfile_serialization=False)
+    raw = buffer.getvalue()
+    ends, start = [], 0
+    for _ in range(3):  # magic number, protocol, sys_info
+        end = next(p for op, _, p in pickletools.genops(io.BytesIO(raw[start:])) if op.name == "STOP")
+        start += end + 1
+        ends.append(start)
+    sys_info = pickle.loads(raw[ends[1] : ends[2]])
+    assert sys_info["little_endian"] is True
+    big = pickle.dumps({**sys_info, "little_endian": False}, protocol=2)
+    path = tmp_path / "big.pt"
+    path.write_bytes(raw[: ends[1]] + big + raw[ends[2] :])
+    expected = torch.load(path, weights_only=True)
+    loaded = ckptconv.load(path)
+    for key, tensor in expected.items():
+        assert_same_tensor(loaded[key], tensor, key)
+        assert torch.equal(tensor, state[key])

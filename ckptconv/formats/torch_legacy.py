@@ -8,7 +8,8 @@ Layout (see ``torch/serialization.py``, ``_legacy_save`` and ``_legacy_load``)::
     pickle  the saved object; tensors refer to storages through persistent ids
             ('storage', StorageType, root_key, location, numel, view_metadata)
     pickle  the list of storage keys, in the order their bytes follow
-    then, per key: int64 element count, then the raw bytes
+    then, per key: int64 element count, then the raw bytes (both little-endian, whatever
+                   sys_info says: torch converts on big-endian machines)
 
 The storages are read in place at their offsets, like the zip format's.
 The even older tar format (torch < 0.4) is recognised and refused.
@@ -127,9 +128,11 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
         raise MalformedCheckpointError(
             f"{path!r} is a legacy torch checkpoint of unknown protocol {protocol!r}", path=path
         )
-    sys_info, unpickler = next_pickle(unpickler.end)
-    little_endian = not (isinstance(sys_info, dict) and sys_info.get("little_endian") is False)
-    byteorder: Literal["little", "big"] = "little" if little_endian else "big"
+    # sys_info says which byte order the saving machine had, but torch writes every storage and its element
+    # count little-endian on any machine (THPStorage_writeFileRaw converts) and reads them so, whatever
+    # sys_info says: it is not consulted.
+    _, unpickler = next_pickle(unpickler.end)
+    byteorder: Literal["little", "big"] = "little"
 
     storages: dict[str, Storage] = {}
     views: dict[str, TypedStorage] = {}
