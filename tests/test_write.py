@@ -566,3 +566,37 @@ def test_a_copy_shared_by_two_threads_reports_every_byte_once(tmp_path: Path, mo
         output.write(b"tail")
     assert sum(counts) == len(data) and crc == zlib.crc32(data)
     assert (tmp_path / "out").read_bytes() == b"x" * 11 + data + b"tail"
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_save_opens_each_source_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str) -> None:
+    """Tensors read for one save share one open descriptor of their file (read_policy.keeping_open),
+    and the output still equals what torch reads from the source."""
+    from ckptconv import read_policy
+
+    source = tmp_path / f"many{suffix}"
+    state = {f"t{i}": torch.arange(5, dtype=torch.float32) * i for i in range(40)}
+    state["big"] = torch.arange(100_000, dtype=torch.float32)  # past the 64 KiB buffered copies
+    if suffix == ".pt":
+        torch.save(state, source)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(state, source)
+    opened: list[str] = []
+    real_open = read_policy.open_file
+
+    def counting(path: str, **kwargs: Any) -> Any:
+        opened.append(os.path.basename(path))
+        return real_open(path, **kwargs)
+
+    monkeypatch.setattr(read_policy, "open_file", counting)
+    for out in ("o.pt", "o.safetensors"):
+        opened.clear()
+        ckptconv.convert(source, tmp_path / out, source_hash=False, overwrite=True)
+        reads = opened.count(source.name)
+        assert reads <= 4, f"{out}: {reads} opens of the source for {len(state)} tensors"  # open, detect, CRC check
+        got = torch.load(tmp_path / out, weights_only=True) if out.endswith(".pt") else load_file(tmp_path / out)
+        assert got.keys() == state.keys()
+        for key, value in state.items():
+            assert torch.equal(got[key], value), key
