@@ -2,7 +2,7 @@
 
 For 10^5 tensors a reader builds millions of objects, none of them garbage, and the collector
 walks all of them again each time their number has grown by a quarter, and again in every
-full collection while they are alive: a third of the time of opening or converting a
+full collection while they are alive: a third of the time of opening, converting or loading a
 300,000-tensor ``.pt`` (bench/bench_many_tensors.py). Reference counting still frees
 everything while the collector rests; what only it can free (a cycle a hostile pickle makes,
 an exception that holds its own frame) waits until it runs again.

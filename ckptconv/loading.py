@@ -215,15 +215,16 @@ def load(
     from .devices import pick_device
     from .integrity import check_record_crcs
 
-    weights = open(path, trust=trust).select(select).weights
-    # The readers take each whole record's CRC-32 from the bytes as they pass (no second
-    # read of the file); what they did not see (compressed records, partly read ones) is
-    # read again and checked after.
-    crcs: dict[Storage, int] | None = {} if check_crc else None
-    tensors = to_torch(weights, device=pick_device(device), crcs=crcs)
-    if crcs is not None:
-        check_record_crcs(list(weights.items()), computed=crcs)
-    return tensors
+    with collector_paused():  # an object or more per tensor: see ckptconv._gc
+        weights = open(path, trust=trust).select(select).weights
+        # The readers take each whole record's CRC-32 from the bytes as they pass (no second
+        # read of the file); what they did not see (compressed records, partly read ones) is
+        # read again and checked after.
+        crcs: dict[Storage, int] | None = {} if check_crc else None
+        tensors = to_torch(weights, device=pick_device(device), crcs=crcs)
+        if crcs is not None:
+            check_record_crcs(list(weights.items()), computed=crcs)
+        return tensors
 
 
 def _read_trusted(path: str, kind: str) -> ReadResult:
