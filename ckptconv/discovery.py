@@ -231,7 +231,7 @@ def refusal(item: Item, excluded: Iterable[str] = ()) -> str:
 def _refusal(path: str, root: str, excluded: Iterable[str] = ()) -> str:
     """Why ``path`` (found under ``root``) must not be read, or ``""``."""
     if os.path.islink(path):
-        if not read_policy.inside(path, root) and not read_policy.hub_blob(path, os.path.dirname(path)):
+        if not read_policy.found_inside(path, root):
             return f"a link that leads outside the source folder (to {os.readlink(path)!r}); not followed"
         if any(read_policy.inside(path, folder) for folder in excluded):
             return f"a link into the output folder (to {os.readlink(path)!r}); not followed"

@@ -45,6 +45,7 @@ __all__ = [
     "check_file",
     "confined",
     "descriptor",
+    "found_inside",
     "hub_blob",
     "inside",
     "keeping_open",
@@ -106,6 +107,15 @@ def within(path: str, folder: str) -> bool:
     return inside(path, folder) or hub_blob(path, folder)
 
 
+def found_inside(path: str, root: str) -> bool:
+    """The read policy's rule for a file found under ``root`` (a batch's or scan's source folder): it lies
+    inside ``root``, links resolved, or it is a Hugging Face cache snapshot's link into its blobs
+    (:func:`hub_blob`) from a folder that itself lies inside ``root``, so a folder swapped for a link to a
+    look-alike snapshot elsewhere, whose ``blobs`` may lead anywhere, does not count as one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return inside(path, root) or (inside(folder, root) and hub_blob(path, folder))
+
+
 # Source folders of batches being converted (absolute, real paths), counted: one per item in progress.
 _CONFINED: Counter[str] = Counter()
 _CONFINED_LOCK = threading.Lock()
@@ -148,7 +158,7 @@ def _confining(path: str) -> list[str]:
 def _escapes(path: str) -> str | None:
     """The :func:`confined` folder whose rule ``path`` breaks, or None."""
     for root in _confining(path):
-        if not (inside(path, root) or hub_blob(path, os.path.dirname(os.path.abspath(path)))):
+        if not found_inside(path, root):
             return root
     return None
 

@@ -613,6 +613,38 @@ def test_a_file_swapped_for_a_link_out_of_the_folder_after_discovery_is_not_read
     assert ckptconv.scan(zoo / "m.pt").verdict != "safe"  # named itself, the link is followed: the user's choice
 
 
+def test_a_folder_swapped_for_a_link_to_a_look_alike_hub_snapshot_after_discovery_is_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hub-cache exception (a snapshot's link into ../../blobs) was asked of the file's folder as it
+    resolves: a folder under SRC swapped for a link to a made-up snapshot, whose blobs link leads anywhere,
+    let scan_many read a private file outside SRC and show its first bytes."""
+    from ckptconv import discovery
+
+    zoo, secret, fake = tmp_path / "zoo", tmp_path / "secret.txt", tmp_path / "fake"
+    (zoo / "sub").mkdir(parents=True)
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n" * 2)
+    torch.save({"w": torch.ones(2)}, zoo / "sub" / "m.pt")
+    (fake / "snapshots" / "rev").mkdir(parents=True)
+    (fake / "blobs").symlink_to(tmp_path)  # the "blobs" are the folder holding the secret
+    (fake / "snapshots" / "rev" / "m.pt").symlink_to("../../blobs/secret.txt")
+    found = discovery.discover
+
+    def discover_then_swap(*args: Any, **kwargs: Any) -> Any:
+        items = found(*args, **kwargs)
+        (zoo / "sub" / "m.pt").unlink()
+        (zoo / "sub").rmdir()
+        (zoo / "sub").symlink_to(fake / "snapshots" / "rev")
+        return items
+
+    monkeypatch.setattr(discovery, "discover", discover_then_swap)
+    (report,) = ckptconv.scan_many([zoo]).reports
+    assert report.reason == (
+        f"is a link that leads outside the source folder {str(zoo)!r} (to {str(secret)!r}); not followed"
+    )
+    assert "72 6f 6f 74" not in report.reason
+
+
 def _legacy_that_is_also_a_tar() -> bytes:
     """A legacy torch.save file whose first 512 bytes are also a valid (v7) tar header: the sys_info pickle
     is a string that holds the header's octal fields and checksum at their offsets."""
