@@ -69,6 +69,15 @@ def metadata_text(value: MetadataValue) -> str:
     return value
 
 
+def is_utf8(text: str) -> bool:
+    """True when ``text`` can be written as UTF-8 (it holds no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object's pairs as a dict, refusing a key named twice (Python's json keeps the last, other
     readers the first) and strings that are not Unicode: Python's json takes ``"\\ud800"`` (half a
@@ -82,13 +91,8 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         if key in result:
             raise ValueError(f"duplicate key {key!r}")
         for text in (key, value):
-            if isinstance(text, str):
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise ValueError(
-                        f"the string {text!r} holds a lone surrogate escape, which is not Unicode"
-                    ) from None
+            if isinstance(text, str) and not is_utf8(text):
+                raise ValueError(f"the string {text!r} holds a lone surrogate escape, which is not Unicode")
         result[key] = value
     return result
 

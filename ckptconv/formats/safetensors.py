@@ -24,7 +24,7 @@ from .. import read_policy
 from ..dtypes import dtype_by_safetensors_code
 from ..errors import MalformedCheckpointError, UnsupportedFormatError, WriteError
 from ..tensor import FileRegion, Storage, TensorRef, contiguous_strides, shape_overflows
-from ._base import Deferred, MetadataValue, ReadResult, json_object, metadata_text, split_aliases
+from ._base import Deferred, MetadataValue, ReadResult, is_utf8, json_object, metadata_text, split_aliases
 
 __all__ = ["ALIASES_KEY", "looks_safetensors", "read", "write"]
 
@@ -45,17 +45,9 @@ def looks_safetensors(head: bytes, size: int) -> bool:
     return 2 <= header_length <= size - 8 and head[8:].lstrip(_JSON_SPACE)[:1] == b"{"
 
 
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _utf8_text(text: str) -> str:
     """Metadata text as UTF-8 can store it: lone surrogates become ``\\udcXX`` escapes."""
-    return text if _is_utf8(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if is_utf8(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _damaged(path: str, detail: str) -> MalformedCheckpointError:
@@ -261,7 +253,7 @@ def write(
     unique.sort(key=lambda item: (-item[1].out_dtype.itemsize, item[0]))
 
     for key, _ in entries:
-        if not _is_utf8(key):
+        if not is_utf8(key):
             raise WriteError(
                 f"tensor {key!r} has a name that is not valid Unicode (a lone surrogate), and safetensors "
                 "stores names as UTF-8; rename it (--rename) or write a .pt file (--to pt)"
