@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import tarfile
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 from .. import read_policy
 from ..errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
@@ -132,7 +132,6 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
     # count little-endian on any machine (THPStorage_writeFileRaw converts) and reads them so, whatever
     # sys_info says: it is not consulted.
     _, unpickler = next_pickle(unpickler.end)
-    byteorder: Literal["little", "big"] = "little"
 
     storages: dict[str, Storage] = {}
     views: dict[str, TypedStorage] = {}
@@ -168,7 +167,7 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
             types[root_key] = (storage_type, numel)
             location_tag = pickle_location(location, path)
             devices.add(location_tag)
-            storage = Storage(numel * dtype.itemsize, _PendingRegion(), location_tag, byteorder, root_key)
+            storage = Storage(numel * dtype.itemsize, _PendingRegion(), location_tag, "little", root_key)
             storages[root_key] = storage
             itemsizes[root_key] = dtype.itemsize
         if view_metadata is None:
@@ -215,7 +214,7 @@ def _read_from(path: str, head: bytes, fd: int, size: int, max_items: int | None
             )
         header = bytearray(8)
         read_exactly_into(fd, offset, memoryview(header), path)
-        count = int.from_bytes(header, byteorder, signed=True)
+        count = int.from_bytes(header, "little", signed=True)
         if count != storage.nbytes // itemsizes[key]:
             raise _damaged(path, f"storage {key!r} holds {count} elements, the pickle says otherwise")
         data_offset = offset + 8
