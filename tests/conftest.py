@@ -140,6 +140,24 @@ def training_checkpoint() -> dict[str, Any]:
     }
 
 
+def legacy_save(state: Any) -> tuple[bytes, list[int]]:
+    """``torch.save(state)`` in the legacy format, and the offsets where its first three pickles (magic
+    number, protocol version, sys_info) end, for tests that replace one of them."""
+    import io
+    import pickletools
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer, _use_new_zipfile_serialization=False)
+    raw = buffer.getvalue()
+    ends: list[int] = []
+    start = 0
+    for _ in range(3):
+        end = next(p for op, _, p in pickletools.genops(io.BytesIO(raw[start:])) if op.name == "STOP")
+        start += end + 1
+        ends.append(start)
+    return raw, ends
+
+
 @pytest.fixture
 def save_torch(tmp_path: Path):  # type: ignore[no-untyped-def]
     """Save an object with torch.save into tmp_path and return the path."""

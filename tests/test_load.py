@@ -21,6 +21,7 @@ from .conftest import (
     all_dtypes_state,
     assert_same_state,
     assert_same_tensor,
+    legacy_save,
     reference_load,
     run_cli,
     tiny_state_dict,
@@ -349,18 +350,8 @@ def test_a_legacy_file_whose_sys_info_says_big_endian_is_read_little_endian_as_t
     """torch writes legacy storages and their element counts little-endian on every machine and reads them
     so, whatever sys_info's little_endian says; ckptconv byte-swapped them by sys_info (and so refused a
     file torch reads, "holds 432345564227567616 elements")."""
-    import io
-    import pickletools
-
     state = {"f": torch.arange(6, dtype=torch.float32), "i": torch.arange(3, dtype=torch.int64) - 1}
-    buffer = io.BytesIO()
-    torch.save(state, buffer, _use_new_zipfile_serialization=False)
-    raw = buffer.getvalue()
-    ends, start = [], 0
-    for _ in range(3):  # magic number, protocol, sys_info
-        end = next(p for op, _, p in pickletools.genops(io.BytesIO(raw[start:])) if op.name == "STOP")
-        start += end + 1
-        ends.append(start)
+    raw, ends = legacy_save(state)
     sys_info = pickle.loads(raw[ends[1] : ends[2]])
     assert sys_info["little_endian"] is True
     big = pickle.dumps({**sys_info, "little_endian": False}, protocol=2)

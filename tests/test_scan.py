@@ -444,6 +444,25 @@ def test_python2_spellings_count_as_cpython_renames_them(
         ckptconv.open(_write(tmp_path, "x.pkl", data))
 
 
+def _torch_load_asks(path: str) -> list[str]:
+    """The globals ``torch.load(path, weights_only=False)`` asks its unpickler for, in order; nothing is
+    imported or called (find_class is ours)."""
+    asked: list[str] = []
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            asked.append(f"{module}.{name}")
+            return lambda *args: None
+
+    class Module:
+        Unpickler = Recording
+        load = staticmethod(pickle.load)
+        __name__ = "recording"
+
+    torch.load(path, weights_only=False, pickle_module=Module)
+    return asked
+
+
 def test_two_zip_records_of_one_name(tmp_path: Any) -> None:
     import warnings
     import zipfile
@@ -458,20 +477,7 @@ def test_two_zip_records_of_one_name(tmp_path: Any) -> None:
         archive.writestr("archive/version", "3\n")
     path = _write(tmp_path, "dup.pt", buffer.getvalue())
     # torch.load reads the first record: its find_class is asked for posix.system.
-    asked: list[str] = []
-
-    class Recording(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            asked.append(f"{module}.{name}")
-            return lambda *args: None
-
-    class Module:
-        Unpickler = Recording
-        load = staticmethod(pickle.load)
-        __name__ = "recording"
-
-    torch.load(path, weights_only=False, pickle_module=Module)
-    assert asked == ["posix.system"]
+    assert _torch_load_asks(path) == ["posix.system"]  # nothing runs: find_class is ours
     # Python's zipfile, and so a reader built on it, sees the benign last record.
     with zipfile.ZipFile(path) as archive:
         assert archive.read("archive/data.pkl") != evil
@@ -501,20 +507,7 @@ def test_a_zip_appended_to_another_is_refused_not_read_as_the_second(tmp_path: A
     assert len(benign) == len(evil)  # the same layout: the second archive's directory numbers fit the first
     first, second = archive_of(evil), archive_of(benign)
     path = _write(tmp_path, "two.pt", first + second)
-    asked: list[str] = []
-
-    class Recording(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            asked.append(f"{module}.{name}")
-            return lambda *args: None
-
-    class Module:
-        Unpickler = Recording
-        load = staticmethod(pickle.load)
-        __name__ = "recording"
-
-    torch.load(path, weights_only=False, pickle_module=Module)  # nothing runs: find_class is ours
-    assert asked == ["posix.system"]
+    assert _torch_load_asks(path) == ["posix.system"]  # nothing runs: find_class is ours
     with zipfile.ZipFile(path) as archive:  # the second archive's records
         assert archive.read("archive/data.pkl") == benign
     shift = len(first)
@@ -648,16 +641,9 @@ def test_a_folder_swapped_for_a_link_to_a_look_alike_hub_snapshot_after_discover
 def _legacy_that_is_also_a_tar() -> bytes:
     """A legacy torch.save file whose first 512 bytes are also a valid (v7) tar header: the sys_info pickle
     is a string that holds the header's octal fields and checksum at their offsets."""
-    import pickletools
+    from tests.conftest import legacy_save
 
-    buffer = io.BytesIO()
-    torch.save({"w": torch.arange(4.0)}, buffer, _use_new_zipfile_serialization=False)
-    raw = buffer.getvalue()
-    ends, start = [], 0
-    for _ in range(3):  # magic number, protocol, sys_info
-        end = next(p for op, _, p in pickletools.genops(io.BytesIO(raw[start:])) if op.name == "STOP")
-        start += end + 1
-        ends.append(start)
+    raw, ends = legacy_save({"w": torch.arange(4.0)})
     head = raw[: ends[1]] + b"\x80\x02X"  # then a BINUNICODE string filling the rest of the block
     text_at = len(head) + 4
     block = bytearray(b"a" * 157 + b"\0" * (512 - 157))
@@ -704,20 +690,7 @@ def test_records_whose_names_differ_only_in_case_are_refused(tmp_path: Any) -> N
             archive.writestr(info.filename, good.read(info))
         archive.writestr("archive/DATA.PKL", evil)
     path = _write(tmp_path, "case.pt", buffer.getvalue())
-    asked: list[str] = []
-
-    class Recording(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            asked.append(f"{module}.{name}")
-            return lambda *args: None
-
-    class Module:
-        Unpickler = Recording
-        load = staticmethod(pickle.load)
-        __name__ = "recording"
-
-    torch.load(path, weights_only=False, pickle_module=Module)  # nothing runs: find_class is ours
-    assert asked == ["posix.system"]
+    assert _torch_load_asks(path) == ["posix.system"]  # nothing runs: find_class is ours
     with pytest.raises(UnsafeCheckpointError) as caught:
         ckptconv.open(path)
     assert str(caught.value) == (
