@@ -390,7 +390,7 @@ def load_into(
     from ._torch import to_torch
     from .loading import open as open_checkpoint
 
-    weights = open_checkpoint(as_path(path), trust=trust).select(select).weights
+    weights = open_checkpoint(path, trust=trust).select(select).weights
     fitted, report = fit(weights, model, partial=not strict)
     if not report.ok:
         if strict:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._paths import PathLike, as_path
+from ._paths import PathLike
 from .integrity import check_record_crcs
 from .tensor import TensorRef
 from .transforms import Pipeline, Transform
@@ -131,7 +131,6 @@ def verify(
     """
     from .loading import open as open_checkpoint
 
-    source, output = as_path(source), as_path(output)
     pipeline = transforms if isinstance(transforms, Pipeline) else Pipeline.of(transforms)
     source_checkpoint = open_checkpoint(source, trust=trust)
     selection = source_checkpoint.select(select)
@@ -289,8 +288,8 @@ def diff(
     """
     from .loading import open as open_checkpoint
 
-    first = open_checkpoint(as_path(a), trust=trust).select(select_a).weights
-    second = open_checkpoint(as_path(b), trust=trust).select(select_b).weights
+    first = open_checkpoint(a, trust=trust).select(select_a).weights
+    second = open_checkpoint(b, trust=trust).select(select_b).weights
     differences = []
     same = 0
     for key, left in first.items():
