@@ -151,9 +151,11 @@ def _check_still_readable(job: Job) -> None:
 
 def _convert(job: Job) -> ItemResult:
     """Convert one item; sharded checkpoints and DCP folders are one item each, never split. Every file
-    read meanwhile must stay inside the source folder (:func:`ckptconv.read_policy.confined`): the check
-    below is asked again at each open, so a file swapped for a link after it is not read either."""
-    with read_policy.confined(folder_above(job.item.path, job.item.name)):
+    read meanwhile must stay inside the source folder (:func:`ckptconv.read_policy.confined`; the output
+    folder's files apart): the check below is asked again at each open, so a file swapped for a link after
+    it is not read either."""
+    output_folder = folder_above(job.output, job.output_name)
+    with read_policy.confined(folder_above(job.item.path, job.item.name), output=output_folder):
         return _convert_confined(job)
 
 

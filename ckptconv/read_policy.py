@@ -116,43 +116,56 @@ def found_inside(path: str, root: str) -> bool:
     return inside(path, root) or (inside(folder, root) and hub_blob(path, folder))
 
 
-# Source folders of batches being converted (absolute, real paths), counted: one per item in progress.
-_CONFINED: Counter[str] = Counter()
+# Source folders of batches being converted (absolute, real paths), each with the output folder spelled
+# under it that its rule leaves out ("" for none), counted: one per item in progress.
+_CONFINED: Counter[tuple[str, str]] = Counter()
 _CONFINED_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def confined(folder: str) -> Iterator[None]:
+def confined(folder: str, *, output: str | None = None) -> Iterator[None]:
     """While active, a file read under ``folder`` (its path spelled through ``folder``) must lead inside it,
     or be a Hugging Face cache snapshot's link into its blobs (the rule :func:`ckptconv.discovery.discover`
     applied when it found the file), in every thread of this process and whatever reads it: a batch worker
     converts its item inside this, so a file swapped for a link out of SRC since discovery is refused when
-    it is opened.
+    it is opened. Files spelled under ``output`` (the batch's output folder, which discovery leaves out of
+    SRC) are the batch's own, read back to verify them wherever the folder leads, and are not held to it.
 
     Example:
         >>> with confined("/data/zoo"):               # doctest: +SKIP
         ...     ckptconv.convert("/data/zoo/m.pt", "/out/m.safetensors")
     """
     root = os.path.realpath(folder)
+    apart = os.path.abspath(output) if output is not None else ""
+    # Only an output folder inside SRC is left out: one above SRC would leave SRC's own files out too.
+    key = (root, apart if _spelled_under(apart, root) else "")
     with _CONFINED_LOCK:
-        _CONFINED[root] += 1
+        _CONFINED[key] += 1
     try:
         yield
     finally:
         with _CONFINED_LOCK:
-            _CONFINED[root] -= 1
-            if not _CONFINED[root]:
-                del _CONFINED[root]
+            _CONFINED[key] -= 1
+            if not _CONFINED[key]:
+                del _CONFINED[key]
+
+
+def _spelled_under(absolute: str, folder: str) -> bool:
+    return absolute.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 def _confining(path: str) -> list[str]:
-    """The :func:`confined` folders ``path`` is spelled under."""
+    """The :func:`confined` folders ``path`` is spelled under (and not under their output folder)."""
     if not _CONFINED:
         return []
     absolute = os.path.abspath(path)
     with _CONFINED_LOCK:
-        roots = list(_CONFINED)
-    return [root for root in roots if absolute.startswith(root.rstrip(os.sep) + os.sep)]
+        keys = list(_CONFINED)
+    return [
+        root
+        for root, output in keys
+        if _spelled_under(absolute, root) and not (output and _spelled_under(absolute, output))
+    ]
 
 
 def _escapes(path: str) -> str | None:

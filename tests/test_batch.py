@@ -588,6 +588,46 @@ def test_output_folder_inside_the_source_is_not_searched(small_zoo: Path) -> Non
     assert len(again.skipped) == 3
 
 
+def test_an_output_folder_under_the_source_that_is_a_link_out_of_it_is_written_and_read_back(tmp_path: Path) -> None:
+    """SRC/out a link to a scratch disk: the read policy's source-folder rule (read_policy.confined) held the
+    batch's own outputs to SRC when convert read them back to verify them, and refused every item ("is a
+    link that leads outside the source folder"), where the batch converted them before."""
+    from safetensors.torch import load_file
+
+    zoo, scratch = tmp_path / "zoo", tmp_path / "scratch"
+    zoo.mkdir()
+    scratch.mkdir()
+    state = {"w": torch.arange(6.0).reshape(2, 3), "i": torch.tensor([3, -1])}
+    torch.save(state, zoo / "m.pt")
+    (zoo / "out").symlink_to(scratch)
+    report = ckptconv.batch(zoo, zoo / "out")
+    assert [(r.source, r.status, r.error) for r in report.results] == [("m.pt", "converted", "")]
+    written = load_file(scratch / "m.safetensors")
+    expected = torch.load(zoo / "m.pt", weights_only=True)
+    assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)
+
+
+def test_the_source_folder_rule_leaves_out_only_an_output_folder_inside_the_source(tmp_path: Path) -> None:
+    """An output folder above SRC (``batch zoo .``) must not take SRC's own files out of the rule."""
+    from ckptconv import read_policy
+
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    (tmp_path / "secret.txt").write_text("secret")
+    (zoo / "m.pt").symlink_to(tmp_path / "secret.txt")
+    said = (
+        f"{str(zoo / 'm.pt')!r} is a link that leads outside the source folder {str(zoo)!r} "
+        f"(to {str(tmp_path / 'secret.txt')!r}); not followed"
+    )
+    for output in (tmp_path, tmp_path / "out", zoo / "out"):
+        with read_policy.confined(str(zoo), output=str(output)), pytest.raises(ckptconv.LoadError) as caught:
+            read_policy.check_file(str(zoo / "m.pt"))
+        assert str(caught.value) == said
+    (zoo / "out").symlink_to(tmp_path)  # the batch's own outputs, wherever the folder leads
+    with read_policy.confined(str(zoo), output=str(zoo / "out")):
+        read_policy.check_file(str(zoo / "out" / "secret.txt"))
+
+
 # ---------------------------------------------------------------------------------------
 # Resume and the manifest
 # ---------------------------------------------------------------------------------------
