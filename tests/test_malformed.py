@@ -413,3 +413,16 @@ def test_a_storage_class_ckptconv_does_not_know_is_unsupported_not_damage(legacy
     result = CliRunner().invoke(cli, ["convert", str(source), str(tmp_path / "out.pt")], catch_exceptions=False)
     assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new.pt"]
+
+
+def test_the_format_version_is_checked_before_the_pickle_is_read(tmp_path: Path) -> None:
+    """As torch.load: a version it refuses is the refusal, before data.pkl (up to 2 GiB) is read; here
+    data.pkl is also damaged, which was said instead."""
+    buffer = io.BytesIO()
+    torch.save({"w": torch.arange(4.0)}, buffer)
+    path = tmp_path / "v.pt"
+    path.write_bytes(_flip_in_record(_rezip(buffer.getvalue(), replace={"version": b"11"}), "data.pkl"))
+    with pytest.raises(RuntimeError, match="version"):
+        torch.load(path, weights_only=True)
+    with pytest.raises(CkptconvError, match="format version 11"):
+        ckptconv.open(path)

@@ -276,6 +276,8 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
     # torch.save with torch.utils.serialization.config.save.compute_crc32 = False records 0 as every
     # member's CRC-32, and torch.load never checks them: such a file has no checksum to hold its bytes to.
     crc_recorded = any(info.CRC for info in infos.values() if info.file_size)
+    # As torch.load: the format version first, before the pickle (up to MAX_PICKLE_BYTES) is read.
+    _check_version(path, archive, file, infos, root, crc_recorded)
     pickle_info = infos[f"{root}data.pkl"]
     if pickle_info.file_size > MAX_PICKLE_BYTES:
         raise _damaged(path, f"data.pkl claims {pickle_info.file_size} bytes (the limit is {MAX_PICKLE_BYTES})")
@@ -294,7 +296,6 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
         raise _damaged(path, f"data.pkl cannot be read ({error})") from None
     if byteorder not in ("little", "big"):
         raise _damaged(path, f"its byteorder record says {short_repr(byteorder)}")
-    _check_version(path, archive, file, infos, root, crc_recorded)
 
     storages: dict[str, Storage] = {}
     types: dict[str, tuple[StorageType, int]] = {}
