@@ -478,6 +478,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints for another run")
     parser.add_argument("--baseline", type=Path, help="another source tree to run each ckptconv row from too")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        help="seed of the rounds' orders (printed; random when not given): the same seed gives every row the "
+        "same places in every run, so a position's bias (a row right after a big file's deletion gets slow "
+        "fresh pages on some VMs) would repeat",
+    )
     parser.add_argument("--only", nargs="+", help="only the rows whose name contains one of these (cp always runs)")
     parser.add_argument(
         "--idle-only",
@@ -486,6 +493,8 @@ def main() -> None:
         "(on a machine shared with other work; needs /proc/stat and /usr/bin/time)",
     )
     args = parser.parse_args()
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
+    print(f"round orders from --seed {seed}", file=sys.stderr)
 
     args.dir.mkdir(parents=True, exist_ok=True)
     results = []
@@ -505,7 +514,7 @@ def main() -> None:
             # A new order every round: on this kind of VM a command that runs right after a big
             # file was deleted can get slow fresh pages, so a fixed order favours some rows.
             order = list(cases)
-            random.Random(round_number).shuffle(order)
+            random.Random(seed * 1000 + round_number).shuffle(order)
             for case in order if round_number else cases:
                 run_once(case, timed=round_number > 0, idle_only=args.idle_only)
                 if round_number == 0:

@@ -156,8 +156,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="ckptconv rows only, no torch baselines")
     parser.add_argument("--baseline", type=Path, help="another source tree to run each ckptconv row from too")
     parser.add_argument("--only", nargs="+", help="only the rows whose name contains one of these")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        help="seed of the rounds' orders (printed; random when not given): the same seed gives every row the "
+        "same places in every run, so a position's bias (a row right after a big file's deletion gets slow "
+        "fresh pages on some VMs) would repeat",
+    )
     parser.add_argument("--idle-only", action="store_true", help="as bench_convert.py's --idle-only")
     args = parser.parse_args()
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
+    print(f"round orders from --seed {seed}", file=sys.stderr)
 
     args.dir.mkdir(parents=True, exist_ok=True)
     for n in args.tensors:
@@ -174,7 +183,7 @@ def main() -> None:
             label = f"round {round_number}/{args.runs}" if round_number else "untimed round (checks, bytecode cache)"
             print(f"{n:,} tensors {label}", file=sys.stderr)
             order = list(cases)
-            random.Random(round_number).shuffle(order)
+            random.Random(seed * 1000 + round_number).shuffle(order)
             for case in order if round_number else cases:
                 run_once(case, timed=round_number > 0, idle_only=args.idle_only)
                 if round_number == 0:
