@@ -469,6 +469,24 @@ def report(size: float, cases: list[Case], source_bytes: int) -> list[dict[str, 
     return rows
 
 
+def add_seed_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--seed",
+        type=int,
+        help="seed of the rounds' orders (printed; random when not given): the same seed gives every row the "
+        "same places in every run, so a position's bias (a row right after a big file's deletion gets slow "
+        "fresh pages on some VMs) would repeat",
+    )
+
+
+def round_seed(seed: int | None) -> int:
+    """``seed``, or a random one; printed, so that a run's orders can be had again."""
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**32)
+    print(f"round orders from --seed {seed}", file=sys.stderr)
+    return seed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 4], help="checkpoint sizes in GiB")
@@ -478,13 +496,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints for another run")
     parser.add_argument("--baseline", type=Path, help="another source tree to run each ckptconv row from too")
-    parser.add_argument(
-        "--seed",
-        type=int,
-        help="seed of the rounds' orders (printed; random when not given): the same seed gives every row the "
-        "same places in every run, so a position's bias (a row right after a big file's deletion gets slow "
-        "fresh pages on some VMs) would repeat",
-    )
+    add_seed_option(parser)
     parser.add_argument("--only", nargs="+", help="only the rows whose name contains one of these (cp always runs)")
     parser.add_argument(
         "--idle-only",
@@ -493,8 +505,7 @@ def main() -> None:
         "(on a machine shared with other work; needs /proc/stat and /usr/bin/time)",
     )
     args = parser.parse_args()
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
-    print(f"round orders from --seed {seed}", file=sys.stderr)
+    seed = round_seed(args.seed)
 
     args.dir.mkdir(parents=True, exist_ok=True)
     results = []

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run with -P, as bench_convert.py is
 
-from bench_convert import CKPTCONV, FAST, PYTHON, Case, retaken, run_once, with_baseline
+from bench_convert import CKPTCONV, FAST, PYTHON, Case, add_seed_option, retaken, round_seed, run_once, with_baseline
 
 BUILD_SCRIPT = textwrap.dedent(
     """
@@ -156,17 +156,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="ckptconv rows only, no torch baselines")
     parser.add_argument("--baseline", type=Path, help="another source tree to run each ckptconv row from too")
     parser.add_argument("--only", nargs="+", help="only the rows whose name contains one of these")
-    parser.add_argument(
-        "--seed",
-        type=int,
-        help="seed of the rounds' orders (printed; random when not given): the same seed gives every row the "
-        "same places in every run, so a position's bias (a row right after a big file's deletion gets slow "
-        "fresh pages on some VMs) would repeat",
-    )
+    add_seed_option(parser)
     parser.add_argument("--idle-only", action="store_true", help="as bench_convert.py's --idle-only")
     args = parser.parse_args()
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**32)
-    print(f"round orders from --seed {seed}", file=sys.stderr)
+    seed = round_seed(args.seed)
 
     args.dir.mkdir(parents=True, exist_ok=True)
     for n in args.tensors:
