@@ -180,15 +180,22 @@ def test_unparsable_safetensors_headers(raw: bytes, message: str, tmp_path: Path
 
 
 @pytest.mark.parametrize(
-    "raw",
+    ("raw", "message"),
     [
-        b'{"\\ud800": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}',
-        b'{"a": {"dtype": "F32", "shape": [4611686018427387904, 4611686018427387904, 0], "data_offsets": [0, 0]}}',
-        b'{"a": {"dtype": "F32", "shape": [9223372036854775808, 0], "data_offsets": [0, 0]}}',
+        (b'{"\\ud800": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', "holds a lone surrogate escape"),
+        (
+            b'{"a": {"dtype": "F32", "shape": [4611686018427387904, 4611686018427387904, 0], "data_offsets": [0, 0]}}',
+            r"tensor 'a' has shape \[4611686018427387904, 4611686018427387904, 0\], whose sizes or their product "
+            "overflow int64",
+        ),
+        (
+            b'{"a": {"dtype": "F32", "shape": [9223372036854775808, 0], "data_offsets": [0, 0]}}',
+            r"tensor 'a' has shape \[9223372036854775808, 0\], whose sizes or their product overflow int64",
+        ),
     ],
     ids=["lone surrogate", "wraps then 0", "size over int64"],
 )
-def test_safetensors_headers_the_library_refuses_are_refused(raw: bytes, tmp_path: Path) -> None:
+def test_safetensors_headers_the_library_refuses_are_refused(raw: bytes, message: str, tmp_path: Path) -> None:
     """Python's json took half a surrogate pair as a key (no UTF-8 output can hold it); a shape whose
     product wraps before a 0 was an empty tensor, and ckptconv.load ended in torch's RuntimeError."""
     import safetensors.torch
@@ -198,7 +205,7 @@ def test_safetensors_headers_the_library_refuses_are_refused(raw: bytes, tmp_pat
     path.write_bytes(_safetensors(None, data, raw_header=raw))
     with pytest.raises(Exception):  # noqa: B017 - SafetensorError or torch's overflow, as it comes
         safetensors.torch.load_file(path)
-    with pytest.raises(MalformedCheckpointError):
+    with pytest.raises(MalformedCheckpointError, match=f"is a damaged safetensors file: .*{message}"):
         ckptconv.load(path)
 
 
@@ -277,8 +284,10 @@ def test_the_format_version_is_read_as_torch_reads_it(version: bytes | None, ref
     assert str(caught.value).startswith(f"{str(path)!r} {refusal}")
     # .data/version, where torch looks first, wins over version
     path.write_bytes(_rezip(buffer.getvalue(), replace={"version": b"3"}, add={".data/version": version or b"x"}))
-    with pytest.raises(CkptconvError):
+    with pytest.raises(CkptconvError) as caught:
         ckptconv.open(path)
+    expected = refusal if version else "is a damaged zip checkpoint: its version record says b'x'"
+    assert str(caught.value).startswith(f"{str(path)!r} {expected}")
 
 
 def _flip_in_record(data: bytes, name: str, where: int = 5) -> bytes:
