@@ -122,6 +122,11 @@ def dtype_by_storage_class(name: str) -> DType | None:
     return _BY_STORAGE_CLASS.get(name)
 
 
+#: Codes of the safetensors format that no torch dtype holds (six-bit floats, written packed), so a
+#: file with them is valid but cannot become torch tensors (the safetensors library refuses them too).
+SAFETENSORS_WITHOUT_TORCH = frozenset({"F6_E2M3", "F6_E3M2"})
+
+
 def dtype_by_safetensors_code(code: str) -> DType | None:
     """The dtype of a safetensors header code (``"BF16"``), else None."""
     return _BY_SAFETENSORS.get(code)

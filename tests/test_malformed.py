@@ -435,3 +435,19 @@ def test_the_format_version_is_checked_before_the_pickle_is_read(tmp_path: Path)
         torch.load(path, weights_only=True)
     with pytest.raises(CkptconvError, match="format version 11"):
         ckptconv.open(path)
+
+
+@pytest.mark.parametrize("code", ["F6_E2M3", "F6_E3M2"])
+def test_a_safetensors_dtype_torch_has_none_of_is_unsupported_not_damaged(code: str, tmp_path: Path) -> None:
+    """Six-bit floats are valid safetensors that no torch dtype holds: the file was called damaged."""
+    import safetensors.torch
+
+    path = tmp_path / "f6.safetensors"
+    raw = b'{"a": {"dtype": "%s", "shape": [4], "data_offsets": [0, 3]}}' % code.encode()
+    path.write_bytes(_safetensors(None, b"\0" * 3, raw_header=raw))
+    with pytest.raises(Exception):  # noqa: B017 - the library's own refusal, whatever its type
+        safetensors.torch.load_file(path)
+    with pytest.raises(
+        ckptconv.UnsupportedFormatError, match=f"holds tensor 'a' as {code}, a safetensors dtype that no torch"
+    ):
+        ckptconv.open(path)

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, BinaryIO, Callable
 
 from .. import read_policy
-from ..dtypes import dtype_by_safetensors_code
+from ..dtypes import SAFETENSORS_WITHOUT_TORCH, dtype_by_safetensors_code
 from ..errors import MalformedCheckpointError, UnsupportedFormatError, WriteError
 from ..tensor import FileRegion, Storage, TensorRef, contiguous_strides, shape_overflows
 from ._base import Deferred, MetadataValue, ReadResult, is_utf8, json_object, metadata_text, split_aliases
@@ -99,6 +99,12 @@ def read(path: str) -> ReadResult:
             raise _damaged(path, f"entry {key!r} is not a tensor description")
         code = entry.get("dtype")
         dtype = dtype_by_safetensors_code(code) if isinstance(code, str) else None
+        if dtype is None and code in SAFETENSORS_WITHOUT_TORCH:
+            raise UnsupportedFormatError(
+                f"{path!r} holds tensor {key!r} as {code}, a safetensors dtype that no torch dtype holds; "
+                "ckptconv converts only what torch can load",
+                path=path,
+            )
         if dtype is None:
             raise _damaged(path, f"tensor {key!r} has unknown dtype {entry.get('dtype')!r}")
         shape = entry.get("shape")
