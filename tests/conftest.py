@@ -6,7 +6,7 @@ import argparse
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -215,3 +215,16 @@ def run_cli(*args: str) -> tuple[int, str, str]:
 
     result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
     return result.exit_code, result.stdout, result.stderr
+
+
+def swap_after_discovery(monkeypatch: pytest.MonkeyPatch, module: Any, swap: Callable[[], None]) -> None:
+    """Make ``module.discover`` run ``swap`` right after it found the items: the window between discovery
+    and the reads, where an item can be replaced by a link."""
+    found = module.discover
+
+    def discover_then_swap(*args: Any, **kwargs: Any) -> Any:
+        items = found(*args, **kwargs)
+        swap()
+        return items
+
+    monkeypatch.setattr(module, "discover", discover_then_swap)

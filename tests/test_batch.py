@@ -39,6 +39,7 @@ from .batch_helpers import Explode, KillWorker
 from .conftest import (
     FIXTURES,
     assert_same_state,
+    swap_after_discovery,
     tiny_state_dict,
     training_checkpoint,
     views_state,
@@ -359,15 +360,12 @@ def test_an_item_that_became_a_link_out_of_the_zoo_is_not_read(tmp_path: Path, m
     secret.write_text("root:x:0:0")
     for name in ("a.pt", "m.pt"):
         torch.save({"w": torch.ones(2)}, zoo / name)
-    found = batching.discover
 
-    def discover_then_swap(*args: Any, **kwargs: Any) -> Any:
-        items = found(*args, **kwargs)
+    def swap() -> None:
         (zoo / "m.pt").unlink()
         (zoo / "m.pt").symlink_to(secret)
-        return items
 
-    monkeypatch.setattr(batching, "discover", discover_then_swap)
+    swap_after_discovery(monkeypatch, batching, swap)
     report = ckptconv.batch(zoo, tmp_path / "out")
     (failed,) = report.failed
     assert failed.source == "m.pt"

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 import ckptconv
 from ckptconv.cli import cli
 from ckptconv.errors import MalformedCheckpointError, UnsafeCheckpointError
+from tests.conftest import swap_after_discovery
 from tests.scan_corpus import (
     build_corpus,
     call,
@@ -589,15 +590,12 @@ def test_a_file_swapped_for_a_link_out_of_the_folder_after_discovery_is_not_read
     zoo.mkdir()
     secret.write_text("root:x:0:0:root:/root:/bin/bash\n" * 2)
     torch.save({"w": torch.ones(2)}, zoo / "m.pt")
-    found = discovery.discover
 
-    def discover_then_swap(*args: Any, **kwargs: Any) -> Any:
-        items = found(*args, **kwargs)
+    def swap() -> None:
         (zoo / "m.pt").unlink()
         (zoo / "m.pt").symlink_to(secret)
-        return items
 
-    monkeypatch.setattr(discovery, "discover", discover_then_swap)
+    swap_after_discovery(monkeypatch, discovery, swap)
     (report,) = ckptconv.scan_many([zoo]).reports
     assert report.reason == (
         f"is a link that leads outside the source folder {str(zoo)!r} (to {str(secret)!r}); not followed"
@@ -621,16 +619,13 @@ def test_a_folder_swapped_for_a_link_to_a_look_alike_hub_snapshot_after_discover
     (fake / "snapshots" / "rev").mkdir(parents=True)
     (fake / "blobs").symlink_to(tmp_path)  # the "blobs" are the folder holding the secret
     (fake / "snapshots" / "rev" / "m.pt").symlink_to("../../blobs/secret.txt")
-    found = discovery.discover
 
-    def discover_then_swap(*args: Any, **kwargs: Any) -> Any:
-        items = found(*args, **kwargs)
+    def swap() -> None:
         (zoo / "sub" / "m.pt").unlink()
         (zoo / "sub").rmdir()
         (zoo / "sub").symlink_to(fake / "snapshots" / "rev")
-        return items
 
-    monkeypatch.setattr(discovery, "discover", discover_then_swap)
+    swap_after_discovery(monkeypatch, discovery, swap)
     (report,) = ckptconv.scan_many([zoo]).reports
     assert report.reason == (
         f"is a link that leads outside the source folder {str(zoo)!r} (to {str(secret)!r}); not followed"
