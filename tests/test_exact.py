@@ -481,21 +481,27 @@ def test_build_state_that_shadows_a_method_is_refused_in_one_line(tmp_path: Path
 GPU_DCP = Path(__file__).resolve().parent.parent / "fixtures" / "gpu" / "fsdp2_dcp"
 
 
-def _edit_dcp(tmp_path: Path, edit: object) -> Path:
-    """A copy of the FSDP2 DCP fixture with its .metadata changed by ``edit(metadata)``."""
+def _edit_metadata(folder: Path, edit: object) -> Path:
+    """``folder`` with its DCP .metadata changed by ``edit(metadata)``."""
     import pickle
-    import shutil
 
-    import torch.distributed.checkpoint  # noqa: F401 (the classes .metadata pickles)
-
-    folder = tmp_path / "dcp"
-    shutil.copytree(GPU_DCP, folder)
     with open(folder / ".metadata", "rb") as file:
         metadata = pickle.load(file)
     edit(metadata)  # type: ignore[operator]
     with open(folder / ".metadata", "wb") as file:
         pickle.dump(metadata, file)
     return folder
+
+
+def _edit_dcp(tmp_path: Path, edit: object) -> Path:
+    """A copy of the FSDP2 DCP fixture with its .metadata changed by ``edit(metadata)``."""
+    import shutil
+
+    import torch.distributed.checkpoint  # noqa: F401 (the classes .metadata pickles)
+
+    folder = tmp_path / "dcp"
+    shutil.copytree(GPU_DCP, folder)
+    return _edit_metadata(folder, edit)
 
 
 def _move_chunk(metadata: object, fqn: str, old: tuple[int, ...], new: tuple[int, ...]) -> None:
@@ -551,8 +557,6 @@ def test_two_dcp_tensors_stored_in_the_same_bytes_are_refused(tmp_path: Path) ->
 def _saved_dcp(tmp_path: Path, edit: object) -> Path:
     """A DCP folder ``torch.distributed.checkpoint.save`` writes (one process, no process group), with its
     .metadata changed by ``edit(metadata)``."""
-    import pickle
-
     import torch.distributed.checkpoint as dcp
 
     folder = tmp_path / "dcp"
@@ -560,12 +564,7 @@ def _saved_dcp(tmp_path: Path, edit: object) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized, assuming ... a single process"
         dcp.save(state, checkpoint_id=str(folder))
-    with open(folder / ".metadata", "rb") as file:
-        metadata = pickle.load(file)
-    edit(metadata)  # type: ignore[operator]
-    with open(folder / ".metadata", "wb") as file:
-        pickle.dump(metadata, file)
-    return folder
+    return _edit_metadata(folder, edit)
 
 
 @pytest.mark.parametrize(
