@@ -11,6 +11,7 @@ import struct
 import warnings
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -58,6 +59,39 @@ def test_duplicate_record_names_are_refused(tmp_path: Path) -> None:
     # torch reads the first record; zipfile's directory (and ckptconv before this check) the last.
     assert torch.equal(torch.load(source, weights_only=True)["w"], torch.arange(4, dtype=torch.float32))
     assert_refused(source, tmp_path, f"holds two records named {name!r}; torch reads the first")
+
+
+@pytest.mark.parametrize(
+    "spell",
+    [
+        pytest.param(lambda rest: rest.replace("data.pkl", "DATA.PKL"), id="pickle"),
+        pytest.param(lambda rest: rest.replace("data/", "Data/"), id="storages"),
+        pytest.param(str.upper, id="every-record"),
+    ],
+)
+def test_record_names_are_found_whatever_their_case_as_torch_finds_them(tmp_path: Path, spell: Any) -> None:
+    """torch's reader (miniz without MZ_ZIP_FLAG_CASE_SENSITIVE) finds 'data.pkl' as 'archive/DATA.PKL' and
+    storage '0' as 'archive/Data/0'; ckptconv read such files as 'not a checkpoint' or 'damaged'."""
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([1, -2])}, plain)
+    source = tmp_path / "cased.pt"
+    with zipfile.ZipFile(plain) as old, zipfile.ZipFile(source, "w", zipfile.ZIP_STORED) as new:
+        for info in old.infolist():
+            root, rest = info.filename.split("/", 1)
+            new.writestr(f"{root}/{spell(rest)}", old.read(info))
+    with zipfile.ZipFile(plain) as old, zipfile.ZipFile(source) as new:
+        assert set(old.namelist()) - set(new.namelist())  # the case really changed
+    expected = torch.load(source, weights_only=True)
+    for suffix in ("pt", "safetensors"):
+        output = tmp_path / f"out.{suffix}"
+        code, _stdout, stderr = run_cli("convert", str(source), str(output))
+        assert code == 0, stderr
+        got = torch.load(output, weights_only=True) if suffix == "pt" else safetensors.torch.load_file(output)
+        assert sorted(got) == sorted(expected)
+        for name, tensor in expected.items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor)
+    loaded = ckptconv.load(source)
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in expected.items())
 
 
 def test_local_header_that_disagrees_with_the_directory_is_refused(tmp_path: Path) -> None:

@@ -95,7 +95,10 @@ def is_checkpoint_file(path: str) -> bool:
                 return True
             if torch_zip.is_zip(head):
                 with zipfile.ZipFile(file) as archive:
-                    return any(member.endswith("/data.pkl") or member == "data.pkl" for member in archive.namelist())
+                    return any(
+                        torch_zip.fold_case(member).endswith("/data.pkl") or torch_zip.fold_case(member) == "data.pkl"
+                        for member in archive.namelist()
+                    )
     except (OSError, LoadError, zipfile.BadZipFile, ValueError):
         return False
     return False

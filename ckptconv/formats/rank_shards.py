@@ -127,7 +127,7 @@ def _holds_dtensors(path: str) -> bool:
     try:
         with read_policy.open_file(path, folder=os.path.dirname(path)) as file, zipfile.ZipFile(file) as archive:
             for info in archive.infolist():
-                if info.filename.endswith("data.pkl") and info.file_size <= _MAX_PROBE_BYTES:
+                if torch_zip.fold_case(info.filename).endswith("data.pkl") and info.file_size <= _MAX_PROBE_BYTES:
                     data = torch_zip.member_bytes(archive, file, info, path, check_crc=False)  # a probe
                     return any(module in data for module in _DTENSOR_MODULES)
     except (CkptconvError, OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError, zlib.error):

@@ -86,19 +86,32 @@ def _damaged(path: str, detail: str) -> MalformedCheckpointError:
     return MalformedCheckpointError(f"{path!r} is a damaged zip checkpoint: {detail}", path=path)
 
 
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def fold_case(name: str) -> str:
+    """A record name as torch's reader compares it: ASCII letters lowered, nothing else changed.
+
+    torch finds records with miniz's ``mz_zip_reader_locate_file`` without
+    ``MZ_ZIP_FLAG_CASE_SENSITIVE``, so ``archive/DATA.PKL`` is its ``data.pkl``.
+    """
+    return name.translate(_ASCII_LOWER)
+
+
 def find_root(names: Iterable[str], path: str) -> str:
-    """The archive's root folder (with trailing slash), e.g. ``"archive/"``.
+    """The archive's root folder (with trailing slash, case folded by :func:`fold_case`), e.g. ``"archive/"``.
 
     Raises:
         UnsupportedFormatError: a TorchScript archive, a numpy ``.npz``, or a zip
-            that holds no ``<root>/data.pkl``.
+            that holds no ``<root>/data.pkl`` (in any case, as torch finds it).
     """
     names = list(names)
-    roots = sorted({name[: -len("data.pkl")] for name in names if name.endswith("/data.pkl") and name.count("/") == 1})
+    folded = [fold_case(name) for name in names]
+    roots = sorted({name[: -len("data.pkl")] for name in folded if name.endswith("/data.pkl") and name.count("/") == 1})
     if len(roots) > 1:
         raise _damaged(path, f"it has {len(roots)} root folders with data.pkl ({', '.join(roots)})")
     if not roots:
-        if any(name.endswith(".npy") for name in names):
+        if any(name.endswith(".npy") for name in folded):
             raise UnsupportedFormatError(
                 f"{path!r} is a numpy .npz archive, not a PyTorch checkpoint; load it with numpy.load",
                 path=path,
@@ -108,7 +121,7 @@ def find_root(names: Iterable[str], path: str) -> str:
             path=path,
         )
     root = roots[0]
-    if f"{root}constants.pkl" in names or any(name.startswith(f"{root}code/") for name in names):
+    if f"{root}constants.pkl" in folded or any(name.startswith(f"{root}code/") for name in folded):
         raise UnsupportedFormatError(
             f"{path!r} is a TorchScript archive (torch.jit.save), not a checkpoint; load it with "
             "torch.jit.load and save model.state_dict() with torch.save to convert it",
@@ -224,9 +237,6 @@ def read(path: str, *, max_items: int | None = None, region: tuple[int, int] | N
             return _read_archive(path, archive, source, base, max_items)
 
 
-_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
-
-
 def _bytes_before_archive(archive: zipfile.ZipFile, file: Any) -> int:
     """How far Python's zipfile shifted every offset the archive records: the bytes before the archive
     that its directory does not count (``concat`` in ``ZipFile._RealGetContents``), nonzero when the
@@ -250,20 +260,22 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
             "those bytes, so refusing a file that can be read two ways (nothing was executed)",
             path=path,
         )
+    # Keyed by fold_case(name): torch finds a record whatever the case of its name.
     infos: dict[str, zipfile.ZipInfo] = {}
-    folded: dict[str, str] = {}
+    exact: set[str] = set()
     for info in archive.infolist():
-        other = folded.setdefault(info.filename.translate(_ASCII_LOWER), info.filename)
-        if other != info.filename:
+        other = infos.get(fold_case(info.filename))
+        if other is not None and other.filename != info.filename:
+            other_name = other.filename
             # torch's reader (miniz, without MZ_ZIP_FLAG_CASE_SENSITIVE) finds a record whatever the case
             # of its name: which of the two it takes for 'data.pkl' is not Python's answer.
             raise UnsafeCheckpointError(
-                f"{path!r} holds records named {short_repr(other)} and {short_repr(info.filename)}, one name to "
+                f"{path!r} holds records named {short_repr(other_name)} and {short_repr(info.filename)}, one name to "
                 "torch's reader (it ignores case), so refusing a file that can be read two ways (nothing was "
                 "executed)",
                 path=path,
             )
-        if info.filename in infos:
+        if info.filename in exact:
             # torch's reader takes the first record of a name, Python's zipfile the last: a
             # benign copy can hide the pickle torch.load would run.
             raise UnsafeCheckpointError(
@@ -271,8 +283,9 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
                 "other zip readers the last, so refusing a file that can be read two ways (nothing was executed)",
                 path=path,
             )
-        infos[info.filename] = info
-    root = find_root(infos, path)
+        exact.add(info.filename)
+        infos[fold_case(info.filename)] = info
+    root = find_root(exact, path)
     # torch.save with torch.utils.serialization.config.save.compute_crc32 = False records 0 as every
     # member's CRC-32, and torch.load never checks them: such a file has no checksum to hold its bytes to.
     crc_recorded = any(info.CRC for info in infos.values() if info.file_size)
@@ -318,9 +331,10 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
         else:
             types[key] = (storage_type, numel)
             name = f"{root}data/{key}"
-            info = infos.get(name)
+            info = infos.get(fold_case(name))
             if info is None:
                 raise _damaged(path, f"storage record {name!r} is missing")
+            name = info.filename  # as the archive spells it: the name zipfile opens it by
             nbytes = numel * dtype.itemsize
             if info.file_size != nbytes:
                 raise _damaged(path, f"record {name!r} holds {info.file_size} bytes but data.pkl expects {nbytes}")
