@@ -651,6 +651,81 @@ def test_dcp_planner_data_paths_nest_the_state_as_torch_does(tmp_path: Path) -> 
     assert torch.equal(ckptconv.load(folder, select="ema")["w"], torch.full((4,), 7.0))
 
 
+def _same_tree(ours: object, theirs: object) -> bool:
+    """ckptconv's tree (lazy tensors) equals torch's (tensors), structure, order and bits."""
+    if isinstance(ours, ckptconv.TensorRef):
+        tensor = ours.torch()
+        return isinstance(theirs, torch.Tensor) and tensor.dtype == theirs.dtype and torch.equal(tensor, theirs)
+    if isinstance(ours, dict):
+        return (
+            isinstance(theirs, dict)
+            and list(ours) == list(theirs)
+            and all(_same_tree(ours[key], theirs[key]) for key in ours)
+        )
+    if isinstance(ours, list):
+        return (
+            isinstance(theirs, list)
+            and len(ours) == len(theirs)
+            and all(_same_tree(a, b) for a, b in zip(ours, theirs))
+        )
+    return type(ours) is type(theirs) and ours == theirs
+
+
+def test_dcp_lists_come_back_as_lists_as_torch_rebuilds_them(tmp_path: Path) -> None:
+    """DCP flattens a list that holds tensors into entries whose planner_data paths carry integer indices;
+    torch's loader (set_element) rebuilds a list from them. ckptconv made dicts keyed by the indices."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = tmp_path / "dcp"
+    state = {
+        "model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)},
+        "extra": [torch.full((2,), 3.0), {"x": torch.zeros(1), "n": 4}],
+        "nested": [[torch.tensor([1, 2]), 5], {"y": [torch.ones(1)]}],
+        "optim": {"state": {0: {"exp_avg": torch.ones(2, 3)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "epoch": 3,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(folder))
+        dcp_to_torch_save(str(folder), str(tmp_path / "torch.pt"))
+    expected = torch.load(tmp_path / "torch.pt", weights_only=True)
+    assert isinstance(expected["extra"], list) and isinstance(expected["nested"][0], list)  # what torch makes
+    assert _same_tree(ckptconv.open(folder).tree, expected)
+    loaded = ckptconv.load(folder)
+    assert list(loaded) == ["w", "b"] and all(torch.equal(loaded[k], expected["model"][k]) for k in loaded)
+
+
+@pytest.mark.parametrize(
+    ("path", "said"),
+    [
+        (("extra", 0, "y"), "its planner_data puts 'extra.1.x' at ['extra', 'x'], a name inside the list"),
+        (("extra", -1), "a negative list index"),
+        (("extra", 1 << 24), "more than 1,048,576 empty places"),
+    ],
+    ids=["name-in-a-list", "negative", "far-index"],
+)
+def test_dcp_list_paths_torch_cannot_rebuild_are_refused(tmp_path: Path, path: tuple[object, ...], said: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"extra": [torch.ones(2), {"x": torch.zeros(1)}]}, checkpoint_id=str(folder))
+
+    def edit(metadata: Any) -> None:
+        if path[-1] == "y":  # 'extra.0' stays a list index; 'extra.1.x' names a key of that list
+            metadata.planner_data["extra.1.x"] = ("extra", "x")
+        else:
+            metadata.planner_data["extra.1.x"] = path
+
+    _edit_metadata(folder, edit)
+    with pytest.raises(MalformedCheckpointError) as caught:
+        ckptconv.open(folder)
+    assert str(caught.value).startswith(f"{str(folder)!r} is a damaged DCP checkpoint: ")
+    assert said in str(caught.value) and "\n" not in str(caught.value)
+
+
 # ---------------------------------------------------------------------------------------
 # Sizes before allocation
 # ---------------------------------------------------------------------------------------

@@ -394,13 +394,53 @@ def _nest(flat: dict[str, Any], planner_data: Any, folder: str) -> Any:
                     "one would be lost",
                 )
     tree: dict[Any, Any] = {}
+    holes = 0
     for fqn, value in flat.items():
-        *parents, last = paths[fqn]
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
+        holes += _set_element(tree, paths[fqn], value, fqn, folder)
+        if holes > _MAX_LIST_HOLES:
+            raise _damaged(
+                folder,
+                f"its planner_data asks for lists with more than {_MAX_LIST_HOLES:,} empty places (indices far "
+                "beyond the entries saved); refusing what looks like a hostile file",
+            )
     return tree
+
+
+#: Empty places (None) the integer indices of planner_data may open in lists. A saved list leaves a hole
+#: only where one of its elements was an empty container, so real checkpoints have a few at most.
+_MAX_LIST_HOLES = 1 << 20
+
+
+def _set_element(tree: dict[Any, Any], path: tuple[str | int, ...], value: Any, fqn: str, folder: str) -> int:
+    """Put ``value`` at ``path`` as torch's ``set_element`` does; return how many empty places it opened.
+
+    A name makes a dict and an integer a list (grown with None up to the index), so a DCP save of
+    ``{"extra": [t, {"x": u}]}`` comes back as the same list. What torch's loader cannot do (a name
+    inside a list, a negative index) is refused in one line instead of ending in its traceback.
+    """
+    holes = 0
+    node: Any = tree
+    for depth, part in enumerate(path):
+        if isinstance(node, list):
+            if type(part) is not int:
+                raise _damaged(
+                    folder,
+                    f"its planner_data puts {fqn!r} at {list(path)}, a name inside the list at "
+                    f"{list(path[:depth])}; torch's loader fails on it",
+                )
+            if part < 0:
+                raise _damaged(folder, f"its planner_data puts {fqn!r} at {list(path)}, a negative list index")
+            holes += max(0, part + 1 - len(node))
+            node.extend([None] * (part + 1 - len(node)))
+        if depth == len(path) - 1:
+            node[part] = value
+            break
+        child = node.get(part) if isinstance(node, dict) else node[part]
+        if child is None:
+            child = {} if type(path[depth + 1]) is str else []
+            node[part] = child
+        node = child
+    return holes
 
 
 # ---------------------------------------------------------------------------------------
