@@ -47,7 +47,7 @@ import threading
 from collections.abc import Container, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _cores, _gpu_crc, read_policy
+from . import _cores, _cuda_driver, _gpu_crc, read_policy
 from .errors import LoadError, MalformedCheckpointError
 from .integrity import crc32, crc32_combine
 from .tensor import FileRegion, Storage, read_exactly_into
@@ -95,6 +95,10 @@ _ALIGN = 4096
 #: Take the CRC-32 of whole zip records loaded to a GPU on that GPU, after their copies
 #: (:mod:`ckptconv._gpu_crc`), rather than on the readers' threads. For benchmarks and tests.
 gpu_crc = True
+
+#: Copy the readers' pieces to a GPU through the CUDA driver (:mod:`ckptconv._cuda_driver`), where
+#: it can be had, rather than through torch's ``Tensor.copy_``. For benchmarks and tests.
+driver_copies = True
 
 #: When this fraction of a file or more is in the page cache, it is read through it.
 WARM_FRACTION = 0.5
@@ -377,6 +381,8 @@ class _Worker:
         self.turn = 0
         self.wants_more = True
         self.streams: dict[Any, Any] = {}
+        self.copiers: dict[Any, _cuda_driver.DeviceCopier | None] = {}
+        self.addresses: list[int] = []
 
     def run(self, task: _Task) -> None:
         span = task.span
@@ -433,6 +439,7 @@ class _Worker:
                 self.wants_more = False
                 return
             self.buffers.append(buffer)
+            self.addresses.append(buffer.data_ptr())
             self.views.append(buffer.numpy().data)
             self.events.append(None)
         self.wants_more = len(self.buffers) < DEPTH
@@ -469,15 +476,40 @@ class _Worker:
             # This reader thread's current stream on that device from now on (PyTorch keeps
             # current streams per thread), so no stream context is entered per piece.
             torch.cuda.set_stream(stream)
-        destination = span.out[position - span.start : position - span.start + count]
+            self.copiers[device] = self._copier(device, stream)
+        offset = position - span.start
+        copier = self.copiers[device]
+        if copier is not None and span.out.is_contiguous():
+            # Raw addresses: a piece outside either tensor would write where nothing checks it.
+            outside = offset < 0 or offset + count > span.out.numel() or skip + count > self.buffers[slot].numel()
+            if outside:  # pragma: no cover - pieces come from the spans
+                raise ValueError(f"copy of {count} bytes at {offset} outside its destination or staging buffer")
+            self.events[slot] = copier.copy(span.out.data_ptr() + offset, self.addresses[slot] + skip, count, slot)
+            return
+        destination = span.out[offset : offset + count]
         destination.copy_(self.buffers[slot][skip : skip + count], non_blocking=True)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)
         self.events[slot] = event
 
+    def _copier(self, device: Any, stream: Any) -> _cuda_driver.DeviceCopier | None:
+        """This reader's driver copier for ``device`` (:mod:`ckptconv._cuda_driver`), or None: copy through torch."""
+        if not driver_copies:
+            return None
+        try:
+            copier = _cuda_driver.DeviceCopier(device.index, stream.cuda_stream, DEPTH)
+        except OSError:
+            return None
+        return copier
+
     def finish(self) -> None:
-        for stream in self.streams.values():
-            stream.synchronize()
+        try:
+            for stream in self.streams.values():
+                stream.synchronize()
+        finally:
+            for copier in self.copiers.values():
+                if copier is not None:
+                    copier.close()
 
 
 def _join_crcs(pieces: list[tuple[int, int, int]], nbytes: int) -> int | None:

@@ -338,6 +338,51 @@ def test_gpu_load_equals_cpu_load(
     assert_same_state({k: v.cpu() for k, v in loaded.items()}, reference, ordered=False)
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("through", ["driver", "torch", "no-driver-library"])
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_gpu_copies_through_the_cuda_driver_or_torch_land_the_same_bytes(
+    tmp_path: Path, suffix: str, through: str, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The readers' copies go through the CUDA driver (ctypes) where it can be had, else through torch;
+    either way every byte lands where torch puts it, and the driver path is really the one taken."""
+    from ckptconv import _cuda_driver
+
+    monkeypatch.setattr(_transfer, "driver_copies", through != "torch")
+    if through == "no-driver-library":
+        monkeypatch.setattr(_cuda_driver, "driver", lambda: None)
+    copies: list[int] = []
+    real = _cuda_driver.DeviceCopier.copy
+
+    def counted(self: _cuda_driver.DeviceCopier, destination: int, source: int, count: int, slot: int) -> object:
+        copies.append(count)
+        return real(self, destination, source, count, slot)
+
+    monkeypatch.setattr(_cuda_driver.DeviceCopier, "copy", counted)
+    state = big_state()
+    path = tmp_path / f"m{suffix}"
+    if suffix == ".safetensors":
+        save_file(state, path)
+        reference = load_file(path)
+    else:
+        torch.save(state, path)
+        reference = reference_load(path)
+    loaded = ckptconv.load(path, device="cuda:0")
+    assert_same_state({k: v.cpu() for k, v in loaded.items()}, reference, ordered=False)
+    total = sum(t.untyped_storage().nbytes() for t in reference.values())
+    assert (sum(copies) >= total) if through == "driver" else copies == []
+
+
+def test_without_a_cuda_driver_the_copier_is_refused_so_readers_copy_through_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ckptconv import _cuda_driver
+
+    monkeypatch.setattr(_cuda_driver, "driver", lambda: None)
+    with pytest.raises(OSError, match="no CUDA driver library"):
+        _cuda_driver.DeviceCopier(0, 0, 1)
+
+
 def test_records_left_to_the_gpu_are_not_checksummed_by_the_readers(tmp_path: Path) -> None:
     """The readers take no CRC-32 of the spans the GPU checks (``on_gpu``), and every other whole record's."""
     path = tmp_path / "m.pt"
