@@ -104,6 +104,9 @@ def test_an_ml_cast_that_hides_nans_is_not_trusted_with_tameness(monkeypatch: py
     """A block is judged tame on ml_dtypes' output only after NaNs, infinities and the overflow
     thresholds were seen to come out as inf or NaN; a cast that makes them finite is not used so."""
     check = OUTPUT_CHECKED.__wrapped__
+    # The thresholds are cached: taken here with the real kernels, not with the broken one below
+    # (which would leave a threshold of None to every later test).
+    thresholds = {target: _cast._overflow_threshold("float32", target) for target in ("bfloat16", "float16")}
     monkeypatch.setattr(_cast, "_ml_bfloat16", ML_BFLOAT16)
     monkeypatch.setattr(_cast, "_ml_complex32", ML_COMPLEX32)
     if ML_COMPLEX32() is not None:
@@ -111,6 +114,7 @@ def test_an_ml_cast_that_hides_nans_is_not_trusted_with_tameness(monkeypatch: py
     assert check("float64", "float16") is None and check("float32", "float64") is None
     monkeypatch.setattr(_cast, "_ml_bfloat16", lambda: np.dtype(np.uint16))  # NaN -> 0
     assert check("float32", "bfloat16") is None
+    assert {target: _cast._overflow_threshold("float32", target) for target in thresholds} == thresholds
 
 
 def test_a_complex32_that_rounds_differently_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
