@@ -373,6 +373,39 @@ def test_gpu_copies_through_the_cuda_driver_or_torch_land_the_same_bytes(
     assert (sum(copies) >= total) if through == "driver" else copies == []
 
 
+TWO_GPUS = CUDA and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("through", ["driver", "torch"])
+def test_loads_to_a_second_gpu_and_split_across_two_land_the_same_bytes(
+    tmp_path: Path, through: str, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver's copies run in each device's own context: a load to cuda:1, and one reader pool
+    filling a model split over cuda:0 and cuda:1 (load_into device="model"), land torch's bytes."""
+    monkeypatch.setattr(_transfer, "driver_copies", through == "driver")
+    state = big_state()
+    path = tmp_path / "m.pt"
+    torch.save(state, path)
+    reference = reference_load(path)
+    loaded = ckptconv.load(path, device="cuda:1")
+    assert all(t.device == torch.device("cuda:1") for t in loaded.values())
+    assert_same_state({k: v.cpu() for k, v in loaded.items()}, reference, ordered=False)
+
+    class Split(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, tensor in state.items():
+                device = "cuda:0" if name in ("w0", "w2", "w4", "ids") else "cuda:1"
+                self.register_buffer(name, torch.zeros_like(tensor, device=device))
+
+    model = Split()
+    ckptconv.load_into(model, path, device="model")
+    for name, tensor in model.state_dict().items():
+        assert tensor.device == torch.device("cuda:0" if name in ("w0", "w2", "w4", "ids") else "cuda:1")
+        assert tensor.dtype == reference[name].dtype and torch.equal(tensor.cpu(), reference[name]), name
+
+
 def test_without_a_cuda_driver_the_copier_is_refused_so_readers_copy_through_torch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
