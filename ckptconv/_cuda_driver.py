@@ -114,6 +114,9 @@ class DeviceCopier:
                     self.events.append(_SlotEvent(self, event))
             finally:
                 self._pop()
+        except LoadError as error:  # a context or event refused: this reader copies through torch
+            self.close()
+            raise OSError(str(error)) from error
         except BaseException:
             self.close()
             raise
