@@ -44,6 +44,17 @@ VARIANTS: list[tuple[str, str, dict[str, object]]] = [
     ("pt crc on the GPU, torch copies", ".pt", {"knobs": {"driver_copies": False}}),
     ("sharded (4 files), driver copies", "_sharded", {}),
 ]
+# --pieces: the staging pieces' size, now that a piece costs the readers less Python (pinning 12 x 8 MiB
+# takes 20-90 ms of a 250-330 ms load, during which readers wait for their buffers).
+# Call 3 ran 8, 4 and 2 MiB (safetensors 33.88 / 25.03 / 16.65 GB/s, .pt 31.52 / 25.07 at 8 / 4): smaller
+# pieces lose. Call 4 runs the larger ones below.
+PIECES: list[tuple[str, str, dict[str, object]]] = [
+    ("st, 8 MiB pieces x 12 readers (main)", ".safetensors", {}),
+    ("st, 16 MiB pieces x 12 readers", ".safetensors", {"knobs": {"PIECE_BYTES": 16 << 20}}),
+    ("st, 16 MiB pieces x 8 readers", ".safetensors", {"knobs": {"PIECE_BYTES": 16 << 20, "MAX_GPU_THREADS": 8}}),
+    ("pt crc on the GPU, 8 MiB pieces x 12 readers (main)", ".pt", {}),
+    ("pt crc on the GPU, 16 MiB pieces x 12 readers", ".pt", {"knobs": {"PIECE_BYTES": 16 << 20}}),
+]
 TIMELINES: list[tuple[str, str, dict[str, object]]] = [
     ("pt crc on the GPU, driver copies, twice", ".pt", {"twice": True}),
     ("pt crc on the GPU, torch copies, twice", ".pt", {"twice": True, "knobs": {"driver_copies": False}}),
@@ -57,7 +68,9 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--skip", nargs="*", default=[], help="parts to skip: timelines, loads")
     parser.add_argument("--budget", type=float, default=1e9, help="seconds after which no new round starts")
+    parser.add_argument("--pieces", action="store_true", help="compare staging piece sizes instead")
     args = parser.parse_args()
+    variants = PIECES if args.pieces else VARIANTS
     stem = str(args.dir / f"gpu_bench_{args.gib:g}gib")
     started = time.perf_counter()
     if not os.path.exists(stem + ".safetensors"):
@@ -82,7 +95,7 @@ def main() -> None:
         if time.perf_counter() - started > args.budget:
             print(f"budget spent: {round_} rounds", flush=True)
             break
-        order = VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]
+        order = variants if round_ % 2 == 0 else variants[::-1]
         for title, suffix, extra in order:
             value = load(suffix, {**extra, "check": round_ == 0})
             if isinstance(value, dict):
