@@ -430,6 +430,11 @@ _DATA_ONLY_MODULES = frozenset(["torch.jit._pickle"])
 # ``exit_signal = signal.SIGTERM``, pickled as ``signal.Signals(15)``; building that member
 # sends nothing (``signal.signal``, ``raise_signal``, ``pthread_kill``... stay unsafe).
 _DATA_ONLY_CLASSES = frozenset(["signal.Signals", "signal.Handlers", "signal.Sigmasks"])
+# Up to Python 3.10 the same member pickles as the module's constant itself, ``signal.SIGTERM``
+# (enums made by ``IntEnum._convert_`` reduce to their name): every Megatron-LM checkpoint saved
+# under Python 3.10 or older names it. The signal module's upper-case names are all such constants
+# (``SIGTERM``, ``SIG_DFL``, ``NSIG``, ``ITIMER_REAL``); its functions are lower case and stay unsafe.
+_DATA_ONLY_CONSTANTS = frozenset(["signal", "_signal"])
 _METHOD_FAMILY = {method: family for family, methods in _DANGEROUS_METHODS.items() for method in methods}
 _NAME_FAMILY = {name: family for family, (_modules, names) in FAMILIES.items() for name in names}
 _MODULE_FAMILY: dict[str, str] = {}
@@ -492,6 +497,8 @@ def _family_of(module: str, name: str) -> str | None:
         return _METHOD_FAMILY[name_parts[-1]]
     if module in _DATA_ONLY_MODULES and len(name_parts) == 1:
         return None
+    if module in _DATA_ONLY_CONSTANTS and len(name_parts) == 1 and _is_constant_name(name):
+        return None
     full = f"{module}.{name}"
     if any(full == cls or full.startswith(cls + ".") for cls in _DATA_ONLY_CLASSES):
         return None
@@ -541,3 +548,12 @@ def classify_global(module: str, name: str) -> str:
     if known_global(module, name) is not None:
         return "known"
     return "foreign"
+
+
+def _is_constant_name(name: str) -> bool:
+    """``SIGTERM``, ``SIG_DFL``: an upper-case ASCII letter, then upper-case letters, digits and underscores."""
+    return (
+        name[:1].isascii()
+        and name[:1].isupper()
+        and all(c.isascii() and (c.isupper() or c.isdigit() or c == "_") for c in name)
+    )

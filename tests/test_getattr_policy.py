@@ -164,9 +164,25 @@ def test_a_signal_number_in_an_argument_namespace_is_data() -> None:
     value = ours(pickle.dumps(argparse.Namespace(exit_signal=signal.SIGTERM, lr=0.1), protocol=2))
     assert isinstance(value, ForeignObject)
     member = value.attributes()["exit_signal"]
-    assert isinstance(member, ForeignObject) and member.qualname == "signal.Signals" and member.args == (15,)
+    if sys.version_info >= (3, 11):
+        assert isinstance(member, ForeignObject) and member.qualname == "signal.Signals" and member.args == (15,)
+    else:  # Python 3.10 and older write the module's constant
+        assert isinstance(member, ForeignGlobal) and member.qualname == "signal.SIGTERM"
+    by_value = ours(b"\x80\x02" + _global("signal", "Signals") + b"K\x0f\x85R.")
+    assert isinstance(by_value, ForeignObject) and by_value.qualname == "signal.Signals" and by_value.args == (15,)
     by_name = ours(b"\x80\x02" + _lookup(_global("signal", "Signals"), _text("SIGTERM")) + b".")
     assert isinstance(by_name, ForeignGlobal) and by_name.qualname == "signal.Signals.SIGTERM"
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1", "SIG_DFL", "SIG_IGN", "NSIG", "ITIMER_REAL", "SIGRTMIN"])
+def test_a_signal_constant_as_python_3_10_pickles_it_is_data(name: str) -> None:
+    """Up to Python 3.10 ``signal.SIGTERM`` pickles as the global ``signal.SIGTERM`` (so does every
+    Megatron-LM checkpoint saved there, in its argument namespace); ckptconv refused those as unsafe."""
+    namespace = _global("argparse", "Namespace") + b")\x81}X\x0b\x00\x00\x00exit_signal" + _global("signal", name)
+    value = ours(b"\x80\x02" + namespace + b"sb.")
+    assert isinstance(value, ForeignObject) and value.qualname == "argparse.Namespace"
+    member = value.attributes()["exit_signal"]
+    assert isinstance(member, ForeignGlobal) and member.qualname == f"signal.{name}"
 
 
 @pytest.mark.parametrize(
@@ -180,6 +196,9 @@ def test_a_signal_number_in_an_argument_namespace_is_data() -> None:
         ("_signal", "signal"),
         ("signal", "Signals.system"),
         ("signal", "Signals.__call__"),
+        ("signal", "SIGTERM.system"),
+        ("signal", "Sigterm"),
+        ("signal", "getsignal"),
     ],
 )
 def test_the_rest_of_the_signal_module_stays_unsafe(module: str, name: str) -> None:
