@@ -494,7 +494,9 @@ class _Worker:
 
     def _copier(self, device: Any, stream: Any) -> _cuda_driver.DeviceCopier | None:
         """This reader's driver copier for ``device`` (:mod:`ckptconv._cuda_driver`), or None: copy through torch."""
-        if not driver_copies:
+        import torch
+
+        if not driver_copies or torch.version.hip or not torch.version.cuda:  # ROCm's streams are HIP's
             return None
         try:
             copier = _cuda_driver.DeviceCopier(device.index, stream.cuda_stream, DEPTH)
