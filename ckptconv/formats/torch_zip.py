@@ -264,7 +264,8 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
     infos: dict[str, zipfile.ZipInfo] = {}
     exact: set[str] = set()
     for info in archive.infolist():
-        other = infos.get(fold_case(info.filename))
+        folded = fold_case(info.filename)
+        other = infos.get(folded)
         if other is not None and other.filename != info.filename:
             other_name = other.filename
             # torch's reader (miniz, without MZ_ZIP_FLAG_CASE_SENSITIVE) finds a record whatever the case
@@ -284,7 +285,7 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
                 path=path,
             )
         exact.add(info.filename)
-        infos[fold_case(info.filename)] = info
+        infos[folded] = info
     root = find_root(exact, path)
     # torch.save with torch.utils.serialization.config.save.compute_crc32 = False records 0 as every
     # member's CRC-32, and torch.load never checks them: such a file has no checksum to hold its bytes to.
