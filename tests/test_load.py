@@ -362,3 +362,33 @@ def test_a_legacy_file_whose_sys_info_says_big_endian_is_read_little_endian_as_t
     for key, tensor in expected.items():
         assert_same_tensor(loaded[key], tensor, key)
         assert torch.equal(tensor, state[key])
+
+
+def test_each_format_module_reads_the_format_it_is_listed_for() -> None:
+    import importlib
+
+    from ckptconv import formats
+
+    for kind, name in formats._MODULES.items():
+        assert kind == importlib.import_module(f"ckptconv.formats.{name}").FORMAT
+
+
+def test_a_safetensors_load_imports_neither_the_pickle_machinery_nor_the_training_run_formats(tmp_path: Path) -> None:
+    """The readers are imported when a file needs them: a fresh process loading safetensors skips about a third
+    of ckptconv's import time (bench/results/bench_gpu_load_h200.md, round 6)."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.arange(4.0)}, tmp_path / "m.safetensors")
+    code = (
+        "import sys, ckptconv; state = ckptconv.load(sys.argv[1]); assert state['w'].tolist() == [0, 1, 2, 3]; "
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('ckptconv'))))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "m.safetensors")], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert "ckptconv.formats.safetensors" in loaded
+    lazy = {"unpickler", "pickle_policy", "rebuild", "formats.torch_zip", "formats.dcp", "formats.deepspeed"}
+    assert not {f"ckptconv.{name}" for name in lazy} & set(loaded), loaded

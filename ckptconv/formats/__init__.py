@@ -8,30 +8,51 @@ checkpoints and ``pytorch_model.bin`` is sometimes a Lightning checkpoint.
 
 from __future__ import annotations
 
+import importlib
 import os
 import zipfile
+from types import ModuleType
 from typing import Callable
 
 from .. import read_policy
 from .._paths import PathLike, as_path
 from ..errors import LoadError, UnsupportedFormatError
 from ..suffixes import CHECKPOINT_SUFFIXES, INDEX_SUFFIXES
-from . import dcp, deepspeed, megatron, rank_shards, raw_pickle, safetensors, sharded, torch_legacy, torch_zip
+from . import safetensors
 from ._base import ReadResult
 
 __all__ = ["READERS", "ReadResult", "checkpoint_files", "detect", "is_checkpoint_file", "resolve"]
 
-READERS: dict[str, Callable[[str], ReadResult]] = {
-    torch_zip.FORMAT: torch_zip.read,
-    torch_legacy.FORMAT: torch_legacy.read,
-    safetensors.FORMAT: safetensors.read,
-    raw_pickle.FORMAT: raw_pickle.read,
-    sharded.FORMAT: sharded.read,
-    dcp.FORMAT: dcp.read,
-    deepspeed.FORMAT: deepspeed.read,
-    rank_shards.FORMAT: rank_shards.read,
-    megatron.FORMAT: megatron.read,
+# Each format's module (its FORMAT), imported when first needed: a safetensors load never imports the
+# pickle machinery nor the training-run formats, a third of ckptconv's import time in a fresh process
+# (bench/results/bench_gpu_load_h200.md, round 6). tests/test_load.py checks the names against FORMAT.
+_MODULES = {
+    "torch-zip": "torch_zip",
+    "torch-legacy": "torch_legacy",
+    "safetensors": "safetensors",
+    "pickle": "raw_pickle",
+    "sharded": "sharded",
+    "dcp": "dcp",
+    "deepspeed": "deepspeed",
+    "rank-shards": "rank_shards",
+    "megatron-torch-dist": "megatron",
 }
+
+
+def _module(kind: str) -> ModuleType:
+    return importlib.import_module(f"{__name__}.{_MODULES[kind]}")
+
+
+def _reader(kind: str) -> Callable[[str], ReadResult]:
+    def read(path: str) -> ReadResult:
+        result: ReadResult = _module(kind).read(path)
+        return result
+
+    read.__qualname__ = f"read_{_MODULES[kind]}"
+    return read
+
+
+READERS: dict[str, Callable[[str], ReadResult]] = {kind: _reader(kind) for kind in _MODULES}
 
 
 def resolve(path: PathLike) -> tuple[str, str]:
@@ -47,19 +68,19 @@ def resolve(path: PathLike) -> tuple[str, str]:
     """
     path = as_path(path)
     if os.path.isdir(path):
-        if megatron.is_torch_dist_folder(path):
-            return megatron.FORMAT, path
-        if dcp.is_dcp_folder(path):
-            return dcp.FORMAT, path
-        run = deepspeed.find_checkpoint(path)
+        if _module("megatron-torch-dist").is_torch_dist_folder(path):
+            return "megatron-torch-dist", path
+        if _module("dcp").is_dcp_folder(path):
+            return "dcp", path
+        run = _module("deepspeed").find_checkpoint(path)
         if run is not None:
-            return deepspeed.FORMAT, run
-        if rank_shards.find_files(path) is not None:
-            return rank_shards.FORMAT, path
-        index = sharded.find_index(path)
+            return "deepspeed", run
+        if _module("rank-shards").find_files(path) is not None:
+            return "rank-shards", path
+        index = _module("sharded").find_index(path)
         if index is not None:
             read_policy.check_file(index, folder=path)
-            return sharded.FORMAT, index
+            return "sharded", index
         candidates = sorted(
             name
             for name in os.listdir(path)
@@ -91,8 +112,9 @@ def is_checkpoint_file(path: str) -> bool:
         with read_policy.open_file(path) as file:  # regular files only: never block on a FIFO
             head = file.read(_HEAD_BYTES)
             size = os.fstat(file.fileno()).st_size
-            if safetensors.looks_safetensors(head, size) or torch_legacy.looks_legacy(head):
+            if safetensors.looks_safetensors(head, size) or _module("torch-legacy").looks_legacy(head):
                 return True
+            torch_zip = _module("torch-zip")
             if torch_zip.is_zip(head):
                 with zipfile.ZipFile(file) as archive:
                     return any(
@@ -113,14 +135,16 @@ def checkpoint_files(path: str) -> list[str]:
         LoadError: see :func:`resolve`; a sharded index is damaged or names a missing shard.
     """
     kind, path = resolve(path)
-    if kind in (dcp.FORMAT, megatron.FORMAT):
-        return dcp.checkpoint_files(path)
-    if kind == sharded.FORMAT:
-        return sharded.checkpoint_files(path)
-    if kind == deepspeed.FORMAT:
-        return deepspeed.checkpoint_files(path) or []
-    if kind == rank_shards.FORMAT:
-        return rank_shards.find_files(path) or []
+    if kind in ("dcp", "megatron-torch-dist"):
+        files: list[str] = _module("dcp").checkpoint_files(path)
+        return files
+    if kind == "sharded":
+        files = _module("sharded").checkpoint_files(path)
+        return files
+    if kind == "deepspeed":
+        return _module("deepspeed").checkpoint_files(path) or []
+    if kind == "rank-shards":
+        return _module("rank-shards").find_files(path) or []
     return [path]
 
 
@@ -152,7 +176,7 @@ def detect(path: str) -> str:
     """
     if path.endswith(INDEX_SUFFIXES):
         read_policy.check_file(path)
-        return sharded.FORMAT
+        return "sharded"
     with read_policy.open_file(path) as file:
         try:
             head = file.read(_HEAD_BYTES)
@@ -161,12 +185,14 @@ def detect(path: str) -> str:
             raise LoadError(f"{path!r} cannot be read: {error.strerror or error}", path=path) from None
     if size == 0:
         raise UnsupportedFormatError(f"{path!r} is empty (0 bytes); the download or save did not finish", path=path)
-    if torch_zip.is_zip(head):
-        return torch_zip.FORMAT
+    # safetensors first, so that its files never import the zip reader; no zip looks like one (a zip's
+    # ninth byte is its first record's compression method, 0 or 8, where safetensors has its JSON's "{").
     if safetensors.looks_safetensors(head, size):
         return safetensors.FORMAT
-    if torch_legacy.looks_legacy(head):
-        return torch_legacy.FORMAT
+    if _module("torch-zip").is_zip(head):
+        return "torch-zip"
+    if _module("torch-legacy").looks_legacy(head):
+        return "torch-legacy"
     for magic, description in _NOT_CHECKPOINTS:
         if head.startswith(magic):
             raise UnsupportedFormatError(f"{path!r} is {description}", path=path)
@@ -180,7 +206,7 @@ def detect(path: str) -> str:
     if lowered.startswith((b"<!doctype html", b"<html", b"<?xml", b"<head")):
         raise UnsupportedFormatError(f"{path!r} is an HTML/XML page, not a checkpoint (a failed download?)", path=path)
     if head[0] == 0x80 and size >= 3 and 2 <= head[1] <= 5:
-        return raw_pickle.FORMAT
+        return "pickle"
     if size < 16:
         raise UnsupportedFormatError(
             f"{path!r} is only {size} byte{'s' if size != 1 else ''} long: a placeholder, not a "
@@ -188,7 +214,7 @@ def detect(path: str) -> str:
             path=path,
         )
     if head[0] in _OLD_PICKLE_STARTS:
-        return raw_pickle.FORMAT  # protocol 0/1; the reader says so if it is not a pickle after all
+        return "pickle"  # protocol 0/1; the reader says so if it is not a pickle after all
     if head[8:9] == b"{" and b"\x00" in head[:8]:
         # A safetensors file whose header length is wrong (cut short, or 2**63):
         # its reader says which, instead of "not a format ckptconv knows".
