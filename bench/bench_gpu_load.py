@@ -39,6 +39,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 BUILD = textwrap.dedent(
@@ -205,6 +206,73 @@ LOADERS: dict[str, tuple[str, str, bool]] = {
         False,
     ),
 }
+
+
+def probe_parser(doc: str | None, parts: str) -> argparse.ArgumentParser:
+    """The probes' common arguments: the file's size, rounds, folder, ``--skip`` (one of ``parts``), budget."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--skip", nargs="*", default=[], help=f"parts to skip: {parts}")
+    parser.add_argument("--budget", type=float, default=1e9, help="seconds after which no new round starts")
+    return parser
+
+
+def probe_files(args: argparse.Namespace) -> tuple[str, float, dict[str, str]]:
+    """The probes' files (this benchmark's, built once in ``args.dir``) in the page cache:
+    ``(stem, the time the probe started, the environment with compiled bytecode)``."""
+    stem = str(args.dir / f"gpu_bench_{args.gib:g}gib")
+    started = time.perf_counter()
+    if not os.path.exists(stem + ".safetensors"):
+        subprocess.run([sys.executable, "-c", BUILD, str(args.gib), stem], check=True)
+    print(f"built in {time.perf_counter() - started:.0f} s", flush=True)
+    env = compiled_env()
+    sharded = stem + "_sharded"
+    warm([stem + ".safetensors", stem + ".pt", *(os.path.join(sharded, n) for n in sorted(os.listdir(sharded)))])
+    return stem, started, env
+
+
+def alternating_loads(
+    load: Callable[[str, dict[str, object]], dict[str, object] | str],
+    variants: list[tuple[str, str, dict[str, object]]],
+    *,
+    rounds: int,
+    budget: float,
+    started: float,
+    stem: str,
+    env: dict[str, str],
+    reverse_odd: bool = False,
+    brief: Callable[[dict[str, object]], object] | None = None,
+) -> None:
+    """The probes' whole loads: every variant (``load(suffix, arguments)``, its first round checked bit for
+    bit) then instanttensor's buffered back end, round after round (the order reversed every other round with
+    ``reverse_odd``) until ``rounds`` or ``budget`` seconds since ``started``; prints each result (``brief``
+    picks what) and the medians, with each as a multiple of instanttensor's."""
+    speeds: dict[str, list[float]] = {}
+    peer = PEER_PROBE.format(code=LOADERS["instanttensor, buffered back end"][0])
+    for round_ in range(rounds):
+        if time.perf_counter() - started > budget:
+            print(f"budget spent: {round_} rounds", flush=True)
+            break
+        order = variants[::-1] if reverse_odd and round_ % 2 else variants
+        for title, suffix, extra in order:
+            value: object = load(suffix, {**extra, "check": round_ == 0})
+            if isinstance(value, dict):
+                speeds.setdefault(title, []).append(value["first"]["gbps"])
+                value = brief(value) if brief else value
+            print(f"{round_} {title}: {json.dumps(value)}", flush=True)
+        result = run_probe(peer, {"stem": stem}, env)
+        if isinstance(result, dict):
+            speeds.setdefault("instanttensor buffered", []).append(result["gbps"])  # type: ignore[arg-type]
+        print(f"{round_} instanttensor buffered: {result}", flush=True)
+    peer_median = statistics.median(speeds.get("instanttensor buffered", [float("nan")]))
+    print("SUMMARY (GB/s per round, median, x instanttensor buffered)")
+    for title, values in speeds.items():
+        median = statistics.median(values)
+        print(f"{title:50s} {[round(v, 2) for v in values]} median {median:.2f} x{median / peer_median:.2f}")
+    print(f"total {time.perf_counter() - started:.0f} s", flush=True)
+
 
 CHILD = textwrap.dedent(
     """

@@ -23,18 +23,12 @@ Results: bench/results/bench_gpu_load_h200.md (round 4).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_load import BUILD, LOADERS, PEER_PROBE, PROBE_READS, compiled_env, run_probe, warm
+from bench_gpu_load import PROBE_READS, alternating_loads, probe_files, probe_parser, run_probe
 
 # The readers' every step timed (events of the reader threads, from the load's start), knobs of
 # ckptconv._transfer set from ARGS["knobs"], a load repeated in the same process when ARGS["twice"],
@@ -128,21 +122,10 @@ TIMELINES: list[tuple[str, str, dict[str, object]]] = []
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=8)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
-    parser.add_argument("--skip", nargs="*", default=[], help="parts to skip: reads, timelines, loads")
-    parser.add_argument("--budget", type=float, default=1e9, help="seconds after which no new round starts")
+    parser = probe_parser(__doc__, "reads, timelines, loads")
     args = parser.parse_args()
-    stem = str(args.dir / f"gpu_bench_{args.gib:g}gib")
-    started = time.perf_counter()
-    if not os.path.exists(stem + ".safetensors"):
-        subprocess.run([sys.executable, "-c", BUILD, str(args.gib), stem], check=True)
-    print(f"built in {time.perf_counter() - started:.0f} s", flush=True)
-    env = compiled_env()
-    st, pt, sharded = stem + ".safetensors", stem + ".pt", stem + "_sharded"
-    warm([st, pt, *(os.path.join(sharded, n) for n in sorted(os.listdir(sharded)))])
+    stem, started, env = probe_files(args)
+    st, pt = stem + ".safetensors", stem + ".pt"
 
     if "reads" not in args.skip:
         for threads in (8, 16):
@@ -162,27 +145,7 @@ def main() -> None:
 
     if "loads" in args.skip:
         return
-    speeds: dict[str, list[float]] = {}
-    peer = PEER_PROBE.format(code=LOADERS["instanttensor, buffered back end"][0])
-    for round_ in range(args.rounds):
-        if time.perf_counter() - started > args.budget:
-            print(f"budget spent: {round_} rounds", flush=True)
-            break
-        for title, suffix, extra in VARIANTS:
-            value = load(suffix, {**extra, "check": round_ == 0})
-            if isinstance(value, dict):
-                speeds.setdefault(title, []).append(value["first"]["gbps"])  # type: ignore[index]
-            print(f"{round_} {title}: {json.dumps(value)}", flush=True)
-        value = run_probe(peer, {"stem": stem}, env)
-        if isinstance(value, dict):
-            speeds.setdefault("instanttensor buffered", []).append(value["gbps"])  # type: ignore[arg-type]
-        print(f"{round_} instanttensor buffered: {value}", flush=True)
-    peer_median = statistics.median(speeds.get("instanttensor buffered", [float("nan")]))
-    print("SUMMARY (GB/s per round, median, x instanttensor buffered)")
-    for title, values in speeds.items():
-        median = statistics.median(values)
-        print(f"{title:50s} {values} median {median:.2f} x{median / peer_median:.2f}")
-    print(f"total {time.perf_counter() - started:.0f} s", flush=True)
+    alternating_loads(load, VARIANTS, rounds=args.rounds, budget=args.budget, started=started, stem=stem, env=env)
 
 
 if __name__ == "__main__":

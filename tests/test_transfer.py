@@ -39,6 +39,16 @@ def big_state() -> dict[str, torch.Tensor]:
     return state
 
 
+def saved_big_state(tmp_path: Path, suffix: str) -> tuple[Path, dict[str, torch.Tensor]]:
+    """:func:`big_state` saved as ``.pt`` or ``.safetensors``, and what torch or the safetensors library reads back."""
+    path = tmp_path / f"m{suffix}"
+    if suffix == ".safetensors":
+        save_file(big_state(), path)
+        return path, load_file(path)
+    torch.save(big_state(), path)
+    return path, reference_load(path)
+
+
 @pytest.fixture
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces of 8 KiB payload (16 KiB buffers less room to align O_DIRECT reads): every tensor
@@ -325,14 +335,7 @@ def test_gpu_load_equals_cpu_load(
     tmp_path: Path, suffix: str, mode: str, small_pieces: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_transfer, "direct_io", mode)
-    state = big_state()
-    path = tmp_path / f"m{suffix}"
-    if suffix == ".safetensors":
-        save_file(state, path)
-        reference = load_file(path)
-    else:
-        torch.save(state, path)
-        reference = reference_load(path)
+    path, reference = saved_big_state(tmp_path, suffix)
     loaded = ckptconv.load(path, device="cuda:0")
     assert all(t.device == torch.device("cuda:0") for t in loaded.values())
     assert_same_state({k: v.cpu() for k, v in loaded.items()}, reference, ordered=False)
@@ -359,14 +362,7 @@ def test_gpu_copies_through_the_cuda_driver_or_torch_land_the_same_bytes(
         return real(self, destination, source, count, slot)
 
     monkeypatch.setattr(_cuda_driver.DeviceCopier, "copy", counted)
-    state = big_state()
-    path = tmp_path / f"m{suffix}"
-    if suffix == ".safetensors":
-        save_file(state, path)
-        reference = load_file(path)
-    else:
-        torch.save(state, path)
-        reference = reference_load(path)
+    path, reference = saved_big_state(tmp_path, suffix)
     loaded = ckptconv.load(path, device="cuda:0")
     assert_same_state({k: v.cpu() for k, v in loaded.items()}, reference, ordered=False)
     total = sum(t.untyped_storage().nbytes() for t in reference.values())
