@@ -16,6 +16,7 @@ import collections
 import concurrent.futures
 import contextlib
 import itertools
+import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import TYPE_CHECKING
 
@@ -279,30 +280,35 @@ SMALL_CAST_BYTES = 1 << 20
 
 # Buffers the cast path reuses from piece to piece and tensor to tensor, so
 # that no piece faults in (and the kernel zeroes) fresh pages: the cast of a
-# 1 GiB checkpoint spent 0.1 s of CPU on that. list.pop and list.append are
-# atomic, so worker threads share the list without a lock.
+# 1 GiB checkpoint spent 0.1 s of CPU on that. Worker threads share the list
+# under a lock (picking the best fit looks at it whole).
 _SPARE: list[np.ndarray] = []
+_SPARE_LOCK = threading.Lock()
 #: At most this many bytes of spare buffers are kept between pieces (and after a write).
 _SPARE_BYTES = 32 << 20
 
 
 def _take(nbytes: int) -> np.ndarray:
-    """A uint8 buffer of at least ``nbytes``: a spare one, or a new one."""
+    """A uint8 buffer of at least ``nbytes``: the smallest spare one that fits, or a new one.
+
+    Spares too small stay for a smaller request (a worker's read buffer and the pieces'
+    outputs differ in size): dropped, each would be allocated, and its pages faulted in,
+    again for the next piece (about 8,000 page faults of a 4 GiB fp16 cast, 7-10 MiB of RSS;
+    bench/results/bench_fp16_cpu_2core_vm.md).
+    """
     import numpy as np
 
-    while _SPARE:
-        try:
-            buffer = _SPARE.pop()
-        except IndexError:  # another thread took the last one
-            break
-        if buffer.nbytes >= nbytes:
-            return buffer
+    with _SPARE_LOCK:
+        fitting = [index for index, spare in enumerate(_SPARE) if spare.nbytes >= nbytes]
+        if fitting:
+            return _SPARE.pop(min(fitting, key=lambda index: _SPARE[index].nbytes))
     return np.empty(nbytes, dtype=np.uint8)
 
 
 def _give_back(buffer: np.ndarray) -> None:
-    if buffer.nbytes + sum(spare.nbytes for spare in list(_SPARE)) <= _SPARE_BYTES:
-        _SPARE.append(buffer)
+    with _SPARE_LOCK:
+        if buffer.nbytes + sum(spare.nbytes for spare in _SPARE) <= _SPARE_BYTES:
+            _SPARE.append(buffer)
 
 
 @contextlib.contextmanager

@@ -890,10 +890,18 @@ def _save_file(
             written = safetensors.write(entries, file, metadata=metadata, write_tensor=write_tensor, dedupe=dedupe)
             aliases = split_aliases(entries)[1] if dedupe else {}
         else:
+
+            def write_storage(storage: PlannedStorage, out: BinaryIO) -> int:
+                try:
+                    return _write_planned_storage(storage, out, update, record_crcs)
+                except CastOverflowError as error:  # named by the first tensor stored in that storage
+                    key = next((k for k, r in entries if r.storage is storage.tensor.storage), "?")
+                    raise _named(error, key) from None
+
             written = torch_zip.write(
                 entries,
                 file,
-                write_storage=functools.partial(_write_planned_storage, update=update, record_crcs=record_crcs),
+                write_storage=write_storage,
                 plan=zip_plan,
                 metadata=metadata,
                 extra=extra,
@@ -1008,8 +1016,12 @@ def _with_key(entries: list[tuple[str, TensorRef]], ref: TensorRef, counts: Iter
     try:
         yield from counts
     except CastOverflowError as error:
-        key = next((k for k, r in entries if r is ref), "?")
-        raise CastOverflowError(f"tensor {key!r}: {error}", key=key, count=error.count) from None
+        raise _named(error, next((k for k, r in entries if r is ref), "?")) from None
+
+
+def _named(error: CastOverflowError, key: str) -> CastOverflowError:
+    """``error`` saying which tensor it is about, as every format's writer reports it."""
+    return CastOverflowError(f"tensor {key!r}: {error}", key=key, count=error.count)
 
 
 def planned_bytes(

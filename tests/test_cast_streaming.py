@@ -198,3 +198,22 @@ def test_a_cast_from_a_file_cut_short_after_it_was_opened_is_refused_in_one_line
     message = refusal_in_child(code, str(source), str(tmp_path / "out.safetensors"))
     assert "is truncated" in message and message.count("\n") == 1
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_spare_buffer_too_small_stays_for_a_smaller_request() -> None:
+    """A worker's read buffer and the pieces' outputs differ in size: taking one must not drop
+    the other (it would be allocated again, its pages faulted in, for the next piece)."""
+    from ckptconv.streaming import _give_back, _take
+
+    spare = ckptconv.streaming._SPARE
+    saved = spare[:]
+    spare.clear()
+    try:
+        small, big = np.empty(1000, np.uint8), np.empty(5000, np.uint8)
+        _give_back(big)
+        _give_back(small)
+        assert _take(3000) is big
+        assert _take(800) is small
+        assert spare == []
+    finally:
+        spare[:] = saved

@@ -199,10 +199,11 @@ def test_unknown_output_suffix(good_checkpoint: Path, tmp_path: Path) -> None:
     assert _run("convert", str(good_checkpoint), str(tmp_path / "out.weights"), "--to", "pt", "-q")[0] == 0
 
 
-def test_cast_overflow_fails_and_leaves_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_cast_overflow_fails_names_the_tensor_and_leaves_nothing(tmp_path: Path, suffix: str) -> None:
     source = tmp_path / "big_values.pt"
-    torch.save({"w": torch.tensor([1.0, 70000.0, -1e6]), "ok": torch.ones(2)}, source)
-    output = tmp_path / "out.safetensors"
+    torch.save({"ok": torch.ones(2), "w": torch.tensor([1.0, 70000.0, -1e6])}, source)
+    output = tmp_path / f"out{suffix}"
     code, _, stderr = _run("convert", str(source), str(output), "--dtype", "fp16")
     assert code == 1
     assert "tensor 'w': casting to float16 would turn finite values such as 70000.0 into inf" in stderr

@@ -492,7 +492,8 @@ def test_dtype_fp16_on_e8m0_refuses_the_overflow_in_one_line(tmp_path: Path) -> 
     code, _, stderr = run_cli("convert", str(path), str(tmp_path / "out.pt"), "--dtype", "fp16")
     assert code == 1
     assert stderr == (
-        "ckptconv: error: casting to float16 would turn finite values such as 9.44473296573929e+21 into inf; "
+        "ckptconv: error: tensor 'scale': casting to float16 would turn finite values such as 9.44473296573929e+21 "
+        "into inf; "
         "keep this tensor's dtype (--keep-dtype) or pass --allow-overflow\n"
     )
 
