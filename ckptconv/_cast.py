@@ -62,9 +62,12 @@ from __future__ import annotations
 
 import sys
 from functools import cache, lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, TypeAlias
 
 import numpy as np
+
+#: A numpy array of any shape and dtype (numpy before 2.3 wants both type arguments under mypy --strict).
+Array: TypeAlias = "np.ndarray[Any, Any]"
 
 __all__ = [
     "BLOCK_ELEMENTS",
@@ -146,38 +149,38 @@ class _Scratch:
         #: cast stays finite (see :class:`_Tameness`), so kernels skip their NaN
         #: patching and the float16 kernel its overflow handling.
         self.tame = False
-        self._u32: np.ndarray | None = None
-        self._f32: np.ndarray | None = None
-        self._mid: np.ndarray | None = None
-        self._mask: np.ndarray | None = None
+        self._u32: Array | None = None
+        self._f32: Array | None = None
+        self._mid: Array | None = None
+        self._mask: Array | None = None
 
-    def u32(self, n: int) -> np.ndarray:
+    def u32(self, n: int) -> Array:
         if self._u32 is None:
             self._u32 = np.empty(self.size, np.uint32)
         return self._u32[:n]
 
-    def f32(self, n: int) -> np.ndarray:
+    def f32(self, n: int) -> Array:
         if self._f32 is None:
             self._f32 = np.empty(self.size, np.float32)
         return self._f32[:n]
 
-    def mid(self, n: int) -> np.ndarray:
+    def mid(self, n: int) -> Array:
         """The float32 intermediate of two-step casts (the steps use u32 and f32)."""
         if self._mid is None:
             self._mid = np.empty(self.size, np.float32)
         return self._mid[:n]
 
-    def mask(self, n: int) -> np.ndarray:
+    def mask(self, n: int) -> Array:
         if self._mask is None:
             self._mask = np.empty(self.size, np.bool_)
         return self._mask[:n]
 
 
 # A kernel casts one block: (source block, output block, scratch) -> None.
-_Kernel = Callable[[np.ndarray, np.ndarray, _Scratch], None]
+_Kernel = Callable[[Array, Array, _Scratch], None]
 
 
-def _nan_positions(values: np.ndarray, scratch: _Scratch) -> np.ndarray | None:
+def _nan_positions(values: Array, scratch: _Scratch) -> Array | None:
     """Indices of the NaNs in a float32 block, or None when there are none (the common case).
 
     One max-reduction pass answers "any NaN?" (max propagates NaN), so a
@@ -211,7 +214,7 @@ def _ml_bfloat16() -> np.dtype[Any] | None:
     return dtype
 
 
-def _f32_to_bf16(src: np.ndarray, out: np.ndarray, scratch: _Scratch, nan_bits: int) -> None:
+def _f32_to_bf16(src: Array, out: Array, scratch: _Scratch, nan_bits: int) -> None:
     """Round float32 to bfloat16, nearest-even; NaNs become ``nan_bits``.
 
     With ml_dtypes, its cast does the rounding (see :func:`_ml_bfloat16`).
@@ -238,18 +241,18 @@ def _f32_to_bf16(src: np.ndarray, out: np.ndarray, scratch: _Scratch, nan_bits: 
         out[nans] = nan_bits
 
 
-def _k_f32_bf16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+def _k_f32_bf16(src: Array, out: Array, scratch: _Scratch) -> None:
     _f32_to_bf16(src, out, scratch, _BF16_NAN_VECTOR)
 
 
-def _k_f64_bf16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+def _k_f64_bf16(src: Array, out: Array, scratch: _Scratch) -> None:
     # Twice rounded, like torch: float64 -> float32 -> bfloat16.
     f32 = scratch.mid(src.size)
     np.copyto(f32, src, casting="unsafe")
     _f32_to_bf16(f32, out, scratch, _BF16_NAN_VECTOR)
 
 
-def _k_f16_bf16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+def _k_f16_bf16(src: Array, out: Array, scratch: _Scratch) -> None:
     # float16 -> float32 is exact; NaNs become 0x7FC0 whatever their payload.
     f32 = scratch.mid(src.size)
     _k_f16_f32(src, f32, scratch)
@@ -260,14 +263,14 @@ def _k_f16_bf16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
 
 
 @lru_cache(maxsize=8)
-def _filled(value: int, size: int) -> np.ndarray:
+def _filled(value: int, size: int) -> Array:
     """A read-only uint32 array of ``value``: numpy's ``maximum`` is SIMD only between two arrays."""
     array = np.full(size, value, dtype=np.uint32)
     array.flags.writeable = False
     return array
 
 
-def _f32_to_f16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+def _f32_to_f16(src: Array, out: Array, scratch: _Scratch) -> None:
     """Round float32 to float16 like F16C's ``vcvtps2ph`` (nearest even, subnormals, inf).
 
     numpy's own cast rounds finite values right but runs a scalar software
@@ -348,7 +351,7 @@ def _ml_complex32() -> np.dtype[Any] | None:
     return dtype if np.array_equal(got.view(np.uint16), expected.view(np.uint16)) else None
 
 
-def _f32_to_f16_tame(src: np.ndarray, out: np.ndarray, scratch: _Scratch, complex32: Any = True) -> None:
+def _f32_to_f16_tame(src: Array, out: Array, scratch: _Scratch, complex32: Any = True) -> None:
     """:func:`_f32_to_f16` for a block of finite values that all stay below float16's overflow.
 
     With ml_dtypes' complex32 (:func:`_ml_complex32`), its cast does the
@@ -393,14 +396,14 @@ def _f32_to_f16_tame(src: np.ndarray, out: np.ndarray, scratch: _Scratch, comple
     np.bitwise_or(half, sign, out=half)
 
 
-def _k_f64_f16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+def _k_f64_f16(src: Array, out: Array, scratch: _Scratch) -> None:
     # Twice rounded, like torch: float64 -> float32 -> float16.
     f32 = scratch.mid(src.size)
     np.copyto(f32, src, casting="unsafe")
     _f32_to_f16(f32, out, scratch)
 
 
-def _k_bf16_f16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+def _k_bf16_f16(src: Array, out: Array, scratch: _Scratch) -> None:
     f32 = scratch.mid(src.size)
     _k_bf16_f32(src, f32, scratch)
     _f32_to_f16(f32, out, scratch)
@@ -409,7 +412,7 @@ def _k_bf16_f16(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
 # -- to float32 / float64 ---------------------------------------------------------
 
 
-def _k_f16_f32(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+def _k_f16_f32(src: Array, out: Array, scratch: _Scratch) -> None:
     """Widen float16 exactly; infinities and NaNs (quieted) as F16C's ``vcvtph2ps`` gives them.
 
     Faster than numpy's scalar cast: the sign-extended bits shifted into
@@ -432,27 +435,27 @@ def _k_f16_f32(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
     out.view(np.uint32)[special] = ((half & 0x8000) << 16) | 0x7F800000 | quiet | (mantissa << 13)
 
 
-def _k_bf16_f32(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+def _k_bf16_f32(src: Array, out: Array, scratch: _Scratch) -> None:
     """Widen bfloat16: its bits are the high half of the float32 (NaNs kept as they are)."""
     wide = out.view(np.uint32)
     np.copyto(wide, src)
     np.left_shift(wide, 16, out=wide)
 
 
-def _k_f16_f64(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+def _k_f16_f64(src: Array, out: Array, scratch: _Scratch) -> None:
     f32 = scratch.mid(src.size)
     _k_f16_f32(src, f32, scratch)
     np.copyto(out, f32)
 
 
-def _k_bf16_f64(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+def _k_bf16_f64(src: Array, out: Array, scratch: _Scratch) -> None:
     # Through float32, so that signalling NaNs are quieted by the hardware widening, as in torch.
     f32 = scratch.mid(src.size)
     _k_bf16_f32(src, f32, scratch)
     np.copyto(out, f32)
 
 
-def _k_numpy(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+def _k_numpy(src: Array, out: Array, scratch: _Scratch) -> None:
     """float32 <-> float64: numpy uses the same hardware conversion as torch."""
     np.copyto(out, src, casting="unsafe")
 
@@ -460,7 +463,7 @@ def _k_numpy(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
 # -- from float8 (lookup tables) ------------------------------------------------
 
 
-def _e4m3fn_to_f32_table() -> np.ndarray:
+def _e4m3fn_to_f32_table() -> Array:
     """float32 bits of all 256 float8_e4m3fn patterns (bias 7, no inf, NaN = S.1111.111)."""
     code = np.arange(256, dtype=np.uint32)
     exponent = (code >> 3) & 0xF
@@ -478,7 +481,7 @@ def _e4m3fn_to_f32_table() -> np.ndarray:
     return bits
 
 
-def _e5m2_to_f32_table() -> np.ndarray:
+def _e5m2_to_f32_table() -> Array:
     """float32 bits of all 256 float8_e5m2 patterns: each is the top byte of a float16."""
     half = (np.arange(256, dtype=np.uint16) << 8).view(np.float16)
     out = np.empty(256, np.float32)
@@ -486,7 +489,7 @@ def _e5m2_to_f32_table() -> np.ndarray:
     return out.view(np.uint32)
 
 
-def _fnuz_to_f32_table(exponent_bits: int, bias: int) -> np.ndarray:
+def _fnuz_to_f32_table(exponent_bits: int, bias: int) -> Array:
     """float32 bits of all 256 patterns of a "fnuz" float8 (no inf, no -0: 0x80 is the one NaN)."""
     code = np.arange(256, dtype=np.uint32)
     mantissa_bits = 7 - exponent_bits
@@ -504,7 +507,7 @@ def _fnuz_to_f32_table(exponent_bits: int, bias: int) -> np.ndarray:
     return bits
 
 
-def _e8m0_to_f32_table() -> np.ndarray:
+def _e8m0_to_f32_table() -> Array:
     """float32 bits of all 256 float8_e8m0fnu patterns: 2**(code - 127), 0xFF is NaN (no sign, no zero)."""
     code = np.arange(255, dtype=np.float64)
     bits = np.empty(256, np.uint32)
@@ -518,7 +521,7 @@ def _e8m0_to_f32_table() -> np.ndarray:
 _FLOAT8_NAN_F32 = 0x7F800001
 
 
-def _float8_to_f32_table(source: str) -> np.ndarray:
+def _float8_to_f32_table(source: str) -> Array:
     if source == "float8_e4m3fn":
         return _e4m3fn_to_f32_table()
     if source == "float8_e5m2":
@@ -531,18 +534,18 @@ def _float8_to_f32_table(source: str) -> np.ndarray:
 
 
 @cache
-def _float8_overflows(source: str, target: str) -> np.ndarray:
+def _float8_overflows(source: str, target: str) -> Array:
     """For each of the 256 patterns: True when a finite value becomes inf in ``target``."""
     wide = _float8_to_f32_table(source).view(np.float32)
     narrow = _float8_table(source, target)
     uint = _UINT[narrow.dtype.itemsize]
     magnitude = narrow.view(uint) & uint.type((1 << (8 * uint.itemsize - 1)) - 1)
-    hits: np.ndarray = np.isfinite(wide) & (magnitude == uint.type(_INF_BITS[target]))
+    hits: Array = np.isfinite(wide) & (magnitude == uint.type(_INF_BITS[target]))
     return hits
 
 
 @cache
-def _float8_table(source: str, target: str) -> np.ndarray:
+def _float8_table(source: str, target: str) -> Array:
     """Result of casting every float8 pattern, in ``target``'s storage dtype.
 
     torch widens float8 to float32 and casts that; bfloat16 NaNs come out as
@@ -565,7 +568,7 @@ def _float8_table(source: str, target: str) -> np.ndarray:
 
 
 def _table_kernel(source: str, target: str) -> _Kernel:
-    def kernel(src: np.ndarray, out: np.ndarray, scratch: _Scratch) -> None:
+    def kernel(src: Array, out: Array, scratch: _Scratch) -> None:
         np.take(_float8_table(source, target), src, out=out, mode="clip")
 
     return kernel
@@ -602,7 +605,7 @@ def _kernel(source: str, target: str) -> _Kernel:
         raise ValueError(f"ckptconv cannot cast {source} to {target}") from None
 
 
-def _as_storage(values: np.ndarray, source: str) -> np.ndarray:
+def _as_storage(values: Array, source: str) -> Array:
     """``values`` viewed as ``source``'s native storage dtype, contiguous (copied only if it must be)."""
     dtype = storage_dtype(source)
     if values.dtype.itemsize != dtype.itemsize or values.dtype.kind not in "uif":
@@ -612,7 +615,7 @@ def _as_storage(values: np.ndarray, source: str) -> np.ndarray:
     return np.ascontiguousarray(values).view(dtype)
 
 
-def cast_array(values: np.ndarray, source: str, target: str, *, out: np.ndarray | None = None) -> np.ndarray:
+def cast_array(values: Array, source: str, target: str, *, out: Array | None = None) -> Array:
     """Cast an array in ``source``'s storage representation to ``target``'s, bit-exact with torch CPU.
 
     ``values`` may be any array of ``source``'s width (a uint16 view of
@@ -626,9 +629,7 @@ def cast_array(values: np.ndarray, source: str, target: str, *, out: np.ndarray 
     return _cast_blocks(values, source, target, out, count=False)[0]
 
 
-def cast_counting_overflows(
-    values: np.ndarray, source: str, target: str, *, out: np.ndarray | None = None
-) -> tuple[np.ndarray, int]:
+def cast_counting_overflows(values: Array, source: str, target: str, *, out: Array | None = None) -> tuple[Array, int]:
     """:func:`cast_array` and :func:`count_overflows` in one pass over the data.
 
     Each block is counted while it is still in cache from its cast, which is
@@ -667,7 +668,7 @@ _UNTAME_F32 += [0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF]
 
 
 @cache
-def _output_checked(source: str, target: str) -> tuple[Callable[[np.ndarray, np.ndarray], None], int] | None:
+def _output_checked(source: str, target: str) -> tuple[Callable[[Array, Array], None], int] | None:
     """``(cast, inf_bits)`` for float32 -> bfloat16 / float16 through ml_dtypes, whose output tells tameness.
 
     ml_dtypes' casts (:func:`_ml_bfloat16`, :func:`_ml_complex32`) turn every
@@ -688,12 +689,12 @@ def _output_checked(source: str, target: str) -> tuple[Callable[[np.ndarray, np.
         return None
     if target == "bfloat16":
 
-        def cast(block: np.ndarray, out: np.ndarray) -> None:
+        def cast(block: Array, out: Array) -> None:
             np.copyto(out.view(dtype), block, casting="unsafe")
 
     else:
 
-        def cast(block: np.ndarray, out: np.ndarray) -> None:
+        def cast(block: Array, out: Array) -> None:
             np.copyto(out.view(dtype), block.view(np.complex64), casting="unsafe")
 
     first = _overflow_threshold(source, target) or 0x7F800000
@@ -705,8 +706,8 @@ def _output_checked(source: str, target: str) -> tuple[Callable[[np.ndarray, np.
 
 
 def _cast_blocks(
-    values: np.ndarray, source: str, target: str, out: np.ndarray | None, *, count: bool, tame: bool = True
-) -> tuple[np.ndarray, int]:
+    values: Array, source: str, target: str, out: Array | None, *, count: bool, tame: bool = True
+) -> tuple[Array, int]:
     kernel = None if source == target else _kernel(source, target)
     src = _as_storage(values, source).reshape(-1)
     if kernel is None:
@@ -796,10 +797,10 @@ class _OverflowCounter:
         # blocks (and those holding infs or large values) take the exact count.
         self.bound = np.array([threshold], self.uint).view(stored)[0] if stored.kind == "f" else None
         self.size = size
-        self._tmp: np.ndarray | None = None
-        self._hit: np.ndarray | None = None
+        self._tmp: Array | None = None
+        self._hit: Array | None = None
 
-    def count(self, block: np.ndarray) -> int:
+    def count(self, block: Array) -> int:
         """Overflows in ``block`` (at most ``size`` elements in the source's storage dtype)."""
         if self.table is not None:
             return int(np.count_nonzero(np.take(self.table, block)))
@@ -819,7 +820,7 @@ class _OverflowCounter:
         return int(np.count_nonzero(h))
 
 
-def count_overflows(values: np.ndarray, source: str, target: str) -> int:
+def count_overflows(values: Array, source: str, target: str) -> int:
     """How many finite source values become ±inf in target (e.g. fp32 70000.0 -> fp16 inf).
 
     ckptconv refuses such casts unless asked, since they silently destroy
@@ -839,7 +840,7 @@ def count_overflows(values: np.ndarray, source: str, target: str) -> int:
     return total
 
 
-def cast_bytes(data: bytes | bytearray | memoryview, source: str, target: str) -> np.ndarray:
+def cast_bytes(data: bytes | bytearray | memoryview, source: str, target: str) -> Array:
     """Cast raw little-endian ``source`` bytes to a little-endian ``target`` array.
 
     Each element is cast on its own, so splitting ``data`` anywhere on an

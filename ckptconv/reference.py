@@ -30,7 +30,7 @@ from .selection import Selection
 from .tensor import ReadInto, Storage, TensorRef, contiguous_strides
 
 if TYPE_CHECKING:
-    import numpy as np
+    from ._cast import Array
 
 __all__ = ["CKPTCONV_READER", "SAFETENSORS_READER", "TORCH_READER", "ReferenceWeights", "reference_weights"]
 
@@ -173,7 +173,7 @@ class _LibraryTensor:
 
         yield read_into
 
-    def _bytes(self) -> np.ndarray:
+    def _bytes(self) -> Array:
         import torch
         from safetensors import safe_open
 

@@ -24,8 +24,7 @@ from .errors import CastOverflowError
 from .tensor import FileRegion, Storage, ZipMember
 
 if TYPE_CHECKING:
-    import numpy as np
-
+    from ._cast import Array
     from .tensor import TensorRef
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "iter_bytes", "iter_bytes_with_crcs", "read_array", "reads_whole_record"]
@@ -35,14 +34,14 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "iter_bytes", "iter_bytes_with_crcs", "read_ar
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 
 
-def _bytes_view(array: np.ndarray) -> memoryview:
+def _bytes_view(array: Array) -> memoryview:
     """A contiguous array's bytes, without a copy."""
     if array.size == 0:
         return memoryview(b"")  # memoryview cannot cast a view with a zero in its shape
     return array.data.cast("B")
 
 
-def apply_bits(ref: TensorRef, array: np.ndarray) -> np.ndarray:
+def apply_bits(ref: TensorRef, array: Array) -> Array:
     """``array`` (contiguous, little-endian, ``ref.dtype``'s storage form) with ``ref``'s conj and neg bits applied.
 
     Floats negate by flipping the sign bit (what torch's ``neg`` does, NaNs
@@ -68,7 +67,7 @@ def apply_bits(ref: TensorRef, array: np.ndarray) -> np.ndarray:
     return out.reshape(array.shape)
 
 
-def _cast(ref: TensorRef, values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def _cast(ref: TensorRef, values: Array, out: Array | None = None) -> Array:
     from ._cast import cast_array, cast_counting_overflows
 
     assert ref.cast_to is not None
@@ -86,7 +85,7 @@ def _cast(ref: TensorRef, values: np.ndarray, out: np.ndarray | None = None) -> 
     return result
 
 
-def _first_overflow(ref: TensorRef, values: np.ndarray) -> str:
+def _first_overflow(ref: TensorRef, values: Array) -> str:
     """A finite source value that overflows the cast target, for the error message."""
     import numpy as np
 
@@ -99,7 +98,7 @@ def _first_overflow(ref: TensorRef, values: np.ndarray) -> str:
     return repr(float(wide[offending[0]])) if len(offending) else "?"
 
 
-def read_array(ref: TensorRef) -> np.ndarray:
+def read_array(ref: TensorRef) -> Array:
     """The tensor's elements, contiguous, in ``out_dtype``'s storage representation.
 
     bfloat16 and float8 come back as unsigned integers of the same width,
@@ -252,7 +251,7 @@ def _iter_gathered(ref: TensorRef, chunk_bytes: int) -> Iterator[memoryview]:
         yield _bytes_view(array)
 
 
-def _blocks(view: np.ndarray, limit: int) -> Iterator[np.ndarray]:
+def _blocks(view: Array, limit: int) -> Iterator[Array]:
     """Consecutive pieces of ``view`` in row-major order, each of at most ``limit`` elements
     (or one element row of the innermost dimension)."""
     if view.size <= limit or view.ndim == 0:
@@ -282,13 +281,13 @@ SMALL_CAST_BYTES = 1 << 20
 # that no piece faults in (and the kernel zeroes) fresh pages: the cast of a
 # 1 GiB checkpoint spent 0.1 s of CPU on that. Worker threads share the list
 # under a lock (picking the best fit looks at it whole).
-_SPARE: list[np.ndarray] = []
+_SPARE: list[Array] = []
 _SPARE_LOCK = threading.Lock()
 #: At most this many bytes of spare buffers are kept between pieces (and after a write).
 _SPARE_BYTES = 32 << 20
 
 
-def _take(nbytes: int) -> np.ndarray:
+def _take(nbytes: int) -> Array:
     """A uint8 buffer of at least ``nbytes``: the smallest spare one that fits, or a new one.
 
     Spares too small stay for a smaller request (a worker's read buffer and the pieces'
@@ -305,14 +304,14 @@ def _take(nbytes: int) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
 
 
-def _give_back(buffer: np.ndarray) -> None:
+def _give_back(buffer: Array) -> None:
     with _SPARE_LOCK:
         if buffer.nbytes + sum(spare.nbytes for spare in _SPARE) <= _SPARE_BYTES:
             _SPARE.append(buffer)
 
 
 @contextlib.contextmanager
-def _piece_reader(ref: TensorRef) -> Iterator[Callable[[int, int], tuple[memoryview, np.ndarray]]]:
+def _piece_reader(ref: TensorRef) -> Iterator[Callable[[int, int], tuple[memoryview, Array]]]:
     """``read(position, length)`` giving a piece of the storage's bytes and the pooled buffer
     holding them (to give back). Safe to call from several threads.
 
@@ -322,7 +321,7 @@ def _piece_reader(ref: TensorRef) -> Iterator[Callable[[int, int], tuple[memoryv
     """
     with ref.storage.reader() as read_into:
 
-        def read(position: int, length: int) -> tuple[memoryview, np.ndarray]:
+        def read(position: int, length: int) -> tuple[memoryview, Array]:
             buffer = _take(length)
             view = buffer[:length].data
             read_into(position, view)
@@ -361,7 +360,7 @@ def _iter_cast_pieces(
 
     with _piece_reader(ref) as read:
 
-        def work(position: int) -> tuple[memoryview, np.ndarray, int | None, int | None]:
+        def work(position: int) -> tuple[memoryview, Array, int | None, int | None]:
             length = min(piece, end - position)
             raw, raw_buffer = read(position, length)
             values = np.frombuffer(raw, dtype=source_dtype)
@@ -383,7 +382,7 @@ def _iter_cast_pieces(
         # Two threads (one per core of the 2-core VM; 1 and 3 were slower there) and a
         # third piece queued, so that both have work while the caller writes.
         workers, in_flight = 2, 3
-        pending: collections.deque[concurrent.futures.Future[tuple[memoryview, np.ndarray, int | None, int | None]]]
+        pending: collections.deque[concurrent.futures.Future[tuple[memoryview, Array, int | None, int | None]]]
         pending = collections.deque()
         upcoming = iter(positions)
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:

@@ -29,7 +29,7 @@ from .dtypes import DType
 from .errors import MalformedCheckpointError
 
 if TYPE_CHECKING:
-    import numpy as np
+    from ._cast import Array
 
 __all__ = ["ByteSource", "FileRegion", "InMemory", "ReadInto", "Storage", "TensorRef", "ZipMember"]
 
@@ -420,7 +420,7 @@ class TensorRef:
 
     # -- reading (ckptconv.streaming does the work) -------------------------------------
 
-    def numpy(self) -> np.ndarray:
+    def numpy(self) -> Array:
         """The tensor's elements, contiguous, in ``out_dtype``'s storage representation.
 
         bfloat16 and float8 come back as unsigned integers of the same width,

@@ -20,8 +20,7 @@ from .tensor import TensorRef
 from .transforms import Pipeline, Transform
 
 if TYPE_CHECKING:
-    import numpy as np
-
+    from ._cast import Array
     from .loading import Checkpoint
     from .selection import Selection
 
@@ -225,7 +224,7 @@ def _json_float(value: float) -> object:
 _DIFF_ELEMENTS = 4 << 20
 
 
-def _as_float64(ref: TensorRef, values: np.ndarray) -> np.ndarray:
+def _as_float64(ref: TensorRef, values: Array) -> Array:
     import numpy as np
 
     from ._cast import cast_array
