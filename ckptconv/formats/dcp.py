@@ -394,15 +394,9 @@ def _nest(flat: dict[str, Any], planner_data: Any, folder: str) -> Any:
                     "one would be lost",
                 )
     tree: dict[Any, Any] = {}
-    holes = 0
+    holes = 0  # empty places opened in lists so far
     for fqn, value in flat.items():
-        holes += _set_element(tree, paths[fqn], value, fqn, folder)
-        if holes > _MAX_LIST_HOLES:
-            raise _damaged(
-                folder,
-                f"its planner_data asks for lists with more than {_MAX_LIST_HOLES:,} empty places (indices far "
-                "beyond the entries saved); refusing what looks like a hostile file",
-            )
+        holes = _set_element(tree, paths[fqn], value, fqn, folder, holes)
     return tree
 
 
@@ -411,14 +405,17 @@ def _nest(flat: dict[str, Any], planner_data: Any, folder: str) -> Any:
 _MAX_LIST_HOLES = 1 << 20
 
 
-def _set_element(tree: dict[Any, Any], path: tuple[str | int, ...], value: Any, fqn: str, folder: str) -> int:
-    """Put ``value`` at ``path`` as torch's ``set_element`` does; return how many empty places it opened.
+def _set_element(
+    tree: dict[Any, Any], path: tuple[str | int, ...], value: Any, fqn: str, folder: str, holes: int
+) -> int:
+    """Put ``value`` at ``path`` as torch's ``set_element`` does; return ``holes``, the empty places opened
+    in lists so far, with those it opens.
 
     A name makes a dict and an integer a list (grown with None up to the index), so a DCP save of
     ``{"extra": [t, {"x": u}]}`` comes back as the same list. What torch's loader cannot do (a name
-    inside a list, a negative index) is refused in one line instead of ending in its traceback.
+    inside a list, a negative index) is refused in one line instead of ending in its traceback, and so
+    is an index that would open more than :data:`_MAX_LIST_HOLES` places, before the list grows.
     """
-    holes = 0
     node: Any = tree
     for depth, part in enumerate(path):
         if isinstance(node, list):
@@ -430,8 +427,16 @@ def _set_element(tree: dict[Any, Any], path: tuple[str | int, ...], value: Any, 
                 )
             if part < 0:
                 raise _damaged(folder, f"its planner_data puts {fqn!r} at {list(path)}, a negative list index")
-            holes += max(0, part + 1 - len(node))
-            node.extend([None] * (part + 1 - len(node)))
+            grow = part + 1 - len(node)
+            if grow > 0:
+                holes += grow
+                if holes > _MAX_LIST_HOLES:
+                    raise _damaged(
+                        folder,
+                        f"its planner_data asks for lists with more than {_MAX_LIST_HOLES:,} empty places (indices "
+                        "far beyond the entries saved); refusing what looks like a hostile file",
+                    )
+                node.extend([None] * grow)
         if depth == len(path) - 1:
             node[part] = value
             break
