@@ -11,6 +11,7 @@ import mmap
 import os
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,6 +48,19 @@ def saved_big_state(tmp_path: Path, suffix: str) -> tuple[Path, dict[str, torch.
         return path, load_file(path)
     torch.save(big_state(), path)
     return path, reference_load(path)
+
+
+def _gpu_load_taking_crcs(tmp_path: Path) -> tuple[Path, dict[str, Any], dict[object, int]]:
+    """:func:`big_state` saved as ``.pt``, its tensors loaded to cuda:0 with the records' CRC-32s taken:
+    ``(path, refs, crcs)``."""
+    from ckptconv._torch import to_torch
+
+    path = tmp_path / "m.pt"
+    torch.save(big_state(), path)
+    refs = dict(ckptconv.open(path).tensors())
+    crcs: dict[object, int] = {}
+    to_torch(refs, device="cuda:0", crcs=crcs)  # type: ignore[arg-type]
+    return path, refs, crcs
 
 
 @pytest.fixture
@@ -295,13 +309,7 @@ def test_gpu_load_takes_every_records_crc_and_refuses_a_flipped_bit(
     """On a GPU the pieces' CRC-32s are taken from the staged bytes: every record's, read once
     (page cache or O_DIRECT), and a flipped bit near a record's end is refused."""
     monkeypatch.setattr(_transfer, "direct_io", mode)
-    path = tmp_path / "m.pt"
-    torch.save(big_state(), path)
-    refs = dict(ckptconv.open(path).tensors())
-    crcs: dict[object, int] = {}
-    from ckptconv._torch import to_torch
-
-    to_torch(refs, device="cuda:0", crcs=crcs)  # type: ignore[arg-type]
+    path, refs, crcs = _gpu_load_taking_crcs(tmp_path)
     assert len(crcs) == sum(1 for r in refs.values() if r.storage.nbytes > 0)
     assert all(crcs[r.storage] == r.storage.source.crc32 for r in refs.values() if r.storage.nbytes > 0)  # type: ignore[union-attr]
     record = refs["w4"].storage
@@ -461,13 +469,7 @@ def test_gpu_crcs_come_from_the_gpu_or_the_readers(
         return real(outs, kernel)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_gpu_crc, "record_crcs", counted)
-    path = tmp_path / "m.pt"
-    torch.save(big_state(), path)
-    refs = dict(ckptconv.open(path).tensors())
-    crcs: dict[object, int] = {}
-    from ckptconv._torch import to_torch
-
-    to_torch(refs, device="cuda:0", crcs=crcs)  # type: ignore[arg-type]
+    _, refs, crcs = _gpu_load_taking_crcs(tmp_path)
     records = {r.storage for r in refs.values() if r.storage.nbytes > 0}
     assert launches == ([len(records)] if on_gpu else [])
     assert {s: crcs[s] for s in records} == {s: s.source.crc32 for s in records}  # type: ignore[union-attr]
