@@ -166,6 +166,13 @@ class Case:
     user: list[float] = field(default_factory=list)
 
 
+def ckptconv_case(command: str, names: str, source: Path, output: Path, *options: str, title: str = "") -> Case:
+    """``ckptconv COMMAND SOURCE OUTPUT OPTIONS -q`` as a case named ``ckptconv COMMAND NAMES OPTIONS``
+    (``names`` spells the files as the tables do, ``x.pt y.safetensors``), or ``title``."""
+    name = title or " ".join(["ckptconv", command, names, *options])
+    return Case(name, [*CKPTCONV, command, str(source), str(output), *options, "-q"], source, output)
+
+
 def drop_from_cache(path: Path) -> bool:
     if not hasattr(os, "posix_fadvise"):
         return False
@@ -306,54 +313,20 @@ def cases_for(paths: dict[str, Path], out: Path, quick: bool) -> list[Case]:
             pt,
             out / "copy_sync.pt",
         ),
-        Case(
-            "ckptconv convert x.pt x.safetensors (defaults: fsync, source sha256)",
-            [*CKPTCONV, "convert", str(pt), str(out / "b.safetensors"), "-q"],
+        ckptconv_case(
+            "convert",
+            "x.pt x.safetensors",
             pt,
             out / "b.safetensors",
+            title="ckptconv convert x.pt x.safetensors (defaults: fsync, source sha256)",
         ),
-        Case(
-            "ckptconv convert x.pt x.safetensors --no-fsync",
-            [*CKPTCONV, "convert", str(pt), str(out / "h.safetensors"), "--no-fsync", "-q"],
-            pt,
-            out / "h.safetensors",
-        ),
-        Case(
-            "ckptconv convert x.pt x.safetensors" + FAST,
-            [*CKPTCONV, "convert", str(pt), str(out / "a.safetensors"), *FAST.split(), "-q"],
-            pt,
-            out / "a.safetensors",
-        ),
-        Case(
-            "ckptconv strip-module x.pt y.pt" + FAST,
-            [*CKPTCONV, "strip-module", str(pt), str(out / "c.pt"), *FAST.split(), "-q"],
-            pt,
-            out / "c.pt",
-        ),
-        Case(
-            "ckptconv convert x.pt x.safetensors --dtype bf16" + FAST,
-            [*CKPTCONV, "convert", str(pt), str(out / "d.safetensors"), "--dtype", "bf16", *FAST.split(), "-q"],
-            pt,
-            out / "d.safetensors",
-        ),
-        Case(
-            "ckptconv strip-module x.pt y.pt --dtype fp16" + FAST,
-            [*CKPTCONV, "strip-module", str(pt), str(out / "e.pt"), "--dtype", "fp16", *FAST.split(), "-q"],
-            pt,
-            out / "e.pt",
-        ),
-        Case(
-            "ckptconv strip-module legacy.pt y.pt" + FAST,
-            [*CKPTCONV, "strip-module", str(legacy), str(out / "f.pt"), *FAST.split(), "-q"],
-            legacy,
-            out / "f.pt",
-        ),
-        Case(
-            "ckptconv convert x.safetensors y.pt" + FAST,
-            [*CKPTCONV, "convert", str(st), str(out / "g.pt"), *FAST.split(), "-q"],
-            st,
-            out / "g.pt",
-        ),
+        ckptconv_case("convert", "x.pt x.safetensors", pt, out / "h.safetensors", "--no-fsync"),
+        ckptconv_case("convert", "x.pt x.safetensors", pt, out / "a.safetensors", *FAST.split()),
+        ckptconv_case("strip-module", "x.pt y.pt", pt, out / "c.pt", *FAST.split()),
+        ckptconv_case("convert", "x.pt x.safetensors", pt, out / "d.safetensors", "--dtype", "bf16", *FAST.split()),
+        ckptconv_case("strip-module", "x.pt y.pt", pt, out / "e.pt", "--dtype", "fp16", *FAST.split()),
+        ckptconv_case("strip-module", "legacy.pt y.pt", legacy, out / "f.pt", *FAST.split()),
+        ckptconv_case("convert", "x.safetensors y.pt", st, out / "g.pt", *FAST.split()),
         Case("ckptconv inspect x.pt", [*CKPTCONV, "inspect", str(pt)], pt, None),
         Case("ckptconv --help", [*CKPTCONV, "--help"], pt, None),
     ]

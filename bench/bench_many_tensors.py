@@ -29,7 +29,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run with -P, as bench_convert.py is
 
-from bench_convert import CKPTCONV, FAST, PYTHON, Case, add_seed_option, retaken, round_seed, run_once, with_baseline
+from bench_convert import (
+    CKPTCONV,
+    FAST,
+    PYTHON,
+    Case,
+    add_seed_option,
+    ckptconv_case,
+    retaken,
+    round_seed,
+    run_once,
+    with_baseline,
+)
 
 BUILD_SCRIPT = textwrap.dedent(
     """
@@ -72,30 +83,10 @@ def cases_for(paths: dict[str, Path], out: Path, quick: bool) -> list[Case]:
     pt, st = paths["pt"], paths["safetensors"]
     cases = [
         Case("ckptconv inspect x.pt", [*CKPTCONV, "inspect", str(pt)], pt, None),
-        Case(
-            "ckptconv convert x.pt y.safetensors" + FAST,
-            [*CKPTCONV, "convert", str(pt), str(out / "a.safetensors"), *FAST.split(), "-q"],
-            pt,
-            out / "a.safetensors",
-        ),
-        Case(
-            "ckptconv convert x.safetensors y.pt" + FAST,
-            [*CKPTCONV, "convert", str(st), str(out / "b.pt"), *FAST.split(), "-q"],
-            st,
-            out / "b.pt",
-        ),
-        Case(
-            "ckptconv convert x.pt y.safetensors --dtype bf16" + FAST,
-            [*CKPTCONV, "convert", str(pt), str(out / "d.safetensors"), "--dtype", "bf16", *FAST.split(), "-q"],
-            pt,
-            out / "d.safetensors",
-        ),
-        Case(
-            "ckptconv strip-module x.pt y.pt" + FAST,
-            [*CKPTCONV, "strip-module", str(pt), str(out / "c.pt"), *FAST.split(), "-q"],
-            pt,
-            out / "c.pt",
-        ),
+        ckptconv_case("convert", "x.pt y.safetensors", pt, out / "a.safetensors", *FAST.split()),
+        ckptconv_case("convert", "x.safetensors y.pt", st, out / "b.pt", *FAST.split()),
+        ckptconv_case("convert", "x.pt y.safetensors", pt, out / "d.safetensors", "--dtype", "bf16", *FAST.split()),
+        ckptconv_case("strip-module", "x.pt y.pt", pt, out / "c.pt", *FAST.split()),
     ]
     if not quick:
         cases += [
