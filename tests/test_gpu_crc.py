@@ -16,26 +16,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptconv import _gpu_crc
+from ckptconv.integrity import _multmodp as multmodp  # the kernel's is zlib's too (test_transfer's crc32_combine test)
 
 MASK = 0xFFFFFFFF
-POLY = 0xEDB88320
 
 
 def source_table() -> list[int]:
     found = re.search(r"X2N\[32\] = \{([^}]*)\}", _gpu_crc.source())
     assert found is not None
     return [int(value.strip().rstrip("u"), 16) for value in found.group(1).split(",")]
-
-
-def multmodp(a: int, b: int) -> int:  # the kernel's multmodp, line for line
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if a & (m - 1) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ POLY if b & 1 else b >> 1
 
 
 def x8nmodp(n: int, table: list[int]) -> int:  # the kernel's x8nmodp, line for line
