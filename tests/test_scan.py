@@ -494,19 +494,11 @@ def test_a_zip_appended_to_another_is_refused_not_read_as_the_second(tmp_path: A
     posix.system was the benign one to ckptconv (scan: 'safe') and the other to torch.load."""
     import zipfile
 
-    def archive_of(data_pkl: bytes) -> bytes:
-        buffer = io.BytesIO()
-        with zipfile.ZipFile(buffer, "w") as archive:
-            archive.writestr("archive/data.pkl", data_pkl)
-            archive.writestr("archive/byteorder", "little")
-            archive.writestr("archive/version", "3\n")
-        return buffer.getvalue()
-
     benign = pickle.dumps({"a": "x" * 40}, protocol=2)
     evil = call("posix", "system", "id", protocol=2)
     evil = call("posix", "system", "id" + " " * (len(benign) - len(evil)), protocol=2)
     assert len(benign) == len(evil)  # the same layout: the second archive's directory numbers fit the first
-    first, second = archive_of(evil), archive_of(benign)
+    first, second = _in_torch_zip(evil), _in_torch_zip(benign)
     path = _write(tmp_path, "two.pt", first + second)
     assert _torch_load_asks(path) == ["posix.system"]  # nothing runs: find_class is ours
     with zipfile.ZipFile(path) as archive:  # the second archive's records
