@@ -48,7 +48,6 @@ def _reader(kind: str) -> Callable[[str], ReadResult]:
         result: ReadResult = _module(kind).read(path)
         return result
 
-    read.__qualname__ = f"read_{_MODULES[kind]}"
     return read
 
 
