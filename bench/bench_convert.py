@@ -35,6 +35,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -290,6 +291,26 @@ def _run_once(case: Case, *, timed: bool = True) -> None:
     case.user.append(float(user))
 
 
+def run_rounds(
+    cases: list[Case], runs: int, seed: int, what: str, check: Callable[[Case], None], idle_only: bool
+) -> None:
+    """An untimed round in order (each output checked by ``check``), then ``runs`` timed rounds."""
+    for round_number in range(runs + 1):
+        label = f"round {round_number}/{runs}" if round_number else "untimed round (checks, bytecode cache)"
+        print(f"{what} {label}", file=sys.stderr)
+        # A new order every round: on this kind of VM a command that runs right after a big
+        # file was deleted can get slow fresh pages, so a fixed order favours some rows.
+        order = list(cases)
+        random.Random(seed * 1000 + round_number).shuffle(order)
+        for case in order if round_number else cases:
+            run_once(case, timed=round_number > 0, idle_only=idle_only)
+            if round_number == 0:
+                check(case)
+            # One output on disk at a time: with --baseline at 4 GiB they would add up to ~80 GB.
+            if case.output is not None and case.output.exists():
+                case.output.unlink()
+
+
 def with_baseline(cases: list[Case], baseline: Path) -> list[Case]:
     """Each ckptconv case twice, the second from the ``baseline`` source tree, side by side."""
     result = []
@@ -492,20 +513,7 @@ def main() -> None:
             cases = [c for c in cases if c.name == "cp" or any(text in c.name for text in args.only)]
         if args.baseline:
             cases = with_baseline(cases, args.baseline)
-        for round_number in range(args.runs + 1):
-            label = f"round {round_number}/{args.runs}" if round_number else "untimed round (checks, bytecode cache)"
-            print(f"{size:g} GiB {label}", file=sys.stderr)
-            # A new order every round: on this kind of VM a command that runs right after a big
-            # file was deleted can get slow fresh pages, so a fixed order favours some rows.
-            order = list(cases)
-            random.Random(seed * 1000 + round_number).shuffle(order)
-            for case in order if round_number else cases:
-                run_once(case, timed=round_number > 0, idle_only=args.idle_only)
-                if round_number == 0:
-                    verify_outputs([case])
-                # One output on disk at a time: with --baseline at 4 GiB they would add up to ~80 GB.
-                if case.output is not None and case.output.exists():
-                    case.output.unlink()
+        run_rounds(cases, args.runs, seed, f"{size:g} GiB", lambda case: verify_outputs([case]), args.idle_only)
         results += report(size, cases, paths["pt"].stat().st_size)
         if retaken:
             print(f"\nRuns taken again because other processes used the CPU meanwhile: {retaken}")

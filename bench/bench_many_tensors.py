@@ -18,7 +18,6 @@ Reports the median wall and user CPU time, microseconds per tensor, and the peak
 from __future__ import annotations
 
 import argparse
-import random
 import shutil
 import statistics
 import subprocess
@@ -38,7 +37,7 @@ from bench_convert import (
     ckptconv_case,
     retaken,
     round_seed,
-    run_once,
+    run_rounds,
     with_baseline,
 )
 
@@ -163,17 +162,7 @@ def main() -> None:
             cases = [c for c in cases if any(text in c.name for text in args.only)]
         if args.baseline:
             cases = with_baseline(cases, args.baseline)
-        for round_number in range(args.runs + 1):
-            label = f"round {round_number}/{args.runs}" if round_number else "untimed round (checks, bytecode cache)"
-            print(f"{n:,} tensors {label}", file=sys.stderr)
-            order = list(cases)
-            random.Random(seed * 1000 + round_number).shuffle(order)
-            for case in order if round_number else cases:
-                run_once(case, timed=round_number > 0, idle_only=args.idle_only)
-                if round_number == 0:
-                    check(case)
-                if case.output is not None and case.output.exists():
-                    case.output.unlink()
+        run_rounds(cases, args.runs, seed, f"{n:,} tensors", check, args.idle_only)
         report(n, cases)
         if retaken:
             print(f"\nRuns taken again because other processes used the CPU meanwhile: {retaken}")
