@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import contextvars
 import itertools
 import threading
 from collections.abc import Callable, Iterator, MutableMapping
@@ -27,7 +28,14 @@ if TYPE_CHECKING:
     from ._cast import Array
     from .tensor import TensorRef
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "iter_bytes", "iter_bytes_with_crcs", "read_array", "reads_whole_record"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "iter_bytes",
+    "iter_bytes_with_crcs",
+    "keeping_workers",
+    "read_array",
+    "reads_whole_record",
+]
 
 # Reads larger than this are split; it keeps single allocations modest when a
 # caller streams a huge tensor.
@@ -310,6 +318,55 @@ def _give_back(buffer: Array) -> None:
             _SPARE.append(buffer)
 
 
+# The pool :func:`keeping_workers` keeps for the casts of its block (empty until the first one
+# needs it), or None outside one.
+_KEPT_WORKERS: contextvars.ContextVar[list[concurrent.futures.ThreadPoolExecutor] | None] = contextvars.ContextVar(
+    "ckptconv_kept_workers", default=None
+)
+#: Threads that cast pieces: one per core of the 2-core VM (1 and 3 were slower there).
+CAST_WORKERS = 2
+#: Pieces read and cast ahead of the one the caller writes: one more than there are workers,
+#: so that each has work while the caller writes (5 and 8 were no faster on the 2-core VM).
+CAST_PIECES_IN_FLIGHT = CAST_WORKERS + 1
+
+
+@contextlib.contextmanager
+def keeping_workers() -> Iterator[None]:
+    """Inside this block, the casts of every tensor share one pool of worker threads.
+
+    Two threads started for each tensor, and stopped at its end, cost about 0.5 ms of wall
+    time a tensor on the 2-core VM: 64 tensors of 4 MiB cast to float16 in 0.13 s with a pool
+    per tensor, 0.09 s with one pool (``bench/bench_cast_workers.py``). The pool ends with the
+    block, so that no thread outlives a conversion, and each conversion (several run at once
+    under ``batch``) has its own. Nested blocks share the outer one's pool; threads other than
+    the caller's start their own per tensor (a context variable does not follow them).
+    """
+    if _KEPT_WORKERS.get() is not None:
+        yield
+        return
+    pools: list[concurrent.futures.ThreadPoolExecutor] = []
+    token = _KEPT_WORKERS.set(pools)
+    try:
+        yield
+    finally:
+        _KEPT_WORKERS.reset(token)
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _cast_pool() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    """The pool :func:`keeping_workers` keeps, or one of this tensor's own."""
+    kept = _KEPT_WORKERS.get()
+    if kept is None:
+        with concurrent.futures.ThreadPoolExecutor(CAST_WORKERS, thread_name_prefix="ckptconv-cast") as pool:
+            yield pool
+        return
+    if not kept:
+        kept.append(concurrent.futures.ThreadPoolExecutor(CAST_WORKERS, thread_name_prefix="ckptconv-cast"))
+    yield kept[0]
+
+
 @contextlib.contextmanager
 def _piece_reader(ref: TensorRef) -> Iterator[Callable[[int, int], tuple[memoryview, Array]]]:
     """``read(position, length)`` giving a piece of the storage's bytes and the pooled buffer
@@ -379,13 +436,11 @@ def _iter_cast_pieces(
             if record_crcs is not None and piece_crc is not None:
                 record_crcs[ref.storage] = piece_crc
             return
-        # Two threads (one per core of the 2-core VM; 1 and 3 were slower there) and a
-        # third piece queued, so that both have work while the caller writes.
-        workers, in_flight = 2, 3
+        in_flight = CAST_PIECES_IN_FLIGHT
         pending: collections.deque[concurrent.futures.Future[tuple[memoryview, Array, int | None, int | None]]]
         pending = collections.deque()
         upcoming = iter(positions)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        with _cast_pool() as pool:
             try:
                 for position in itertools.islice(upcoming, in_flight):
                     pending.append(pool.submit(work, position))
@@ -401,5 +456,8 @@ def _iter_cast_pieces(
             finally:
                 for future in pending:
                     future.cancel()
+                # A kept pool outlives this tensor: its pieces still running read through this
+                # tensor's reader into its buffers, so they end here, as in a pool of its own.
+                concurrent.futures.wait(pending)
     if record_crcs is not None:
         record_crcs[ref.storage] = crc

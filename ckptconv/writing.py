@@ -37,7 +37,7 @@ from .formats.torch_zip import PlannedStorage
 from .integrity import crc32, crc32_combine
 from .options import TIED
 from .read_policy import descriptor, keeping_open
-from .streaming import iter_bytes_with_crcs, reads_whole_record
+from .streaming import iter_bytes_with_crcs, keeping_workers, reads_whole_record
 from .suffixes import SAFETENSORS_SUFFIX, TAR_SUFFIX, TORCH_SUFFIXES
 from .tensor import FileRegion, Storage, TensorRef, read_exactly_into
 
@@ -799,6 +799,7 @@ def save(
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(close)
         cleanup.enter_context(keeping_open())  # each source file opened once for all its tensors
+        cleanup.enter_context(keeping_workers())  # one pool of cast threads for all the tensors
         if folder_output:
             return _save_folder(
                 entries,

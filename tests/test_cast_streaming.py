@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import io
 import struct
+import threading
 import zipfile
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -217,3 +219,80 @@ def test_a_spare_buffer_too_small_stays_for_a_smaller_request() -> None:
         assert spare == []
     finally:
         spare[:] = saved
+
+
+def _cast_threads() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if thread.name.startswith("ckptconv-cast")}
+
+
+def _casting_threads(monkeypatch: pytest.MonkeyPatch) -> set[threading.Thread]:
+    """The threads that cast pieces from now on (thread objects, which are never reused)."""
+    seen: set[threading.Thread] = set()
+    cast = ckptconv.streaming._cast
+
+    def spying(ref: Any, values: Any, out: Any = None) -> Any:
+        seen.add(threading.current_thread())
+        return cast(ref, values, out)
+
+    monkeypatch.setattr(ckptconv.streaming, "_cast", spying)
+    return seen
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_one_pool_of_cast_threads_serves_a_whole_write_and_ends_with_it(
+    suffix: str, piece_style: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = {f"w{i}": torch.randn(5000) * 0.02 for i in range(4)}  # five pieces each
+    source = tmp_path / "in.pt"
+    torch.save(state, source)
+    before = _cast_threads()
+    seen = _casting_threads(monkeypatch)
+    ckptconv.convert(source, tmp_path / f"out{suffix}", transforms=[ckptconv.Cast("fp16")], source_hash=False)
+    assert len(seen) == ckptconv.streaming.CAST_WORKERS
+    assert _cast_threads() == before
+    got = ckptconv.open(tmp_path / f"out{suffix}").select().weights
+    for key, value in state.items():
+        assert got[key].tobytes() == value.half().view(torch.uint8).numpy().tobytes(), key
+
+
+def test_a_stream_outside_a_write_has_threads_of_its_own_that_end_with_it(
+    piece_style: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "in.pt"
+    torch.save({"a": torch.randn(5000), "b": torch.randn(5000)}, source)
+    refs = [ref.cast(ckptconv.Cast("fp16").target) for ref in ckptconv.open(source).select().weights.values()]
+    before = _cast_threads()
+    seen = _casting_threads(monkeypatch)
+    for ref in refs:
+        assert sum(len(chunk) for chunk in ref.iter_bytes()) == 10_000
+        assert _cast_threads() == before
+    assert len(seen) == 2 * ckptconv.streaming.CAST_WORKERS
+
+
+def test_a_stream_left_early_in_a_kept_pool_lets_the_next_tensor_cast_exactly(piece_style: str, tmp_path: Path) -> None:
+    state = {"a": torch.randn(50_000), "b": torch.randn(50_000)}
+    source = tmp_path / "in.pt"
+    torch.save(state, source)
+    fp16 = ckptconv.Cast("fp16").target
+    a, b = (ref.cast(fp16) for ref in ckptconv.open(source).select().weights.values())
+    before = _cast_threads()
+    with ckptconv.streaming.keeping_workers():
+        chunks = a.iter_bytes()
+        next(chunks)
+        chunks.close()  # its pieces in flight end here, before the next tensor's start
+        streamed = b"".join(bytes(chunk) for chunk in b.iter_bytes())
+        assert len(_cast_threads() - before) == ckptconv.streaming.CAST_WORKERS
+    assert streamed == state["b"].half().view(torch.uint8).numpy().tobytes()
+    assert _cast_threads() == before
+
+
+def test_a_refused_cast_leaves_no_cast_thread_behind(piece_style: str, tmp_path: Path) -> None:
+    source = tmp_path / "in.pt"
+    values = torch.randn(50_000)
+    values[40_000] = 1e6  # overflows float16, in a late piece
+    torch.save({"a": torch.randn(50_000), "b": values}, source)
+    before = _cast_threads()
+    with pytest.raises(ckptconv.errors.CastOverflowError):
+        ckptconv.convert(source, tmp_path / "out.safetensors", transforms=[ckptconv.Cast("fp16")], source_hash=False)
+    assert _cast_threads() == before
+    assert not (tmp_path / "out.safetensors").exists()
