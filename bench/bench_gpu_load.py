@@ -396,6 +396,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--no-cold", action="store_true")
+    parser.add_argument(
+        "--cold-runs",
+        type=int,
+        default=1,
+        help="cold rounds, each with its own dd run, the loaders' order reversed every other round (medians)",
+    )
     parser.add_argument("--only", nargs="*", help="substrings of the approaches to run")
     args = parser.parse_args()
     stem = str(args.dir / f"gpu_bench_{args.gib:g}gib")
@@ -421,7 +427,8 @@ def main() -> None:
     print(f"  pinned host-to-device copy: {pinned:.1f} GB/s", file=sys.stderr, flush=True)
 
     warm_walls: dict[str, list[float]] = {name: [] for name in loaders}
-    cold_walls: dict[str, float] = {}
+    cold_walls: dict[str, list[float]] = {name: [] for name in loaders}
+    disks = [disk]
     rss: dict[str, int] = {}
     notes: dict[str, str] = {}
     nbytes = 0
@@ -443,28 +450,36 @@ def main() -> None:
             if result["checked"]:
                 print(f"  {name}: {result['checked']} tensors bit-exact", file=sys.stderr, flush=True)
         print(f"warm round {round_number + 1}/{args.runs} done", file=sys.stderr, flush=True)
-    if not args.no_cold:
-        for name, (code, suffix, _) in loaders.items():
+    cold_runs = 0 if args.no_cold else args.cold_runs
+    for round_number in range(cold_runs):
+        if round_number:  # the disk's speed in each later round too, as it drifts on cloud disks
+            drop([stem + ".safetensors"])
+            disks.append(disk_speed(stem + ".safetensors"))
+            print(f"  disk, dd iflag=direct: {disks[-1]:.2f} GB/s", file=sys.stderr, flush=True)
+        names = list(loaders) if round_number % 2 == 0 else list(reversed(loaders))
+        for name in names:
+            code, suffix, _ = loaders[name]
             if name in notes:
                 continue
             drop(files_of(stem, suffix))
             result = run_child(code, stem, check=False, env=env)
             if not isinstance(result, str):
-                cold_walls[name] = result["wall"]
+                cold_walls[name].append(result["wall"])
                 speed = result["bytes"] / result["wall"] / 1e9
                 print(f"  cold {name}: {speed:.2f} GB/s", file=sys.stderr, flush=True)
-        print("cold runs done", file=sys.stderr, flush=True)
-    print(f"\n{nbytes / 2**30:.2f} GiB of fp32 tensors; warm: median of {args.runs}; cold: one run each\n")
+        print(f"cold round {round_number + 1}/{cold_runs} done", file=sys.stderr, flush=True)
+    cold_text = "one run each" if cold_runs == 1 else f"median of {cold_runs}"
+    print(f"\n{nbytes / 2**30:.2f} GiB of fp32 tensors; warm: median of {args.runs}; cold: {cold_text}\n")
     print("| loader | warm GB/s | cold GB/s | peak host RSS (MiB) |")
     print("|---|---:|---:|---:|")
     print(f"| pinned host-to-device copy (limit) | {pinned:.1f} | | |")
-    print(f"| disk, `dd bs=64M iflag=direct` (limit) | | {disk:.2f} | |")
+    print(f"| disk, `dd bs=64M iflag=direct` (limit) | | {statistics.median(disks):.2f} | |")
     for name in loaders:
         if name in notes:
             print(f"| {name} | failed: {notes[name]} | | |")
             continue
         w = nbytes / statistics.median(warm_walls[name]) / 1e9
-        cold = f"{nbytes / cold_walls[name] / 1e9:.2f}" if name in cold_walls else ""
+        cold = f"{nbytes / statistics.median(cold_walls[name]) / 1e9:.2f}" if cold_walls[name] else ""
         print(f"| {name} | {w:.2f} | {cold} | {rss[name] / 2**20:.0f} |")
     print(f"\ntotal {time.perf_counter() - started:.0f} s", file=sys.stderr)
 

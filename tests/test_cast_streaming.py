@@ -248,7 +248,9 @@ def test_one_pool_of_cast_threads_serves_a_whole_write_and_ends_with_it(
     before = _cast_threads()
     seen = _casting_threads(monkeypatch)
     ckptconv.convert(source, tmp_path / f"out{suffix}", transforms=[ckptconv.Cast("fp16")], source_hash=False)
-    assert len(seen) == ckptconv.streaming.CAST_WORKERS
+    # At most two threads for the four tensors (a pool per tensor starts at least one for each;
+    # a fast machine may finish every piece on one).
+    assert 1 <= len(seen) <= ckptconv.streaming.CAST_WORKERS
     assert _cast_threads() == before
     got = ckptconv.open(tmp_path / f"out{suffix}").select().weights
     for key, value in state.items():
@@ -266,7 +268,7 @@ def test_a_stream_outside_a_write_has_threads_of_its_own_that_end_with_it(
     for ref in refs:
         assert sum(len(chunk) for chunk in ref.iter_bytes()) == 10_000
         assert _cast_threads() == before
-    assert len(seen) == 2 * ckptconv.streaming.CAST_WORKERS
+    assert len(refs) <= len(seen) <= len(refs) * ckptconv.streaming.CAST_WORKERS  # new threads for each tensor
 
 
 def test_a_stream_left_early_in_a_kept_pool_lets_the_next_tensor_cast_exactly(piece_style: str, tmp_path: Path) -> None:
