@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import TYPE_CHECKING
 
+from . import _cores
 from .errors import CastOverflowError
 from .tensor import FileRegion, Storage, ZipMember
 
@@ -323,20 +324,25 @@ def _give_back(buffer: Array) -> None:
 _KEPT_WORKERS: contextvars.ContextVar[list[concurrent.futures.ThreadPoolExecutor] | None] = contextvars.ContextVar(
     "ckptconv_kept_workers", default=None
 )
-#: Threads that cast pieces: one per core of the 2-core VM (1 and 3 were slower there).
-CAST_WORKERS = 2
-#: Pieces read and cast ahead of the one the caller writes: one more than there are workers,
-#: so that each has work while the caller writes (5 and 8 were no faster on the 2-core VM).
-CAST_PIECES_IN_FLIGHT = CAST_WORKERS + 1
+#: The most threads that cast pieces. A 4 GiB float16 cast on a 16-core host took 2.53 s with
+#: 2 threads, 1.91 s with 3 or 4 and 1.68 s with 6 (bfloat16: 1.74, 1.47, 1.51 and 1.57 s);
+#: past that the one thread that writes sets the pace.
+MAX_CAST_WORKERS = 6
+
+
+def cast_workers() -> int:
+    """Threads that cast pieces: a core each, one left for the thread that writes, and at least
+    two (one per core of the 2-core VM, where one and three were slower)."""
+    return min(max(_cores.usable() - 1, 2), MAX_CAST_WORKERS)
 
 
 @contextlib.contextmanager
 def keeping_workers() -> Iterator[None]:
     """Inside this block, the casts of every tensor share one pool of worker threads.
 
-    Two threads started for each tensor, and stopped at its end, cost about 0.5 ms of wall
-    time a tensor on the 2-core VM: 64 tensors of 4 MiB cast to float16 in 0.13 s with a pool
-    per tensor, 0.09 s with one pool (``bench/bench_cast_workers.py``). The pool ends with the
+    Threads started for each tensor, and stopped at its end, cost about 0.5 ms of wall time a
+    tensor on the 2-core VM: 64 tensors of 4 MiB cast to float16 in 0.13 s with a pool per
+    tensor, 0.09 s with one pool (``bench/bench_cast_workers.py``). The pool ends with the
     block, so that no thread outlives a conversion, and each conversion (several run at once
     under ``batch``) has its own. Nested blocks share the outer one's pool; threads other than
     the caller's start their own per tensor (a context variable does not follow them).
@@ -359,11 +365,11 @@ def _cast_pool() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
     """The pool :func:`keeping_workers` keeps, or one of this tensor's own."""
     kept = _KEPT_WORKERS.get()
     if kept is None:
-        with concurrent.futures.ThreadPoolExecutor(CAST_WORKERS, thread_name_prefix="ckptconv-cast") as pool:
+        with concurrent.futures.ThreadPoolExecutor(cast_workers(), thread_name_prefix="ckptconv-cast") as pool:
             yield pool
         return
     if not kept:
-        kept.append(concurrent.futures.ThreadPoolExecutor(CAST_WORKERS, thread_name_prefix="ckptconv-cast"))
+        kept.append(concurrent.futures.ThreadPoolExecutor(cast_workers(), thread_name_prefix="ckptconv-cast"))
     yield kept[0]
 
 
@@ -436,7 +442,9 @@ def _iter_cast_pieces(
             if record_crcs is not None and piece_crc is not None:
                 record_crcs[ref.storage] = piece_crc
             return
-        in_flight = CAST_PIECES_IN_FLIGHT
+        # One piece more than there are workers, so that each has work while the caller writes
+        # (5 and 8 in flight were no faster on the 2-core VM).
+        in_flight = cast_workers() + 1
         pending: collections.deque[concurrent.futures.Future[tuple[memoryview, Array, int | None, int | None]]]
         pending = collections.deque()
         upcoming = iter(positions)

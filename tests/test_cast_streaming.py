@@ -250,7 +250,7 @@ def test_one_pool_of_cast_threads_serves_a_whole_write_and_ends_with_it(
     ckptconv.convert(source, tmp_path / f"out{suffix}", transforms=[ckptconv.Cast("fp16")], source_hash=False)
     # At most two threads for the four tensors (a pool per tensor starts at least one for each;
     # a fast machine may finish every piece on one).
-    assert 1 <= len(seen) <= ckptconv.streaming.CAST_WORKERS
+    assert 1 <= len(seen) <= ckptconv.streaming.cast_workers()
     assert _cast_threads() == before
     got = ckptconv.open(tmp_path / f"out{suffix}").select().weights
     for key, value in state.items():
@@ -268,7 +268,7 @@ def test_a_stream_outside_a_write_has_threads_of_its_own_that_end_with_it(
     for ref in refs:
         assert sum(len(chunk) for chunk in ref.iter_bytes()) == 10_000
         assert _cast_threads() == before
-    assert len(refs) <= len(seen) <= len(refs) * ckptconv.streaming.CAST_WORKERS  # new threads for each tensor
+    assert len(refs) <= len(seen) <= len(refs) * ckptconv.streaming.cast_workers()  # new threads for each tensor
 
 
 def test_a_stream_left_early_in_a_kept_pool_lets_the_next_tensor_cast_exactly(piece_style: str, tmp_path: Path) -> None:
@@ -283,7 +283,7 @@ def test_a_stream_left_early_in_a_kept_pool_lets_the_next_tensor_cast_exactly(pi
         next(chunks)
         chunks.close()  # its pieces in flight end here, before the next tensor's start
         streamed = b"".join(bytes(chunk) for chunk in b.iter_bytes())
-        assert len(_cast_threads() - before) == ckptconv.streaming.CAST_WORKERS
+        assert len(_cast_threads() - before) == ckptconv.streaming.cast_workers()
     assert streamed == state["b"].half().view(torch.uint8).numpy().tobytes()
     assert _cast_threads() == before
 
@@ -298,3 +298,11 @@ def test_a_refused_cast_leaves_no_cast_thread_behind(piece_style: str, tmp_path:
         ckptconv.convert(source, tmp_path / "out.safetensors", transforms=[ckptconv.Cast("fp16")], source_hash=False)
     assert _cast_threads() == before
     assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize(("cores", "workers"), [(1, 2), (2, 2), (3, 2), (4, 3), (7, 6), (64, 6)])
+def test_casts_take_a_thread_per_core_but_the_writers_between_two_and_six(
+    cores: int, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ckptconv._cores, "usable", lambda: cores)
+    assert ckptconv.streaming.cast_workers() == workers
