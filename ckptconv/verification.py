@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ._paths import PathLike
 from .integrity import check_record_crcs
+from .streaming import keeping_workers
 from .tensor import TensorRef
 from .transforms import Pipeline, Transform
 
@@ -75,17 +76,18 @@ def compare(expected: Mapping[str, TensorRef], actual: Mapping[str, TensorRef]) 
     unexpected = tuple(key for key in actual if key not in expected)
     mismatched: list[tuple[str, str]] = []
     checked = 0
-    for key, want in expected.items():
-        got = actual.get(key)
-        if got is None:
-            continue
-        checked += 1
-        if want.out_dtype != got.out_dtype:
-            mismatched.append((key, f"dtype {got.out_dtype.name}, expected {want.out_dtype.name}"))
-        elif want.shape != got.shape:
-            mismatched.append((key, f"shape {list(got.shape)}, expected {list(want.shape)}"))
-        elif _digest(want) != _digest(got):
-            mismatched.append((key, "values differ"))
+    with keeping_workers():  # the expected side casts, if the conversion did
+        for key, want in expected.items():
+            got = actual.get(key)
+            if got is None:
+                continue
+            checked += 1
+            if want.out_dtype != got.out_dtype:
+                mismatched.append((key, f"dtype {got.out_dtype.name}, expected {want.out_dtype.name}"))
+            elif want.shape != got.shape:
+                mismatched.append((key, f"shape {list(got.shape)}, expected {list(want.shape)}"))
+            elif _digest(want) != _digest(got):
+                mismatched.append((key, "values differ"))
     ok = not (missing or unexpected or mismatched)
     return VerifyReport(ok, checked, missing, unexpected, tuple(mismatched))
 

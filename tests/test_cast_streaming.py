@@ -306,3 +306,14 @@ def test_casts_take_a_thread_per_core_but_the_writers_between_two_and_six(
 ) -> None:
     monkeypatch.setattr(ckptconv._cores, "usable", lambda: cores)
     assert ckptconv.streaming.cast_workers() == workers
+
+
+def test_verifying_a_cast_conversion_casts_on_one_pool_of_threads(
+    piece_style: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source, output = tmp_path / "in.pt", tmp_path / "out.safetensors"
+    torch.save({f"w{i}": torch.randn(5000) for i in range(4)}, source)
+    ckptconv.convert(source, output, transforms=[ckptconv.Cast("fp16")], source_hash=False)
+    seen = _casting_threads(monkeypatch)
+    assert ckptconv.verify(source, output, transforms=[ckptconv.Cast("fp16")]).ok
+    assert 1 <= len(seen) <= ckptconv.streaming.cast_workers()
