@@ -2,8 +2,9 @@
 
 Times what ``--dtype`` costs per piece, in one process, approaches alternating
 within each round: ckptconv's kernel with its overflow count, as the streaming
-writer runs it (ml_dtypes' bfloat16 and complex32 casts where they import, else
-the numpy passes), and torch's CPU kernel for reference. Every result is first compared bit for
+writer runs it (ml_dtypes' bfloat16 and complex32 casts or the numpy passes, whichever
+``_cast._ml_faster`` measures to be the faster here), each of the two forced, and torch's CPU
+kernel for reference. Every result is first compared bit for
 bit with ``Tensor.to``.
 
     python bench/bench_cast.py                 # 256 MiB of float32 weights, 9 rounds
@@ -13,10 +14,12 @@ bit with ``Tensor.to``.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -39,6 +42,7 @@ def main() -> None:
     out = np.empty(n, np.uint16)
     targets = {"bfloat16": torch.bfloat16, "float16": torch.float16}
     ml_bfloat16, ml_complex32, output_checked = _cast._ml_bfloat16, _cast._ml_complex32, _cast._output_checked
+    print(f"ml_dtypes {ml_dtypes.__version__}, numpy {np.__version__}")
 
     def chunked(target: str) -> Callable[[], None]:
         def run() -> None:
@@ -49,18 +53,18 @@ def main() -> None:
 
         return run
 
-    def numpy_fallback(target: str) -> Callable[[], None]:
+    def forced(target: str, ml: bool) -> Callable[[], None]:
+        """The chunked cast with ml_dtypes' kernel or the numpy passes, whichever _ml_faster would pick."""
         inner = chunked(target)
 
         def run() -> None:
-            _cast._ml_bfloat16 = lambda: None  # type: ignore[assignment]
-            _cast._ml_complex32 = lambda: None  # type: ignore[assignment]
-            _cast._output_checked = lambda source, target: None  # type: ignore[assignment]
+            saved = _cast._ml_faster, _cast._output_checked
+            _cast._ml_faster = lambda target: ml  # type: ignore[assignment]
+            _cast._output_checked = functools.cache(output_checked.__wrapped__)
             try:
                 inner()
             finally:
-                _cast._ml_bfloat16, _cast._ml_complex32 = ml_bfloat16, ml_complex32  # type: ignore[assignment]
-                _cast._output_checked = output_checked  # type: ignore[assignment]
+                _cast._ml_faster, _cast._output_checked = saved  # type: ignore[assignment]
 
         return run
 
@@ -75,9 +79,11 @@ def main() -> None:
 
     approaches: dict[str, Callable[[], None]] = {}
     for target in targets:
-        approaches[f"ckptconv {target} (kernel + overflow count)"] = chunked(target)
+        choice = "ml_dtypes" if _cast._ml_faster(target) else "numpy passes"
+        approaches[f"ckptconv {target} (kernel + overflow count; its choice here: {choice})"] = chunked(target)
         if (ml_bfloat16 if target == "bfloat16" else ml_complex32)() is not None:
-            approaches[f"ckptconv {target}, numpy passes only"] = numpy_fallback(target)
+            approaches[f"ckptconv {target}, ml_dtypes' cast"] = forced(target, ml=True)
+            approaches[f"ckptconv {target}, numpy passes"] = forced(target, ml=False)
         approaches[f"torch Tensor.to({target}), 1 thread"] = torch_to(target)
     approaches["memcpy of the float32 input (np.copyto)"] = lambda: np.copyto(np.empty_like(values), values)
 

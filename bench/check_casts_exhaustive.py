@@ -78,6 +78,8 @@ def main() -> None:
         _cast._ml_bfloat16 = lambda: None  # type: ignore[assignment]
         _cast._ml_complex32 = lambda: None  # type: ignore[assignment]
         _cast._output_checked = lambda source, target: None  # type: ignore[assignment]
+    else:  # ml_dtypes' casts, even where the numpy passes are the faster here
+        _cast._ml_faster = lambda target: True  # type: ignore[assignment]
     failures = 0
     for target in ("float16", "bfloat16"):
         start = time.perf_counter()

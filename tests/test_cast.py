@@ -17,6 +17,7 @@ comparisons then require only that NaNs stay NaNs.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 
@@ -41,6 +42,7 @@ torch = pytest.importorskip("torch")
 ML_BFLOAT16 = _cast._ml_bfloat16
 ML_COMPLEX32 = _cast._ml_complex32
 OUTPUT_CHECKED = _cast._output_checked
+ML_FASTER = _cast._ml_faster
 
 TORCH_DTYPES = {
     "float64": torch.float64,
@@ -81,16 +83,21 @@ def _one_torch_thread() -> Iterator[None]:
 def kernel_backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """Every test runs on both kernels of float32 -> bfloat16 and (tame blocks) float32 -> float16:
     ml_dtypes' casts (bfloat16, complex32) and the numpy passes."""
-    originals = _cast._ml_bfloat16, _cast._ml_complex32, _cast._output_checked
+    originals = _cast._ml_bfloat16, _cast._ml_complex32, _cast._output_checked, _cast._ml_faster
     if request.param == "ml_dtypes":
         if originals[0]() is None:  # complex32 may be missing (ml_dtypes < 0.6): float16 then takes the numpy passes
             pytest.skip("ml_dtypes is not installed")
+        # ml_dtypes' casts even where the numpy passes are the faster here (the choice is tested on its own),
+        # with a cache of their own (the module's may hold a choice made before).
+        _cast._ml_faster = lambda target: True  # type: ignore[assignment]
+        _cast._output_checked = functools.cache(OUTPUT_CHECKED.__wrapped__)
     else:
         _cast._ml_bfloat16 = lambda: None  # type: ignore[assignment]
         _cast._ml_complex32 = lambda: None  # type: ignore[assignment]
         _cast._output_checked = lambda source, target: None  # type: ignore[assignment]
+        _cast._ml_faster = lambda target: False  # type: ignore[assignment]
     yield request.param
-    _cast._ml_bfloat16, _cast._ml_complex32, _cast._output_checked = originals  # type: ignore[assignment]
+    _cast._ml_bfloat16, _cast._ml_complex32, _cast._output_checked, _cast._ml_faster = originals  # type: ignore[assignment]
 
 
 def test_kernel_backend_is_in_use(kernel_backend: str) -> None:
@@ -112,6 +119,7 @@ def test_an_ml_cast_that_hides_nans_is_not_trusted_with_tameness(monkeypatch: py
     thresholds = {target: _cast._overflow_threshold("float32", target) for target in ("bfloat16", "float16")}
     monkeypatch.setattr(_cast, "_ml_bfloat16", ML_BFLOAT16)
     monkeypatch.setattr(_cast, "_ml_complex32", ML_COMPLEX32)
+    monkeypatch.setattr(_cast, "_ml_faster", lambda target: True)
     if ML_COMPLEX32() is not None:
         assert check("float32", "float16") is not None and check("float32", "bfloat16") is not None
     assert check("float64", "float16") is None and check("float32", "float64") is None
@@ -670,3 +678,32 @@ def test_widen_then_narrow_round_trips() -> None:
         for wide in ("float32", "float64"):
             back = cast_array(cast_array(values, source, wide), wide, source)
             assert np.array_equal(bits(back)[keep], bits(values)[keep])
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_ml_dtypes_casts_only_where_they_are_the_faster(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which of ml_dtypes' cast and the numpy passes is faster depends on the ml_dtypes release
+    (0.7.0's are slower than 0.6.0's); each process measures it once. Both are exact."""
+    choose = ML_FASTER.__wrapped__  # the measurement itself, not its cached answer
+    monkeypatch.setattr(_cast, "_ml_bfloat16", ML_BFLOAT16)
+    monkeypatch.setattr(_cast, "_ml_complex32", ML_COMPLEX32)
+    if (ML_BFLOAT16 if target == "bfloat16" else ML_COMPLEX32)() is None:
+        pytest.skip("no ml_dtypes cast to choose")
+    for ml_seconds, numpy_seconds, expected in ((1.0, 2.0, True), (2.0, 1.0, False)):
+        # The ways are timed in turn, ml_dtypes' first: three of each.
+        times = iter([ml_seconds, numpy_seconds] * 3)
+        monkeypatch.setattr(_cast, "_seconds", lambda run, times=times: (run(), next(times))[1])
+        assert choose(target) is expected
+        assert next(times, None) is None
+    monkeypatch.setattr(_cast, "_seconds", lambda run: 0.0)
+    monkeypatch.setattr(_cast, "_ml_bfloat16", lambda: None)
+    monkeypatch.setattr(_cast, "_ml_complex32", lambda: None)
+    assert choose(target) is False  # nothing to choose
+
+
+def test_sample_weights_look_like_weights() -> None:
+    values = _cast._sample_weights(1 << 17)
+    assert values.dtype == np.float32 and values.size == 1 << 17
+    assert -0.08 <= values.min() < -0.079 and 0.079 < values.max() <= 0.08
+    assert np.unique(values).size > 0.99 * values.size
+    assert 0 < np.count_nonzero(np.abs(values) < 2.0**-14) < values.size // 100  # a few below float16's normals
