@@ -381,15 +381,15 @@ def _f32_to_f16_tame(src: Array, out: Array, scratch: _Scratch, complex32: Any =
     bits = src.view(np.uint32)
     value = scratch.u32(n)
     bias = scratch.f32(n).view(np.uint32)
-    np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=value)
-    np.add(value, np.uint32(0x01000000), out=value)  # 4|x|
-    # 2**(e + 15) for the value's exponent e, at least 2**1 (float16 subnormals).
-    np.bitwise_and(value, np.uint32(0x7F800000), out=bias)
-    np.maximum(bias, _filled(0x39800000, max(n, BLOCK_ELEMENTS))[:n], out=bias)
-    np.add(bias, np.uint32(0x06800000), out=bias)
+    np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=value)  # |x|
+    # 2**(e + 13) for the value's exponent e, at least 2**-1 (float16 subnormals), with 0x800 in its
+    # mantissa: 2 in the exponent that the float16 one comes out 2 below (it is 4|x|'s in the full kernel).
+    np.maximum(value, _filled(0x38800000, max(n, BLOCK_ELEMENTS))[:n], out=bias)
+    np.bitwise_and(bias, np.uint32(0x7F800000), out=bias)
+    np.add(bias, np.uint32(0x06800800), out=bias)
     np.add(value.view(np.float32), bias.view(np.float32), out=value.view(np.float32))
     np.right_shift(value, 13, out=bias)
-    np.bitwise_and(value, np.uint32(0x0FFF), out=value)  # mantissa, with any carry
+    np.bitwise_and(value, np.uint32(0x1FFF), out=value)  # 0x800 + the mantissa, with any carry
     np.add(bias, value, out=bias)
     half = out.view(np.uint16)
     np.copyto(half, bias, casting="unsafe")
