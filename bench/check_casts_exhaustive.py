@@ -4,7 +4,7 @@ Too slow for the test suite (about a minute on one core), run by hand when ml_dt
 kernels change. It checks what ``ckptconv._cast`` relies on:
 
 * every tame float32 (finite, not rounding to inf) casts exactly as ``Tensor.to`` does, through
-  ``cast_counting_overflows`` (ml_dtypes' casts where they import, the numpy passes otherwise),
+  ``cast_counting_overflows`` (ml_dtypes' casts, or with ``--numpy`` the numpy passes),
   with no overflow counted;
 * ml_dtypes' bfloat16 and complex32 casts turn every other float32 (NaN, inf, overflow) into a 16-bit
   pattern of magnitude at least inf's, which is how a block is found untame from its output.
@@ -78,7 +78,9 @@ def main() -> None:
         _cast._ml_bfloat16 = lambda: None  # type: ignore[assignment]
         _cast._ml_complex32 = lambda: None  # type: ignore[assignment]
         _cast._output_checked = lambda source, target: None  # type: ignore[assignment]
-    else:  # ml_dtypes' casts, even where the numpy passes are the faster here
+    else:  # ml_dtypes' casts (ckptconv uses them where a program has loaded ml_dtypes), even where slower
+        import ml_dtypes  # noqa: F401
+
         _cast._ml_faster = lambda target: True  # type: ignore[assignment]
     failures = 0
     for target in ("float16", "bfloat16"):

@@ -5,8 +5,9 @@ from disk, and importing torch costs more than a second, so the casts are done
 in numpy on the *storage representation* of each dtype (``float32`` as
 ``np.float32``, ``bfloat16`` as ``np.uint16``, float8 as ``np.uint8``; see
 :func:`storage_dtype`); float32 -> bfloat16 and (finite blocks) float16 round
-through ml_dtypes' casts where they are the faster on this machine
-(:func:`_ml_faster`; it depends on the ml_dtypes release). The output must be the bytes torch itself would write,
+through ml_dtypes' casts instead where a program has loaded ml_dtypes and they
+are the faster on this machine (:func:`_imported_ml_dtypes`, :func:`_ml_faster`).
+The output must be the bytes torch itself would write,
 so every rule below was measured against torch 2.13 (x86-64, AVX2 kernels;
 torch 2.11's AVX512 kernels behave the same), exhaustively where the input
 space allows it (all 2**32 float32 patterns to float16 and bfloat16, all
@@ -198,19 +199,30 @@ def _nan_positions(values: Array, scratch: _Scratch) -> Array | None:
 # -- to bfloat16 ------------------------------------------------------------------
 
 
+def _imported_ml_dtypes() -> Any:
+    """The ml_dtypes module where something in this process has imported it already, else None.
+
+    ckptconv never imports it itself: with numpy before 2.5 (all that Python 3.11 and older get),
+    importing ml_dtypes 0.7.0 takes 0.55 s (its ufunc loops registered one by one, each a linear
+    search), and its casts are slower than the numpy passes anyway (:func:`_ml_faster`). Where a
+    program has it loaded (JAX does), its casts cost nothing more to reach.
+    """
+    return sys.modules.get("ml_dtypes")
+
+
 @cache
 def _ml_bfloat16() -> np.dtype[Any] | None:
-    """ml_dtypes' bfloat16, or None where that package does not import.
+    """ml_dtypes' bfloat16, where ml_dtypes is loaded (:func:`_imported_ml_dtypes`); else None.
 
-    Its float32 -> bfloat16 cast is one vectorised pass, 2-3x faster than the
-    five numpy passes of :func:`_f32_to_bf16`'s fallback, and rounds every
+    Its float32 -> bfloat16 cast is one vectorised pass, with ml_dtypes 0.6.0
+    1.3-1.7x faster than the five numpy passes of :func:`_f32_to_bf16`'s other
+    path, and rounds every
     non-NaN float32 exactly as torch does (checked against torch for all
-    2**32 patterns with ml_dtypes 0.5.4 and 0.6.0). It encodes NaNs its own way
-    (``0x7FC0`` with the sign), which is overwritten like the fallback's.
+    2**32 patterns with ml_dtypes 0.5.4, 0.6.0 and 0.7.0). It encodes NaNs its own way
+    (``0x7FC0`` with the sign), which is overwritten like the numpy path's.
     """
-    try:
-        import ml_dtypes
-    except ImportError:  # pragma: no cover - ml_dtypes is a dependency; the fallback is tested directly
+    ml_dtypes = _imported_ml_dtypes()
+    if ml_dtypes is None:
         return None
     dtype: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
     return dtype
@@ -317,7 +329,8 @@ def _f32_to_f16(src: Array, out: Array, scratch: _Scratch) -> None:
 
 @cache
 def _ml_complex32() -> np.dtype[Any] | None:
-    """ml_dtypes' complex32 (two float16s), where it exists and rounds as torch does; else None.
+    """ml_dtypes' complex32 (two float16s), where ml_dtypes is loaded (:func:`_imported_ml_dtypes`),
+    has it, and it rounds as torch does; else None.
 
     Cast from complex64, it rounds a pair of float32s to a pair of float16s,
     so a float32 block viewed as complex64 comes out as its float16 block, in
@@ -330,9 +343,8 @@ def _ml_complex32() -> np.dtype[Any] | None:
     version that rounded differently is caught here, once, by comparing it
     with :func:`_f32_to_f16_tame` on every float16 rounding boundary.
     """
-    try:
-        import ml_dtypes
-    except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    ml_dtypes = _imported_ml_dtypes()
+    if ml_dtypes is None:
         return None
     complex32 = getattr(ml_dtypes, "complex32", None)
     if complex32 is None:  # pragma: no cover - older ml_dtypes have none
@@ -426,10 +438,11 @@ def _ml_faster(target: str) -> bool:
     the numpy passes on this machine, as the tame path runs each; measured once per process.
 
     Both are exact, so the choice moves only the speed, and which is faster depends on the
-    ml_dtypes release: on the 2-core VM a 4 MiB piece cast to float16 at 2.98 GB/s through
-    ml_dtypes 0.6.0 and at 2.13 through 0.7.0, against 2.57-2.88 through the numpy passes; to
-    bfloat16 at 6.93 and 3.89 against 5.60-5.95. Each way is timed on one block of weight-like
-    values (:func:`_sample_weights`), best of three runs taken in turn (about 2 ms in all).
+    ml_dtypes release: on the 2-core VM a 4 MiB piece cast to float16 at 3.0 GB/s through
+    ml_dtypes 0.6.0 and at 2.0-2.1 through 0.7.0, against 2.6-2.9 through the numpy passes; to
+    bfloat16 at 6.9-7.4 and 3.9-4.1 against 4.4-6.6. False where ml_dtypes is not loaded. Each
+    way is timed on one block of weight-like values (:func:`_sample_weights`), best of three runs
+    taken in turn (about 2 ms in all).
     """
     dtype = _ml_bfloat16() if target == "bfloat16" else _ml_complex32() if target == "float16" else None
     if dtype is None:

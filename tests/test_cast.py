@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,6 +40,9 @@ from ckptconv._cast import (
 )
 
 torch = pytest.importorskip("torch")
+# Loaded here, ml_dtypes' casts are there to test: ckptconv uses them only where a program has
+# loaded ml_dtypes (the test extra installs it).
+ml_dtypes = pytest.importorskip("ml_dtypes")
 
 # The checks of ml_dtypes' casts, whatever kernel_backend puts in their place.
 ML_BFLOAT16 = _cast._ml_bfloat16
@@ -84,6 +90,8 @@ def kernel_backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """Every test runs on both kernels of float32 -> bfloat16 and (tame blocks) float32 -> float16:
     ml_dtypes' casts (bfloat16, complex32) and the numpy passes."""
     originals = _cast._ml_bfloat16, _cast._ml_complex32, _cast._output_checked, _cast._ml_faster
+    for answer in (ML_BFLOAT16, ML_COMPLEX32):  # perhaps cached before ml_dtypes was loaded
+        answer.cache_clear()
     if request.param == "ml_dtypes":
         if originals[0]() is None:  # complex32 may be missing (ml_dtypes < 0.6): float16 then takes the numpy passes
             pytest.skip("ml_dtypes is not installed")
@@ -101,8 +109,6 @@ def kernel_backend(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 def test_kernel_backend_is_in_use(kernel_backend: str) -> None:
-    import ml_dtypes
-
     has_complex32 = kernel_backend == "ml_dtypes" and hasattr(ml_dtypes, "complex32")
     assert (_cast._ml_bfloat16() is not None) == (kernel_backend == "ml_dtypes")
     assert (_cast._ml_complex32() is not None) == has_complex32
@@ -131,8 +137,6 @@ def test_an_ml_cast_that_hides_nans_is_not_trusted_with_tameness(monkeypatch: py
 def test_a_complex32_that_rounds_differently_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     """ml_dtypes' complex32 is compared with the numpy kernel once before it is trusted."""
     import warnings
-
-    import ml_dtypes
 
     check = ML_COMPLEX32.__wrapped__  # the check itself, not its cached answer
     if getattr(ml_dtypes, "complex32", None) is not None:
@@ -707,3 +711,27 @@ def test_sample_weights_look_like_weights() -> None:
     assert -0.08 <= values.min() < -0.079 and 0.079 < values.max() <= 0.08
     assert np.unique(values).size > 0.99 * values.size
     assert 0 < np.count_nonzero(np.abs(values) < 2.0**-14) < values.size // 100  # a few below float16's normals
+
+
+def test_ml_dtypes_is_used_only_where_a_program_has_loaded_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importing it would cost 0.55 s with numpy before 2.5 (ml_dtypes 0.7.0), more than a 1 GiB cast."""
+    monkeypatch.setattr(_cast, "_ml_bfloat16", ML_BFLOAT16.__wrapped__)  # uncached
+    monkeypatch.setattr(_cast, "_ml_complex32", ML_COMPLEX32.__wrapped__)
+    monkeypatch.delitem(sys.modules, "ml_dtypes")
+    assert ML_BFLOAT16.__wrapped__() is None and ML_COMPLEX32.__wrapped__() is None
+    assert ML_FASTER.__wrapped__("bfloat16") is False and ML_FASTER.__wrapped__("float16") is False
+    assert "ml_dtypes" not in sys.modules  # nor imported by asking
+    monkeypatch.setitem(sys.modules, "ml_dtypes", ml_dtypes)
+    assert ML_BFLOAT16.__wrapped__() == np.dtype(ml_dtypes.bfloat16)
+
+
+def test_a_conversion_does_not_import_ml_dtypes(tmp_path: Path) -> None:
+    source = tmp_path / "in.pt"
+    torch.save({"w": torch.randn(300_000)}, source)
+    code = (
+        "import sys, ckptconv\n"
+        f"ckptconv.convert({str(source)!r}, {str(tmp_path / 'out.safetensors')!r}, "
+        "transforms=[ckptconv.Cast('fp16')], source_hash=False)\n"
+        "assert 'ml_dtypes' not in sys.modules, 'imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
