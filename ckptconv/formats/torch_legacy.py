@@ -75,8 +75,8 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
         if _opens_as_tar(file):
             raise UnsafeCheckpointError(
                 f"{path!r} is both a legacy torch checkpoint and a tar archive, which torch.load reads instead "
-                "(torch's pre-0.4 format; weights_only=True refuses it), so refusing a file that can be read two "
-                "ways (nothing was executed)",
+                "(torch's pre-0.4 format, which weights_only=True refuses from torch 2.6), so refusing a file that "
+                "can be read two ways (nothing was executed)",
                 path=path,
             )
         size = os.fstat(file.fileno()).st_size

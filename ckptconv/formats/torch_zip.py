@@ -277,11 +277,11 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
                 path=path,
             )
         if info.filename in exact:
-            # torch's reader takes the first record of a name, Python's zipfile the last: a
-            # benign copy can hide the pickle torch.load would run.
+            # torch 2.13's reader takes the first record of a name, torch 2.4's the last, Python's zipfile
+            # the last: a benign copy can hide the pickle torch.load would run.
             raise UnsafeCheckpointError(
-                f"{path!r} holds two records named {short_repr(info.filename)}; torch reads the first and "
-                "other zip readers the last, so refusing a file that can be read two ways (nothing was executed)",
+                f"{path!r} holds two records named {short_repr(info.filename)}; torch reads the first or the "
+                "last by its version, so refusing a file that can be read two ways (nothing was executed)",
                 path=path,
             )
         exact.add(info.filename)
