@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
@@ -16,6 +17,42 @@ import torch
 from torch import nn
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+def torch_saves(dtype: torch.dtype | str) -> bool:
+    """Whether this torch has ``dtype`` (a name: ``"uint16"``), ``torch.save`` writes it and
+    ``torch.load(weights_only=True)`` reads it back: torch 2.4 has uint16/uint32/uint64 tensors but no
+    storage type to save them, and its weights_only unpickler does not allow ``torch.uint16``."""
+    import io
+
+    if isinstance(dtype, str):
+        found = getattr(torch, dtype, None)
+        if not isinstance(found, torch.dtype):
+            return False
+        dtype = found
+    buffer = io.BytesIO()
+    try:
+        torch.save(torch.zeros(16, dtype=torch.uint8).view(dtype), buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception:  # KeyError "dtype torch.uint16 is not recognized", then pickle.UnpicklingError
+        return False
+    return True
+
+
+def dcp_one_process() -> dict[str, Any]:
+    """Keyword arguments for ``torch.distributed.checkpoint.save``/``load`` in one process without a process
+    group: ``no_dist=True`` where they take it; torch 2.4's infer it (and warn) instead."""
+    import inspect
+
+    import torch.distributed.checkpoint as dcp
+
+    return {"no_dist": True} if "no_dist" in inspect.signature(dcp.save).parameters else {}
+
+
+# A DTensor pickle names torch.distributed.tensor.DTensor, the public place of the class since torch 2.5
+# (torch 2.4 keeps it in torch.distributed._tensor): only such a torch.load reads the FSDP2 fixtures.
+HAS_PUBLIC_DTENSOR = hasattr(importlib.import_module("torch.distributed.tensor"), "DTensor")
 
 
 def raw_bytes(tensor: torch.Tensor) -> bytes:
@@ -101,7 +138,7 @@ def all_dtypes_state() -> dict[str, torch.Tensor]:
     }
     for name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
         dtype = getattr(torch, name, None)
-        if dtype is not None:
+        if dtype is not None and torch_saves(dtype):
             state[name] = torch.tensor([1, 2, 3]).to(dtype)
     return state
 

@@ -59,8 +59,9 @@ TORCH_DTYPES = {
     "float8_e5m2": torch.float8_e5m2,
     "float8_e4m3fnuz": torch.float8_e4m3fnuz,
     "float8_e5m2fnuz": torch.float8_e5m2fnuz,
-    "float8_e8m0fnu": torch.float8_e8m0fnu,
 }
+if hasattr(torch, "float8_e8m0fnu"):  # new in torch 2.7; ckptconv casts it without torch
+    TORCH_DTYPES["float8_e8m0fnu"] = torch.float8_e8m0fnu
 # torch has full support for signed integer views only, numpy compares unsigned.
 SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -68,6 +69,11 @@ UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 WIDE = ("float64", "float32", "float16", "bfloat16")
 PAIRS = [(s, t) for s, t in itertools.permutations(WIDE, 2)]
 FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+# The float8 sources this torch casts, to compare with: a missing one is skipped, not left out quietly.
+_NO_TORCH_DTYPE = "this torch has no such dtype to compare with (float8_e8m0fnu is new in torch 2.7)"
+TORCH_FLOAT8 = [
+    pytest.param(name, marks=pytest.mark.skipif(name not in TORCH_DTYPES, reason=_NO_TORCH_DTYPE)) for name in FLOAT8
+]
 
 # NaN encodings were measured on these torch CPU kernels only (module docstring).
 NAN_EXACT = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
@@ -305,7 +311,7 @@ def test_16bit_sources_exhaustive(source: str, target: str) -> None:
     assert_matches_torch(values, source, target)
 
 
-@pytest.mark.parametrize("source", FLOAT8)
+@pytest.mark.parametrize("source", TORCH_FLOAT8)
 @pytest.mark.parametrize("target", WIDE)
 def test_float8_sources_exhaustive(source: str, target: str) -> None:
     values = np.arange(256, dtype=np.uint16).astype(np.uint8)
@@ -426,6 +432,10 @@ def test_deterministic_pairs_need_no_padding(source: str, target: str) -> None:
         tensor = torch.from_numpy(bits(values).view(SIGNED[values.dtype.itemsize])).view(TORCH_DTYPES[source])
         ref = tensor.to(TORCH_DTYPES[target]).contiguous()
         ref_bits = ref.view(getattr(torch, f"int{8 * ref.element_size()}")).numpy().view(UNSIGNED[ref.element_size()])
+        if not np.array_equal(ref_bits, torch_cast(values, source, target)):
+            # torch 2.4's scalar tail encodes some float32 -> float16 NaNs unlike its vector body (0x7fff
+            # where the body gives 0x7e00); the padded comparisons check ckptconv against the body it follows.
+            pytest.skip(f"this torch's {source}->{target} NaN encoding depends on the position (tail vs body)")
         assert np.array_equal(bits(cast_array(values, source, target)), ref_bits)
     # A large tensor that torch splits between threads, each slice with its own tail.
     rng = np.random.default_rng(5)
@@ -529,7 +539,15 @@ def overflow_inputs(source: str, target: str) -> np.ndarray:
     return np.concatenate([raw, edges])
 
 
-@pytest.mark.parametrize("source, target", PAIRS + [(s, t) for s in FLOAT8 for t in WIDE])
+@pytest.mark.parametrize(
+    "source, target",
+    PAIRS
+    + [
+        pytest.param(s, t, marks=pytest.mark.skipif(s not in TORCH_DTYPES, reason=_NO_TORCH_DTYPE))
+        for s in FLOAT8
+        for t in WIDE
+    ],
+)
 def test_count_overflows_matches_torch(source: str, target: str) -> None:
     values = overflow_inputs(source, target)
     expected = torch_overflows(values, source, target)
@@ -603,7 +621,8 @@ def test_cast_bytes_chunk_boundaries_do_not_matter(pair: tuple[str, str], cuts: 
         cast_bytes(memoryview(data)[a * width : b * width], source, target).tobytes() for a, b in zip(edges, edges[1:])
     )
     assert pieces == whole
-    assert_matches_torch(np.frombuffer(data, storage_dtype(source)), source, target)
+    if source in TORCH_DTYPES:  # torch before 2.7 has no float8_e8m0fnu to compare with
+        assert_matches_torch(np.frombuffer(data, storage_dtype(source)), source, target)
 
 
 def test_cast_bytes_rejects_partial_elements() -> None:

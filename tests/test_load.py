@@ -82,10 +82,12 @@ def test_a_file_of_pickle_protocol_0_is_refused_as_torch_refuses_it(
     file of protocol 0 was called damaged ("data.pkl refers to ... instead of a storage")."""
     path = tmp_path / "p0.pt"
     torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=zip_format, pickle_protocol=0)
-    with pytest.raises(Exception, match="saved_id must be a tuple"):
-        reference_load(path)
-    with pytest.raises(Exception, match="saved_id must be a tuple"):
-        torch.load(path, weights_only=False)
+    for load in (reference_load, lambda p: torch.load(p, weights_only=False)):
+        with pytest.raises(Exception) as refused:
+            load(path)
+        # torch 2.4 checks it with a bare `assert isinstance(saved_id, tuple)`: an AssertionError without words.
+        said_by_torch = str(refused.value)
+        assert "saved_id must be a tuple" in said_by_torch or (refused.type is AssertionError and not said_by_torch)
     said = (
         f"{str(path)!r} is a {what} checkpoint saved with pickle protocol 0, whose storage references are text "
         "that neither torch.load nor ckptconv reads back; save it again with the default protocol"

@@ -39,6 +39,8 @@ from hypothesis import strategies as st
 import ckptconv
 from ckptconv.cli import cli
 
+from .conftest import torch_saves
+
 EXAMPLES = int(os.environ.get("CKPTCONV_ORACLE_EXAMPLES", "0"))
 
 
@@ -66,19 +68,24 @@ V2_DTYPES = (
     torch.complex128,
 )
 # What it writes through an untyped storage and _rebuild_tensor_v3: views of one storage may differ in dtype.
-V3_DTYPES = (
-    torch.uint16,
-    torch.uint32,
-    torch.uint64,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.float8_e4m3fnuz,
-    torch.float8_e5m2fnuz,
-    torch.float8_e8m0fnu,
-    torch.complex32,
-    torch.float4_e2m1fn_x2,
-    torch.bits8,
-    torch.bits16,
+# Only those this torch saves and reads back (torch 2.4: no uint16/32/64, float8_e8m0fnu or float4_e2m1fn_x2).
+V3_DTYPES = tuple(
+    getattr(torch, name)
+    for name in (
+        "uint16",
+        "uint32",
+        "uint64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "complex32",
+        "float4_e2m1fn_x2",
+        "bits8",
+        "bits16",
+    )
+    if torch_saves(name)
 )
 # Dtypes torch can give a neg bit (torch._neg_view) and a conj bit (Tensor.conj).
 NEG_DTYPES = frozenset(
@@ -117,7 +124,7 @@ SAFETENSORS_DTYPES = frozenset(d for d in (*V2_DTYPES, *V3_DTYPES) if _safetenso
 def safetensors_holds(dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     """The library counts float4 in 4-bit elements: a 0-dim float4_e2m1fn_x2 (one byte, two values)
     is a tensor it refuses to write."""
-    return dtype in SAFETENSORS_DTYPES and not (dtype == torch.float4_e2m1fn_x2 and not shape)
+    return dtype in SAFETENSORS_DTYPES and not (dtype == getattr(torch, "float4_e2m1fn_x2", None) and not shape)
 
 
 # ---------------------------------------------------------------------------------------
@@ -278,7 +285,7 @@ def examples(draw: Any, *, legacy: bool = False) -> Example:
 
 # Dtypes torch only stores and views (no copy kernels): copied as bytes.
 OPAQUE = {
-    torch.float4_e2m1fn_x2: torch.uint8,
+    getattr(torch, "float4_e2m1fn_x2", torch.bits8): torch.uint8,  # float4 is new in torch 2.8
     torch.bits8: torch.uint8,
     torch.bits16: torch.int16,
     torch.quint4x2: torch.uint8,

@@ -20,7 +20,7 @@ from ckptconv._torch import to_torch
 from ckptconv.formats.sharded import plan_shards
 from ckptconv.tensor import InMemory, Storage, TensorRef
 
-from .conftest import FIXTURES, assert_same_state, assert_same_tensor, views_state
+from .conftest import FIXTURES, assert_same_state, assert_same_tensor, dcp_one_process, views_state
 
 GPU = FIXTURES / "gpu"
 
@@ -102,7 +102,7 @@ def test_dcp_round_trip_and_torch_reads_it(tmp_path: Path) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
-        dcp.load(state, checkpoint_id=str(out), no_dist=True)
+        dcp.load(state, checkpoint_id=str(out), **dcp_one_process())
     assert_same_state(state, expected, ordered=False)
     assert_same_state(ckptconv.load(out), expected, ordered=False)
 

@@ -10,6 +10,7 @@ consolidation as golden: ``golden_fp32.pt`` from
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -17,7 +18,9 @@ import subprocess
 import sys
 import warnings
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +35,7 @@ from ckptconv.dtypes import dtype_by_name
 from ckptconv.errors import SelectionError
 from ckptconv.transforms import AddPrefix, Cast, Keep, Rename
 
-from .conftest import FIXTURES, assert_same_state, assert_same_tensor, run_cli
+from .conftest import FIXTURES, HAS_PUBLIC_DTENSOR, assert_same_state, assert_same_tensor, dcp_one_process, run_cli
 
 RUNS = FIXTURES / "runs"
 ROOT = Path(__file__).resolve().parent.parent
@@ -364,6 +367,9 @@ def test_fsdp2_a_shard_that_does_not_fit_its_placement_is_refused(tmp_path: Path
     _refused(run, tmp_path, "do not tile a tensor of size [37, 12]")
 
 
+@pytest.mark.skipif(
+    not HAS_PUBLIC_DTENSOR, reason="edits the fixture with torch.load, which needs torch.distributed.tensor.DTensor"
+)
 def test_fsdp2_a_tie_on_one_rank_only_is_not_taken_for_all(tmp_path: Path) -> None:
     """head.weight views emb.weight's storage on rank 0 but holds values of its own on rank 1: the
     gathered head.weight is rank 0's rows then rank 1's own; ckptconv wrote emb.weight under both."""
@@ -550,7 +556,7 @@ def test_megatron_layers_disagreeing_on_their_count_are_refused(tmp_path: Path) 
 
     bad = {"decoder.layers.a.weight": torch.zeros(2, 3), "decoder.layers.b.weight": torch.zeros(3, 3)}
     folder = tmp_path / "ckpt"
-    torch.distributed.checkpoint.save(bad, checkpoint_id=str(folder), no_dist=True)
+    torch.distributed.checkpoint.save(bad, checkpoint_id=str(folder), **dcp_one_process())
     (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
     assert megatron.is_torch_dist_folder(str(folder))
     _refused(folder, tmp_path, "'decoder.layers.b.weight' stacks 3 layers, other decoder.layers keys 2")
@@ -561,7 +567,7 @@ def test_a_megatron_layer_name_the_checkpoint_also_holds_is_refused(tmp_path: Pa
     on its own: one of the two was silently written in place of the other."""
     both = {"decoder.layers.w": torch.arange(6.0).reshape(2, 3), "decoder.layers.0.w": torch.full((3,), 9.0)}
     folder = tmp_path / "ckpt"
-    torch.distributed.checkpoint.save(both, checkpoint_id=str(folder), no_dist=True)
+    torch.distributed.checkpoint.save(both, checkpoint_id=str(folder), **dcp_one_process())
     (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
     _refused(
         folder,
@@ -578,12 +584,28 @@ def test_megatron_optimizer_state_beside_the_model_is_not_selected(tmp_path: Pat
         "output_layer.weight": torch.full((4, 3), 2.0),
     }
     folder = tmp_path / "iter_0000010"
-    torch.distributed.checkpoint.save(state, checkpoint_id=str(folder), no_dist=True)
+    torch.distributed.checkpoint.save(state, checkpoint_id=str(folder), **dcp_one_process())
     (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     ours = ckptconv.load(folder)
     assert list(ours) == ["decoder.layers.0.mlp.weight", "decoder.layers.1.mlp.weight", "output_layer.weight"]
     assert_same_tensor(ours["decoder.layers.1.mlp.weight"], state["decoder.layers.mlp.weight"][1])
     assert_same_tensor(ours["output_layer.weight"], state["output_layer.weight"])
+
+
+@contextlib.contextmanager
+def _safe_globals(classes: list[Any]) -> Iterator[None]:
+    """torch.serialization.safe_globals(classes); torch 2.4 has only add_safe_globals (and clear/get)."""
+    if hasattr(torch.serialization, "safe_globals"):
+        with torch.serialization.safe_globals(classes):
+            yield
+        return
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.add_safe_globals(classes)
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
 
 
 def test_a_legacy_megatron_lm_rank_file_is_read_not_refused() -> None:
@@ -607,7 +629,7 @@ def test_a_legacy_megatron_lm_rank_file_is_read_not_refused() -> None:
         auto = 5
 
     AttnBackend.__module__, AttnBackend.__qualname__ = "megatron.core.transformer.enums", "AttnBackend"
-    with torch.serialization.safe_globals([argparse.Namespace, signal.Signals, AttnBackend]):
+    with _safe_globals([argparse.Namespace, signal.Signals, AttnBackend]):
         reference = torch.load(rank_file, weights_only=True, map_location="cpu")
     assert reference["args"].tensor_model_parallel_size == 2
     expected = {k: v for k, v in reference["model"].items() if torch.is_tensor(v)}  # not _extra_state
