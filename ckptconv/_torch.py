@@ -25,13 +25,30 @@ __all__ = ["from_torch", "to_torch"]
 _SPAN_ALIGNMENT = 64
 
 
+# The torch release that added each dtype ckptconv reads but torch 2.4 (the oldest supported) lacks.
+_ADDED_IN = {"float8_e8m0fnu": "2.7", "float4_e2m1fn_x2": "2.8"}
+
+
+def torch_lacks(dtype: DType) -> str:
+    """Why this torch has no tensors of ``dtype`` (``"this torch (2.4.1) has no float8_e8m0fnu dtype
+    (torch 2.7 added it)"``), or ``""`` when it has them. ckptconv reads and writes such tensors without
+    torch; only torch tensors of them need a newer torch."""
+    import torch
+
+    if isinstance(getattr(torch, dtype.name, None), torch.dtype):
+        return ""
+    added = _ADDED_IN.get(dtype.name)
+    since = f" (torch {added} added it)" if added else ""
+    return f"this torch ({torch.__version__}) has no {dtype.name} dtype{since}"
+
+
 def torch_dtype(dtype: DType) -> torch.dtype:
     import torch
 
-    value = getattr(torch, dtype.name, None)
-    if value is None:
-        raise CkptconvError(f"this torch has no {dtype.name} dtype; upgrade torch to load these tensors")
-    return value  # type: ignore[no-any-return]
+    lacking = torch_lacks(dtype)
+    if lacking:
+        raise CkptconvError(f"{lacking}; upgrade torch to load these tensors")
+    return getattr(torch, dtype.name)  # type: ignore[no-any-return]
 
 
 DeviceSpec = Union[None, str, "torch.device", Mapping[str, Union[str, "torch.device"]]]

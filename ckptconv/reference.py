@@ -68,6 +68,12 @@ def reference_weights(checkpoint: Checkpoint, selection: Selection) -> Reference
         A :class:`ReferenceWeights`; its ``reader`` says which reader was used.
     """
     if checkpoint.format == "safetensors":
+        from ._torch import torch_lacks
+
+        # safe_open(framework="pt") makes torch tensors: of a dtype this torch lacks it raises AttributeError.
+        lacking = next(filter(None, (torch_lacks(ref.dtype) for ref in selection.weights.values())), "")
+        if lacking:
+            return _ckptconv(selection, f"the safetensors library cannot give it to torch: {lacking}")
         return ReferenceWeights(_safetensors_weights(checkpoint.path), SAFETENSORS_READER)
     if checkpoint.format in _TORCH_FORMATS:
         if selection.kind != "state_dict":

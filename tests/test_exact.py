@@ -6,6 +6,7 @@ none may produce other values than ``torch.load(weights_only=True)`` gives.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import struct
 import warnings
@@ -469,6 +470,43 @@ def test_verify_reference_torch_says_when_it_falls_back_to_ckptconv(tmp_path: Pa
         "verified: all 1 tensors match bit for bit (source read by ckptconv's reader (neither "
         "torch.load(weights_only=True) nor safetensors reads pickle input); output by the safetensors library)\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "code", "data", "added"),
+    [("float8_e8m0fnu", "F8_E8M0", bytes([0, 127, 200, 3]), "2.7"), ("float4_e2m1fn_x2", "F4", b"\x12\x34", "2.8")],
+)
+def test_a_dtype_this_torch_lacks_is_verified_without_it_and_refused_as_a_torch_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, code: str, data: bytes, added: str
+) -> None:
+    """On torch 2.4 (no float8_e8m0fnu, no float4_e2m1fn_x2) `--verify=torch` and `verify --reference
+    torch` ended in the safetensors library's AttributeError traceback (safe_open(framework="pt") makes
+    torch tensors); ckptconv reads, writes and verifies such tensors without torch."""
+    if hasattr(torch, name):
+        monkeypatch.delattr(torch, name)  # this torch as torch 2.4 is
+    source = tmp_path / "scales.safetensors"
+    header = f'{{"s":{{"dtype":"{code}","shape":[4],"data_offsets":[0,{len(data)}]}}}}'.encode()
+    source.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    lacking = f"this torch ({torch.__version__}) has no {name} dtype (torch {added} added it)"
+    with pytest.raises(ckptconv.CkptconvError) as caught:
+        ckptconv.load(source)
+    assert str(caught.value) == f"{lacking}; upgrade torch to load these tensors"
+    for suffix in ("pt", "safetensors"):
+        output = tmp_path / f"out.{suffix}"
+        assert run_cli("convert", str(source), str(output), "--verify=torch", "-q") == (0, "", "")
+        with zipfile.ZipFile(output) if suffix == "pt" else contextlib.nullcontext() as archive:
+            stored = (
+                archive.read(next(n for n in archive.namelist() if n.endswith("/data/0")))
+                if archive
+                else output.read_bytes()[-len(data) :]
+            )
+        assert stored == data
+        code_, stdout, stderr = run_cli("verify", str(source), str(output), "--reference", "torch")
+        assert (code_, stderr) == (0, ""), stderr
+        assert stdout.startswith(
+            "verified: all 1 tensors match bit for bit (source read by ckptconv's reader (the safetensors library "
+            f"cannot give it to torch: {lacking}); output by "
+        ), stdout
 
 
 @pytest.mark.parametrize("dtype", ["qint8", "quint8", "qint32", "quint4x2"])
