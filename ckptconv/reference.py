@@ -81,8 +81,11 @@ def reference_weights(checkpoint: Checkpoint, selection: Selection) -> Reference
         try:
             tree = _torch_load(checkpoint.path, mmap=checkpoint.format == "torch-zip")
         except Exception as error:  # torch refuses the file (needs classes weights_only will not rebuild, ...)
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            return _ckptconv(selection, f"torch.load(weights_only=True) refused it: {first_line[:200]}")
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+            # torch's message opens with advice ("Weights only load failed. ... two options"); the reason
+            # is its "WeightsUnpickler error: ..." line.
+            why = next((line for line in lines if line.startswith("WeightsUnpickler error:")), lines[0])
+            return _ckptconv(selection, f"torch.load(weights_only=True) refused it: {why[:200]}")
         state = _follow(tree, selection.path)
         if state is None:
             return _ckptconv(selection, f"torch.load gives no state dict at {selection.where!r}")

@@ -472,6 +472,21 @@ def test_verify_reference_torch_says_when_it_falls_back_to_ckptconv(tmp_path: Pa
     )
 
 
+def test_verify_reference_torch_gives_torch_s_reason_for_a_refusal(tmp_path: Path) -> None:
+    """torch's refusal opens with advice ("Weights only load failed. ... two options"); the report
+    quoted that line instead of the reason."""
+    source = tmp_path / "train.pt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "frozen": frozenset({1})}, source)
+    with pytest.raises(pickle.UnpicklingError, match="WeightsUnpickler error: Unsupported global"):
+        torch.load(source, weights_only=True)
+    output = tmp_path / "out.safetensors"
+    assert run_cli("convert", str(source), str(output), "-q")[0] == 0
+    code, stdout, _ = run_cli("verify", str(source), str(output), "--reference", "torch")
+    assert code == 0
+    said = "source read by ckptconv's reader (torch.load(weights_only=True) refused it: WeightsUnpickler error: "
+    assert said + "Unsupported global: GLOBAL " in stdout and "frozenset was not an allowed global" in stdout
+
+
 @pytest.mark.parametrize(
     ("name", "code", "data", "added"),
     [("float8_e8m0fnu", "F8_E8M0", bytes([0, 127, 200, 3]), "2.7"), ("float4_e2m1fn_x2", "F4", b"\x12\x34", "2.8")],
