@@ -338,6 +338,25 @@ def test_fsdp2_rank_files_merge_to_the_gathered_full_state_dict(run: str, suffix
         assert_same_state(load_file(out), {k: v for k, v in expected.items() if k != "head.weight"}, ordered=False)
 
 
+def test_fsdp2_rank_files_torch_2_4_wrote_merge_to_its_gathered_state_dict(tmp_path: Path) -> None:
+    """torch 2.4 pickles DTensors as torch.distributed._tensor.api.DTensor with its own DTensorSpec
+    layout (fixtures/make_torch24_fixtures.py, run with torch 2.4.1): 7 embedding rows over 2 ranks
+    (4 and 3), tied to the head, beside a plain int buffer."""
+    run = RUNS / "fsdp2_dtensor_torch24"
+    for rank in range(2):
+        pickled = zipfile.ZipFile(run / f"model_world_size_2_rank_{rank}.pt").read(
+            f"model_world_size_2_rank_{rank}/data.pkl"
+        )
+        assert b"torch.distributed._tensor.api\nDTensor\n" in pickled
+    expected = golden("fsdp2_dtensor_torch24", "golden_full.pt")
+    assert_same_state(ckptconv.load(run), expected)
+    out = tmp_path / "model.pt"
+    ckptconv.convert(run, out, verify="torch")
+    ours = torch.load(out, weights_only=True)
+    assert_same_state(ours, expected)
+    assert ours["head.weight"].data_ptr() == ours["emb.weight"].data_ptr()  # tied in the model
+
+
 def test_fsdp2_inspect_and_verl_sibling_files(tmp_path: Path) -> None:
     """verl saves optimizer and extra state per rank beside the model: the model files are taken."""
     run = _copy("fsdp2_dtensor", tmp_path)
