@@ -72,7 +72,8 @@ class ConversionReport:
         files: every file written (one, or the shards and the index of a folder).
         source_sha256: the source's sha256 recorded in the provenance (None with
             ``source_hash=False``; for folders, see :func:`ckptconv.metadata.source_sha256`).
-        verified_with: ``"ckptconv"`` or ``"torch"``: whose readers verified the output.
+        verified_with: ``"ckptconv"`` or ``"torch"``: whose readers verified the output (``"torch"`` only
+            when torch or the safetensors library read both sides; a note says who read what otherwise).
     """
 
     source: str
@@ -334,11 +335,15 @@ def _convert(
             return
         if reference == "torch":
             result = compare_with_reference(checkpoint, selection, open_checkpoint(written), transform=transform_again)
+            read_by.append(result.readers)
         else:
             result = compare(state, open_checkpoint(written).select().weights)
         if not result.ok:
             raise VerifyError(f"{result.summary()}; the output was not written")
 
+    # Who read each side under --verify=torch, per file written: torch or safetensors, or ckptconv's reader
+    # where they cannot (torch 2.4 reads no uint16 .pt, --keep-meta sets, float8_e8m0fnu ...).
+    read_by: list[tuple[str, str]] = []
     give_up = threading.Event()
     digest: concurrent.futures.Future[str] | None = None
     crcs: concurrent.futures.Future[Any] | None = None
@@ -378,6 +383,11 @@ def _convert(
             raise
     if written.aliases:
         notes.append(_tied_note(written.aliases, written.path, len(written.files) > 1))
+    from .reference import CKPTCONV_READER
+
+    fallback = next((pair for pair in read_by if any(r.startswith(CKPTCONV_READER) for r in pair)), None)
+    if fallback is not None:
+        notes.append(f"--verify=torch read the source with {fallback[0]}, the output with {fallback[1]}")
     return dataclasses.replace(
         summary,
         destination=written.path,
@@ -388,6 +398,6 @@ def _convert(
         files=written.files,
         notes=tuple(notes),
         verified=True if reference is not None else None,
-        verified_with=reference or "",
+        verified_with="ckptconv" if fallback is not None else reference or "",
         source_sha256=digest.result() if digest is not None else None,
     )

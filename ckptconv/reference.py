@@ -85,6 +85,7 @@ def reference_weights(checkpoint: Checkpoint, selection: Selection) -> Reference
             # torch's message opens with advice ("Weights only load failed. ... two options"); the reason
             # is its "WeightsUnpickler error: ..." line.
             why = next((line for line in lines if line.startswith("WeightsUnpickler error:")), lines[0])
+            why = why.split(". ")[0].rstrip(".")  # its first sentence: the advice after it is for torch users
             return _ckptconv(selection, f"torch.load(weights_only=True) refused it: {why[:200]}")
         state = _follow(tree, selection.path)
         if state is None:
