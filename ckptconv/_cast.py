@@ -5,8 +5,9 @@ from disk, and importing torch costs more than a second, so the casts are done
 in numpy on the *storage representation* of each dtype (``float32`` as
 ``np.float32``, ``bfloat16`` as ``np.uint16``, float8 as ``np.uint8``; see
 :func:`storage_dtype`); float32 -> bfloat16 and (finite blocks) float16 round
-through ml_dtypes' casts instead where a program has loaded ml_dtypes and they
-are the faster on this machine (:func:`_imported_ml_dtypes`, :func:`_ml_faster`).
+through ml_dtypes' casts instead where ml_dtypes is at hand (loaded, or a
+release quick to import installed) and they are the faster on this machine
+(:func:`_ml_dtypes_module`, :func:`_ml_faster`).
 The output must be the bytes torch itself would write,
 so every rule below was measured against torch 2.13 (x86-64, AVX2 kernels;
 torch 2.11's AVX512 kernels behave the same), exhaustively where the input
@@ -62,6 +63,9 @@ finite float32 patterns below the threshold, as the bfloat16 path with it).
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
+import os
 import sys
 import time
 from functools import cache, lru_cache
@@ -199,20 +203,50 @@ def _nan_positions(values: Array, scratch: _Scratch) -> Array | None:
 # -- to bfloat16 ------------------------------------------------------------------
 
 
-def _imported_ml_dtypes() -> Any:
-    """The ml_dtypes module where something in this process has imported it already, else None.
+#: ml_dtypes releases before this one import in milliseconds and cast faster than the numpy
+#: passes, so ckptconv imports them where installed; from it on (0.7.0: 0.55 s to import with
+#: numpy before 2.5, its ufunc loops registered one by one, each a linear search, and casts slower
+#: than the numpy passes), only where a program has loaded ml_dtypes already.
+_ML_DTYPES_IMPORTED_BELOW = (0, 7)
 
-    ckptconv never imports it itself: with numpy before 2.5 (all that Python 3.11 and older get),
-    importing ml_dtypes 0.7.0 takes 0.55 s (its ufunc loops registered one by one, each a linear
-    search), and its casts are slower than the numpy passes anyway (:func:`_ml_faster`). Where a
-    program has it loaded (JAX does), its casts cost nothing more to reach.
-    """
-    return sys.modules.get("ml_dtypes")
+
+def _installed_ml_dtypes_version() -> tuple[int, ...] | None:
+    """The installed ml_dtypes' release, from its ``.dist-info`` folder's name (without importing
+    it, or importlib.metadata's 20 ms); None where not installed, or not one clear answer."""
+    try:
+        spec = importlib.util.find_spec("ml_dtypes")
+        if spec is None or spec.origin is None:
+            return None
+        folder = os.path.dirname(os.path.dirname(spec.origin))
+        names = [name for name in os.listdir(folder) if name.startswith("ml_dtypes-") and name.endswith(".dist-info")]
+    except (ImportError, ValueError, OSError):
+        return None
+    if len(names) != 1:
+        return None
+    parts = names[0][len("ml_dtypes-") : -len(".dist-info")].split(".")
+    numbers = tuple(int(part) for part in itertools.takewhile(str.isdigit, parts))
+    return numbers or None
+
+
+def _ml_dtypes_module() -> Any:
+    """The ml_dtypes module where a program has loaded it, or a release fast to import is
+    installed (:data:`_ML_DTYPES_IMPORTED_BELOW`); else None."""
+    module = sys.modules.get("ml_dtypes")
+    if module is not None:
+        return module
+    version = _installed_ml_dtypes_version()
+    if version is None or version >= _ML_DTYPES_IMPORTED_BELOW:
+        return None
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - a broken install
+        return None
+    return ml_dtypes
 
 
 @cache
 def _ml_bfloat16() -> np.dtype[Any] | None:
-    """ml_dtypes' bfloat16, where ml_dtypes is loaded (:func:`_imported_ml_dtypes`); else None.
+    """ml_dtypes' bfloat16, where ml_dtypes is at hand (:func:`_ml_dtypes_module`); else None.
 
     Its float32 -> bfloat16 cast is one vectorised pass, with ml_dtypes 0.6.0
     1.3-1.7x faster than the five numpy passes of :func:`_f32_to_bf16`'s other
@@ -221,7 +255,7 @@ def _ml_bfloat16() -> np.dtype[Any] | None:
     2**32 patterns with ml_dtypes 0.5.4, 0.6.0 and 0.7.0). It encodes NaNs its own way
     (``0x7FC0`` with the sign), which is overwritten like the numpy path's.
     """
-    ml_dtypes = _imported_ml_dtypes()
+    ml_dtypes = _ml_dtypes_module()
     if ml_dtypes is None:
         return None
     dtype: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
@@ -329,7 +363,7 @@ def _f32_to_f16(src: Array, out: Array, scratch: _Scratch) -> None:
 
 @cache
 def _ml_complex32() -> np.dtype[Any] | None:
-    """ml_dtypes' complex32 (two float16s), where ml_dtypes is loaded (:func:`_imported_ml_dtypes`),
+    """ml_dtypes' complex32 (two float16s), where ml_dtypes is at hand (:func:`_ml_dtypes_module`),
     has it, and it rounds as torch does; else None.
 
     Cast from complex64, it rounds a pair of float32s to a pair of float16s,
@@ -343,7 +377,7 @@ def _ml_complex32() -> np.dtype[Any] | None:
     version that rounded differently is caught here, once, by comparing it
     with :func:`_f32_to_f16_tame` on every float16 rounding boundary.
     """
-    ml_dtypes = _imported_ml_dtypes()
+    ml_dtypes = _ml_dtypes_module()
     if ml_dtypes is None:
         return None
     complex32 = getattr(ml_dtypes, "complex32", None)
@@ -440,7 +474,7 @@ def _ml_faster(target: str) -> bool:
     Both are exact, so the choice moves only the speed, and which is faster depends on the
     ml_dtypes release: on the 2-core VM a 4 MiB piece cast to float16 at 3.0 GB/s through
     ml_dtypes 0.6.0 and at 2.0-2.1 through 0.7.0, against 2.6-2.9 through the numpy passes; to
-    bfloat16 at 6.9-7.4 and 3.9-4.1 against 4.4-6.6. False where ml_dtypes is not loaded. Each
+    bfloat16 at 6.9-7.4 and 3.9-4.1 against 4.4-6.6. False without ml_dtypes at hand. Each
     way is timed on one block of weight-like values (:func:`_sample_weights`), best of three runs
     taken in turn (about 2 ms in all).
     """

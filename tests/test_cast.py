@@ -732,25 +732,35 @@ def test_sample_weights_look_like_weights() -> None:
     assert 0 < np.count_nonzero(np.abs(values) < 2.0**-14) < values.size // 100  # a few below float16's normals
 
 
-def test_ml_dtypes_is_used_only_where_a_program_has_loaded_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Importing it would cost 0.55 s with numpy before 2.5 (ml_dtypes 0.7.0), more than a 1 GiB cast."""
-    monkeypatch.setattr(_cast, "_ml_bfloat16", ML_BFLOAT16.__wrapped__)  # uncached
-    monkeypatch.setattr(_cast, "_ml_complex32", ML_COMPLEX32.__wrapped__)
+def test_the_installed_ml_dtypes_release_is_read_without_importing_it() -> None:
+    expected = tuple(int(part) for part in ml_dtypes.__version__.split(".")[:3] if part.isdigit())
+    assert _cast._installed_ml_dtypes_version()[: len(expected)] == expected  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("installed", "imported"), [((0, 6, 0), True), ((0, 5, 4), True), ((0, 7, 0), False), (None, False)]
+)
+def test_ml_dtypes_is_imported_only_where_a_release_quick_to_import_is_installed(
+    installed: tuple[int, ...] | None, imported: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ml_dtypes 0.7.0 takes 0.55 s to import with numpy before 2.5, more than a 1 GiB cast; a
+    program that has loaded it has paid that already."""
+    monkeypatch.setattr(_cast, "_installed_ml_dtypes_version", lambda: installed)
     monkeypatch.delitem(sys.modules, "ml_dtypes")
-    assert ML_BFLOAT16.__wrapped__() is None and ML_COMPLEX32.__wrapped__() is None
-    assert ML_FASTER.__wrapped__("bfloat16") is False and ML_FASTER.__wrapped__("float16") is False
-    assert "ml_dtypes" not in sys.modules  # nor imported by asking
+    assert (_cast._ml_dtypes_module() is not None) is imported
+    assert ("ml_dtypes" in sys.modules) is imported
     monkeypatch.setitem(sys.modules, "ml_dtypes", ml_dtypes)
-    assert ML_BFLOAT16.__wrapped__() == np.dtype(ml_dtypes.bfloat16)
+    assert _cast._ml_dtypes_module() is ml_dtypes  # loaded: used whatever the release
 
 
-def test_a_conversion_does_not_import_ml_dtypes(tmp_path: Path) -> None:
+def test_a_conversion_imports_ml_dtypes_only_where_it_is_quick_to_import(tmp_path: Path) -> None:
     source = tmp_path / "in.pt"
     torch.save({"w": torch.randn(300_000)}, source)
+    quick = (_cast._installed_ml_dtypes_version() or (99,)) < _cast._ML_DTYPES_IMPORTED_BELOW
     code = (
         "import sys, ckptconv\n"
         f"ckptconv.convert({str(source)!r}, {str(tmp_path / 'out.safetensors')!r}, "
         "transforms=[ckptconv.Cast('fp16')], source_hash=False)\n"
-        "assert 'ml_dtypes' not in sys.modules, 'imported'\n"
+        f"assert ('ml_dtypes' in sys.modules) is {quick}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
