@@ -231,12 +231,13 @@ def _installed_ml_dtypes_version() -> tuple[int, ...] | None:
 def _ml_dtypes_module() -> Any:
     """The ml_dtypes module where a program has loaded it, or a release fast to import is
     installed (:data:`_ML_DTYPES_IMPORTED_BELOW`); else None."""
-    module = sys.modules.get("ml_dtypes")
-    if module is not None:
-        return module
-    version = _installed_ml_dtypes_version()
-    if version is None or version >= _ML_DTYPES_IMPORTED_BELOW:
-        return None
+    if "ml_dtypes" not in sys.modules:
+        version = _installed_ml_dtypes_version()
+        if version is None or version >= _ML_DTYPES_IMPORTED_BELOW:
+            return None
+    # An import statement even where sys.modules holds it: the first pieces of a cast start on
+    # every worker at once, and while one imports ml_dtypes, the module there is half made; the
+    # statement waits for that import to finish (a 6-thread conversion failed without it).
     try:
         import ml_dtypes
     except ImportError:  # pragma: no cover - a broken install

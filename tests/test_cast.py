@@ -764,3 +764,28 @@ def test_a_conversion_imports_ml_dtypes_only_where_it_is_quick_to_import(tmp_pat
         f"assert ('ml_dtypes' in sys.modules) is {quick}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_casts_starting_on_many_threads_at_once_wait_for_ml_dtypes_import() -> None:
+    """The first pieces of a cast start on every worker at once; one of them imports ml_dtypes
+    while the others must wait for it, not take the half-made module (a 6-thread bf16
+    conversion on a 16-core host failed so: "partially initialized module 'ml_dtypes'")."""
+    code = (
+        "import sys, threading\n"
+        "from ckptconv import _cast\n"
+        "assert 'ml_dtypes' not in sys.modules\n"
+        "_cast._installed_ml_dtypes_version = lambda: (0, 6, 0)  # import it, whatever the release\n"
+        "start, errors = threading.Barrier(8), []\n"
+        "def first_cast():\n"
+        "    start.wait()\n"
+        "    try:\n"
+        "        assert _cast._ml_bfloat16.__wrapped__() is not None\n"
+        "    except Exception as error:\n"
+        "        errors.append(repr(error))\n"
+        "threads = [threading.Thread(target=first_cast) for _ in range(8)]\n"
+        "[thread.start() for thread in threads]\n"
+        "[thread.join() for thread in threads]\n"
+        "assert not errors, errors\n"
+    )
+    for _ in range(3):
+        subprocess.run([sys.executable, "-c", code], check=True)
