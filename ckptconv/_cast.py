@@ -87,13 +87,10 @@ __all__ = [
 ]
 
 #: Elements per internal block. Each kernel makes 5-15 numpy passes over a
-#: block, so its temporaries (1 MiB each at 4 bytes) should stay in cache:
-#: alone, 2**17 and 2**18 were fastest, 2**20 lost 25-50 % to memory traffic and
-#: 2**14 as much to numpy's per-call overhead. With the cast threads running at
-#: once, 2**18 beat 2**17: 11-25 % on two threads of the 2-core VM (4 MiB pieces
-#: in one process), 5-9 % for 4 GiB on six threads of a 16-core host
-#: (bench/probe_cast_workers.py --blocks), as each thread takes the GIL half as often.
-BLOCK_ELEMENTS = 1 << 18
+#: block, so its temporaries (512 KiB each at 4 bytes) should stay in cache:
+#: measured, 2**17 and 2**18 were fastest, 2**20 lost 25-50 % to memory
+#: traffic and 2**14 as much to numpy's per-call overhead.
+BLOCK_ELEMENTS = 1 << 17
 
 _STORAGE: dict[str, np.dtype[Any]] = {
     "float64": np.dtype(np.float64),
@@ -484,7 +481,7 @@ def _ml_faster(target: str) -> bool:
     ml_dtypes 0.6.0 and at 2.0-2.1 through 0.7.0, against 2.6-2.9 through the numpy passes; to
     bfloat16 at 6.9-7.4 and 3.9-4.1 against 4.4-6.6. False without ml_dtypes at hand. Each
     way is timed on one block of weight-like values (:func:`_sample_weights`), best of three runs
-    taken in turn (a few ms in all).
+    taken in turn (about 2 ms in all).
     """
     dtype = _ml_bfloat16() if target == "bfloat16" else _ml_complex32() if target == "float16" else None
     if dtype is None:
