@@ -180,7 +180,12 @@ class TensorDifference:
             NaNs do not line up), for ``"values"``, and for ``"dtype"`` when the
             shapes agree: both sides are then compared in float64 (complex128),
             which holds every value of either dtype, so an fp32 tensor and its
-            bf16 cast report the rounding error the cast made.
+            bf16 cast report the rounding error the cast made. ``nan`` where they
+            were not compared (``compared`` is False).
+        compared: False where the values were not compared: a side's elements
+            are not numbers (packed or opaque bits such as float4_e2m1fn_x2 and
+            bits16, or quantized integers, which mean nothing without their
+            scale), or, for ``"dtype"``, the shapes differ too.
     """
 
     key: str
@@ -188,6 +193,7 @@ class TensorDifference:
     a: str = ""
     b: str = ""
     max_abs_diff: float = 0.0
+    compared: bool = True
 
 
 @dataclass(frozen=True)
@@ -224,6 +230,9 @@ def _json_float(value: float) -> object:
 
 
 _DIFF_ELEMENTS = 4 << 20
+# Kinds whose stored elements are not the numbers they stand for (packed float4, opaque bits; quantized
+# integers without their scale): diff does not compare them as numbers.
+_NOT_NUMBERS = ("bits", "quantized")
 
 
 def _as_float64(ref: TensorRef, values: Array) -> Array:
@@ -297,15 +306,21 @@ def diff(
         right = second.get(key)
         if right is None:
             continue
+        numbers = left.out_dtype.kind not in _NOT_NUMBERS and right.out_dtype.kind not in _NOT_NUMBERS
         if left.out_dtype != right.out_dtype:
-            largest = _max_abs_difference(left, right) if left.shape == right.shape else 0.0
-            differences.append(TensorDifference(key, "dtype", left.out_dtype.name, right.out_dtype.name, largest))
+            compared = numbers and left.shape == right.shape
+            largest = _max_abs_difference(left, right) if compared else math.nan
+            differences.append(
+                TensorDifference(key, "dtype", left.out_dtype.name, right.out_dtype.name, largest, compared=compared)
+            )
         elif left.shape != right.shape:
             differences.append(TensorDifference(key, "shape", str(list(left.shape)), str(list(right.shape))))
         elif _digest(left) == _digest(right):
             same += 1
-        else:
+        elif numbers:
             differences.append(TensorDifference(key, "values", max_abs_diff=_max_abs_difference(left, right)))
+        else:
+            differences.append(TensorDifference(key, "values", max_abs_diff=math.nan, compared=False))
     only_a = tuple(key for key in first if key not in second)
     only_b = tuple(key for key in second if key not in first)
     identical = not (only_a or only_b or differences)

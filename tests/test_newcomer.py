@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -414,6 +415,28 @@ def test_diff_of_fp32_and_its_bf16_cast_reports_the_real_difference(
     torch.save({"w": weight, "steps": torch.arange(3, dtype=torch.int32)}, "i32.pt")
     (difference,) = ckptconv.diff("fp32.pt", "i32.pt").differences
     assert (difference.reason, difference.max_abs_diff) == ("dtype", 0.0)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="torch 2.8 added float4_e2m1fn_x2")
+def test_diff_does_not_compare_packed_bits_as_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float4_e2m1fn_x2 byte holds two values: read as one number it would give a made-up difference."""
+    monkeypatch.chdir(tmp_path)
+    raw = torch.arange(16, dtype=torch.uint8)
+    torch.save({"w": raw.view(torch.float8_e8m0fnu)}, "e8m0.pt")
+    torch.save({"w": raw.view(torch.float4_e2m1fn_x2)}, "fp4.pt")
+    torch.save({"w": (raw + 1).view(torch.float4_e2m1fn_x2)}, "fp4_other.pt")
+    (difference,) = ckptconv.diff("e8m0.pt", "fp4.pt").differences
+    assert (difference.reason, difference.compared) == ("dtype", False) and math.isnan(difference.max_abs_diff)
+    (difference,) = ckptconv.diff("fp4.pt", "fp4_other.pt").differences
+    assert (difference.reason, difference.compared) == ("values", False) and math.isnan(difference.max_abs_diff)
+    code, stdout, _ = run_cli("diff", "e8m0.pt", "fp4.pt")
+    assert code == 3
+    assert stdout.splitlines()[0] == (
+        "dtype differs: w: float8_e8m0fnu vs float4_e2m1fn_x2; not compared as numbers "
+        "(packed, opaque or quantized elements)"
+    )
+    code, stdout, _ = run_cli("diff", "fp4.pt", "fp4_other.pt")
+    assert stdout.splitlines()[0] == "values differ: w: not compared as numbers (packed, opaque or quantized elements)"
 
 
 # ---------------------------------------------------------------------------------------

@@ -86,14 +86,14 @@ def diff(a: str, b: str, select_a: str | None, select_b: str | None, trust: bool
             echo(f"only in A: {key}")
         for key in result.only_in_b:
             echo(f"only in B: {key}")
+        not_compared = "not compared as numbers (packed, opaque or quantized elements)"
         for item in result.differences:
             if item.reason == "values":
-                echo(f"values differ: {item.key}: max abs difference {item.max_abs_diff:g}")
+                amount = f"max abs difference {item.max_abs_diff:g}" if item.compared else not_compared
+                echo(f"values differ: {item.key}: {amount}")
             elif item.reason == "dtype":
-                echo(
-                    f"dtype differs: {item.key}: {item.a} vs {item.b}; max abs difference {item.max_abs_diff:g} "
-                    "(compared in float64)"
-                )
+                amount = f"max abs difference {item.max_abs_diff:g} (compared in float64)"
+                echo(f"dtype differs: {item.key}: {item.a} vs {item.b}; {amount if item.compared else not_compared}")
             else:
                 echo(f"{item.reason} differs: {item.key}: {item.a} vs {item.b}")
         verdict = "identical" if result.identical else "different"
