@@ -275,7 +275,7 @@ def _f32_to_bf16(src: Array, out: Array, scratch: _Scratch, nan_bits: int, bfloa
     only, which are overwritten anyway.
     """
     if bfloat16 is True:
-        bfloat16 = _ml_bfloat16() if _ml_faster("bfloat16") else None
+        bfloat16 = _fast_ml_dtype("bfloat16")
     if bfloat16 is not None:
         np.copyto(out.view(bfloat16), src, casting="unsafe")
     else:
@@ -421,7 +421,7 @@ def _f32_to_f16_tame(src: Array, out: Array, scratch: _Scratch, complex32: Any =
     10 lies above bit 15).
     """
     if complex32 is True:
-        complex32 = _ml_complex32() if _ml_faster("float16") else None
+        complex32 = _fast_ml_dtype("float16")
     if complex32 is not None and src.size >= 2:
         even = src.size - src.size % 2
         np.copyto(out[:even].view(complex32), src[:even].view(np.complex64), casting="unsafe")
@@ -450,6 +450,16 @@ def _f32_to_f16_tame(src: Array, out: Array, scratch: _Scratch, complex32: Any =
     np.right_shift(bits, 16, out=sign, casting="unsafe")
     np.bitwise_and(sign, np.uint16(0x8000), out=sign)
     np.bitwise_or(half, sign, out=half)
+
+
+def _ml_dtype(target: str) -> np.dtype[Any] | None:
+    """ml_dtypes' dtype whose cast from float32 (complex64 for float16) rounds to ``target``, or None."""
+    return _ml_bfloat16() if target == "bfloat16" else _ml_complex32() if target == "float16" else None
+
+
+def _fast_ml_dtype(target: str) -> np.dtype[Any] | None:
+    """:func:`_ml_dtype` where its cast is the faster here (:func:`_ml_faster`), else None: the numpy passes."""
+    return _ml_dtype(target) if _ml_faster(target) else None
 
 
 def _sample_weights(n: int) -> Array:
@@ -483,7 +493,7 @@ def _ml_faster(target: str) -> bool:
     way is timed on one block of weight-like values (:func:`_sample_weights`), best of three runs
     taken in turn (about 2 ms in all).
     """
-    dtype = _ml_bfloat16() if target == "bfloat16" else _ml_complex32() if target == "float16" else None
+    dtype = _ml_dtype(target)
     if dtype is None:
         return False
     values = _sample_weights(BLOCK_ELEMENTS)
@@ -809,8 +819,8 @@ def _output_checked(source: str, target: str) -> tuple[Callable[[Array, Array], 
     if source != "float32":
         return None
     inf = _INF_BITS[target] if target in ("bfloat16", "float16") else None
-    dtype = _ml_bfloat16() if target == "bfloat16" else _ml_complex32() if target == "float16" else None
-    if inf is None or dtype is None or not _ml_faster(target):
+    dtype = _fast_ml_dtype(target)
+    if inf is None or dtype is None:
         return None
     if target == "bfloat16":
 

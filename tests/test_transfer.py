@@ -321,6 +321,16 @@ def test_gpu_load_takes_every_records_crc_and_refuses_a_flipped_bit(
         ckptconv.load(damaged, device="cuda:0")
 
 
+def gpu_load_matches_torch(tmp_path: Path, suffix: str) -> dict[str, torch.Tensor]:
+    """Load :func:`saved_big_state` onto cuda:0 and check every tensor is there with the bytes torch
+    reads from the file; return torch's tensors."""
+    path, reference = saved_big_state(tmp_path, suffix)
+    loaded = ckptconv.load(path, device="cuda:0")
+    assert all(t.device == torch.device("cuda:0") for t in loaded.values())
+    assert_same_state({k: v.cpu() for k, v in loaded.items()}, reference, ordered=False)
+    return reference
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["buffered", "direct", "auto"])
 def test_gpu_load_of_a_sharded_folder(
@@ -343,10 +353,7 @@ def test_gpu_load_equals_cpu_load(
     tmp_path: Path, suffix: str, mode: str, small_pieces: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_transfer, "direct_io", mode)
-    path, reference = saved_big_state(tmp_path, suffix)
-    loaded = ckptconv.load(path, device="cuda:0")
-    assert all(t.device == torch.device("cuda:0") for t in loaded.values())
-    assert_same_state({k: v.cpu() for k, v in loaded.items()}, reference, ordered=False)
+    gpu_load_matches_torch(tmp_path, suffix)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -370,9 +377,7 @@ def test_gpu_copies_through_the_cuda_driver_or_torch_land_the_same_bytes(
         return real(self, destination, source, count, slot)
 
     monkeypatch.setattr(_cuda_driver.DeviceCopier, "copy", counted)
-    path, reference = saved_big_state(tmp_path, suffix)
-    loaded = ckptconv.load(path, device="cuda:0")
-    assert_same_state({k: v.cpu() for k, v in loaded.items()}, reference, ordered=False)
+    reference = gpu_load_matches_torch(tmp_path, suffix)
     total = sum(t.untyped_storage().nbytes() for t in reference.values())
     assert (sum(copies) >= total) if through == "driver" else copies == []
 
