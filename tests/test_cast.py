@@ -21,6 +21,7 @@ import functools
 import itertools
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -789,3 +790,36 @@ def test_casts_starting_on_many_threads_at_once_wait_for_ml_dtypes_import() -> N
     )
     for _ in range(3):
         subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_casts_on_several_threads_at_once_keep_their_own_scratch(target: str) -> None:
+    """Each thread keeps its block temporaries from cast to cast (none are faulted in again per
+    piece), and threads casting at once never write into each other's: every result matches torch."""
+    rng = np.random.default_rng(7)
+    pieces = [(rng.standard_normal(3 * _cast.BLOCK_ELEMENTS + 5) * 0.02 * (1 + k)).astype(np.float32) for k in range(8)]
+    pieces[3][17] = np.nan  # one piece takes the full kernel (NaN patching) on one block
+    expected = [torch_cast(piece, "float32", target) for piece in pieces]
+    start, failures, used = threading.Barrier(4), [], {}
+
+    def cast_all(worker: int) -> None:
+        start.wait()
+        for round_ in range(6):
+            for index in range(worker, len(pieces), 4):
+                got = bits(cast_array(pieces[index], "float32", target))
+                if not np.array_equal(got, expected[index]):
+                    failures.append((worker, round_, index))
+        with _cast._thread_scratch() as scratch:
+            used[worker] = scratch
+
+    threads = [threading.Thread(target=cast_all, args=(worker,)) for worker in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    assert len({id(scratch) for scratch in used.values()}) == 4  # one per thread
+    with _cast._thread_scratch() as first, _cast._thread_scratch() as nested:
+        assert first is not nested
+    with _cast._thread_scratch() as again:
+        assert again is first  # kept for this thread's next cast
