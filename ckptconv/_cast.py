@@ -55,8 +55,9 @@ float16 scalar path gives ``0x7E00`` with the sign); non-NaN values agree.
 Casts run block by block (:data:`BLOCK_ELEMENTS`) so that the temporaries
 stay in cache and the result does not depend on how a caller chunks its input.
 A block whose values are all finite and stay finite (its max and min, two
-reductions, lie inside the overflow threshold: :func:`_tame_bound`) is *tame*:
-it has no overflow to count and no NaN to patch, and float16 rounds it in 13
+reductions, lie inside the overflow threshold: :func:`_tame_bound`; for float16,
+one reduction over ``|x|``'s bits) is *tame*:
+it has no overflow to count and no NaN to patch, and float16 rounds it in 11
 lighter passes instead of 15 (:func:`_f32_to_f16_tame`; checked against torch for all
 finite float32 patterns below the threshold, as the bfloat16 path with it).
 """
@@ -90,10 +91,14 @@ __all__ = [
 ]
 
 #: Elements per internal block. Each kernel makes 5-15 numpy passes over a
-#: block, so its temporaries (512 KiB each at 4 bytes) should stay in cache:
-#: measured, 2**17 and 2**18 were fastest, 2**20 lost 25-50 % to memory
-#: traffic and 2**14 as much to numpy's per-call overhead.
-BLOCK_ELEMENTS = 1 << 17
+#: block, so its temporaries (1 MiB each at 4 bytes) should stay in cache:
+#: measured, 2**17 and 2**18 were fastest on one thread, 2**20 lost 25-50 % to
+#: memory traffic and 2**14 as much to numpy's per-call overhead. Threads that
+#: cast at once take the GIL between passes, and the shorter the passes the
+#: more they wait for it: a 1 GiB float16 conversion on the 2-core VM took
+#: 0.75 s with 2**18 against 0.83 s with 2**17 and 0.77 s with 2**19 (medians
+#: of 11, alternating, fresh install).
+BLOCK_ELEMENTS = 1 << 18
 
 _STORAGE: dict[str, np.dtype[Any]] = {
     "float64": np.dtype(np.float64),
@@ -133,6 +138,9 @@ _BF16_NAN_SCALAR = 0x7FC0
 
 _BIG_ENDIAN = sys.byteorder == "big"
 
+# The bits of a float32 but its sign.
+_MAGNITUDE_32 = np.uint32(0x7FFFFFFF)
+
 
 def storage_dtype(name: str) -> np.dtype[Any]:
     """The numpy dtype holding ``name``'s elements here (bfloat16 -> uint16, float8 -> uint8).
@@ -161,10 +169,33 @@ class _Scratch:
         self.tame = False
         self._u32: Array | None = None
         self._f32: Array | None = None
+        # The float32 block whose |x| bits the u32 buffer holds (:meth:`magnitude`), or None.
+        self._magnitude_of: Array | None = None
         self._mid: Array | None = None
         self._mask: Array | None = None
 
+    def magnitude(self, block: Array) -> Array:
+        """The bits of ``|x|`` for a float32 block, in the u32 buffer.
+
+        Made once per block: the tameness test reads them (their max: one reduction
+        instead of a float max and min) and the float16 kernels start from them.
+        """
+        if self._u32 is None:
+            self._u32 = np.empty(self.size, np.uint32)
+        value = self._u32[: block.size]
+        if self._magnitude_of is not block:
+            np.bitwise_and(block.view(np.uint32), _MAGNITUDE_32, out=value)
+            self._magnitude_of = block
+        return value
+
+    def take_magnitude(self, block: Array) -> Array:
+        """:meth:`magnitude`, for a kernel that overwrites it."""
+        value = self.magnitude(block)
+        self._magnitude_of = None
+        return value
+
     def u32(self, n: int) -> Array:
+        self._magnitude_of = None  # whoever asks for the buffer may write into it
         if self._u32 is None:
             self._u32 = np.empty(self.size, np.uint32)
         return self._u32[:n]
@@ -206,6 +237,7 @@ def _thread_scratch() -> Iterator[_Scratch]:
     try:
         yield scratch
     finally:
+        scratch.u32(0)  # forgets the last block (a view that would keep its buffer alive)
         spares.append(scratch)
 
 
@@ -362,9 +394,8 @@ def _f32_to_f16(src: Array, out: Array, scratch: _Scratch) -> None:
         return
     n = src.size
     bits = src.view(np.uint32)
-    value = scratch.f32(n)
-    bias = scratch.u32(n)
-    np.abs(src, out=value)
+    value = scratch.take_magnitude(src).view(np.float32)  # |x|
+    bias = scratch.f32(n).view(np.uint32)
     np.multiply(value, np.float32(2.0**112), out=value)
     np.multiply(value, np.float32(2.0**-110), out=value)
     # 2**(e + 15) for the value's exponent e, at least 2**1 (float16 subnormals).
@@ -435,16 +466,19 @@ def _f32_to_f16_tame(src: Array, out: Array, scratch: _Scratch, complex32: Any =
     (:func:`_ml_faster`), its cast does the rounding, two elements at a time; an odd
     last element takes the passes below.
 
-    The same rounding in 12 passes instead of 15, the sign's last two over
-    16-bit data. With no inf to produce, the 2**112 overflow scaling goes, and
+    The same rounding in 11 passes instead of 15 (``|x|`` shared with the
+    tameness test: :meth:`_Scratch.magnitude`), the sign's last two over 16-bit
+    data. With no inf to produce, the 2**112 overflow scaling goes, and
     ``|x|`` is rounded where the full kernel rounds ``4|x|``: the bias is a
     quarter of that kernel's, so the float16 exponent would come out 2 below,
     and the ``0x800`` in the bias's mantissa (2 << 10, on the rounding grid, and
     even, so ties still go to even) adds the 2 back when the mantissa bits are
     added to the exponent's. For float32 zeros and subnormals ``|x|`` is far
-    below the bias's half ulp, so they still round to 0; and the float16
-    exponent comes out of the rounded bits' low 16 bits without a mask (128 <<
-    10 lies above bit 15).
+    below the bias's half ulp, so they still round to 0. The rounded sum ``v``
+    is ``E << 23 | (0x800 + k)`` with ``k``, the float16 significand, at most
+    2048, so bits 13-22 of ``v`` are zero and the float16 bits are the low 16
+    of ``v + (v >> 13)``: ``E << 10`` carries the exponent (``E << 23`` and
+    the ``128 << 10`` in ``E`` lie above bit 15), ``0x800 + k`` the mantissa.
     """
     if complex32 is True:
         complex32 = _fast_ml_dtype("float16")
@@ -456,9 +490,8 @@ def _f32_to_f16_tame(src: Array, out: Array, scratch: _Scratch, complex32: Any =
         src, out = src[even:], out[even:]
     n = src.size
     bits = src.view(np.uint32)
-    value = scratch.u32(n)
+    value = scratch.take_magnitude(src)  # |x|
     bias = scratch.f32(n).view(np.uint32)
-    np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=value)  # |x|
     # 2**(e + 13) for the value's exponent e, at least 2**-1 (float16 subnormals), with 0x800 in its
     # mantissa: 2 in the exponent that the float16 one comes out 2 below (it is 4|x|'s in the full kernel).
     np.maximum(value, _filled(0x38800000, max(n, BLOCK_ELEMENTS))[:n], out=bias)
@@ -466,7 +499,6 @@ def _f32_to_f16_tame(src: Array, out: Array, scratch: _Scratch, complex32: Any =
     np.add(bias, np.uint32(0x06800800), out=bias)
     np.add(value.view(np.float32), bias.view(np.float32), out=value.view(np.float32))
     np.right_shift(value, 13, out=bias)
-    np.bitwise_and(value, np.uint32(0x1FFF), out=value)  # 0x800 + the mantissa, with any carry
     np.add(bias, value, out=bias)
     half = out.view(np.uint16)
     np.copyto(half, bias, casting="unsafe")
@@ -866,6 +898,19 @@ def _output_checked(source: str, target: str) -> tuple[Callable[[Array, Array], 
     return (cast, inf) if bool(np.all(result.view(np.uint16) & 0x7FFF >= inf)) else None
 
 
+def _magnitude_bound(bound: Any) -> Any:
+    """A float32 bound's bits: ``|x|``'s bits are below them exactly when ``|x| < bound``, and
+    never for a NaN or inf (their bits are the largest)."""
+    return None if bound is None else np.array([bound], np.float32).view(np.uint32)[0]
+
+
+def _within(block: Array, bound: Any, scratch: _Scratch, magnitude_bound: Any) -> bool:
+    """Whether every value of ``block`` lies strictly between ``-bound`` and ``bound`` (no NaN)."""
+    if magnitude_bound is not None:
+        return bool(scratch.magnitude(block).max() < magnitude_bound)
+    return bool(block.max() < bound and block.min() > -bound)
+
+
 def _cast_blocks(
     values: Array, source: str, target: str, out: Array | None, *, count: bool, tame: bool = True
 ) -> tuple[Array, int]:
@@ -886,6 +931,8 @@ def _cast_blocks(
     counter = _OverflowCounter(source, target, min(n, BLOCK_ELEMENTS)) if count and source != target else None
     bound = _tame_bound(source, target) if tame and (counter is not None or (source, target) in _TAME_KERNELS) else None
     checked = _output_checked(source, target) if tame else None
+    # The float16 kernels start from |x|: the test takes its max, and they reuse it.
+    by_magnitude = _magnitude_bound(bound) if (source, target) == ("float32", "float16") else None
     overflows = 0
     # Overflow to inf and NaN inputs are expected here, not worth a warning.
     with _thread_scratch() as scratch, np.errstate(all="ignore"):
@@ -898,7 +945,7 @@ def _cast_blocks(
                 bits = dest.view(np.uint16)
                 if bits.view(np.int16).max() < inf and bits.max() < 0x8000 + inf:
                     continue  # tame: nothing to patch, nothing overflowed
-            scratch.tame = bound is not None and block.max() < bound and block.min() > -bound
+            scratch.tame = bound is not None and _within(block, bound, scratch, by_magnitude)
             kernel(block, dest, scratch)
             if counter is not None and not scratch.tame:
                 overflows += counter.count(block)
