@@ -232,7 +232,9 @@ def _thread_scratch() -> Iterator[_Scratch]:
     spares: list[_Scratch] | None = getattr(_THREAD_SCRATCH, "spares", None)
     if spares is None:
         spares = _THREAD_SCRATCH.spares = []
-    scratch = spares.pop() if spares else _Scratch(BLOCK_ELEMENTS)
+    scratch = spares.pop() if spares else None
+    if scratch is None or scratch.size < BLOCK_ELEMENTS:  # the block size can be changed (tests, probes)
+        scratch = _Scratch(BLOCK_ELEMENTS)
     scratch.tame = False
     try:
         yield scratch
