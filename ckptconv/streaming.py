@@ -306,11 +306,13 @@ def _take(nbytes: int) -> Array:
     """
     import numpy as np
 
+    from ._cast import aligned_empty
+
     with _SPARE_LOCK:
         fitting = [index for index, spare in enumerate(_SPARE) if spare.nbytes >= nbytes]
         if fitting:
             return _SPARE.pop(min(fitting, key=lambda index: _SPARE[index].nbytes))
-    return np.empty(nbytes, dtype=np.uint8)
+    return aligned_empty(nbytes, np.uint8)  # the casts' vector loads then stay within cache lines
 
 
 def _give_back(buffer: Array) -> None:

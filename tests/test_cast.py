@@ -823,3 +823,19 @@ def test_casts_on_several_threads_at_once_keep_their_own_scratch(target: str) ->
         assert first is not nested
     with _cast._thread_scratch() as again:
         assert again is first  # kept for this thread's next cast
+
+
+def test_kernel_buffers_start_on_cache_lines() -> None:
+    """The buffers casts stream through start on a 64-byte boundary (numpy's own start 16 bytes past
+    one, and its vector loads then straddle cache lines): block temporaries, pieces and outputs."""
+    from ckptconv import streaming
+
+    for count, dtype in [(1, np.uint8), (5, np.uint16), (_cast.BLOCK_ELEMENTS, np.uint32), (3, np.float64)]:
+        array = _cast.aligned_empty(count, dtype)
+        assert array.ctypes.data % _cast.ALIGNMENT == 0
+        assert array.shape == (count,) and array.dtype == dtype
+    with _cast._thread_scratch() as scratch:
+        assert scratch.u32(7).ctypes.data % 64 == 0 and scratch.f32(7).ctypes.data % 64 == 0
+    buffer = streaming._take(3 << 20)
+    assert buffer.ctypes.data % 64 == 0 and buffer.nbytes >= 3 << 20
+    streaming._give_back(buffer)
