@@ -465,6 +465,7 @@ def main() -> None:
             result = run_child(code, stem, check=False, env=env)
             if not isinstance(result, str):
                 cold_walls[name].append(result["wall"])
+                nbytes = int(result["bytes"])
                 speed = result["bytes"] / result["wall"] / 1e9
                 print(f"  cold {name}: {speed:.2f} GB/s", file=sys.stderr, flush=True)
         print(f"cold round {round_number + 1}/{cold_runs} done", file=sys.stderr, flush=True)
@@ -478,9 +479,11 @@ def main() -> None:
         if name in notes:
             print(f"| {name} | failed: {notes[name]} | | |")
             continue
-        w = nbytes / statistics.median(warm_walls[name]) / 1e9
+        # --runs 0 measures the cold loads alone: no warm column, no RSS (taken in the warm runs).
+        warm_text = f"{nbytes / statistics.median(warm_walls[name]) / 1e9:.2f}" if warm_walls[name] else ""
         cold = f"{nbytes / statistics.median(cold_walls[name]) / 1e9:.2f}" if cold_walls[name] else ""
-        print(f"| {name} | {w:.2f} | {cold} | {rss[name] / 2**20:.0f} |")
+        rss_text = f"{rss[name] / 2**20:.0f}" if name in rss else ""
+        print(f"| {name} | {warm_text} | {cold} | {rss_text} |")
     print(f"\ntotal {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 
