@@ -180,7 +180,7 @@ class _Scratch:
     def __init__(self, size: int) -> None:
         self.size = size
         #: Set per block by the caller: every value of the block is finite and its
-        #: cast stays finite (see :class:`_Tameness`), so kernels skip their NaN
+        #: cast stays finite (see :func:`_within`), so kernels skip their NaN
         #: patching and the float16 kernel its overflow handling.
         self.tame = False
         self._u32: Array | None = None
@@ -209,6 +209,10 @@ class _Scratch:
         value = self.magnitude(block)
         self._magnitude_of = None
         return value
+
+    def forget(self) -> None:
+        """Drop the block :meth:`magnitude` last read (a view that would keep its buffer alive)."""
+        self._magnitude_of = None
 
     def u32(self, n: int) -> Array:
         self._magnitude_of = None  # whoever asks for the buffer may write into it
@@ -257,7 +261,7 @@ def _thread_scratch() -> Iterator[_Scratch]:
     try:
         yield scratch
     finally:
-        scratch.u32(0)  # forgets the last block (a view that would keep its buffer alive)
+        scratch.forget()
         spares.append(scratch)
 
 
