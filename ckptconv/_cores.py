@@ -12,15 +12,47 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-__all__ = ["CORES_VARIABLE", "busy", "in_background", "join_uninterrupted", "spare", "usable"]
+__all__ = [
+    "CORES_VARIABLE",
+    "SWITCH_INTERVAL_S",
+    "busy",
+    "in_background",
+    "join_uninterrupted",
+    "spare",
+    "switching_often",
+    "usable",
+]
 
 #: Caps the cores one ckptconv process keeps busy; ``ckptconv batch`` sets it for its worker
 #: processes (the machine's cores shared between them).
 CORES_VARIABLE = "CKPTCONV_CORES"
+
+#: The GIL switch interval of ckptconv's own processes, the command line and ``batch``'s workers
+#: (seconds; CPython's default is 0.005). The cast threads take the GIL between numpy passes. One
+#: that wants it while another holds it waits up to the interval before CPython makes the holder let
+#: go, and the holder lets go and takes it back between its passes (every 20-60 us) faster than a
+#: futex wake reaches the waiter on a VM, so the waiter can wait the whole interval. At 0.1 ms,
+#: 1 GiB to fp16 on the 2-core VM took 0.47 s against 0.57 s from the first cast to the last write
+#: (medians of 3 pairs; whole commands 9% less, bench/results/bench_convert_round8_2core_vm.md).
+#: A library caller's interpreter is theirs: ``ckptconv.convert`` leaves its interval alone.
+SWITCH_INTERVAL_S = 0.0001
+
+
+@contextlib.contextmanager
+def switching_often() -> Iterator[None]:
+    """Run the block with :data:`SWITCH_INTERVAL_S`, then give the interpreter its interval back."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
 
 _lock = threading.Lock()
 _busy = [0]  # threads doing background CPU work now, counted under _lock

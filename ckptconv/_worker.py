@@ -81,12 +81,13 @@ def main() -> None:
         sys.path[:] = read_frame(stdin)
     except EOFError:
         return
-    from . import conversion  # noqa: F401 - numpy and every format reader, imported once per worker
+    from . import _cores, conversion  # noqa: F401 - numpy and every format reader, imported once per worker
     from .executors import run_job
 
     write_frame(results, ("ready", os.getpid()))
     jobs: queue.Queue[tuple[int, bytes]] = queue.Queue()
     threading.Thread(target=_read_jobs, args=(stdin, jobs), name="ckptconv-jobs", daemon=True).start()
+    sys.setswitchinterval(_cores.SWITCH_INTERVAL_S)  # this process is ckptconv's (see _cores)
     while True:
         sequence, data = jobs.get()
         try:

@@ -147,12 +147,12 @@ def test_a_run_switches_the_gil_more_often_and_gives_the_interval_back() -> None
     """The cast threads wait less for the GIL (ckptconv.cli.main); a caller of main() gets its own
     interval back afterwards, after a failure too."""
     code = (
-        "import sys, ckptconv.cli as c\n"
+        "import sys, ckptconv.cli as c, ckptconv._cores as cores\n"
         "seen = []\n"
         "c.cli.main = lambda **kwargs: seen.append(sys.getswitchinterval()) or sys.exit(3)\n"
         "sys.setswitchinterval(0.002)\n"
         "try:\n    c.main(['inspect', 'x'])\nexcept SystemExit as exit:\n    assert exit.code == 3\n"
-        "assert len(seen) == 1 and abs(seen[0] - c.CAST_SWITCH_INTERVAL_S) < 1e-9, seen\n"
+        "assert len(seen) == 1 and abs(seen[0] - cores.SWITCH_INTERVAL_S) < 1e-9, seen\n"
         "assert abs(sys.getswitchinterval() - 0.002) < 1e-9, sys.getswitchinterval()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

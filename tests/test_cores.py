@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import pickle
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -144,3 +147,35 @@ def test_joining_a_thread_outlasts_an_interruption_then_raises_it() -> None:
     with pytest.raises(KeyboardInterrupt):
         _cores.join_uninterrupted(Interrupted())
     assert finished == [True] and joins == 2 and not thread.is_alive()
+
+
+def test_switching_often_gives_the_interval_back_after_a_failure_too() -> None:
+    before = sys.getswitchinterval()
+    with pytest.raises(KeyError), _cores.switching_often():
+        assert abs(sys.getswitchinterval() - _cores.SWITCH_INTERVAL_S) < 1e-9
+        raise KeyError("x")
+    assert sys.getswitchinterval() == before
+
+
+def test_batch_workers_switch_the_gil_often() -> None:
+    """A batch worker is a process of ckptconv's own: its cast threads get the same short switch
+    interval as the command line's (the job here reports the interval it ran under)."""
+    from ckptconv._worker import read_frame, write_frame
+
+    code = (
+        "import sys, ckptconv.executors as executors, ckptconv._worker as worker\n"
+        "executors.run_job = lambda job: sys.getswitchinterval()\n"
+        "worker.main()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        write_frame(child.stdin, sys.path)
+        assert read_frame(child.stdout)[0] == "ready"
+        write_frame(child.stdin, (7, pickle.dumps("a job")))
+        sequence, interval, error = read_frame(child.stdout)
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+    assert (sequence, error) == (7, None)
+    assert abs(interval - _cores.SWITCH_INTERVAL_S) < 1e-9

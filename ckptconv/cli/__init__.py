@@ -63,23 +63,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_sigterm)
-    # The cast threads take the GIL between numpy passes. One that wants it while another holds
-    # it waits up to the switch interval (5 ms) before CPython makes the holder let go, and the
-    # holder lets go and takes it back between its passes (every 20-60 us) faster than a futex
-    # wake reaches the waiter on a VM, so the waiter can wait the whole interval. At 0.1 ms,
-    # 1 GiB to fp16 on the 2-core VM took 0.47 s against 0.57 s from the first cast to the last
-    # write (medians of 3 pairs; whole commands 9% less, bench/results/bench_convert_round8_2core_vm.md).
-    # Only the command line sets it, for its run: a library caller's interpreter is theirs.
-    switch_interval = sys.getswitchinterval()
-    sys.setswitchinterval(CAST_SWITCH_INTERVAL_S)
-    try:
+    from .. import _cores
+
+    with _cores.switching_often():  # the cast threads wait less for the GIL (see _cores)
         cli.main(args=list(argv) if argv is not None else None, prog_name="ckptconv")
-    finally:
-        sys.setswitchinterval(switch_interval)
-
-
-#: The GIL switch interval of a ``ckptconv`` run (seconds; CPython's default is 0.005).
-CAST_SWITCH_INTERVAL_S = 0.0001
 
 
 __all__ = ["cli", "main"]
