@@ -1,4 +1,5 @@
-"""CPU cores: how many this process may keep busy, and how many its background work takes.
+"""CPU cores: how many this process may keep busy, how many its background work takes, and how
+often its threads hand the GIL on (:func:`switching_often`).
 
 A copy through Python takes a second thread only where a core would otherwise
 idle. Alone, two threads copied 1 GiB 1.5x faster than one on the 2-core

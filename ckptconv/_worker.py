@@ -81,7 +81,10 @@ def main() -> None:
         sys.path[:] = read_frame(stdin)
     except EOFError:
         return
-    from . import _cores, conversion  # noqa: F401 - numpy and every format reader, imported once per worker
+    from . import (
+        _cores,
+        conversion,  # noqa: F401 - numpy and every format reader, imported once per worker
+    )
     from .executors import run_job
 
     write_frame(results, ("ready", os.getpid()))
