@@ -196,9 +196,7 @@ class _Scratch:
         Made once per block: the tameness test reads them (their max: one reduction
         instead of a float max and min) and the float16 kernels start from them.
         """
-        if self._u32 is None:
-            self._u32 = aligned_empty(self.size, np.uint32)
-        value = self._u32[: block.size]
+        value = self._u32_buffer()[: block.size]
         if self._magnitude_of is not block:
             np.bitwise_and(block.view(np.uint32), _MAGNITUDE_32, out=value)
             self._magnitude_of = block
@@ -216,9 +214,12 @@ class _Scratch:
 
     def u32(self, n: int) -> Array:
         self._magnitude_of = None  # whoever asks for the buffer may write into it
+        return self._u32_buffer()[:n]
+
+    def _u32_buffer(self) -> Array:
         if self._u32 is None:
             self._u32 = aligned_empty(self.size, np.uint32)
-        return self._u32[:n]
+        return self._u32
 
     def f32(self, n: int) -> Array:
         if self._f32 is None:
