@@ -10,6 +10,7 @@ machine's REDUCE and NEWOBJ opcodes do with it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 from .dtypes import DType, dtype_by_name, dtype_by_storage_class
 from .errors import MalformedCheckpointError
 from .standins import ForeignGlobal, ForeignObject, NumpyArray, NumpyDType, StorageType, TypedStorage, short_repr
-from .tensor import InMemory, Storage, TensorRef, contiguous_strides
+from .tensor import InMemory, Storage, TensorRef, Unreadable, contiguous_strides
 
 __all__ = ["SafeCallable", "call", "check_hashable", "fill_numpy_array", "instantiate", "known_global", "malformed"]
 
@@ -114,6 +115,35 @@ def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *rest: An
     )
 
 
+def _swap_unit(dtype: DType) -> int:
+    """The bytes torch.load swaps together in a storage of ``dtype`` from a big-endian file
+    (``UntypedStorage.byteswap``: each half of a complex number apart)."""
+    return dtype.itemsize // 2 if dtype.kind == "complex" else dtype.itemsize
+
+
+def _unswapped(typed: TypedStorage, dtype: DType) -> str | None:
+    """Why torch.load does not read a ``dtype`` tensor on ``typed`` as it was saved, or None.
+
+    In a big-endian file torch.load swaps a storage's bytes by the dtype of its pickled storage
+    class, not by the tensor's: the dtypes it saves through ``UntypedStorage`` (uint16, uint32,
+    uint64, complex32) are swapped as single bytes, that is not at all, and come back in the
+    writer's byte order. ckptconv reads the rest as torch does (by the storage's dtype) and
+    refuses these rather than write either the values torch gives or the ones saved. Its
+    complex32 is one 32-bit word, which a swap would also turn the wrong way (torch swaps each half).
+    """
+    if typed.storage.byteorder != "big" or dtype.itemsize == 1:
+        return None
+    if dtype.name != "complex32" and _swap_unit(typed.dtype) == _swap_unit(dtype):
+        return None
+    stored_as = "untyped bytes" if typed.dtype.itemsize == 1 else f"a {typed.dtype.name} storage"
+    return (
+        f"a {dtype.name} tensor of this big-endian checkpoint is stored as {stored_as}, whose bytes "
+        "torch.load does not swap into this machine's order: the values it gives are not the saved ones, "
+        "and ckptconv writes neither; leave the tensor out (--select, --drop), or, on the machine that "
+        "saved it, save it as int32, int64, float or complex64 and convert again"
+    )
+
+
 def _on_storage(typed: TypedStorage, dtype: DType, size: Any, stride: Any, offset: int, metadata: Any) -> TensorRef:
     """The tensor a rebuild function describes, checked against its storage and, for a legacy
     storage view (``view_metadata``), against the view's bounds, which torch enforces."""
@@ -128,6 +158,11 @@ def _on_storage(typed: TypedStorage, dtype: DType, size: Any, stride: Any, offse
                 f"a tensor of size {list(ref.shape)} reaches past the end of its storage view "
                 f"of {typed.element_count} elements"
             )
+    reason = _unswapped(typed, dtype) if ref.numel else None  # an empty tensor has no bytes to misread
+    if reason is not None:
+        # Refused when read, so that a conversion leaving the tensor out (optimizer state) still runs.
+        unreadable = dataclasses.replace(ref.storage, source=Unreadable(reason, ref.storage.source.paths()))
+        ref = dataclasses.replace(ref, storage=unreadable)
     return ref
 
 

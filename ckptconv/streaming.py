@@ -130,8 +130,9 @@ def read_array(ref: TensorRef) -> Array:
             strides=tuple(s * stored.itemsize for s in ref.stride),
             writeable=False,
         )
-    # Writers store little-endian whatever the machine or the source.
-    array = apply_bits(ref, np.ascontiguousarray(array, dtype=stored.newbyteorder("<")))
+    # Writers store little-endian whatever the machine or the source. (asarray: ascontiguousarray
+    # gives a 0-dim tensor one dimension.)
+    array = apply_bits(ref, np.asarray(array, dtype=stored.newbyteorder("<"), order="C"))
     if ref.cast_to is not None:
         array = _cast(ref, array.reshape(-1)).reshape(ref.shape)
     return array

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .dtypes import DType
-from .errors import MalformedCheckpointError
+from .errors import MalformedCheckpointError, UnsupportedFormatError
 
 if TYPE_CHECKING:
     from ._cast import Array
@@ -151,6 +151,26 @@ class InMemory:
 
     def paths(self) -> frozenset[str]:
         return frozenset()
+
+
+@dataclass(frozen=True, eq=False)
+class Unreadable:
+    """A storage's bytes that ckptconv refuses to read: every read raises ``reason``.
+
+    The tensors on it can still be listed and left out of a conversion; the refusal
+    comes only when one of them is read (converted, verified, loaded).
+    """
+
+    reason: str
+    files: frozenset[str]  # the source's files, which a writer must still never overwrite
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[ReadInto]:
+        raise UnsupportedFormatError(self.reason)
+        yield  # pragma: no cover - a generator, for contextmanager
+
+    def paths(self) -> frozenset[str]:
+        return self.files
 
 
 def read_exactly_into(fd: int, offset: int, out: memoryview, path: str) -> None:
