@@ -93,12 +93,19 @@ def inside(path: str, folder: str) -> bool:
 def hub_blob(path: str, folder: str) -> bool:
     """True when ``folder`` is a snapshot of the Hugging Face hub cache and ``path`` links into the
     same repository's ``blobs`` folder, as every file of a snapshot does
-    (``models--org--name/snapshots/<revision>/model.safetensors -> ../../blobs/<sha256>``)."""
+    (``models--org--name/snapshots/<revision>/model.safetensors -> ../../blobs/<sha256>``).
+
+    The ``blobs`` folder must be a folder of that repository, not a link: a look-alike cache whose
+    ``blobs`` leads elsewhere would otherwise make any folder count as its blobs.
+    """
     real_folder = os.path.realpath(folder)
     snapshots = os.path.dirname(real_folder)
     if os.path.basename(snapshots) != "snapshots":
         return False
-    return inside(path, os.path.join(os.path.dirname(snapshots), "blobs"))
+    blobs = os.path.join(os.path.dirname(snapshots), "blobs")  # every part but the last already resolved
+    if os.path.islink(blobs) or not os.path.isdir(blobs):
+        return False
+    return inside(path, blobs)
 
 
 def within(path: str, folder: str) -> bool:

@@ -950,6 +950,30 @@ def test_hugging_face_cache_snapshots_are_read(tmp_path: Path) -> None:
         ckptconv.open(snapshot)
 
 
+def test_a_look_alike_hub_cache_whose_blobs_folder_is_a_link_is_refused(tmp_path: Path) -> None:
+    """A snapshot's ``../../blobs`` links count as inside the checkpoint only when ``blobs`` is the
+    repository's own folder: with ``blobs`` a link to a private folder, every file there was read."""
+    private = tmp_path / "private"
+    private.mkdir()
+    safetensors.torch.save_file({"secret": torch.tensor([1.0, 2.0, 3.0])}, str(private / "secret.safetensors"))
+    zoo = tmp_path / "zoo"
+    repo = zoo / "models--evil--x"
+    snapshot = repo / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").symlink_to(private)
+    (snapshot / "model.safetensors").symlink_to("../../blobs/secret.safetensors")
+    with pytest.raises(ckptconv.MalformedCheckpointError, match="leads outside the checkpoint folder"):
+        ckptconv.open(snapshot)
+    output = tmp_path / "out.safetensors"
+    code, _, stderr = run_cli("convert", str(snapshot), str(output))
+    assert code == 1 and "leads outside the checkpoint folder" in stderr, stderr
+    assert not output.exists()
+    report = ckptconv.batch(zoo, tmp_path / "bout")
+    assert not [r for r in report.results if r.status == "converted"], report.results
+    assert not list((tmp_path / "bout").rglob("*.safetensors"))
+    assert all(report.verdict != "safe" for report in ckptconv.scan_many([zoo]).reports)
+
+
 # ---------------------------------------------------------------------------------------
 # The paths the Python API takes: str, bytes, os.PathLike of either; taken as written
 # ---------------------------------------------------------------------------------------
