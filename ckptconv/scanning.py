@@ -277,6 +277,8 @@ def _zip_pickles(path: str, file: Any) -> list[tuple[str, bytes]]:
 
 def _zip_member_bytes(file: Any, info: zipfile.ZipInfo) -> bytes | None:
     """A member's bytes from its local header, without the CRC or name checks zipfile makes."""
+    from .formats.torch_zip import INFLATION_SLACK, MAX_INFLATION
+
     try:
         file.seek(info.header_offset)
         local = file.read(30)
@@ -288,7 +290,9 @@ def _zip_member_bytes(file: Any, info: zipfile.ZipInfo) -> bytes | None:
         if info.compress_type == zipfile.ZIP_STORED:
             return bytes(raw)
         if info.compress_type == zipfile.ZIP_DEFLATED:
-            return zlib.decompressobj(-15).decompress(raw, _MAX_EMBEDDED)
+            # No more than a pickle inflates to (a zip bomb's zeros would be read up to the limit).
+            limit = min(_MAX_EMBEDDED, MAX_INFLATION * info.compress_size + INFLATION_SLACK)
+            return zlib.decompressobj(-15).decompress(raw, limit)
     except (OSError, zlib.error, struct.error, ValueError, OverflowError):
         return None
     return None

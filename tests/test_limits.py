@@ -141,6 +141,59 @@ def test_data_pkl_claiming_more_than_the_limit_is_refused_unread(tmp_path: Path)
         ckptconv.open(path)
 
 
+def _rezipped(tmp_path: Path, name: str, change: Callable[[str, bytes], bytes | None]) -> Path:
+    """A torch.save checkpoint re-zipped with deflate where ``change`` gives a member new bytes,
+    plus an extra ``<root>/extra.pkl`` where it gives bytes for the name ``"EXTRA"``."""
+    source = tmp_path / "plain.pt"
+    torch.save({"w": torch.zeros(4)}, source)
+    path = tmp_path / name
+    with zipfile.ZipFile(source) as old, zipfile.ZipFile(path, "w") as new:
+        for info in old.infolist():
+            data = old.read(info)
+            changed = change(info.filename, data)
+            method = zipfile.ZIP_STORED if changed is None else zipfile.ZIP_DEFLATED
+            new.writestr(info.filename, data if changed is None else changed, compress_type=method, compresslevel=9)
+        extra = change("EXTRA", b"")
+        if extra is not None:
+            root = old.namelist()[0].split("/")[0]
+            new.writestr(f"{root}/extra.pkl", extra, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+    return path
+
+
+BOMB_BYTES = 64 << 20  # deflates to ~64 KB: 1000:1, within what deflate can do
+
+
+@pytest.mark.parametrize("record", ["data.pkl", "byteorder"])
+def test_records_read_whole_may_not_inflate_like_a_zip_bomb(record: str, tmp_path: Path) -> None:
+    """data.pkl padded with zeros after its STOP, or a byteorder record of megabytes (deflate can do
+    1000:1): both were inflated whole before being refused, 300 MB of memory from a 300 KB file."""
+    path = _rezipped(
+        tmp_path, "bomb.pt", lambda name, data: data + b"\0" * BOMB_BYTES if name.endswith(f"/{record}") else None
+    )
+    with bounded(megabytes=8), pytest.raises(MalformedCheckpointError, match=r"inflates from|byteorder record holds"):
+        ckptconv.open(path)
+    code, _, stderr = run_cli("inspect", str(path))
+    assert code == 1 and len(stderr.splitlines()) == 1, stderr
+
+
+def test_a_rezipped_checkpoint_whose_pickle_deflates_as_pickles_do_is_read(tmp_path: Path) -> None:
+    path = _rezipped(
+        tmp_path, "rezipped.pt", lambda name, data: data if name.endswith(("/data.pkl", "/byteorder")) else None
+    )
+    assert ckptconv.load(path)["w"].equal(torch.zeros(4))
+
+
+def test_scan_inflates_an_extra_member_no_further_than_a_pickle_does(tmp_path: Path) -> None:
+    """scan reads the pickles in every member (torch.load ignores extra ones): a 64 KB zip bomb among
+    them was inflated to the 256 MiB limit."""
+    path = _rezipped(
+        tmp_path, "extra.pt", lambda name, data: b"\x80\x02}." + b"\0" * BOMB_BYTES if name == "EXTRA" else None
+    )
+    with bounded(megabytes=24):
+        report = ckptconv.scan(path)
+    assert report.verdict == "safe"
+
+
 def test_other_compression_methods_are_refused(tmp_path: Path) -> None:
     stored = tmp_path / "stored.pt"
     torch.save({"w": torch.zeros(3)}, stored)

@@ -67,6 +67,14 @@ _MAX_VERSION_BYTES = 4096
 # Deflate cannot expand data more than 1032:1 (RFC 1951: 258 bytes per 2-bit
 # code at best); a record that claims more is lying about its size, or a zip bomb.
 MAX_DEFLATE_RATIO = 1032
+# The records read whole into memory (data.pkl, byteorder, version, metadata) may inflate at most this
+# much (plus INFLATION_SLACK bytes): torch.save never compresses them, and a re-zipped checkpoint's
+# pickle deflates 2-6:1 (7,680 tensors with their Adam state: 4.3:1), where zeros padding a 300 KB
+# data.pkl after its STOP took 300 MB to read.
+MAX_INFLATION = 64
+INFLATION_SLACK = 1 << 20
+# torch.load accepts only "little" and "big".
+_MAX_BYTEORDER_BYTES = 16
 
 _ZIP_ERRORS = (
     zipfile.BadZipFile,
@@ -301,6 +309,10 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
         byteorder_info = infos.get(f"{root}byteorder")
         if byteorder_info:
             check_compression(byteorder_info, path)
+            if byteorder_info.file_size > _MAX_BYTEORDER_BYTES:
+                raise _damaged(
+                    path, f"its byteorder record holds {byteorder_info.file_size} bytes, not 'little' or 'big'"
+                )
         byteorder = (
             member_bytes(archive, file, byteorder_info, path, check_crc=crc_recorded).decode("ascii", "replace")
             if byteorder_info
@@ -401,8 +413,25 @@ def _check_version(
         )
 
 
+def inflates_too_much(info: zipfile.ZipInfo) -> bool:
+    """Whether a member read whole into memory inflates more than :data:`MAX_INFLATION` allows."""
+    return (
+        info.compress_type != zipfile.ZIP_STORED
+        and info.file_size > MAX_INFLATION * info.compress_size + INFLATION_SLACK
+    )
+
+
 def member_bytes(archive: zipfile.ZipFile, file: Any, info: zipfile.ZipInfo, path: str, *, check_crc: bool) -> bytes:
-    """A small member's bytes; its CRC-32 checked (by zipfile) when ``check_crc``, for archives that record CRCs."""
+    """A small member's bytes; its CRC-32 checked (by zipfile) when ``check_crc``, for archives that record CRCs.
+
+    Refused, before anything is inflated, when it would inflate more than a pickle does (:data:`MAX_INFLATION`).
+    """
+    if inflates_too_much(info):
+        raise _damaged(
+            path,
+            f"{short_repr(info.filename)} inflates from {info.compress_size} to {info.file_size} bytes, more than "
+            f"{MAX_INFLATION}:1 (torch.save stores it uncompressed; a zip bomb?)",
+        )
     if check_crc:
         return archive.read(info)
     if info.compress_type != zipfile.ZIP_STORED:
@@ -416,7 +445,7 @@ def member_bytes(archive: zipfile.ZipFile, file: Any, info: zipfile.ZipInfo, pat
 
 def _read_metadata(archive: zipfile.ZipFile, info: zipfile.ZipInfo | None) -> dict[str, str]:
     """ckptconv's own metadata record, if present and well formed (it is informational only)."""
-    if info is None or info.file_size > 16 << 20:
+    if info is None or info.file_size > 16 << 20 or inflates_too_much(info):
         return {}
     try:
         value = json.loads(archive.read(info).decode("utf-8"))
