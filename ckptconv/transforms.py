@@ -28,6 +28,7 @@ from typing import Callable, ClassVar, Protocol
 
 from .dtypes import DType, parse_cast_target
 from .errors import KeyCollisionError, TransformError
+from .standins import short_repr
 from .tensor import TensorRef
 
 __all__ = [
@@ -223,11 +224,14 @@ class Canonicalize:
         return "remove wrapper prefixes (canonical names)"
 
 
-def _compile(pattern: str) -> re.Pattern[str]:
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """``pattern`` compiled, or a TransformError saying why not: re's own errors, and the two it
+    raises as other exceptions (a repetition count too large, nesting too deep for its parser)."""
     try:
         return re.compile(pattern)
-    except re.error as error:
-        raise TransformError(f"{pattern!r} is not a valid regular expression: {error}") from None
+    except (re.error, OverflowError, RecursionError) as error:
+        reason = "it is nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise TransformError(f"{short_repr(pattern)} is not a valid regular expression: {reason}") from None
 
 
 @dataclass(frozen=True)
@@ -238,7 +242,7 @@ class Rename:
     replacement: str
 
     def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
-        regex = _compile(self.pattern)
+        regex = compile_pattern(self.pattern)
         try:
             return _rekey(state, lambda key: regex.sub(self.replacement, key), self.describe())
         except (re.error, IndexError) as error:
@@ -262,7 +266,7 @@ class _KeyFilter:
         return (self.pattern,) if isinstance(self.pattern, str) else tuple(self.pattern)
 
     def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
-        regexes = [_compile(pattern) for pattern in self.patterns]
+        regexes = [compile_pattern(pattern) for pattern in self.patterns]
         keeps = self._keeps_matches
         return _rekey(
             state,
@@ -308,7 +312,7 @@ class Cast:
 
     def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
         target = self.target
-        keep = [_compile(pattern) for pattern in self.keep]
+        keep = [compile_pattern(pattern) for pattern in self.keep]
         result: State = {}
         changed = 0
         for key, tensor in state.items():

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+import ckptconv
+
 from .conftest import FIXTURES, tiny_state_dict
 from .conftest import run_cli as _run
 
@@ -238,6 +240,11 @@ def test_select_names_something_missing(tmp_path: Path) -> None:
         (["--rename", "no-equals-sign"], "is not REGEX=REPLACEMENT"),
         (["--rename", r"^a=\2"], "refers to a group"),
         (["--drop", "(("], "is not a valid regular expression"),
+        # re raises these two as OverflowError and RecursionError, not re.error: they were tracebacks.
+        (["--keep", "a{99999999999}"], "the repetition number is too large"),
+        (["--rename", "a{99999999999}=b"], "the repetition number is too large"),
+        (["--drop", "(" * 5000 + ")" * 5000], "is nested too deeply"),
+        (["--dtype", "fp16", "--keep-dtype", "a{99999999999}"], "the repetition number is too large"),
         (["--dtype", "int8"], "is not a dtype ckptconv can cast to"),
         (["--keep-dtype", "norm"], "--keep-dtype and --allow-overflow need --dtype"),
         (["--strip-prefix", "."], "a prefix must name at least one component"),
@@ -251,6 +258,15 @@ def test_usage_errors_exit_2(option: list[str], expected: str, good_checkpoint: 
     assert expected in stderr
     assert "Traceback" not in stderr
     assert not output.exists()
+
+
+@pytest.mark.parametrize("pattern", ["a{99999999999}", "(" * 5000 + ")" * 5000, "(("])
+def test_the_library_refuses_bad_patterns_with_a_transform_error(pattern: str, good_checkpoint: Path) -> None:
+    selection = ckptconv.open(good_checkpoint).select()
+    for transform in (ckptconv.Keep([pattern]), ckptconv.Drop([pattern]), ckptconv.Rename(pattern, "x")):
+        with pytest.raises(ckptconv.TransformError, match="is not a valid regular expression") as error:
+            transform.apply(selection.weights)
+        assert len(str(error.value)) < 300
 
 
 def test_key_collisions_name_both_keys(tmp_path: Path) -> None:

@@ -7,15 +7,18 @@ from typing import Any, ClassVar
 
 import click
 
+from ..errors import TransformError
+from ..transforms import compile_pattern
+
 
 class Regex(click.ParamType):  # type: ignore[type-arg]
     name = "REGEX"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         try:
-            re.compile(value)
-        except re.error as error:
-            self.fail(f"{value!r} is not a valid regular expression: {error}", param, ctx)
+            compile_pattern(value)
+        except TransformError as error:
+            self.fail(str(error), param, ctx)
         return str(value)
 
 
@@ -30,9 +33,9 @@ class RenameRule(click.ParamType):  # type: ignore[type-arg]
             self.fail(f"{value!r} is not REGEX=REPLACEMENT (e.g. '^backbone\\.=encoder.')", param, ctx)
         pattern, replacement = match.group(1).replace("\\=", "="), match.group(2)
         try:
-            regex = re.compile(pattern)
-        except re.error as error:
-            self.fail(f"{pattern!r} is not a valid regular expression: {error}", param, ctx)
+            regex = compile_pattern(pattern)
+        except TransformError as error:
+            self.fail(str(error), param, ctx)
         for group in re.findall(r"\\(\d+)|\\g<(\w+)>", replacement):
             number, name = group
             known = (
