@@ -39,6 +39,7 @@ from collections.abc import Iterator
 
 from ._paths import missing
 from .errors import LoadError, MalformedCheckpointError, UnsupportedFormatError
+from .standins import short_repr
 
 __all__ = [
     "MAX_TEXT_BYTES",
@@ -371,12 +372,13 @@ def member(folder: str, name: object, *, source: str, what: str = "file") -> str
     problem = _name_problem(name)
     if problem or not isinstance(name, str):
         raise MalformedCheckpointError(
-            f"{source!r} names the {what} {name!r}, which {problem}; the checkpoint is damaged", path=source
+            f"{source!r} names the {what} {short_repr(name)}, which {problem}; the checkpoint is damaged", path=source
         )
     path = os.path.join(folder, *name.split("/"))
     if not os.path.lexists(path):
         raise MalformedCheckpointError(
-            f"{source!r} lists the {what} {name!r}, which is missing; download or copy every file of the checkpoint",
+            f"{source!r} lists the {what} {short_repr(name)}, which is missing; download or copy every file of the "
+            "checkpoint",
             path=source,
         )
     check_file(path, folder=folder)

@@ -278,3 +278,53 @@ def test_key_collisions_name_both_keys(tmp_path: Path) -> None:
         "ckptconv: error: strip prefix 'module.' maps both 'module.w' and 'w' to 'w'; "
         "drop one of them first (--drop) or choose another rule\n"
     )
+
+
+def _long_header(tmp_path: Path, header: dict[str, object]) -> Path:
+    import json
+    import struct
+
+    raw = json.dumps(header).encode()
+    path = tmp_path / "long.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    return path
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"k" * 2_000_000: 1},
+        {"a": {"dtype": "X" * 2_000_000, "shape": [1], "data_offsets": [0, 4]}},
+        {"a": {"dtype": "F32", "shape": [-1] * 500_000, "data_offsets": [0, 4]}},
+        {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0] * 500_000}},
+    ],
+    ids=["key", "dtype", "shape", "offsets"],
+)
+def test_errors_show_values_from_the_file_shortened(header: dict[str, object], tmp_path: Path) -> None:
+    """Tensor names, dtypes, shapes and offsets from a header were printed whole: lines of megabytes."""
+    path = _long_header(tmp_path, header)
+    with pytest.raises(ckptconv.MalformedCheckpointError) as error:
+        ckptconv.open(path)
+    assert len(str(error.value)) < 500
+    code, _, stderr = _run("inspect", str(path))
+    assert code == 1 and len(stderr) < 500 and len(stderr.splitlines()) == 1, stderr[:300]
+
+
+def test_a_shard_name_of_megabytes_is_shortened(tmp_path: Path) -> None:
+    import json
+
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "x" * 2_000_000}}))
+    code, _, stderr = _run("inspect", str(folder))
+    assert code == 1 and len(stderr) < 1000 and len(stderr.splitlines()) == 1, stderr[:300]
+
+
+def test_every_printed_error_is_cut_to_its_start_and_end() -> None:
+    from ckptconv.cli.terminal import MAX_ERROR_CHARS, shortened
+
+    assert shortened("short message") == "short message"
+    long = "start " + "x" * 10 * MAX_ERROR_CHARS + " end"
+    cut = shortened(long)
+    assert len(cut) <= MAX_ERROR_CHARS and cut.startswith("start ") and cut.endswith(" end")
+    assert "characters left out" in cut

@@ -20,7 +20,7 @@ from .option_sets import (
     run_options,
     transform_options,
 )
-from .terminal import echo, say
+from .terminal import echo, say, shortened
 
 
 def run_conversion(
@@ -210,9 +210,9 @@ def batch(src: str, dst: str, **options: Any) -> None:
             elif result.status == "skipped":
                 echo(f"{result.source}: converted already, skipped")
             else:
-                echo(f"{result.source}: cannot convert: {result.error}")
+                echo(f"{result.source}: cannot convert: {shortened(result.error)}")
     for result in report.failed:  # errors: shown even with -q
-        echo(f"failed: {result.source}: {result.error}", err=True)
+        echo(f"failed: {result.source}: {shortened(result.error)}", err=True)
     if report.cancelled:
         not_started = f"{plural(len(report.cancelled), 'item')} {'was' if len(report.cancelled) == 1 else 'were'}"
         say(quiet, f"stopped after the first failure (--fail-fast); {not_started} not started")

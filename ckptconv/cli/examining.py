@@ -12,7 +12,7 @@ from .._text import plural, shown
 from ..report import EXIT_NEGATIVE, EXIT_UNSAFE, human_bytes
 from .failures import Command
 from .option_sets import field_options, pipeline, transform_options
-from .terminal import echo, printable
+from .terminal import echo, printable, shortened
 
 
 @click.command(cls=Command)
@@ -242,7 +242,7 @@ def scan(paths: tuple[str, ...], as_json: bool, quiet: bool) -> None:
         for report in summary.reports:
             if quiet and report.verdict == SAFE:
                 continue
-            click.echo(printable(f"{report.verdict:<16}  {report.path}: {report.reason}"))
+            click.echo(printable(f"{report.verdict:<16}  {report.path}: {shortened(report.reason)}"))
         click.echo(summary.summary(), err=True)
     worst = summary.worst
     if worst == UNSAFE:

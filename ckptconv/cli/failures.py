@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from ..report import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NEGATIVE, EXIT_TERMINATED
-from .terminal import echo
+from .terminal import echo, shortened
 
 EXIT_CODES_HELP = """\b
 Exit codes:
@@ -64,7 +64,7 @@ class Group(click.Group):
                 # file the unwinding had closed) is a consequence of the interruption, not the failure.
                 echo(f"ckptconv: interrupted{signal_name(interrupt)}; no output was written", err=True)
                 ctx.exit(interrupted_code(interrupt))
-            echo(f"ckptconv: error: {error}", err=True)
+            echo(f"ckptconv: error: {shortened(error)}", err=True)
             # A fit that cannot be made is a negative result with a report, not a failure.
             if isinstance(error, FitError) and error.report is not None:
                 for line in error.report.details():

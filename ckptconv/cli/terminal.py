@@ -6,6 +6,19 @@ import click
 
 from .._text import shown
 
+#: The most characters of an error message that are printed. Values from a file are shortened where
+#: the messages are made; this catches any that are not (a 2 MB tensor name made a 2 MB line).
+MAX_ERROR_CHARS = 2000
+
+
+def shortened(message: object) -> str:
+    """An error message as printed: its start and its end, when it is longer than :data:`MAX_ERROR_CHARS`."""
+    text = str(message)
+    if len(text) <= MAX_ERROR_CHARS:
+        return text
+    head, tail = text[: MAX_ERROR_CHARS - 500], text[-400:]
+    return f"{head} ...({len(text) - len(head) - len(tail)} characters left out)... {tail}"
+
 
 def echo(message: str, *, err: bool = False) -> None:
     """One line on stdout (or stderr), escaped; ``--json`` output goes to click.echo unescaped (JSON escapes)."""

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, Callable
 from .. import read_policy
 from ..dtypes import SAFETENSORS_WITHOUT_TORCH, dtype_by_safetensors_code
 from ..errors import MalformedCheckpointError, UnsupportedFormatError, WriteError
+from ..standins import short_repr
 from ..tensor import FileRegion, Storage, TensorRef, contiguous_strides, shape_overflows
 from ._base import Deferred, MetadataValue, ReadResult, is_utf8, json_object, metadata_text, split_aliases
 
@@ -96,44 +97,50 @@ def read(path: str) -> ReadResult:
     spans: list[tuple[int, int, str]] = []
     for key, entry in header.items():
         if not isinstance(entry, dict) or set(entry) - {"dtype", "shape", "data_offsets"}:
-            raise _damaged(path, f"entry {key!r} is not a tensor description")
+            raise _damaged(path, f"entry {short_repr(key)} is not a tensor description")
         code = entry.get("dtype")
         dtype = dtype_by_safetensors_code(code) if isinstance(code, str) else None
         if dtype is None and code in SAFETENSORS_WITHOUT_TORCH:
             raise UnsupportedFormatError(
-                f"{path!r} holds tensor {key!r} as {code}, a safetensors dtype that no torch dtype holds; "
+                f"{path!r} holds tensor {short_repr(key)} as {code}, a safetensors dtype that no torch dtype holds; "
                 "ckptconv converts only what torch can load",
                 path=path,
             )
         if dtype is None:
-            raise _damaged(path, f"tensor {key!r} has unknown dtype {entry.get('dtype')!r}")
+            raise _damaged(path, f"tensor {short_repr(key)} has unknown dtype {short_repr(entry.get('dtype'))}")
         shape = entry.get("shape")
         offsets = entry.get("data_offsets")
         if not (isinstance(shape, list) and len(shape) <= 64 and all(type(s) is int and s >= 0 for s in shape)):
-            raise _damaged(path, f"tensor {key!r} has shape {shape!r}")
+            raise _damaged(path, f"tensor {short_repr(key)} has shape {short_repr(shape)}")
         if shape_overflows(shape):  # the safetensors library's checked product; torch's int64 sizes
-            raise _damaged(path, f"tensor {key!r} has shape {shape}, whose sizes or their product overflow int64")
+            raise _damaged(
+                path,
+                f"tensor {short_repr(key)} has shape {short_repr(shape)}, whose sizes or their product overflow int64",
+            )
         if code == _PACKED_F4:
             # The safetensors library stores torch's float4_e2m1fn_x2 (two 4-bit floats a byte)
             # as F4 with the last dimension counted in 4-bit elements.
             if not shape or shape[-1] % 2:
                 raise UnsupportedFormatError(
-                    f"{path!r}: tensor {key!r} is F4 of shape {shape}, which no torch dtype holds "
+                    f"{path!r}: tensor {short_repr(key)} is F4 of shape {short_repr(shape)}, "
+                    "which no torch dtype holds "
                     "(torch packs two 4-bit floats a byte)",
                     path=path,
                 )
             shape = [*shape[:-1], shape[-1] // 2]
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise _damaged(path, f"tensor {key!r} has data_offsets {offsets!r}")
+            raise _damaged(path, f"tensor {short_repr(key)} has data_offsets {short_repr(offsets)}")
         begin, end = offsets
         numel = 1
         for dim in shape:
             numel *= dim
         if not 0 <= begin <= end or end - begin != numel * dtype.itemsize:
-            raise _damaged(path, f"tensor {key!r} of shape {shape} has data_offsets {offsets}")
+            raise _damaged(
+                path, f"tensor {short_repr(key)} of shape {short_repr(shape)} has data_offsets {short_repr(offsets)}"
+            )
         if end > data_length:
             raise MalformedCheckpointError(
-                f"{path!r} is truncated: tensor {key!r} ends at byte {data_start + end} of {size}", path=path
+                f"{path!r} is truncated: tensor {short_repr(key)} ends at byte {data_start + end} of {size}", path=path
             )
         spans.append((begin, end, key))
         storage = Storage(end - begin, FileRegion(path, data_start + begin), name=key)
@@ -152,7 +159,7 @@ def _check_buffer_indexed(path: str, spans: list[tuple[int, int, str]], data_len
     for begin, end, key in sorted(spans):
         if begin != position:
             what = "overlaps the tensor before it" if begin < position else f"leaves bytes {position}-{begin} unindexed"
-            raise _damaged(path, f"tensor {key!r} at data_offsets [{begin}, {end}] {what}")
+            raise _damaged(path, f"tensor {short_repr(key)} at data_offsets [{begin}, {end}] {what}")
         position = end
     if position != data_length:
         raise _damaged(path, f"{data_length - position} bytes after the last tensor belong to no tensor")
@@ -170,7 +177,7 @@ def _restore_aliases(path: str, tree: dict[str, TensorRef], metadata: dict[str, 
         raise _damaged(path, f"its {ALIASES_KEY} metadata is not a JSON object")
     for alias, target in aliases.items():
         if not isinstance(target, str) or target not in tree or alias in tree or alias == METADATA_KEY:
-            raise _damaged(path, f"alias {alias!r} -> {target!r} does not match the tensors")
+            raise _damaged(path, f"alias {short_repr(alias)} -> {short_repr(target)} does not match the tensors")
         tree[alias] = tree[target]
 
 
@@ -182,7 +189,9 @@ def _header_shape(key: str, ref: TensorRef) -> list[int]:
     shape = list(ref.shape)
     if ref.out_dtype.safetensors == _PACKED_F4:
         if not shape:
-            raise WriteError(f"tensor {key!r} is a 0-dim float4_e2m1fn_x2, which safetensors cannot store; use --to pt")
+            raise WriteError(
+                f"tensor {short_repr(key)} is a 0-dim float4_e2m1fn_x2, which safetensors cannot store; use --to pt"
+            )
         shape[-1] *= 2
     return shape
 

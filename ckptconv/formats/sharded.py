@@ -24,6 +24,7 @@ from typing import Any
 
 from .. import read_policy
 from ..errors import MalformedCheckpointError
+from ..standins import short_repr
 from ..suffixes import INDEX_SUFFIXES
 from ..tensor import TensorRef
 from ._base import ReadResult, json_bytes, json_object
@@ -42,7 +43,7 @@ def shard_path(index_path: str, name: Any) -> str:
     """The file a ``weight_map`` entry names; never anything outside the index's folder (:mod:`.read_policy`)."""
     folder = os.path.dirname(os.path.abspath(index_path))
     if isinstance(name, str) and name.endswith(INDEX_SUFFIXES):
-        raise _damaged(index_path, f"its weight_map names the index {name!r} as a shard")
+        raise _damaged(index_path, f"its weight_map names the index {short_repr(name)} as a shard")
     return read_policy.member(folder, name, source=index_path, what="shard")
 
 
@@ -93,7 +94,9 @@ def read(index_path: str, *, max_items: int | None = None) -> ReadResult:
         files.append(path)
         kind = detect(path)
         if kind in (FORMAT, "dcp"):
-            raise _damaged(index_path, f"its weight_map names {name!r}, which is not a single checkpoint file")
+            raise _damaged(
+                index_path, f"its weight_map names {short_repr(name)}, which is not a single checkpoint file"
+            )
         result = READERS[kind](path)
         shards[name] = select_weights(result.tree, source=repr(path)).weights
         for global_name, count in result.foreign_globals.items():
@@ -105,7 +108,8 @@ def read(index_path: str, *, max_items: int | None = None) -> ReadResult:
         tensor = shards[name].get(key)
         if tensor is None:
             raise MalformedCheckpointError(
-                f"{index_path!r} maps {key!r} to {name!r}, which does not hold it; the shards do not match the index",
+                f"{index_path!r} maps {short_repr(key)} to {short_repr(name)}, which does not hold it; "
+                "the shards do not match the index",
                 path=index_path,
             )
         tree[key] = tensor
@@ -128,7 +132,8 @@ def _refuse_keys_in_two_shards(index_path: str, shards: dict[str, dict[str, Any]
             if first != name:
                 raise _damaged(
                     index_path,
-                    f"tensor {key!r} is in {first!r} and in {name!r} (the index names {weight_map.get(key)!r}); "
+                    f"tensor {short_repr(key)} is in {short_repr(first)} and in {short_repr(name)} "
+                    f"(the index names {short_repr(weight_map.get(key))}); "
                     "loaders that read every shard keep the last, so refusing a checkpoint that reads two ways",
                 )
 
