@@ -357,6 +357,36 @@ def test_fsdp2_rank_files_torch_2_4_wrote_merge_to_its_gathered_state_dict(tmp_p
     assert ours["head.weight"].data_ptr() == ours["emb.weight"].data_ptr()  # tied in the model
 
 
+@pytest.mark.parametrize("run", ["fsdp2_dtensor_torch213", "dtensor_2d_mesh_torch213"])
+def test_dtensor_rank_files_torch_2_13_wrote_merge_to_their_gathered_state_dict(run: str, tmp_path: Path) -> None:
+    """torch 2.13 pickles the mesh as a _MeshLayout of _FlatLayouts (torch 2.11: its shape), which was
+    refused as "no readable device mesh" (fixtures/make_torch213_dtensor_fixtures.py, CPU and gloo):
+    FSDP2 over 2 ranks, and a 2 x 2 mesh with a dimension split by both mesh dimensions."""
+    expected = golden(run, "golden_full.pt")
+    assert_same_state(ckptconv.load(RUNS / run), expected)
+    out = tmp_path / "model.pt"
+    ckptconv.convert(RUNS / run, out, verify="torch")
+    assert_same_state(torch.load(out, weights_only=True), expected)
+
+
+def test_a_dtensor_split_over_the_mesh_in_another_order_is_refused() -> None:
+    """torch 2.13's shard_order may split a tensor dimension over the mesh's dimensions in another order
+    than the mesh's, which places the pieces elsewhere: refused, not placed in the mesh's order."""
+    from ckptconv.formats import rank_shards, torch_zip
+
+    path = str(RUNS / "dtensor_2d_mesh_torch213" / "model_world_size_4_rank_1.pt")
+    value = torch_zip.read(path).tree["b"]  # [Shard(0), Shard(0)]: dimension 0 over mesh dimensions (0, 1)
+    (entry,) = value.attributes()["_spec"].attributes()["shard_order"]
+    assert entry.args == (0, (0, 1))
+    rank_shards._shard(value, path, "b")
+    entry.args = (0, (1, 0))
+    with pytest.raises(ckptconv.UnsupportedFormatError, match="another order than the mesh's"):
+        rank_shards._shard(value, path, "b")
+    entry.args = (1, (0, 1))
+    with pytest.raises(ckptconv.MalformedCheckpointError, match="does not match its placements"):
+        rank_shards._shard(value, path, "b")
+
+
 def test_fsdp2_inspect_and_verl_sibling_files(tmp_path: Path) -> None:
     """verl saves optimizer and extra state per rank beside the model: the model files are taken."""
     run = _copy("fsdp2_dtensor", tmp_path)

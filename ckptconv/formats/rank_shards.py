@@ -41,7 +41,7 @@ from typing import Any
 from .. import read_policy
 from ..dtypes import DType
 from ..errors import CkptconvError, MalformedCheckpointError, UnsupportedFormatError
-from ..standins import ForeignObject
+from ..standins import ForeignObject, short_repr
 from ..tensor import Storage, TensorRef, contiguous_strides
 from . import torch_zip
 from ._base import ReadResult
@@ -223,6 +223,30 @@ def _placements(spec: dict[str, Any], path: str, key: str) -> list[int | None]:
     return result
 
 
+def _layout_shape(layout: ForeignObject) -> Any:
+    """The mesh shape a pickled ``_MeshLayout`` records, or None.
+
+    torch 2.11 keeps it in ``shape``; torch 2.13 keeps one ``_FlatLayout(shape, stride)`` per mesh
+    dimension in ``axes``, a dimension's size the product of its layout's shape (one made by
+    flattening others has several).
+    """
+    fields = layout.attributes()
+    if "shape" in fields:
+        return fields["shape"]
+    axes = fields.get("axes")
+    if not isinstance(axes, (tuple, list)):
+        return None
+    sizes = []
+    for axis in axes:
+        shape = axis.attributes().get("shape") if isinstance(axis, ForeignObject) else None
+        if isinstance(shape, int):
+            shape = (shape,)
+        if not isinstance(shape, (tuple, list)) or not all(type(s) is int and s > 0 for s in shape):
+            return None
+        sizes.append(math.prod(shape))
+    return tuple(sizes)
+
+
 def _mesh(spec: dict[str, Any], path: str, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The device mesh's shape and this rank's coordinates on it."""
     mesh = spec.get("mesh")
@@ -230,7 +254,7 @@ def _mesh(spec: dict[str, Any], path: str, key: str) -> tuple[tuple[int, ...], t
     shape: Any = None
     layout = fields.get("_layout")
     if isinstance(layout, ForeignObject):
-        shape = layout.attributes().get("shape")
+        shape = _layout_shape(layout)
     elif isinstance(fields.get("mesh"), TensorRef):
         shape = fields["mesh"].shape
     coordinates = fields.get("_coordinate_on_dim")
@@ -242,6 +266,41 @@ def _mesh(spec: dict[str, Any], path: str, key: str) -> tuple[tuple[int, ...], t
     ):
         raise _damaged(path, f"{key!r} has no readable device mesh (shape {shape!r}, coordinates {coordinates!r})")
     return tuple(shape), tuple(coordinates)
+
+
+def _check_shard_order(spec: dict[str, Any], placements: list[int | None], path: str, key: str) -> None:
+    """Refuse a DTensor whose tensor dimensions are split over mesh dimensions in another order than
+    the mesh's (torch 2.13's ``shard_order``): the offsets below split them in the mesh's order.
+
+    torch 2.13 records the order in every spec, as ``ShardOrderEntry(tensor_dim, mesh_dims)`` per
+    sharded tensor dimension; an entry must name exactly the mesh dimensions that shard that tensor
+    dimension by the placements, in ascending order.
+    """
+    order = spec.get("shard_order")
+    if order is None or order == ():
+        return
+    expected: dict[int, tuple[int, ...]] = {}
+    for mesh_dim, tensor_dim in enumerate(placements):
+        if tensor_dim is not None:
+            expected[tensor_dim] = (*expected.get(tensor_dim, ()), mesh_dim)
+    recorded: dict[int, tuple[int, ...]] = {}
+    for entry in order if isinstance(order, (tuple, list)) else [order]:
+        fields = entry.attributes() if isinstance(entry, ForeignObject) else {}
+        args = entry.args if isinstance(entry, ForeignObject) else ()
+        tensor_dim = fields.get("tensor_dim", args[0] if len(args) > 0 else None)
+        mesh_dims = fields.get("mesh_dims", args[1] if len(args) > 1 else None)
+        if type(tensor_dim) is not int or not isinstance(mesh_dims, (tuple, list)) or tensor_dim in recorded:
+            raise _damaged(path, f"{key!r} has a shard order {short_repr(order)} that is not torch's")
+        if mesh_dims:
+            recorded[tensor_dim] = tuple(mesh_dims)
+    if {dim: tuple(sorted(dims)) for dim, dims in recorded.items()} != expected:
+        raise _damaged(path, f"{key!r} has a shard order {short_repr(order)} that does not match its placements")
+    if any(list(dims) != sorted(dims) for dims in recorded.values()):
+        raise UnsupportedFormatError(
+            f"{path!r} stores {key!r} split over the mesh's dimensions in another order than the mesh's "
+            f"(shard order {short_repr(order)}), which ckptconv does not place; gather it with torch first",
+            path=path,
+        )
 
 
 def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -269,6 +328,7 @@ def _shard(value: ForeignObject, path: str, key: str) -> tuple[tuple[int, ...], 
     mesh_shape, coordinates = _mesh(spec_fields, path, key)
     if len(placements) != len(mesh_shape):
         raise _damaged(path, f"{key!r} has {len(placements)} placements for a {len(mesh_shape)}-D mesh")
+    _check_shard_order(spec_fields, placements, path, key)
     offsets = [0] * len(shape)
     sizes = list(shape)
     for dim, parts, index in zip(placements, mesh_shape, coordinates):
