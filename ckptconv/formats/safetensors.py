@@ -96,7 +96,8 @@ def read(path: str) -> ReadResult:
     tree: dict[str, TensorRef] = {}
     spans: list[tuple[int, int, str]] = []
     for key, entry in header.items():
-        if not isinstance(entry, dict) or set(entry) - {"dtype", "shape", "data_offsets"}:
+        # Other fields are ignored, as the safetensors library reads such an entry.
+        if not isinstance(entry, dict) or not entry.keys() >= _ENTRY_FIELDS:
             raise _damaged(path, f"entry {short_repr(key)} is not a tensor description")
         code = entry.get("dtype")
         dtype = dtype_by_safetensors_code(code) if isinstance(code, str) else None
@@ -163,6 +164,9 @@ def _check_buffer_indexed(path: str, spans: list[tuple[int, int, str]], data_len
         position = end
     if position != data_length:
         raise _damaged(path, f"{data_length - position} bytes after the last tensor belong to no tensor")
+
+
+_ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 
 def _restore_aliases(path: str, tree: dict[str, TensorRef], metadata: dict[str, str]) -> None:
