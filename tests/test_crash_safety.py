@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -381,3 +382,105 @@ def test_an_item_error_raised_while_an_interruption_unwinds_stops_the_batch_as_t
         f"ckptconv: interrupted{name}; finished items are recorded in the manifest under {str(out)!r}; "
         "run again with --resume to carry on\n",
     )
+
+
+@pytest.mark.parametrize("interrupt", ["SIGTERM", "Ctrl-C"])
+def test_an_import_an_interruption_cut_short_reports_the_interruption(
+    interrupt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in the middle of numpy's import, then the unwinding importing it again: "ImportError: cannot
+    load module more than once per process" was a traceback instead of the interruption."""
+    from ckptconv import writing
+    from ckptconv.cli.failures import Terminated
+
+    signalled = Terminated() if interrupt == "SIGTERM" else KeyboardInterrupt()
+
+    def interrupted_write(*args: object, **kwargs: object) -> Iterator[int]:
+        try:
+            raise signalled
+        except KeyboardInterrupt:
+            raise ImportError("cannot load module more than once per process") from None
+        yield 0
+
+    monkeypatch.setattr(writing, "_write_tensor", interrupted_write)
+    source = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(4)}, source)
+    code, _stdout, stderr = run_cli("convert", str(source), str(tmp_path / "out.safetensors"))
+    name = " (SIGTERM)" if interrupt == "SIGTERM" else ""
+    assert (code, stderr) == (
+        143 if interrupt == "SIGTERM" else 130,
+        f"ckptconv: interrupted{name}; no output was written\n",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
+
+
+def test_an_interruption_a_finalizer_swallowed_is_delivered_again() -> None:
+    """A KeyboardInterrupt raised inside a __del__ or a weakref callback cannot leave it: Python printed
+    it and went on, and the command finished as if never interrupted."""
+    import sys
+
+    from ckptconv.cli.failures import on_unraisable
+
+    class Interrupted:
+        def __del__(self) -> None:
+            raise KeyboardInterrupt
+
+    python_hook, sys.unraisablehook = sys.unraisablehook, on_unraisable
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Interrupted()  # collected at once: its __del__ raises into the hook
+            for _ in range(200):  # the signal comes again from a thread, a millisecond later
+                time.sleep(0.01)
+    finally:
+        sys.unraisablehook = python_hook
+
+
+def test_signals_are_held_back_while_cpp_calls_into_python() -> None:
+    """torch.save to a file object calls back into Python: Ctrl-C raised there aborted the process
+    (SIGABRT). Inside signals_deferred the signal waits, and reaches its handler when the block ends."""
+    import signal
+    import threading
+
+    from ckptconv._signals import signals_deferred
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt), signals_deferred():
+        signal.raise_signal(signal.SIGINT)
+        for _ in range(10_000):
+            pass
+        reached.append("the end of the block")
+    assert reached == ["the end of the block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    def elsewhere() -> None:  # no handler can be changed outside the main thread: the block just runs
+        with signals_deferred():
+            reached.append("a thread")
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert reached[-1] == "a thread"
+
+
+def test_a_failure_after_an_interruption_a_c_extension_swallowed_reports_the_interruption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C inside numpy's extension initialisation: the KeyboardInterrupt is swallowed there, and the
+    next import fails with an ImportError that has no trace of it. The handler remembers the signal."""
+    from ckptconv import writing
+    from ckptconv.cli import failures
+
+    monkeypatch.setattr(failures, "_RECEIVED", [])
+
+    def interrupted_write(*args: object, **kwargs: object) -> Iterator[int]:
+        with contextlib.suppress(KeyboardInterrupt):  # as the extension's initialisation does
+            failures.on_sigint(signal.SIGINT, None)
+        raise ImportError("cannot load module more than once per process")
+        yield 0
+
+    monkeypatch.setattr(writing, "_write_tensor", interrupted_write)
+    source = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(4)}, source)
+    code, _stdout, stderr = run_cli("convert", str(source), str(tmp_path / "out.safetensors"))
+    assert (code, stderr) == (130, "ckptconv: interrupted; no output was written\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]

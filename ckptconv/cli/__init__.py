@@ -15,7 +15,7 @@ import click
 from .._version import __version__
 from .converting import add_module, batch, convert, fit, strip_module
 from .examining import diff, inspect, scan, verify
-from .failures import EXIT_CODES_HELP, Group, on_sigterm
+from .failures import EXIT_CODES_HELP, Group, handle_signals, on_unraisable
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
@@ -38,14 +38,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``ckptconv`` console script and ``python -m ckptconv``.
 
     SIGTERM (``kill``, a job scheduler's time limit) is handled like Ctrl-C:
-    partial outputs are removed and the exit code is 143.
+    partial outputs are removed and the exit code is 143 (130 for Ctrl-C).
     """
     import contextlib
     import gc
     import os
-    import signal
     import sys
-    import threading
 
     # ckptconv makes no BLAS calls, but importing numpy starts OpenBLAS's thread pool, whose
     # threads spin: 0.1 s of CPU per run on the 2-core VM, taken from the conversion's own threads
@@ -61,12 +59,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_sigterm)
+    handle_signals()
     from .. import _cores
 
-    with _cores.switching_often():  # the cast threads wait less for the GIL (see _cores)
-        cli.main(args=list(argv) if argv is not None else None, prog_name="ckptconv")
+    python_hook, sys.unraisablehook = sys.unraisablehook, on_unraisable
+    try:
+        with _cores.switching_often():  # the cast threads wait less for the GIL (see _cores)
+            cli.main(args=list(argv) if argv is not None else None, prog_name="ckptconv")
+    finally:
+        sys.unraisablehook = python_hook
 
 
 __all__ = ["cli", "main"]

@@ -58,7 +58,7 @@ class Group(click.Group):
         except CkptconvError as error:
             if os.environ.get("CKPTCONV_DEBUG"):
                 raise
-            interrupt = interruption(error)
+            interrupt = interruption(error) or received_interruption()
             if interrupt is not None:
                 # An error raised while Ctrl-C or SIGTERM unwound the work (a worker thread's read of a
                 # file the unwinding had closed) is a consequence of the interruption, not the failure.
@@ -76,14 +76,85 @@ class Group(click.Group):
                 raise
             echo(f"ckptconv: interrupted{signal_name(interrupt)}; no output was written", err=True)
             ctx.exit(interrupted_code(interrupt))
+        except Exception as error:
+            # Any error raised once Ctrl-C or SIGTERM came is its consequence: an import that Ctrl-C cut
+            # short inside a C extension's initialisation (numpy's) fails the next time anything imports
+            # the module ("cannot load module more than once per process"), with no trace of the
+            # KeyboardInterrupt, which that initialisation swallowed.
+            cause = interruption(error) or received_interruption()
+            # (click's own exits, such as an interrupted batch's exit 130, pass through as they are.)
+            if cause is None or isinstance(error, (click.exceptions.Exit, click.ClickException)):
+                raise
+            if os.environ.get("CKPTCONV_DEBUG"):
+                raise
+            echo(f"ckptconv: interrupted{signal_name(cause)}; no output was written", err=True)
+            ctx.exit(interrupted_code(cause))
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread so that it unwinds like Ctrl-C: every partial output is removed."""
 
 
+# The interruptions the command line's handlers raised in this process (one, at most, that counts).
+_RECEIVED: list[KeyboardInterrupt] = []
+
+
+def received_interruption() -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM this process received, if any (see :func:`on_sigint`)."""
+    return _RECEIVED[0] if _RECEIVED else None
+
+
+def handle_signals() -> None:
+    """Install the command line's handlers of Ctrl-C and SIGTERM (only the main thread may), and forget
+    the interruptions of an earlier command run in this process."""
+    import signal
+    import threading
+
+    _RECEIVED.clear()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_sigint)
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def on_sigint(signum: int, frame: Any) -> None:
+    """Ctrl-C: KeyboardInterrupt, as Python's own handler raises it, remembered (C extensions and
+    finalizers can swallow the exception; the failures that follow are still the interruption's)."""
+    interrupt = KeyboardInterrupt()
+    _RECEIVED.append(interrupt)
+    raise interrupt
+
+
 def on_sigterm(signum: int, frame: Any) -> None:
-    raise Terminated()
+    interrupt = Terminated()
+    _RECEIVED.append(interrupt)
+    raise interrupt
+
+
+def on_unraisable(unraisable: Any) -> None:
+    """``sys.unraisablehook``: an interruption raised where it cannot propagate is sent again.
+
+    A signal handler's exception raised inside a finalizer or a weakref callback (an import's module
+    lock, torch's) cannot leave it: Python printed it ("Exception ignored in ...", a traceback) and
+    went on, and the command finished as if never interrupted. The signal is sent again from a
+    thread, a moment later, when the callback has returned (raised from here, the exception would
+    end in this hook, as unraisable as before). Other unraisable errors go to Python's hook.
+    """
+    import signal
+    import sys
+    import threading
+
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        signum = signal.SIGTERM if isinstance(unraisable.exc_value, Terminated) else signal.SIGINT
+        threading.Thread(target=_send_again, args=(signum,), name="ckptconv-resignal", daemon=True).start()
+        return
+    sys.__unraisablehook__(unraisable)
+
+
+def _send_again(signum: int) -> None:
+    import time
+
+    time.sleep(0.001)  # past the callback the first one could not leave
+    os.kill(os.getpid(), signum)
 
 
 def signal_name(interrupt: BaseException) -> str:

@@ -478,6 +478,7 @@ def write(
     from torch.distributed.checkpoint import filesystem
     from torch.distributed.checkpoint import metadata as dcp
 
+    from .._signals import signals_deferred
     from .._torch import to_torch
 
     state_dict_metadata: dict[str, Any] = {}
@@ -488,7 +489,8 @@ def write(
             tensor = to_torch({key: ref})[key]
             start = data_file.tell()
             try:
-                torch.save(tensor, data_file)
+                with signals_deferred():  # torch.save calls back into Python to write: see _signals
+                    torch.save(tensor, data_file)
             except RuntimeError as error:
                 # An interruption (Ctrl-C, SIGTERM) or a failed write inside torch.save is replaced by
                 # the RuntimeError its zip writer raises while closing ("unexpected pos"): report the cause.
