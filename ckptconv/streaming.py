@@ -330,7 +330,9 @@ _KEPT_WORKERS: contextvars.ContextVar[list[concurrent.futures.ThreadPoolExecutor
 #: The most threads that cast pieces. Through ml_dtypes' casts (one call per block), a 4 GiB
 #: float16 cast on a 16-core host took 2.53 s with 2 threads, 1.91 s with 3 or 4 and 1.68 s with 6
 #: (bfloat16: 1.74, 1.47, 1.51 and 1.57 s); past that the one thread that writes sets the pace.
-#: The numpy passes gain little from more threads: a dozen calls a block, the GIL taken between each.
+#: The numpy passes scale as far there, casting alone: 6 threads 11.2 GB/s against 3.2 for one, as
+#: 6 processes (11.0), so the GIL between their dozen calls a block is not what limits them
+#: (``bench/bench_cast_limit.py --workers 6``; on 2 cores, threads reached 1.5x one and processes 2x).
 MAX_CAST_WORKERS = 6
 
 
