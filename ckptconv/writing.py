@@ -37,6 +37,7 @@ from .formats.torch_zip import PlannedStorage
 from .integrity import crc32, crc32_combine
 from .options import TIED
 from .read_policy import descriptor, keeping_open
+from .standins import short_repr
 from .streaming import iter_bytes_with_crcs, keeping_workers, reads_whole_record
 from .suffixes import SAFETENSORS_SUFFIX, TAR_SUFFIX, TORCH_SUFFIXES
 from .tensor import FileRegion, Storage, TensorRef, read_exactly_into
@@ -1049,14 +1050,17 @@ def _check_room(entries: Sequence[tuple[str, TensorRef]], target: str, kind: str
     while folder and not os.path.isdir(folder):
         folder = os.path.dirname(folder)
     try:
-        free = shutil.disk_usage(folder or ".").free
+        usage = shutil.disk_usage(folder or ".")
     except OSError:
         return  # no answer from the file system: the write itself will say
-    if needed <= free:
+    # A file system of no size (/proc, /sys) answers 0 free: whether a file can be made there at all, the
+    # write itself says ("needs 88 B but only 0 B are free" was no answer).
+    if needed <= usage.free or usage.total == 0:
         return
+    free = usage.free
     key, ref = max(entries, key=lambda entry: entry[1].nbytes)
     start, stop = ref.byte_span
-    largest = f"; tensor {key!r} alone is {human_bytes(ref.nbytes)}"
+    largest = f"; tensor {short_repr(key)} alone is {human_bytes(ref.nbytes)}"
     if ref.nbytes > 2 * (stop - start):
         largest += f", a view that repeats {human_bytes(stop - start)} of stored bytes"
     raise WriteError(

@@ -1075,3 +1075,12 @@ def test_a_file_named_as_a_folder_says_it_is_a_file(tmp_path: Path) -> None:
         f"ckptconv: error: {inner!r} does not exist: {str(source)!r} is a file, not a folder; check the path\n",
     )
     assert sorted(os.listdir(tmp_path)) == ["m.pt"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_an_output_on_a_file_system_of_no_size_gets_the_real_error(tmp_path: Path) -> None:
+    """/proc answers 0 bytes free: "needs 88 B but only 0 B are free there" hid why nothing can be written."""
+    source = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(4)}, source)
+    code, _, stderr = run_cli("convert", str(source), "/proc/self/ckptconv-test.safetensors")
+    assert code == 1 and "free there" not in stderr and "cannot write" in stderr, stderr
