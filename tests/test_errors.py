@@ -328,3 +328,19 @@ def test_every_printed_error_is_cut_to_its_start_and_end() -> None:
     cut = shortened(long)
     assert len(cut) <= MAX_ERROR_CHARS and cut.startswith("start ") and cut.endswith(" end")
     assert "characters left out" in cut
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--bogus"], "No such option '--bogus'; see 'cli --help'"),
+        (["convrt", "a", "b"], "No such command 'convrt'. Did you mean 'convert'?; see 'cli --help'"),
+        (["convert", "a.pt"], "Missing argument 'DST'; see 'cli convert --help'"),
+        (["convert", "a.pt", "b.pt", "--keep", "("], "is not a valid regular expression"),
+    ],
+)
+def test_usage_errors_are_one_line_too(args: list[str], message: str) -> None:
+    """click showed the usage, a hint and a blank line before "Error: ..."; every other error is one line."""
+    code, _, stderr = _run(*args)
+    assert code == 2 and len(stderr.splitlines()) == 1, stderr
+    assert stderr.startswith("ckptconv: error: ") and message in stderr, stderr

@@ -1,7 +1,7 @@
 """Error mapping: the one place library errors and interruptions meet the terminal.
 
-Library errors become a one-line message and exit code 1 (:class:`Group`); usage errors exit 2 through
-click; Ctrl-C and SIGTERM exit 130 and 143. Set ``CKPTCONV_DEBUG=1`` to see tracebacks.
+Library errors become a one-line message and exit code 1 (:class:`Group`); usage errors one line too,
+and exit 2; Ctrl-C and SIGTERM exit 130 and 143. Set ``CKPTCONV_DEBUG=1`` to see tracebacks.
 """
 
 from __future__ import annotations
@@ -42,19 +42,47 @@ class Command(click.Command):
         return super().parse_args(ctx, args)
 
 
+class UsageError(click.UsageError):
+    """A usage error shown as every other error is, on one line, with where to find the usage:
+    click's own shows three (the usage, a hint, a blank line) before the message."""
+
+    def show(self, file: Any = None) -> None:
+        where = f"; see '{self.ctx.command_path} --help'" if self.ctx is not None else ""
+        message = shortened(self.format_message())
+        echo(f"ckptconv: error: {message.removesuffix('.') if where else message}{where}", err=True)
+
+
+def _one_line(error: click.UsageError) -> UsageError:
+    return UsageError(error.format_message(), error.ctx)  # exit code 2, as every click usage error
+
+
 class Group(click.Group):
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except UsageError:
+            raise
+        except click.UsageError as error:  # the command line's own options (`ckptconv --bogus`)
+            raise _one_line(error) from None
+
     def invoke(self, ctx: click.Context) -> Any:
         from ..errors import CkptconvError, DestinationError, FitError, interruption
 
         try:
             return super().invoke(ctx)
+        except UsageError:
+            raise
+        except click.UsageError as error:  # a command's options and arguments
+            raise _one_line(error) from None
         except DestinationError as error:  # the options contradict DST: a usage error, exit 2
             if os.environ.get("CKPTCONV_DEBUG"):
                 raise
             name = ctx.invoked_subcommand
             command = self.get_command(ctx, name) if name else None
             usage = click.Context(command, info_name=name, parent=ctx) if command else ctx
-            raise click.UsageError(str(error), usage) from None
+            raise UsageError(str(error), usage) from None
         except CkptconvError as error:
             if os.environ.get("CKPTCONV_DEBUG"):
                 raise
