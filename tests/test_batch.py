@@ -547,7 +547,7 @@ def test_fail_fast_with_workers_cancels_what_has_not_started(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     "args, code, message",
     [
-        (["--scheduler", "tcp://127.0.0.1:1"], 2, "Error: --scheduler needs --executor dask"),
+        (["--scheduler", "tcp://127.0.0.1:1"], 2, "ckptconv: error: --scheduler needs --executor dask; see "),
         (["--jobs", "0"], 2, "0 is not in the range x>=1"),
         (["--to", "onnx"], 2, "Invalid value for '--to'"),
     ],
