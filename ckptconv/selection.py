@@ -4,7 +4,8 @@ A checkpoint is a state dict, or a training checkpoint that nests one beside
 optimizer state, EMA copies and hyperparameters, or a whole pickled module.
 :func:`select_weights` finds the weights with a documented search order:
 
-1. The file itself, if it is a state dict (a mapping of names to tensors), or
+1. The file itself, if it is a state dict (a mapping of names to tensors, which
+   may nest mappings of tensors beside its own: ``head`` -> ``w`` is ``head.w``), or
    a single bare tensor (``torch.save(t)``), which is named ``"tensor"``.
 2. A whole pickled ``nn.Module`` (``torch.save(model)``): its parameters and
    persistent buffers, named as ``model.state_dict()`` would name them.
@@ -30,7 +31,9 @@ chosen weights, not training state, not 0-dim counters) are counted in the
 selection's ``note``, so a tensor is never dropped without a word.
 
 An explicit ``select="state_dict_ema"`` (a dotted path; keys that contain dots
-are matched whole) or ``select="ema"`` overrides the search.
+are matched whole) or ``select="ema"`` overrides the search. What it names is
+taken whole, or searched as above with the tensors left out named; a mapping
+with tensors of its own beside more it cannot take (a list of them) is refused.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Any, Callable
 
 from ._text import plural
 from .errors import SelectionError
-from .standins import ForeignObject
+from .standins import ForeignObject, short_repr
 from .state_dicts import (
     PathPart,
     as_state_dict,
@@ -351,6 +354,22 @@ def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: st
     return Selection(chosen.weights, chosen.path, chosen.kind, others, chosen.skipped, note, chosen.is_ema)
 
 
+def _with_left_out(selection: Selection, root: Any, base: tuple[PathPart, ...]) -> Selection:
+    """``selection`` with its note naming the tensors under ``root`` (at ``base``) it leaves out."""
+    chosen = selection.path[len(base) :]
+    if not chosen:
+        return selection
+    left_out = [format_path((*base, path)) if base else path for path in _left_out(root, chosen)]
+    if not left_out:
+        return selection
+    examples = ", ".join(repr(path) for path in left_out[:3]) + (", ..." if len(left_out) > 3 else "")
+    extra = (
+        f"left out {plural(len(left_out), 'tensor')} outside {selection.where!r} ({examples}); "
+        "pass --select to choose other weights"
+    )
+    return dataclasses.replace(selection, note=f"{selection.note}; {extra}" if selection.note else extra)
+
+
 def _refuse_twins(candidates: list[_Candidate], source: str) -> None:
     """Refuse two sets of weights spelled alike (the key ``"a.b"`` and ``a`` -> ``b``): whichever the
     search took, ``--select`` could name neither, so the choice would be a silent guess."""
@@ -570,7 +589,19 @@ def select_weights(tree: Any, select: str | None = None, *, source: str = "the c
         found = _as_candidate(node, path)
         if found is not None:
             return Selection(found.weights, path, found.kind, (), found.skipped, "", found.is_ema)
-        return _choose(_candidates(node, path), path, source, node)
+        items = mapping_items(node) or []
+        own = [key for key, item in items if as_tensor(item) is not None]
+        elsewhere = [key for key, item in items if as_tensor(item) is None and _holds_tensor(item)]
+        if own and elsewhere:
+            # Tensors of its own, and more inside something that is no state dict (a list): taking either
+            # part would drop the other.
+            raise SelectionError(
+                f"--select {select!r} names a mapping that holds tensors ({short_repr(own[0])}, ...) beside "
+                f"more inside {short_repr(elsewhere[0])}, which is not a mapping of tensors; ckptconv takes "
+                f"all of it or nothing (run `ckptconv inspect` on {source} to see it)"
+            )
+        # What --select named holds weights further down: those outside the ones taken are named too.
+        return _with_left_out(_choose(_candidates(node, path), path, source, node), node, path)
     _refuse_model_parallel_rank(tree, source)
     whole = _as_candidate(tree, ())
     bare = as_tensor(tree)
@@ -585,15 +616,7 @@ def select_weights(tree: Any, select: str | None = None, *, source: str = "the c
         selection = Selection(whole.weights, (), whole.kind, (), whole.skipped)
     else:
         selection = _choose(_candidates(tree, ()), (), source, tree)
-    if selection.path:
-        left_out = _left_out(tree, selection.path)
-        if left_out:
-            examples = ", ".join(repr(path) for path in left_out[:3]) + (", ..." if len(left_out) > 3 else "")
-            extra = (
-                f"left out {plural(len(left_out), 'tensor')} outside {selection.where!r} ({examples}); "
-                "pass --select to choose other weights"
-            )
-            selection = dataclasses.replace(selection, note=f"{selection.note}; {extra}" if selection.note else extra)
+    selection = _with_left_out(selection, tree, ())
     if LIT_EMA_MARKER in selection.weights and not selection.note:
         selection = dataclasses.replace(
             selection,

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Union
 
 from .errors import SelectionError
-from .standins import ForeignObject, NumpyArray
+from .standins import ForeignObject, NumpyArray, short_repr
 from .tensor import TensorRef
 
 __all__ = [
@@ -95,27 +95,55 @@ def mapping_items(value: Any) -> list[tuple[Any, Any]] | None:
 def as_state_dict(value: Any) -> tuple[dict[str, TensorRef], tuple[str, ...]] | None:
     """``(weights, skipped keys)`` if ``value`` is a state dict, else None.
 
-    A state dict maps string keys to tensors. ``None`` values and
-    ``*_extra_state`` entries (module extra state) are tolerated and skipped.
+    A state dict maps string keys to tensors. ``None`` values and ``*_extra_state`` entries
+    (module extra state) are tolerated and skipped. A state dict that holds tensors of its own
+    may also nest mappings of them, as ``{"w": ..., "head": {"w": ...}}``: they are
+    flattened with dots (``head.w``), as ``torch.distributed.checkpoint`` flattens a state dict;
+    taking only the nested ones would drop the others. A mapping that holds only mappings is not
+    flattened: ``{"G": ..., "D": ...}`` are two sets of weights, one to pick.
+
+    Raises:
+        SelectionError: flattened, two tensors get one name (the key ``"head.w"`` beside ``head`` -> ``w``).
     """
     items = mapping_items(value)
-    if not items:
+    if not items or not any(as_tensor(item) is not None for _, item in items):
         return None
     weights: dict[str, TensorRef] = {}
     skipped: list[str] = []
-    for key, item in items:
-        if not isinstance(key, str):
-            return None
-        tensor = as_tensor(item)
-        if tensor is not None:
-            weights[key] = tensor
-        elif item is None or key.endswith("_extra_state"):
-            skipped.append(key)
-        else:
-            return None
-    if not weights:
+    if not _flatten(items, "", weights, skipped, 0):
         return None
     return weights, tuple(skipped)
+
+
+_MAX_NESTING = 16
+
+
+def _flatten(
+    items: list[tuple[Any, Any]], prefix: str, weights: dict[str, TensorRef], skipped: list[str], depth: int
+) -> bool:
+    """Add ``items``' tensors to ``weights`` under ``prefix``; False when something in them is not weights."""
+    if depth > _MAX_NESTING:
+        return False
+    for key, item in items:
+        if not isinstance(key, str):
+            return False
+        name = f"{prefix}{key}"
+        tensor = as_tensor(item)
+        if tensor is not None:
+            if name in weights:
+                raise SelectionError(
+                    f"two tensors are both named {short_repr(name)} once nested names are joined with dots; "
+                    "ckptconv cannot tell them apart, so it refuses (pick the nested weights with --select)"
+                )
+            weights[name] = tensor
+            continue
+        if item is None or name.endswith("_extra_state"):
+            skipped.append(name)
+            continue
+        nested = mapping_items(item)  # (a list of tensors stays no state dict: see the tests' mixed.pt)
+        if not nested or not _flatten(nested, f"{name}.", weights, skipped, depth + 1):
+            return False
+    return True
 
 
 def is_module(value: Any) -> bool:

@@ -162,6 +162,63 @@ def test_tensors_beside_a_container_of_tensors_are_refused(tmp_path: Path) -> No
         ckptconv.open(path).select()
 
 
+def _bits(tensor: torch.Tensor) -> bytes:
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("select", [None, "model"])
+def test_a_state_dict_that_nests_mappings_of_tensors_is_taken_whole(tmp_path: Path, select: str | None) -> None:
+    """The nested mapping alone was taken for the weights (with --select model too, without a word): the
+    model's own tensors were dropped, and diff and verify called the files identical to its one tensor."""
+    model = {
+        "w": torch.arange(4.0),
+        "v": torch.ones(2),
+        "nested": {"x": torch.zeros(3), "deeper": {"y": torch.ones(1)}},
+    }
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model, "step": 7}, path)
+    selection = ckptconv.open(path).select(select)
+    assert selection.where == "model" and not selection.note
+    loaded = torch.load(path, weights_only=True)["model"]
+    expected = {
+        "w": loaded["w"],
+        "v": loaded["v"],
+        "nested.x": loaded["nested"]["x"],
+        "nested.deeper.y": loaded["nested"]["deeper"]["y"],
+    }
+    weights = ckptconv.load(path, select=select)
+    assert weights.keys() == expected.keys() and all(_bits(weights[k]) == _bits(v) for k, v in expected.items())
+    torch.save({"x": torch.zeros(3)}, tmp_path / "other.pt")
+    code, _, _ = run_cli("diff", str(path), str(tmp_path / "other.pt"))
+    assert code == 3
+    code, _, _ = run_cli("verify", str(path), str(tmp_path / "other.pt"))
+    assert code == 3
+
+
+def test_nested_names_that_meet_a_dotted_key_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "twice.pt"
+    torch.save({"w": torch.ones(1), "head.b": torch.ones(2), "head": {"b": torch.zeros(2)}}, path)
+    with pytest.raises(SelectionError, match=r"both named 'head\.b'"):
+        ckptconv.open(path).select()
+
+
+def test_mappings_of_mappings_are_still_sets_of_weights_to_pick(tmp_path: Path) -> None:
+    """{"G": ..., "D": ...}: two models (a GAN), not one to flatten."""
+    path = tmp_path / "gan.pt"
+    torch.save({"G": {"w": torch.ones(2)}, "D": {"w": torch.zeros(2)}}, path)
+    with pytest.raises(SelectionError, match="several sets of weights"):
+        ckptconv.open(path).select()
+
+
+def test_select_refuses_a_mapping_whose_tensors_it_cannot_take_whole(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.pt"
+    torch.save({"model": {"w": torch.ones(2), "layers": [torch.zeros(3)], "sub": {"x": torch.ones(1)}}}, path)
+    with pytest.raises(SelectionError, match="takes all of it or nothing"):
+        ckptconv.open(path).select("model")
+    selection = ckptconv.open(path).select()  # the search takes a part, and says what it leaves out
+    assert "left out" in selection.note
+
+
 def test_two_mappings_of_tensors_beside_plain_values_are_ambiguous(tmp_path: Path) -> None:
     path = tmp_path / "two.pt"
     torch.save({"a": {"w": torch.ones(2), "epoch": 1}, "b": {"w": torch.ones(2), "epoch": 2}}, path)
