@@ -310,10 +310,7 @@ def _convert(
     if kind == "pt" and options.keep_meta:
         unreadable: dict[str, str] = {}
         extra = checkpoint_metadata(checkpoint.tree, selection, exact=True, unreadable=unreadable)
-        notes.extend(
-            f"--keep-meta left out {name!r} (a {what}, which torch.load(weights_only=True) cannot read)"
-            for name, what in unreadable.items()
-        )
+        notes.extend(f"--keep-meta left out {name!r} ({why})" for name, why in unreadable.items())
 
     def transform_again(weights: dict[str, TensorRef]) -> Mapping[str, TensorRef]:
         """The same steps, on the weights an independent reader gives."""

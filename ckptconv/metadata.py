@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from . import _cores, read_policy
+from .dtypes import DType
 from .formats._base import json_bytes
 from .selection import Selection
 from .standins import ForeignGlobal, ForeignObject, NumpyArray
@@ -38,11 +39,17 @@ class _NotData(Exception):
 
 
 class _Unreadable(_NotData):
-    """Plain data that ``torch.load(weights_only=True)`` cannot read back (a frozenset)."""
+    """A value a ``.pt`` output's plain data cannot carry exactly, and why (for the caller's note)."""
 
-    def __init__(self, kind: str) -> None:
-        super().__init__(kind)
-        self.kind = kind
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+_FROZENSET = "a frozenset, which torch.load(weights_only=True) cannot read"
+# A torch.dtype is read as ckptconv's DType, which the .pt writer's plain data does not hold: in JSON
+# metadata it is its name ("torch.bfloat16"), in a .pt output it is left out with a note.
+_TORCH_DTYPE = "a torch.dtype, which ckptconv writes only as text, into safetensors metadata"
 
 
 def _plain(value: Any, depth: int = 0, *, exact: bool = False) -> Any:
@@ -65,7 +72,11 @@ def _plain(value: Any, depth: int = 0, *, exact: bool = False) -> Any:
     if exact and type(value) in (bytes, bytearray, complex):
         return value
     if exact and type(value) is frozenset:
-        raise _Unreadable("frozenset")
+        raise _Unreadable(_FROZENSET)
+    if isinstance(value, DType):
+        if exact:
+            raise _Unreadable(_TORCH_DTYPE)
+        return f"torch.{value.name}"
     if as_tensor(value) is not None or isinstance(value, (NumpyArray, bytes, bytearray, complex)):
         raise _NotData
     if hasattr(value, "item") and hasattr(value, "dtype") and type(value).__module__ == "numpy":
@@ -108,7 +119,7 @@ def _key(value: Any, depth: int) -> Any:
     if value is None or type(value) in (bool, int, float, str, bytes, complex):
         return value
     if type(value) is frozenset:
-        raise _Unreadable("frozenset")
+        raise _Unreadable(_FROZENSET)
     if type(value) is tuple and depth <= _MAX_DEPTH:
         return tuple(_key(item, depth + 1) for item in value)
     raise _NotData
@@ -130,7 +141,7 @@ def checkpoint_metadata(
     as Python data torch writes and reads back unchanged (for ``.pt`` outputs);
     otherwise they are JSON-compatible (see :func:`_plain`). Entries left out
     because ``torch.load(weights_only=True)`` could not read them back go into
-    ``unreadable`` (name -> kind of value), for the caller to say so.
+    ``unreadable`` (name -> why), for the caller to say so.
     """
     if isinstance(tree, Mapping):
         items = list(tree.items())
@@ -150,7 +161,7 @@ def checkpoint_metadata(
             size = _size(plain, exact=exact)
         except _Unreadable as error:
             if unreadable is not None:
-                unreadable[key] = error.kind
+                unreadable[key] = error.reason
             continue
         except (_NotData, ValueError):  # ValueError: an integer of more digits than Python prints
             continue

@@ -402,3 +402,16 @@ def test_keep_meta_keeps_every_type_torch_reads_back_and_names_what_it_leaves_ou
     assert (
         "--keep-meta left out 'frozen' (a frozenset, which torch.load(weights_only=True) cannot read)" in report.notes
     )
+
+
+def test_keep_meta_says_when_it_leaves_out_a_torch_dtype(tmp_path: Path) -> None:
+    """A run's `amp_dtype: torch.bfloat16` disappeared from --keep-meta's output without a word: a .pt
+    output leaves it out with a note, safetensors metadata holds its name."""
+    source = tmp_path / "train.pth"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "amp_dtype": torch.bfloat16, "epoch": 3}, source)
+    report = ckptconv.convert(source, tmp_path / "kept.pt", keep_meta=True)
+    assert any(note.startswith("--keep-meta left out 'amp_dtype' (a torch.dtype") for note in report.notes)
+    ckptconv.convert(source, tmp_path / "kept.safetensors", keep_meta=True)
+    with safe_open(str(tmp_path / "kept.safetensors"), "pt") as file:
+        metadata = file.metadata()
+    assert "torch.bfloat16" in json.dumps(metadata) and "amp_dtype" in json.dumps(metadata)
