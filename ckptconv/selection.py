@@ -139,8 +139,14 @@ def _is_ema_name(name: str) -> bool:
     return bool(_tokens(name) & _EMA_TOKENS)
 
 
+def _may_nest(key: str) -> bool:
+    """Whether a state dict's nested mapping under ``key`` is part of it, flattened: not when the key
+    names weights of their own (``state_dict``, ``model``, an EMA copy) or training state."""
+    return key not in PRIMARY_KEYS and not _is_ema_name(key) and not is_training_state(key)
+
+
 def _as_candidate(value: Any, path: tuple[PathPart, ...]) -> _Candidate | None:
-    found = as_state_dict(value)
+    found = as_state_dict(value, _may_nest)
     if found is not None:
         return _Candidate(path, found[0], found[1], "state_dict")
     if is_module(value):

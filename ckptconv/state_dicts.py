@@ -10,7 +10,7 @@ hold training state, and how to step one level down: the vocabulary
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Union
 
 from .errors import SelectionError
@@ -92,7 +92,9 @@ def mapping_items(value: Any) -> list[tuple[Any, Any]] | None:
     return None
 
 
-def as_state_dict(value: Any) -> tuple[dict[str, TensorRef], tuple[str, ...]] | None:
+def as_state_dict(
+    value: Any, may_nest: Callable[[str], bool] = lambda key: True
+) -> tuple[dict[str, TensorRef], tuple[str, ...]] | None:
     """``(weights, skipped keys)`` if ``value`` is a state dict, else None.
 
     A state dict maps string keys to tensors. ``None`` values and ``*_extra_state`` entries
@@ -100,7 +102,9 @@ def as_state_dict(value: Any) -> tuple[dict[str, TensorRef], tuple[str, ...]] | 
     may also nest mappings of them, as ``{"w": ..., "head": {"w": ...}}``: they are
     flattened with dots (``head.w``), as ``torch.distributed.checkpoint`` flattens a state dict;
     taking only the nested ones would drop the others. A mapping that holds only mappings is not
-    flattened: ``{"G": ..., "D": ...}`` are two sets of weights, one to pick.
+    flattened: ``{"G": ..., "D": ...}`` are two sets of weights, one to pick; nor is one whose
+    nested mapping's key ``may_nest`` refuses (the selection's ``state_dict``, ``ema``: a loss
+    scale beside ``state_dict`` is no part of the weights).
 
     Raises:
         SelectionError: flattened, two tensors get one name (the key ``"head.w"`` beside ``head`` -> ``w``).
@@ -110,7 +114,7 @@ def as_state_dict(value: Any) -> tuple[dict[str, TensorRef], tuple[str, ...]] | 
         return None
     weights: dict[str, TensorRef] = {}
     skipped: list[str] = []
-    if not _flatten(items, "", weights, skipped, 0):
+    if not _flatten(items, "", weights, skipped, 0, may_nest):
         return None
     return weights, tuple(skipped)
 
@@ -119,7 +123,12 @@ _MAX_NESTING = 16
 
 
 def _flatten(
-    items: list[tuple[Any, Any]], prefix: str, weights: dict[str, TensorRef], skipped: list[str], depth: int
+    items: list[tuple[Any, Any]],
+    prefix: str,
+    weights: dict[str, TensorRef],
+    skipped: list[str],
+    depth: int,
+    may_nest: Callable[[str], bool],
 ) -> bool:
     """Add ``items``' tensors to ``weights`` under ``prefix``; False when something in them is not weights."""
     if depth > _MAX_NESTING:
@@ -141,7 +150,7 @@ def _flatten(
             skipped.append(name)
             continue
         nested = mapping_items(item)  # (a list of tensors stays no state dict: see the tests' mixed.pt)
-        if not nested or not _flatten(nested, f"{name}.", weights, skipped, depth + 1):
+        if not nested or not may_nest(key) or not _flatten(nested, f"{name}.", weights, skipped, depth + 1, may_nest):
             return False
     return True
 

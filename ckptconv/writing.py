@@ -132,7 +132,12 @@ def output_format(path: PathLike, to: str | None = None, *, folder: bool = False
         return "safetensors"
     if named is not None:
         return named[0]
-    raise WriteError(f"cannot tell the output format from {text!r}; end it in .safetensors or .pt, or pass --to")
+    torch_names = ", ".join(sorted({*TORCH_SUFFIXES, TAR_SUFFIX}, key=len))
+    raise DestinationError(
+        f"cannot tell the output format from {text!r}: end it in {SAFETENSORS_SUFFIX} or a torch file's "
+        f"suffix ({torch_names}), end it in '/' for a folder of shards, or pass --to",
+        path=text,
+    )
 
 
 def _source_paths(entries: Iterable[tuple[str, TensorRef]]) -> set[str]:

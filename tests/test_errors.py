@@ -196,8 +196,9 @@ def test_missing_output_folder(good_checkpoint: Path, tmp_path: Path) -> None:
 
 def test_unknown_output_suffix(good_checkpoint: Path, tmp_path: Path) -> None:
     code, _, stderr = _run("convert", str(good_checkpoint), str(tmp_path / "out.weights"))
-    assert code == 1
-    assert "cannot tell the output format" in stderr and "--to" in stderr
+    assert code == 2  # a usage error, as the destination's other contradictions are
+    assert "cannot tell the output format" in stderr and "--to" in stderr and ".pth" in stderr and "'/'" in stderr
+    assert len(stderr.splitlines()) == 1
     assert _run("convert", str(good_checkpoint), str(tmp_path / "out.weights"), "--to", "pt", "-q")[0] == 0
 
 

@@ -195,6 +195,25 @@ def test_a_state_dict_that_nests_mappings_of_tensors_is_taken_whole(tmp_path: Pa
     assert code == 3
 
 
+@pytest.mark.parametrize(
+    ("tree", "where", "note"),
+    [
+        ({"state_dict": {"a.w": torch.ones(2)}, "loss_scale": torch.tensor(2.0)}, "state_dict", ""),
+        ({"model": {"a.w": torch.ones(2)}, "buf": torch.ones(3)}, "model", "left out 1 tensor outside 'model' ('buf')"),
+    ],
+)
+def test_a_tensor_beside_named_weights_does_not_make_the_file_one_state_dict(
+    tree: dict[str, Any], where: str, note: str, tmp_path: Path
+) -> None:
+    """Flattening nested mappings took the whole file for one state dict when a loose tensor sat beside
+    `state_dict` or `model` (keys 'loss_scale', 'state_dict.a.w', no note): named weights are found as before."""
+    path = tmp_path / "beside.pt"
+    torch.save(tree, path)
+    selection = ckptconv.open(path).select()
+    assert (sorted(selection.weights), selection.where) == (["a.w"], where)
+    assert note in selection.note and (note or not selection.note)
+
+
 def test_nested_names_that_meet_a_dotted_key_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "twice.pt"
     torch.save({"w": torch.ones(1), "head.b": torch.ones(2), "head": {"b": torch.zeros(2)}}, path)

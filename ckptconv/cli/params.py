@@ -53,7 +53,7 @@ class RenameRule(click.ParamType):  # type: ignore[type-arg]
 
 
 class CastTarget(click.ParamType):  # type: ignore[type-arg]
-    name = "fp16|bf16|fp32"
+    name = "fp16|bf16|fp32|fp64"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         from ..dtypes import parse_cast_target

@@ -94,7 +94,7 @@ def resolve(path: PathLike) -> tuple[str, str]:
         found = f" it holds {', '.join(candidates[:6])}" if candidates else " it holds no checkpoint files"
         raise UnsupportedFormatError(
             f"{path!r} is a folder but neither a sharded checkpoint (*.index.json) nor a DCP checkpoint "
-            f"(.metadata), and{found}; give the file to read",
+            f"(.metadata), and{found}; give the file to read, or convert them all with `ckptconv batch`",
             path=path,
         )
     kind = detect(path)
