@@ -345,3 +345,10 @@ def test_usage_errors_are_one_line_too(args: list[str], message: str) -> None:
     code, _, stderr = _run(*args)
     assert code == 2 and len(stderr.splitlines()) == 1, stderr
     assert stderr.startswith("ckptconv: error: ") and message in stderr, stderr
+
+
+def test_no_arguments_still_shows_the_help() -> None:
+    """click shows the help when `ckptconv` runs with no command: that is no error to put on one line."""
+    code, stdout, stderr = _run()
+    assert code == 2 and "Usage:" in (stdout + stderr) and "Commands:" in (stdout + stderr)
+    assert "ckptconv: error:" not in stderr

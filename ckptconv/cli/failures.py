@@ -52,8 +52,18 @@ class UsageError(click.UsageError):
         echo(f"ckptconv: error: {message.removesuffix('.') if where else message}{where}", err=True)
 
 
-def _one_line(error: click.UsageError) -> UsageError:
-    return UsageError(error.format_message(), error.ctx)  # exit code 2, as every click usage error
+# `ckptconv` (or a group's command) run with no arguments: click shows the help, which is no error to shorten.
+_HELP_SHOWN: tuple[type[click.UsageError], ...] = tuple(
+    kind for kind in (getattr(click.exceptions, "NoArgsIsHelpError", None),) if kind is not None
+)
+
+
+def _one_line(error: click.UsageError) -> click.UsageError:
+    """``error`` as a :class:`UsageError` (exit code 2, as every click usage error), unless it is one
+    already or the help that click shows instead."""
+    if isinstance(error, (UsageError, *_HELP_SHOWN)):
+        return error
+    return UsageError(error.format_message(), error.ctx)
 
 
 class Group(click.Group):
@@ -62,20 +72,22 @@ class Group(click.Group):
     ) -> click.Context:
         try:
             return super().make_context(info_name, args, parent, **extra)
-        except UsageError:
-            raise
         except click.UsageError as error:  # the command line's own options (`ckptconv --bogus`)
-            raise _one_line(error) from None
+            one = _one_line(error)
+            if one is error:
+                raise
+            raise one from None
 
     def invoke(self, ctx: click.Context) -> Any:
         from ..errors import CkptconvError, DestinationError, FitError, interruption
 
         try:
             return super().invoke(ctx)
-        except UsageError:
-            raise
         except click.UsageError as error:  # a command's options and arguments
-            raise _one_line(error) from None
+            one = _one_line(error)
+            if one is error:
+                raise
+            raise one from None
         except DestinationError as error:  # the options contradict DST: a usage error, exit 2
             if os.environ.get("CKPTCONV_DEBUG"):
                 raise
