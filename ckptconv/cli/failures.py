@@ -7,7 +7,7 @@ and exit 2; Ctrl-C and SIGTERM exit 130 and 143. Set ``CKPTCONV_DEBUG=1`` to see
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -73,10 +73,7 @@ class Group(click.Group):
         try:
             return super().make_context(info_name, args, parent, **extra)
         except click.UsageError as error:  # the command line's own options (`ckptconv --bogus`)
-            one = _one_line(error)
-            if one is error:
-                raise
-            raise one from None
+            raise _one_line(error) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         from ..errors import CkptconvError, DestinationError, FitError, interruption
@@ -84,10 +81,7 @@ class Group(click.Group):
         try:
             return super().invoke(ctx)
         except click.UsageError as error:  # a command's options and arguments
-            one = _one_line(error)
-            if one is error:
-                raise
-            raise one from None
+            raise _one_line(error) from None
         except DestinationError as error:  # the options contradict DST: a usage error, exit 2
             if os.environ.get("CKPTCONV_DEBUG"):
                 raise
@@ -102,8 +96,7 @@ class Group(click.Group):
             if interrupt is not None:
                 # An error raised while Ctrl-C or SIGTERM unwound the work (a worker thread's read of a
                 # file the unwinding had closed) is a consequence of the interruption, not the failure.
-                echo(f"ckptconv: interrupted{signal_name(interrupt)}; no output was written", err=True)
-                ctx.exit(interrupted_code(interrupt))
+                _interrupted(ctx, interrupt)
             echo(f"ckptconv: error: {shortened(error)}", err=True)
             # A fit that cannot be made is a negative result with a report, not a failure.
             if isinstance(error, FitError) and error.report is not None:
@@ -114,8 +107,7 @@ class Group(click.Group):
         except KeyboardInterrupt as interrupt:
             if os.environ.get("CKPTCONV_DEBUG"):
                 raise
-            echo(f"ckptconv: interrupted{signal_name(interrupt)}; no output was written", err=True)
-            ctx.exit(interrupted_code(interrupt))
+            _interrupted(ctx, interrupt)
         except Exception as error:
             # Any error raised once Ctrl-C or SIGTERM came is its consequence: an import that Ctrl-C cut
             # short inside a C extension's initialisation (numpy's) fails the next time anything imports
@@ -127,8 +119,13 @@ class Group(click.Group):
                 raise
             if os.environ.get("CKPTCONV_DEBUG"):
                 raise
-            echo(f"ckptconv: interrupted{signal_name(cause)}; no output was written", err=True)
-            ctx.exit(interrupted_code(cause))
+            _interrupted(ctx, cause)
+
+
+def _interrupted(ctx: click.Context, interrupt: KeyboardInterrupt) -> NoReturn:
+    """Say the command was interrupted (its partial outputs are gone) and exit 130, or 143 for SIGTERM."""
+    echo(f"ckptconv: interrupted{signal_name(interrupt)}; no output was written", err=True)
+    ctx.exit(interrupted_code(interrupt))
 
 
 class Terminated(KeyboardInterrupt):
