@@ -23,7 +23,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from ckptconv import _cast
+from ckptconv.transforms import casts as _cast
+from ckptconv.transforms.casts import buffers, float16, ml_support
 
 CHUNK = 1 << 20  # elements per call, as the streaming writer's 4 MiB pieces of float32
 
@@ -41,14 +42,14 @@ def main() -> None:
     values[1::4099] = 1e-7
     out = np.empty(n, np.uint16)
     targets = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-    ml_bfloat16, ml_complex32, output_checked = _cast._ml_bfloat16, _cast._ml_complex32, _cast._output_checked
+    ml_bfloat16, ml_complex32, output_checked = ml_support._ml_bfloat16, float16._ml_complex32, _cast._output_checked
     print(f"ml_dtypes {ml_dtypes.__version__}, numpy {np.__version__}")
 
     def chunked(target: str) -> Callable[[], None]:
         def run() -> None:
             for start in range(0, n, CHUNK):
                 piece = values[start : start + CHUNK]
-                dest = out[start : start + CHUNK].view(_cast.storage_dtype(target))
+                dest = out[start : start + CHUNK].view(buffers.storage_dtype(target))
                 _cast.cast_counting_overflows(piece, "float32", target, out=dest)
 
         return run

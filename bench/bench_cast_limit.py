@@ -3,8 +3,8 @@
 Two measurements behind the float16 row of ``bench_convert`` (issue 15):
 
 1. **The kernel's passes.** Each numpy pass of the tame float16 kernel
-   (``_cast._f32_to_f16_tame``, the path nearly every block of weights takes) timed
-   alone on one block of :data:`~ckptconv._cast.BLOCK_ELEMENTS` values, and the whole
+   (``float16._f32_to_f16_tame``, the path nearly every block of weights takes) timed
+   alone on one block of :data:`~ckptconv.transforms.casts.BLOCK_ELEMENTS` values, and the whole
    kernel. The passes are replayed here in the kernel's order; their output is first
    compared, bit for bit, with the kernel's and with ``Tensor.to(torch.float16)``.
 2. **Two cores.** A worker casts 4 MiB pieces (``CAST_PIECE_BYTES``) of weights
@@ -32,9 +32,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ckptconv import _cast
-from ckptconv._cores import SWITCH_INTERVAL_S, switching_often
-from ckptconv.streaming import CAST_PIECE_BYTES
+from ckptconv.reading.streaming import CAST_PIECE_BYTES
+from ckptconv.runtime.cores import SWITCH_INTERVAL_S, switching_often
+from ckptconv.transforms import casts as _cast
+from ckptconv.transforms.casts import buffers, float16
 
 PIECE_ELEMENTS = CAST_PIECE_BYTES // 4
 
@@ -42,7 +43,7 @@ PIECE_ELEMENTS = CAST_PIECE_BYTES // 4
 def weights(count: int, seed: int) -> np.ndarray:
     """float32 values spread like a layer's weights, in 64-byte-aligned memory (as the cast path reads them)."""
     generator = torch.Generator().manual_seed(seed)
-    values = _cast.aligned_empty(count, np.float32)
+    values = buffers.aligned_empty(count, np.float32)
     values[:] = (torch.randn(count, generator=generator) * 0.02).numpy()
     return values
 
@@ -58,9 +59,9 @@ def kernel_passes(source: np.ndarray, out: np.ndarray) -> list[tuple[str, Callab
     """The tame float16 kernel's passes (and the tameness test's reduction), in its order."""
     n = source.size
     bits = source.view(np.uint32)
-    value = _cast.aligned_empty(n, np.uint32)
-    bias = _cast.aligned_empty(n, np.uint32)
-    floor = _cast._filled(0x38800000, n)
+    value = buffers.aligned_empty(n, np.uint32)
+    bias = buffers.aligned_empty(n, np.uint32)
+    floor = buffers._filled(0x38800000, n)
     half = out.view(np.uint16)
     sign = value.view(np.uint16)[:n]
     return [
@@ -83,19 +84,19 @@ def kernel_passes(source: np.ndarray, out: np.ndarray) -> list[tuple[str, Callab
 
 
 def time_passes(rounds: int) -> None:
-    n = _cast.BLOCK_ELEMENTS
+    n = buffers.BLOCK_ELEMENTS
     source = weights(n, seed=0)
-    replayed = _cast.aligned_empty(n, np.float16)
+    replayed = buffers.aligned_empty(n, np.float16)
     passes = kernel_passes(source, replayed)
     for _, run in passes:
         run()
-    kernel_out = _cast.aligned_empty(n, np.float16)
-    scratch = _cast._Scratch(n)
+    kernel_out = buffers.aligned_empty(n, np.float16)
+    scratch = buffers._Scratch(n)
     scratch.tame = True
 
     def whole_kernel() -> None:
         scratch.forget()
-        _cast._f32_to_f16_tame(source, kernel_out, scratch, complex32=None)
+        float16._f32_to_f16_tame(source, kernel_out, scratch, complex32=None)
 
     whole_kernel()
     assert replayed.tobytes() == kernel_out.tobytes() == as_torch(source), "the replayed passes drifted from the kernel"
@@ -125,7 +126,7 @@ def time_passes(rounds: int) -> None:
 def cast_pieces(pieces: int, seed: int) -> Callable[[], float]:
     """A worker: ``run()`` casts ``pieces`` pieces (two sources, in turn) and gives its seconds."""
     sources = [weights(PIECE_ELEMENTS, seed=seed * 2 + k) for k in range(2)]
-    out = _cast.aligned_empty(PIECE_ELEMENTS, np.float16)
+    out = buffers.aligned_empty(PIECE_ELEMENTS, np.float16)
     for source in sources:
         _cast.cast_counting_overflows(source, "float32", "float16", out=out)
         assert out.tobytes() == as_torch(source)
@@ -221,7 +222,7 @@ def main() -> None:
         worker(args.worker, args.pieces)
         return
     with switching_often():  # as the command line runs its casts
-        block = _cast.BLOCK_ELEMENTS
+        block = buffers.BLOCK_ELEMENTS
         print(f"numpy {np.__version__}, block of {block} values, GIL switch interval {SWITCH_INTERVAL_S} s")
         time_passes(args.rounds)
         time_workers(args.workers, args.pieces, args.rounds)

@@ -2,7 +2,7 @@
 
 Streams every tensor of a ``.pt`` checkpoint of many float32 tensors through the float16 cast
 (``TensorRef.iter_bytes``, as the writers do) in one process, inside
-:func:`ckptconv.streaming.keeping_workers` and outside it, alternating within each round, and
+:func:`ckptconv.reading.streaming.keeping_workers` and outside it, alternating within each round, and
 reports wall and CPU time (medians). The cast bytes of each tensor are first compared with
 ``Tensor.to(torch.float16)``.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import ckptconv
-from ckptconv.streaming import keeping_workers
+from ckptconv.reading.streaming import keeping_workers
 
 
 def cpu_seconds() -> float:

@@ -5,7 +5,7 @@ Run on a machine with a CUDA GPU, from the repository root:
     PYTHONPATH=. python bench/bench_gpu_load.py --gib 8 --runs 3
 
 With every peer installed this takes over 6 minutes at 8 GiB on a two-H200 machine (40 fresh
-processes); ``--only`` picks approaches by substring. ``bench/probe_gpu_phases.py`` times the
+processes); ``--only`` picks approaches by substring. the probes of earlier rounds (bench/README.md) timed the
 phases of a load one by one.
 
 Builds one fp32 checkpoint as safetensors, as ``.pt`` and as a sharded
@@ -91,7 +91,7 @@ PROBE_READS = """
 path, n, block, crc = ARGS["path"], ARGS["threads"], ARGS["block"], ARGS["crc"]
 step = ARGS.get("step") or block
 if crc == "ckptconv":
-    from ckptconv.integrity import crc32
+    from ckptconv.reading.checksums import crc32
 elif crc:
     crc32 = zlib.crc32
 size = os.path.getsize(path)
@@ -161,7 +161,7 @@ LOADERS: dict[str, tuple[str, str, bool]] = {
         True,
     ),
     "ckptconv.load(x.safetensors), page-cache reads only": (
-        "import ckptconv, ckptconv._transfer as t; t.direct_io = 'buffered'; "
+        "import ckptconv, ckptconv.gpu.transfer as t; t.direct_io = 'buffered'; "
         "state = ckptconv.load(PATH + '.safetensors', device='cuda:0')",
         ".safetensors",
         True,

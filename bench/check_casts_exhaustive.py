@@ -1,7 +1,7 @@
 """Offline check: the float32 -> bfloat16 / float16 fast paths against torch, for every float32 pattern.
 
 Too slow for the test suite (about a minute on one core), run by hand when ml_dtypes, numpy or the
-kernels change. It checks what ``ckptconv._cast`` relies on:
+kernels change. It checks what ``ckptconv.transforms.casts`` relies on:
 
 * every tame float32 (finite, not rounding to inf) casts exactly as ``Tensor.to`` does, through
   ``cast_counting_overflows`` (ml_dtypes' casts, or with ``--numpy`` the numpy passes),
@@ -22,7 +22,8 @@ import time
 import numpy as np
 import torch
 
-from ckptconv import _cast
+from ckptconv.transforms import casts as _cast
+from ckptconv.transforms.casts import buffers, float16, ml_support
 
 CHUNK = 1 << 24
 
@@ -62,7 +63,7 @@ def untame_outputs_are_inf_or_nan(target: str) -> int:
             bits |= np.uint32(sign)
             if bits.size % 2:
                 bits = np.concatenate([bits, bits[-1:]])
-            out = np.empty(bits.size, _cast.storage_dtype(target))
+            out = np.empty(bits.size, buffers.storage_dtype(target))
             with np.errstate(all="ignore"):
                 cast(bits.view(np.float32), out)
             bad += int(np.count_nonzero(out.view(np.uint16) & np.uint16(0x7FFF) < inf))
@@ -75,8 +76,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.numpy:
-        _cast._ml_bfloat16 = lambda: None  # type: ignore[assignment]
-        _cast._ml_complex32 = lambda: None  # type: ignore[assignment]
+        ml_support._ml_bfloat16 = lambda: None  # type: ignore[assignment]
+        float16._ml_complex32 = lambda: None  # type: ignore[assignment]
         _cast._output_checked = lambda source, target: None  # type: ignore[assignment]
     else:  # ml_dtypes' casts (ckptconv uses them where a program has loaded ml_dtypes), even where slower
         import ml_dtypes  # noqa: F401

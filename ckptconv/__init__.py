@@ -1,26 +1,19 @@
 """ckptconv: open any PyTorch checkpoint safely on the CPU, and convert it.
 
-The data flows one way, one module per stage::
+The data flows one way, one folder per stage (ARCHITECTURE.md draws it)::
 
-    loading.py       open() / load()   detect the format, read the structure, lazy tensors
-    selection.py     Selection         find the weights inside a training checkpoint
-                                       (what a state dict or a module is: ``state_dicts.py``)
-    transforms.py    StripPrefix, ...  pure steps over keys and dtypes
-    fitting.py       fit()             find the key plan that matches a reference model
-    writing.py       save()            stream to .pt, safetensors, shards or DCP, atomically
-    verification.py  verify(), diff()  compare an output with its source, bit for bit
+    reading/     open() / load()   detect the format, read the structure, lazy tensors
+    selection/   Selection         find the weights inside a training checkpoint
+    transforms/  StripPrefix, ...  pure steps over keys and dtypes; the cast kernels
+    writing/     save()            stream to .pt, safetensors, shards or DCP, atomically
+    checking/    verify(), diff()  compare an output with its source, bit for bit; inspect, scan
 
-``conversion.convert()`` runs them all, as ``options.ConversionOptions`` says;
-``scanning.scan()`` says whether a file is safe to load; ``inspection.inspect()``
-describes a file. ``batching.batch()`` converts a whole folder: ``discovery.py``
-finds the items and names their outputs, ``executors.py`` converts them in
-workers, ``manifest.py`` records each result, ``report.py`` sums them up.
-Format details live in ``formats/``, file names in ``suffixes.py``. The pickle
-machine that never runs code is ``unpickler.py``; what it may call is decided
-in ``pickle_policy.py``, built by ``rebuild.py`` or stood in for by ``standins.py``.
-Which files may be read is decided in ``read_policy.py`` (regular files, inside
-the checkpoint's folder, size caps), which may be written in ``write_policy.py``
-(never an input, never through a link, nothing outside DST).
+``conversion.convert()`` runs them all, as ``options.ConversionOptions`` says; ``loading`` is the
+face of reading (``open``, ``load``) and ``fitting`` finds the key plan that matches a reference
+model. ``batching/`` converts a whole folder, ``gpu/`` loads onto GPUs, ``values/`` holds the value
+objects every stage shares. Which files may be read is decided in ``reading/read_policy.py``, which
+may be written in ``writing/write_policy.py``, what a pickle may call in
+``reading/unpickling/pickle_policy.py``.
 
 The public names below are imported on first use, so ``ckptconv --help`` and
 ``import ckptconv`` stay fast; importing ckptconv never imports torch. (Modules
@@ -33,8 +26,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
-from .errors import (
+from ckptconv._version import __version__
+from ckptconv.errors import (
     CastOverflowError,
     CkptconvError,
     DestinationError,
@@ -52,17 +45,17 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .batching import batch
-    from .conversion import ConversionReport, convert
-    from .fitting import FitReport, Reference, fit, load_into
-    from .inspection import CheckpointInfo, TensorInfo, inspect
-    from .loading import Checkpoint, load, open
-    from .options import ConversionOptions
-    from .report import BatchReport, ItemResult
-    from .scanning import ScanReport, ScanSummary, scan, scan_many
-    from .selection import Selection
-    from .tensor import TensorRef
-    from .transforms import (
+    from ckptconv.batching.flow import batch
+    from ckptconv.batching.report import BatchReport, ItemResult
+    from ckptconv.checking.inspection import CheckpointInfo, TensorInfo, inspect
+    from ckptconv.checking.scanning import ScanReport, ScanSummary, scan, scan_many
+    from ckptconv.checking.verification import DiffReport, VerifyReport, diff, verify
+    from ckptconv.conversion import ConversionReport, convert
+    from ckptconv.fitting import FitReport, Reference, fit, load_into
+    from ckptconv.loading import Checkpoint, load, open
+    from ckptconv.options import ConversionOptions
+    from ckptconv.selection.weights import Selection
+    from ckptconv.transforms.keys import (
         AddPrefix,
         Canonicalize,
         Cast,
@@ -74,21 +67,22 @@ if TYPE_CHECKING:
         StripPrefix,
         canonicalize,
     )
-    from .verification import DiffReport, VerifyReport, diff, verify
-    from .writing import WriteReport, save
+    from ckptconv.values.tensor import TensorRef
+    from ckptconv.writing.files import WriteReport
+    from ckptconv.writing.writer import save
 
 _HOMES = {
-    ".batching": ["batch"],
-    ".report": ["BatchReport", "ItemResult"],
+    ".batching.flow": ["batch"],
+    ".batching.report": ["BatchReport", "ItemResult"],
     ".conversion": ["ConversionReport", "convert"],
     ".fitting": ["FitReport", "Reference", "fit", "load_into"],
-    ".inspection": ["CheckpointInfo", "TensorInfo", "inspect"],
-    ".scanning": ["ScanReport", "ScanSummary", "scan", "scan_many"],
+    ".checking.inspection": ["CheckpointInfo", "TensorInfo", "inspect"],
+    ".checking.scanning": ["ScanReport", "ScanSummary", "scan", "scan_many"],
     ".loading": ["Checkpoint", "load", "open"],
     ".options": ["ConversionOptions"],
-    ".selection": ["Selection"],
-    ".tensor": ["TensorRef"],
-    ".transforms": [
+    ".selection.weights": ["Selection"],
+    ".values.tensor": ["TensorRef"],
+    ".transforms.keys": [
         "AddPrefix",
         "Canonicalize",
         "Cast",
@@ -100,8 +94,8 @@ _HOMES = {
         "StripPrefix",
         "canonicalize",
     ],
-    ".verification": ["DiffReport", "VerifyReport", "diff", "verify"],
-    ".writing": ["WriteReport", "save"],
+    ".checking.verification": ["DiffReport", "VerifyReport", "diff", "verify"],
+    ".writing.writer": ["WriteReport", "save"],
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 

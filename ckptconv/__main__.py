@@ -1,5 +1,5 @@
 """``python -m ckptconv``: the same as the ``ckptconv`` command."""
 
-from .cli import main
+from ckptconv.cli import main
 
 main()

@@ -3,7 +3,10 @@ systems made harmless to print."""
 
 from __future__ import annotations
 
-__all__ = ["plural", "shown"]
+import reprlib
+from typing import Any
+
+__all__ = ["human_bytes", "plural", "short_repr", "shown"]
 
 
 def plural(count: int, word: str, many: str | None = None) -> str:
@@ -32,3 +35,28 @@ def shown(text: str) -> str:
         else:
             out.append(char.encode("unicode_escape").decode("ascii"))
     return "".join(out)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 6
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` cut to a few dozen characters, for error messages.
+
+    Values in messages come from the file: a plain ``repr`` of a ten-million-item
+    list, or of a list nested a million deep, would take the memory or the
+    recursion the limits exist to protect.
+    """
+    return _REPR.repr(value)
+
+
+def human_bytes(count: float) -> str:
+    """``"512 B"``, ``"1.9 KiB"``, ``"3.2 GiB"``: a byte count for people."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"

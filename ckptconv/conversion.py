@@ -16,22 +16,25 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _cores
-from ._gc import collector_paused
-from ._paths import PathLike, as_path
-from ._text import plural
-from ._version import __version__
-from .errors import FitError, TransformError, VerifyError
-from .formats._base import Deferred, MetadataValue
-from .integrity import check_record_crcs
-from .loading import open as open_checkpoint
-from .metadata import checkpoint_metadata, encode_entries, source_sha256
-from .options import ConversionOptions
-from .streaming import reads_whole_record
-from .tensor import Storage, TensorRef
-from .transforms import Canonicalize, Cast, StepReport, StripPrefix, Transform
-from .verification import REFERENCES
-from .writing import Progress, fills_record_crcs, is_folder_destination, output_format, save
+from ckptconv._paths import PathLike, as_path
+from ckptconv._text import plural
+from ckptconv._version import __version__
+from ckptconv.checking.verification import REFERENCES
+from ckptconv.errors import FitError, TransformError, VerifyError
+from ckptconv.loading import Checkpoint
+from ckptconv.loading import open as open_checkpoint
+from ckptconv.options import ConversionOptions
+from ckptconv.reading.formats._base import Deferred, MetadataValue
+from ckptconv.reading.integrity import check_record_crcs
+from ckptconv.reading.streaming import reads_whole_record
+from ckptconv.runtime import cores as _cores
+from ckptconv.runtime.collector import collector_paused
+from ckptconv.selection.weights import Selection
+from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix, Transform
+from ckptconv.values.tensor import Storage, TensorRef
+from ckptconv.writing.naming import is_folder_destination, output_format
+from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, source_sha256
+from ckptconv.writing.writer import Progress, fills_record_crcs, save
 
 __all__ = ["ConversionReport", "convert"]
 
@@ -71,7 +74,7 @@ class ConversionReport:
         renames: the first ``(old, new)`` key pairs, for ``--dry-run``.
         files: every file written (one, or the shards and the index of a folder).
         source_sha256: the source's sha256 recorded in the provenance (None with
-            ``source_hash=False``; for folders, see :func:`ckptconv.metadata.source_sha256`).
+            ``source_hash=False``; for folders, see :func:`ckptconv.writing.provenance.source_sha256`).
         verified_with: ``"ckptconv"`` or ``"torch"``: whose readers verified the output (``"torch"`` only
             when torch or the safetensors library read both sides; a note says who read what otherwise).
     """
@@ -195,7 +198,7 @@ def convert(
     """
     source, destination = as_path(source), None if destination is None else as_path(destination)
     options = (options or ConversionOptions()).with_changes("convert", **changes)
-    # Its bookkeeping builds and walks objects for every tensor: see ckptconv._gc.
+    # Its bookkeeping builds and walks objects for every tensor: see ckptconv.runtime.collector.
     with collector_paused():
         return _convert(source, destination, options, dry_run=dry_run, progress=progress)
 
@@ -208,13 +211,37 @@ def _convert(
     dry_run: bool,
     progress: Progress,
 ) -> ConversionReport:
-    pipeline = options.transforms
-    select, to, fit_to, max_shard_size = options.select, options.to, options.fit_to, options.max_shard_size
+    """The pipeline: load, select, transform, then (unless a dry run) write, verifying as it writes."""
+    reference = _verify_reference(options)
+    checkpoint = open_checkpoint(source, trust=options.trust)
+    selection = checkpoint.select(options.select)
+    transformed = _transform(selection, options)
+    summary = _summary(checkpoint, selection, transformed, destination, options)
+    if dry_run or destination is None:
+        return summary
+    return _write(checkpoint, selection, transformed, destination, options, summary, reference, progress)
+
+
+def _verify_reference(options: ConversionOptions) -> str | None:
+    """Whose reader ``--verify`` re-reads both sides with (``ckptconv``, ``torch``), or None for no verify."""
     reference = "ckptconv" if options.verify is True else (options.verify or None)
     if reference is not None and reference not in REFERENCES:
         raise ValueError(f"verify must be True, False or one of {', '.join(REFERENCES)}, not {options.verify!r}")
-    checkpoint = open_checkpoint(source, trust=options.trust)
-    selection = checkpoint.select(select)
+    return reference
+
+
+@dataclass
+class _Transformed:
+    """The selected weights after the transforms (and ``--fit``), with what the user should hear of them."""
+
+    state: dict[str, TensorRef]
+    reports: list[StepReport]
+    notes: list[str]
+    origins: dict[str, str] | None
+    fit_report: Any = None
+
+
+def _selection_notes(selection: Selection) -> list[str]:
     notes: list[str] = []
     if selection.note:
         notes.append(selection.note)
@@ -223,9 +250,15 @@ def _convert(
     if selection.skipped:
         left_out = plural(len(selection.skipped), "non-tensor entry", "non-tensor entries")
         notes.append(f"left out {left_out} (e.g. {selection.skipped[0]!r})")
+    return notes
 
+
+def _transform(selection: Selection, options: ConversionOptions) -> _Transformed:
+    """Run the pipeline's steps over the selected weights, then fit them to ``--fit``'s reference."""
+    pipeline, fit_to = options.transforms, options.fit_to
     state = dict(selection.weights)
     reports: list[StepReport] = []
+    notes = _selection_notes(selection)
     for step in pipeline.steps:
         keys = list(state)
         state, report = step.apply(state)
@@ -243,7 +276,7 @@ def _convert(
     origins = _origins(list(selection.weights), pipeline.steps)
     fit_report = None
     if fit_to is not None:
-        from .fitting import fit
+        from ckptconv.fitting import fit
 
         before = list(state)
         state, fit_report = fit(state, fit_to)
@@ -254,7 +287,12 @@ def _convert(
         renamed = sum(old != new for old, new in zip(before, state))
         plan = "; ".join(fit_report.plan) or "no change"
         reports.append(StepReport(f"fit to {fit_report.reference} ({plan})", renamed, len(state) - renamed))
+    return _Transformed(state, reports, notes, origins, fit_report)
 
+
+def _source_notes(checkpoint: Checkpoint) -> list[str]:
+    """What the source file itself says: the devices it was saved on, classes that became stand-ins."""
+    notes: list[str] = []
     devices = sorted(device for device in checkpoint.saved_devices if device != "cpu")
     if devices:
         notes.append(f"tensors were saved on {', '.join(devices)}; the output is loadable on the CPU")
@@ -263,32 +301,48 @@ def _convert(
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         classes = plural(len(names), "class", "classes")
         notes.append(f"{classes} from code that is not here became inert stand-ins ({shown}); none was run")
+    return notes
 
+
+def _summary(
+    checkpoint: Checkpoint,
+    selection: Selection,
+    transformed: _Transformed,
+    destination: PathLike | None,
+    options: ConversionOptions,
+) -> ConversionReport:
+    """The report of a conversion that has written nothing yet (all a dry run returns)."""
+    state, origins = transformed.state, transformed.origins
+    transformed.notes.extend(_source_notes(checkpoint))
     if origins is not None and list(origins) == list(state):
         renames = tuple((origins[new], new) for new in state if origins[new] != new)
     elif len(state) == len(selection.weights):
         renames = tuple((old, new) for old, new in zip(selection.weights, state) if old != new)
     else:
         renames = ()
+    to, max_shard_size = options.to, options.max_shard_size
     folder_output = destination is not None and is_folder_destination(destination, to, max_shard_size)
     kind = output_format(destination, to, folder=folder_output) if destination is not None else (to or "pt")
-    summary = ConversionReport(
+    return ConversionReport(
         source=checkpoint.path,
         destination="",
         source_format=checkpoint.format,
         format=kind,
         selected=selection.where,
-        steps=tuple(reports),
+        steps=tuple(transformed.reports),
         tensors=len(state),
         bytes=sum(ref.nbytes for ref in state.values()),
         foreign_globals=checkpoint.foreign_globals,
         saved_devices=checkpoint.saved_devices,
-        notes=tuple(notes),
+        notes=tuple(transformed.notes),
         renames=renames[:1000],
     )
-    if dry_run or destination is None:
-        return summary
 
+
+def _output_metadata(
+    checkpoint: Checkpoint, selection: Selection, transformed: _Transformed, kind: str, options: ConversionOptions
+) -> dict[str, MetadataValue]:
+    """What travels with the weights: the source's own safetensors metadata, its plain data, the provenance."""
     metadata: dict[str, MetadataValue] = {}
     if checkpoint.format == "safetensors":
         metadata.update(
@@ -298,14 +352,32 @@ def _convert(
     if kind == "safetensors":
         metadata.update(encode_entries(entries, "checkpoint."))
     if options.provenance:
+        fit_plan = list(transformed.fit_report.plan) if transformed.fit_report else []
         metadata.update(
             {
                 "ckptconv.version": __version__,
                 "ckptconv.source": _file_name(checkpoint.path),
                 "ckptconv.selected": selection.where,
-                "ckptconv.transforms": json.dumps(pipeline.describe() + (list(fit_report.plan) if fit_report else [])),
+                "ckptconv.transforms": json.dumps(options.transforms.describe() + fit_plan),
             }
         )
+    return metadata
+
+
+def _write(
+    checkpoint: Checkpoint,
+    selection: Selection,
+    transformed: _Transformed,
+    destination: PathLike,
+    options: ConversionOptions,
+    summary: ConversionReport,
+    reference: str | None,
+    progress: Progress,
+) -> ConversionReport:
+    """Write the transformed weights, checking CRC-32s, hashing the source and verifying beside the write."""
+    state, notes, kind = transformed.state, list(summary.notes), summary.format
+    pipeline, fit_to = options.transforms, options.fit_to
+    metadata = _output_metadata(checkpoint, selection, transformed, kind, options)
     extra = None
     if kind == "pt" and options.keep_meta:
         unreadable: dict[str, str] = {}
@@ -316,13 +388,13 @@ def _convert(
         """The same steps, on the weights an independent reader gives."""
         result, _ = pipeline.apply(weights)
         if fit_to is not None:
-            from .fitting import fit
+            from ckptconv.fitting import fit
 
             result, _ = fit(result, fit_to)
         return result
 
     def check(written: str) -> None:
-        from .verification import compare, compare_with_reference
+        from ckptconv.checking.verification import compare, compare_with_reference
 
         if crcs is not None:
             crcs.result()  # the source's records are what the archive recorded, or nothing appears
@@ -367,7 +439,7 @@ def _convert(
                 overwrite=options.overwrite,
                 metadata=metadata,
                 extra=extra,
-                max_shard_size=max_shard_size,
+                max_shard_size=options.max_shard_size,
                 progress=progress,
                 inputs=checkpoint.files,
                 check=check if (reference is not None or crcs is not None) else None,
@@ -380,7 +452,7 @@ def _convert(
             raise
     if written.aliases:
         notes.append(_tied_note(written.aliases, written.path, len(written.files) > 1))
-    from .reference import CKPTCONV_READER
+    from ckptconv.checking.reference import CKPTCONV_READER
 
     fallback = next((pair for pair in read_by if any(r.startswith(CKPTCONV_READER) for r in pair)), None)
     if fallback is not None:

@@ -23,10 +23,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import read_policy
-from ._paths import PathLike, as_path
-from .errors import CkptconvError, FitError, KeyCollisionError, LoadError, UnsupportedFormatError
-from .transforms import AddPrefix, Canonicalize, StripPrefix, Transform, canonical_keys
+from ckptconv._paths import PathLike, as_path
+from ckptconv.errors import CkptconvError, FitError, KeyCollisionError, LoadError, UnsupportedFormatError
+from ckptconv.reading import read_policy
+from ckptconv.transforms.keys import AddPrefix, Canonicalize, StripPrefix, Transform, canonical_keys
 
 if TYPE_CHECKING:
     import torch
@@ -157,7 +157,7 @@ def reference_from(reference: Any) -> Reference:
 
 
 def _reference_from_file(path: str) -> Reference:
-    from .loading import open as open_checkpoint
+    from ckptconv.loading import open as open_checkpoint
 
     if not os.path.isdir(path):
         read_policy.check_file(path)  # a FIFO or a device would hang or never end
@@ -280,7 +280,7 @@ def fit(state: Mapping[str, Any], reference: Any, *, partial: bool = False) -> t
     """Rename ``state``'s keys so they match ``reference``, if some plan makes them match exactly.
 
     The plans tried: the keys as they are; wrappers removed (see
-    :func:`~ckptconv.transforms.canonicalize`); a leading prefix stripped (Lightning's
+    :func:`~ckptconv.transforms.keys.canonicalize`); a leading prefix stripped (Lightning's
     ``model.``, ``backbone.``, ...); and the reference's own wrappers (``module.``,
     ``_orig_mod.``, FSDP components) put back. The plan that matches the most
     keys wins, the shortest on a tie.
@@ -387,8 +387,8 @@ def load_into(
     Example:
         >>> ckptconv.load_into(model, "dp_model.pkl")  # doctest: +SKIP
     """
-    from ._torch import to_torch
-    from .loading import open as open_checkpoint
+    from ckptconv.gpu.torch_tensors import to_torch
+    from ckptconv.loading import open as open_checkpoint
 
     weights = open_checkpoint(path, trust=trust).select(select).weights
     fitted, report = fit(weights, model, partial=not strict)
@@ -401,7 +401,7 @@ def load_into(
         targets = {key: str(value.device) for key, value in model.state_dict().items()}
         staged = to_torch(fitted, device=targets)
     else:
-        from .devices import pick_device
+        from ckptconv.gpu.devices import pick_device
 
         staged = to_torch(fitted, device=pick_device(device))
     model.load_state_dict(staged, strict=strict)

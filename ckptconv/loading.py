@@ -2,9 +2,9 @@
 
 :func:`open` detects the format from the file's content, reads only its
 structure (the pickle, or the safetensors header) and returns a
-:class:`Checkpoint` whose tensors are :class:`~ckptconv.tensor.TensorRef`
+:class:`Checkpoint` whose tensors are :class:`~ckptconv.values.tensor.TensorRef`
 references into the file. No code from the file runs: see
-:mod:`ckptconv.unpickler`. :func:`load` is the drop-in for
+:mod:`ckptconv.reading.unpickling.unpickler`. :func:`load` is the drop-in for
 ``torch.load(path, map_location="cpu")`` that users want most: the model
 weights as real torch tensors.
 """
@@ -19,15 +19,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import formats
-from ._gc import collector_paused
-from ._paths import PathLike, as_path
-from .errors import CkptconvError, LoadError, MalformedCheckpointError
-from .formats._base import ReadResult
-from .selection import Selection, select_weights
-from .standins import NumpyArray
-from .state_dicts import children, part_text
-from .tensor import Storage, TensorRef
+from ckptconv._paths import PathLike, as_path
+from ckptconv.errors import CkptconvError, LoadError, MalformedCheckpointError
+from ckptconv.reading import detection as formats
+from ckptconv.reading.formats._base import ReadResult
+from ckptconv.runtime.collector import collector_paused
+from ckptconv.selection.state_dicts import children, part_text
+from ckptconv.selection.weights import Selection, select_weights
+from ckptconv.values.standins import NumpyArray
+from ckptconv.values.tensor import Storage, TensorRef
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +63,7 @@ class Checkpoint:
         format: ``"torch-zip"``, ``"torch-legacy"``, ``"safetensors"``, ``"pickle"``, ``"sharded"`` or ``"dcp"``.
         tree: the object the file holds. Tensors are :class:`TensorRef`; objects of
             classes ckptconv does not resolve are inert
-            :class:`~ckptconv.standins.ForeignObject` stand-ins.
+            :class:`~ckptconv.values.standins.ForeignObject` stand-ins.
         foreign_globals: the classes and functions that became stand-ins, with
             how many objects each built. Nothing named here was imported or called.
         saved_devices: devices the tensors were saved from (``{"cuda:1"}``); they
@@ -87,7 +87,7 @@ class Checkpoint:
     files: tuple[str, ...] = ()
 
     def select(self, select: str | None = None) -> Selection:
-        """The model weights in this checkpoint; see :func:`ckptconv.selection.select_weights`."""
+        """The model weights in this checkpoint; see :func:`ckptconv.selection.weights.select_weights`."""
         return select_weights(self.tree, select, source=repr(self.path))
 
     def tensors(self) -> Iterator[tuple[str, TensorRef]]:
@@ -187,7 +187,7 @@ def load(
 ) -> dict[str, torch.Tensor]:
     """The model weights of a checkpoint as torch tensors: a safe ``torch.load``.
 
-    Finds the weights inside training checkpoints (see :mod:`ckptconv.selection`),
+    Finds the weights inside training checkpoints (see :mod:`ckptconv.selection.weights`),
     loads GPU-saved files on a CPU-only machine, and never runs code from the
     file. Tensors that shared memory in the file share it in the result.
 
@@ -199,7 +199,7 @@ def load(
             ``"cuda:1"`` (bytes stream from the file to the GPU through a small
             pinned buffer, so host memory stays bounded), or ``"auto"``: the
             visible GPU with the most free memory, else the CPU (with a
-            :class:`~ckptconv.devices.DeviceFallbackWarning`).
+            :class:`~ckptconv.gpu.devices.DeviceFallbackWarning`).
         check_crc: compare every zip record read with the CRC-32 the archive
             records (torch.load does not): taken from the bytes as they are
             read, or on the GPU once they are there (``device="cuda"``); False
@@ -211,11 +211,11 @@ def load(
     Example:
         >>> model.load_state_dict(ckptconv.load("dp_model.pkl"))  # doctest: +SKIP
     """
-    from ._torch import to_torch
-    from .devices import pick_device
-    from .integrity import check_record_crcs
+    from ckptconv.gpu.devices import pick_device
+    from ckptconv.gpu.torch_tensors import to_torch
+    from ckptconv.reading.integrity import check_record_crcs
 
-    with collector_paused():  # an object or more per tensor: see ckptconv._gc
+    with collector_paused():  # an object or more per tensor: see ckptconv.runtime.collector
         weights = open(path, trust=trust).select(select).weights
         # The readers take each whole record's CRC-32 from the bytes as they pass (no second
         # read of the file); what they did not see (compressed records, partly read ones) is
@@ -233,7 +233,7 @@ def _read_trusted(path: str, kind: str) -> ReadResult:
         return formats.READERS[kind](path)  # nothing in these runs code: trust changes nothing
     import torch
 
-    from ._torch import from_torch
+    from ckptconv.gpu.torch_tensors import from_torch
 
     try:
         obj = torch.load(path, map_location="cpu", weights_only=False)

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .transforms import Pipeline
+from ckptconv.transforms.keys import Pipeline
 
 __all__ = [
     "BATCH_FORMATS",
@@ -85,9 +85,9 @@ class ConversionOptions:
         select: where the weights are (``"state_dict_ema"``, ``"ema"``); searched when None.
         trust: unpickle with ``torch.load(weights_only=False)``, running any code
             in the file. Dangerous; see :func:`ckptconv.open`.
-        transforms: steps such as :class:`~ckptconv.transforms.StripPrefix` or
-            :class:`~ckptconv.transforms.Cast`, applied in order (a sequence of
-            steps is made a :class:`~ckptconv.transforms.Pipeline`).
+        transforms: steps such as :class:`~ckptconv.transforms.keys.StripPrefix` or
+            :class:`~ckptconv.transforms.keys.Cast`, applied in order (a sequence of
+            steps is made a :class:`~ckptconv.transforms.keys.Pipeline`).
         fit_to: a reference model, checkpoint or key list (see :func:`ckptconv.fit`):
             after ``transforms``, rename the keys to match it, or raise
             :class:`~ckptconv.errors.FitError` with the report and write nothing.

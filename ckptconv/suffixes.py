@@ -1,6 +1,6 @@
 """What checkpoint files are called: the one list of suffixes every module asks.
 
-Names never decide a file's format (:func:`ckptconv.formats.detect` reads its
+Names never decide a file's format (:func:`ckptconv.reading.detection.detect` reads its
 content); they decide which files to look at (a folder's single checkpoint,
 a batch's items), which files make up a checkpoint (its shards), and which
 format an output gets when ``--to`` is not given.

@@ -28,12 +28,13 @@ from safetensors import safe_open
 from torch import nn
 
 import ckptconv
-from ckptconv import batching
-from ckptconv.discovery import Item, discover, plan_outputs
-from ckptconv.executors import Job, run_job, run_local
-from ckptconv.manifest import MANIFEST_NAME, Manifest, read_records
+from ckptconv.batching import flow
+from ckptconv.batching.executors import Job, run_job, run_local
+from ckptconv.batching.manifest import MANIFEST_NAME, Manifest, read_records
+from ckptconv.batching.outputs import plan_outputs
 from ckptconv.options import ConversionOptions
-from ckptconv.transforms import Pipeline, StripPrefix
+from ckptconv.reading.discovery import Item, discover
+from ckptconv.transforms.keys import Pipeline, StripPrefix
 
 from .batch_helpers import Explode, KillWorker
 from .conftest import (
@@ -335,7 +336,7 @@ def test_outputs_differing_only_in_case_collide_where_the_file_system_folds_case
     (zoo / "sub").mkdir()
     for name in ("A.pt", "a.pt", "Sub/m.pt", "sub/m.pt", "b.pt"):
         torch.save({"w": torch.ones(2)}, zoo / name)
-    assert not ckptconv.discovery.folds_case(str(tmp_path / "out"))  # this machine's file system keeps case
+    assert not ckptconv.batching.outputs.folds_case(str(tmp_path / "out"))  # this machine's file system keeps case
     assert not ckptconv.batch(zoo, tmp_path / "kept").failed  # so nothing collides here
 
     planned = {p.item.name: (p.output, p.problem) for p in plan_outputs(discover(zoo), "safetensors", fold_case=True)}
@@ -346,7 +347,7 @@ def test_outputs_differing_only_in_case_collide_where_the_file_system_folds_case
         "file in the output folder); rename one of them, or leave it out with --glob",
     )
     assert planned["sub/m.pt"][1].startswith("'sub/m.pt' and 'Sub/m.pt' would all be written to 'sub/m.pt.safetensors'")
-    monkeypatch.setattr(batching, "folds_case", lambda path: True)
+    monkeypatch.setattr(flow, "folds_case", lambda path: True)
     report = ckptconv.batch(zoo, tmp_path / "out")
     assert sorted(r.source for r in report.failed) == ["A.pt", "Sub/m.pt", "a.pt", "sub/m.pt"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([MANIFEST_NAME, "b.safetensors"])
@@ -365,7 +366,7 @@ def test_an_item_that_became_a_link_out_of_the_zoo_is_not_read(tmp_path: Path, m
         (zoo / "m.pt").unlink()
         (zoo / "m.pt").symlink_to(secret)
 
-    swap_after_discovery(monkeypatch, batching, swap)
+    swap_after_discovery(monkeypatch, flow, swap)
     report = ckptconv.batch(zoo, tmp_path / "out")
     (failed,) = report.failed
     assert failed.source == "m.pt"
@@ -383,7 +384,7 @@ def test_an_item_swapped_for_a_link_after_the_worker_checked_it_is_not_read(
     """The worker asked discovery's rules again, then opened the item by name: swapped for a link out of
     the zoo in between, the file outside was converted (its weights in the output). Every open during the
     item now asks the read policy, which holds it to the source folder."""
-    from ckptconv import executors
+    from ckptconv.batching import executors
 
     zoo, outside = tmp_path / "zoo", tmp_path / "outside"
     zoo.mkdir()
@@ -607,7 +608,7 @@ def test_an_output_folder_under_the_source_that_is_a_link_out_of_it_is_written_a
 
 def test_the_source_folder_rule_leaves_out_only_an_output_folder_inside_the_source(tmp_path: Path) -> None:
     """An output folder above SRC (``batch zoo .``) must not take SRC's own files out of the rule."""
-    from ckptconv import read_policy
+    from ckptconv.reading import read_policy
 
     zoo = tmp_path / "zoo"
     zoo.mkdir()
@@ -752,7 +753,7 @@ def test_a_dying_worker_fails_only_its_own_item(small_zoo: Path, tmp_path: Path)
 
 
 def test_the_library_api(small_zoo: Path, tmp_path: Path) -> None:
-    for module in ("batching", "discovery", "executors", "manifest", "report"):
+    for module in ("batching.flow", "reading.discovery", "batching.executors", "batching.manifest", "batching.report"):
         importlib.import_module(f"ckptconv.{module}")
     assert inspect.isfunction(ckptconv.batch)  # no submodule shadows the function
     parameters = list(inspect.signature(ckptconv.batch).parameters.values())

@@ -1,4 +1,4 @@
-"""ckptconv._cast against torch itself, bit for bit.
+"""ckptconv.transforms.casts against torch itself, bit for bit.
 
 The casts must give the bytes ``torch.Tensor.to`` gives on CPU, so every test
 compares raw bits with torch as the reference (never ``allclose``): all
@@ -30,13 +30,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptconv import _cast
-from ckptconv._cast import (
+from ckptconv.transforms import casts as _cast
+from ckptconv.transforms.casts import (
     CAST_PAIRS,
+    buffers,
     cast_array,
     cast_bytes,
     cast_counting_overflows,
     count_overflows,
+    float16,
+    ml_support,
     storage_dtype,
 )
 
@@ -46,8 +49,8 @@ torch = pytest.importorskip("torch")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 # The checks of ml_dtypes' casts, whatever kernel_backend puts in their place.
-ML_BFLOAT16 = _cast._ml_bfloat16
-ML_COMPLEX32 = _cast._ml_complex32
+ML_BFLOAT16 = ml_support._ml_bfloat16
+ML_COMPLEX32 = float16._ml_complex32
 OUTPUT_CHECKED = _cast._output_checked
 ML_FASTER = _cast._ml_faster
 
@@ -96,7 +99,7 @@ def _one_torch_thread() -> Iterator[None]:
 def kernel_backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """Every test runs on both kernels of float32 -> bfloat16 and (tame blocks) float32 -> float16:
     ml_dtypes' casts (bfloat16, complex32) and the numpy passes."""
-    originals = _cast._ml_bfloat16, _cast._ml_complex32, _cast._output_checked, _cast._ml_faster
+    originals = ml_support._ml_bfloat16, float16._ml_complex32, _cast._output_checked, _cast._ml_faster
     for answer in (ML_BFLOAT16, ML_COMPLEX32):  # perhaps cached before ml_dtypes was loaded
         answer.cache_clear()
     if request.param == "ml_dtypes":
@@ -107,18 +110,18 @@ def kernel_backend(request: pytest.FixtureRequest) -> Iterator[str]:
         _cast._ml_faster = lambda target: True  # type: ignore[assignment]
         _cast._output_checked = functools.cache(OUTPUT_CHECKED.__wrapped__)
     else:
-        _cast._ml_bfloat16 = lambda: None  # type: ignore[assignment]
-        _cast._ml_complex32 = lambda: None  # type: ignore[assignment]
+        ml_support._ml_bfloat16 = lambda: None  # type: ignore[assignment]
+        float16._ml_complex32 = lambda: None  # type: ignore[assignment]
         _cast._output_checked = lambda source, target: None  # type: ignore[assignment]
         _cast._ml_faster = lambda target: False  # type: ignore[assignment]
     yield request.param
-    _cast._ml_bfloat16, _cast._ml_complex32, _cast._output_checked, _cast._ml_faster = originals  # type: ignore[assignment]
+    ml_support._ml_bfloat16, float16._ml_complex32, _cast._output_checked, _cast._ml_faster = originals  # type: ignore[assignment]
 
 
 def test_kernel_backend_is_in_use(kernel_backend: str) -> None:
     has_complex32 = kernel_backend == "ml_dtypes" and hasattr(ml_dtypes, "complex32")
-    assert (_cast._ml_bfloat16() is not None) == (kernel_backend == "ml_dtypes")
-    assert (_cast._ml_complex32() is not None) == has_complex32
+    assert (ml_support._ml_bfloat16() is not None) == (kernel_backend == "ml_dtypes")
+    assert (float16._ml_complex32() is not None) == has_complex32
     assert (_cast._output_checked("float32", "bfloat16") is not None) == (kernel_backend == "ml_dtypes")
     assert (_cast._output_checked("float32", "float16") is not None) == has_complex32
 
@@ -130,13 +133,13 @@ def test_an_ml_cast_that_hides_nans_is_not_trusted_with_tameness(monkeypatch: py
     # The thresholds are cached: taken here with the real kernels, not with the broken one below
     # (which would leave a threshold of None to every later test).
     thresholds = {target: _cast._overflow_threshold("float32", target) for target in ("bfloat16", "float16")}
-    monkeypatch.setattr(_cast, "_ml_bfloat16", ML_BFLOAT16)
-    monkeypatch.setattr(_cast, "_ml_complex32", ML_COMPLEX32)
+    monkeypatch.setattr(ml_support, "_ml_bfloat16", ML_BFLOAT16)
+    monkeypatch.setattr(float16, "_ml_complex32", ML_COMPLEX32)
     monkeypatch.setattr(_cast, "_ml_faster", lambda target: True)
     if ML_COMPLEX32() is not None:
         assert check("float32", "float16") is not None and check("float32", "bfloat16") is not None
     assert check("float64", "float16") is None and check("float32", "float64") is None
-    monkeypatch.setattr(_cast, "_ml_bfloat16", lambda: np.dtype(np.uint16))  # NaN -> 0
+    monkeypatch.setattr(ml_support, "_ml_bfloat16", lambda: np.dtype(np.uint16))  # NaN -> 0
     assert check("float32", "bfloat16") is None
     assert {target: _cast._overflow_threshold("float32", target) for target in thresholds} == thresholds
 
@@ -375,7 +378,7 @@ def test_tame_blocks_match_torch(source: str, target: str) -> None:
     values = np.concatenate([edges.astype(storage_dtype(source)), ranged, tiny]).astype(storage_dtype(source))
     expected = torch_cast(values, source, target)
     keep = np.isfinite(values) & ~is_nan_bits(expected, target)
-    keep &= (expected & np.uint16(0x7FFF)) != _cast._INF_BITS[target]
+    keep &= (expected & np.uint16(0x7FFF)) != buffers._INF_BITS[target]
     tame = values[keep]
     bound = _cast._tame_bound(source, target)
     assert bound is not None and tame.max() < bound and tame.min() > -bound  # every block is tame
@@ -385,7 +388,7 @@ def test_tame_blocks_match_torch(source: str, target: str) -> None:
     assert np.array_equal(bits(cast_array(tame, source, target)), expected[keep])
     # One value out of range sends its block (only) back to the full kernels.
     spoiled = tame.copy()
-    spoiled[_cast.BLOCK_ELEMENTS + 1] = np.inf
+    spoiled[buffers.BLOCK_ELEMENTS + 1] = np.inf
     assert np.array_equal(bits(cast_array(spoiled, source, target)), torch_cast(spoiled, source, target))
 
 
@@ -464,7 +467,7 @@ def test_torch_tail_nan_encoding(source: str, target: str, nan: int, body: int, 
 
     17 NaNs: torch's vector body covers the first 16 (8 for float16 -> float32,
     twice over) and its scalar tail the 17th. If this test fails on a new torch,
-    re-measure and update ckptconv._cast.
+    re-measure and update ckptconv.transforms.casts.
     """
     values = patterns([nan] * 17, source)
     tensor = torch.from_numpy(bits(values).view(SIGNED[values.dtype.itemsize])).view(TORCH_DTYPES[source])
@@ -564,12 +567,12 @@ def test_count_overflows_matches_torch(source: str, target: str) -> None:
 def test_count_overflows_across_blocks(source: str, target: str) -> None:
     """Blocks of in-range values are skipped by min/max; the overflows, infs and NaNs in others still count."""
     rng = np.random.default_rng(3)
-    n = 3 * _cast.BLOCK_ELEMENTS + 5
+    n = 3 * buffers.BLOCK_ELEMENTS + 5
     values = (rng.standard_normal(n) * 0.02).astype(storage_dtype(source))
     big = {"float16": 7e4, "bfloat16": 3.4e38, "float32": 1e300}[target]
-    values[[7, _cast.BLOCK_ELEMENTS + 1, n - 1]] = [big, -big, big]
-    values[2 * _cast.BLOCK_ELEMENTS + 3] = np.nan
-    values[2 * _cast.BLOCK_ELEMENTS + 4] = -np.inf
+    values[[7, buffers.BLOCK_ELEMENTS + 1, n - 1]] = [big, -big, big]
+    values[2 * buffers.BLOCK_ELEMENTS + 3] = np.nan
+    values[2 * buffers.BLOCK_ELEMENTS + 4] = -np.inf
     assert count_overflows(values, source, target) == torch_overflows(values, source, target) == 3
     out = np.empty(n, storage_dtype(target))
     assert cast_counting_overflows(values, source, target, out=out)[1] == 3
@@ -685,7 +688,7 @@ def test_internal_block_size_does_not_matter(source: str, target: str, monkeypat
     rng = np.random.default_rng(11)
     values = rng.integers(0, 256, size=width * 10_007, dtype=np.uint8).view(storage_dtype(source))
     expected = bits(cast_array(values, source, target))
-    monkeypatch.setattr(_cast, "BLOCK_ELEMENTS", 1000)
+    monkeypatch.setattr(buffers, "BLOCK_ELEMENTS", 1000)
     assert np.array_equal(bits(cast_array(values, source, target)), expected)
 
 
@@ -709,8 +712,8 @@ def test_ml_dtypes_casts_only_where_they_are_the_faster(target: str, monkeypatch
     """Which of ml_dtypes' cast and the numpy passes is faster depends on the ml_dtypes release
     (0.7.0's are slower than 0.6.0's); each process measures it once. Both are exact."""
     choose = ML_FASTER.__wrapped__  # the measurement itself, not its cached answer
-    monkeypatch.setattr(_cast, "_ml_bfloat16", ML_BFLOAT16)
-    monkeypatch.setattr(_cast, "_ml_complex32", ML_COMPLEX32)
+    monkeypatch.setattr(ml_support, "_ml_bfloat16", ML_BFLOAT16)
+    monkeypatch.setattr(float16, "_ml_complex32", ML_COMPLEX32)
     if (ML_BFLOAT16 if target == "bfloat16" else ML_COMPLEX32)() is None:
         pytest.skip("no ml_dtypes cast to choose")
     for ml_seconds, numpy_seconds, expected in ((1.0, 2.0, True), (2.0, 1.0, False)):
@@ -720,8 +723,8 @@ def test_ml_dtypes_casts_only_where_they_are_the_faster(target: str, monkeypatch
         assert choose(target) is expected
         assert next(times, None) is None
     monkeypatch.setattr(_cast, "_seconds", lambda run: 0.0)
-    monkeypatch.setattr(_cast, "_ml_bfloat16", lambda: None)
-    monkeypatch.setattr(_cast, "_ml_complex32", lambda: None)
+    monkeypatch.setattr(ml_support, "_ml_bfloat16", lambda: None)
+    monkeypatch.setattr(float16, "_ml_complex32", lambda: None)
     assert choose(target) is False  # nothing to choose
 
 
@@ -735,7 +738,7 @@ def test_sample_weights_look_like_weights() -> None:
 
 def test_the_installed_ml_dtypes_release_is_read_without_importing_it() -> None:
     expected = tuple(int(part) for part in ml_dtypes.__version__.split(".")[:3] if part.isdigit())
-    assert _cast._installed_ml_dtypes_version()[: len(expected)] == expected  # type: ignore[index]
+    assert ml_support._installed_ml_dtypes_version()[: len(expected)] == expected  # type: ignore[index]
 
 
 @pytest.mark.parametrize(
@@ -746,18 +749,18 @@ def test_ml_dtypes_is_imported_only_where_a_release_quick_to_import_is_installed
 ) -> None:
     """ml_dtypes 0.7.0 takes 0.55 s to import with numpy before 2.5, more than a 1 GiB cast; a
     program that has loaded it has paid that already."""
-    monkeypatch.setattr(_cast, "_installed_ml_dtypes_version", lambda: installed)
+    monkeypatch.setattr(ml_support, "_installed_ml_dtypes_version", lambda: installed)
     monkeypatch.delitem(sys.modules, "ml_dtypes")
-    assert (_cast._ml_dtypes_module() is not None) is imported
+    assert (ml_support._ml_dtypes_module() is not None) is imported
     assert ("ml_dtypes" in sys.modules) is imported
     monkeypatch.setitem(sys.modules, "ml_dtypes", ml_dtypes)
-    assert _cast._ml_dtypes_module() is ml_dtypes  # loaded: used whatever the release
+    assert ml_support._ml_dtypes_module() is ml_dtypes  # loaded: used whatever the release
 
 
 def test_a_conversion_imports_ml_dtypes_only_where_it_is_quick_to_import(tmp_path: Path) -> None:
     source = tmp_path / "in.pt"
     torch.save({"w": torch.randn(300_000)}, source)
-    quick = (_cast._installed_ml_dtypes_version() or (99,)) < _cast._ML_DTYPES_IMPORTED_BELOW
+    quick = (ml_support._installed_ml_dtypes_version() or (99,)) < ml_support._ML_DTYPES_IMPORTED_BELOW
     code = (
         "import sys, ckptconv\n"
         f"ckptconv.convert({str(source)!r}, {str(tmp_path / 'out.safetensors')!r}, "
@@ -773,14 +776,15 @@ def test_casts_starting_on_many_threads_at_once_wait_for_ml_dtypes_import() -> N
     conversion on a 16-core host failed so: "partially initialized module 'ml_dtypes'")."""
     code = (
         "import sys, threading\n"
-        "from ckptconv import _cast\n"
+        "from ckptconv.transforms import casts as _cast\n"
+        "from ckptconv.transforms.casts import ml_support\n"
         "assert 'ml_dtypes' not in sys.modules\n"
-        "_cast._installed_ml_dtypes_version = lambda: (0, 6, 0)  # import it, whatever the release\n"
+        "ml_support._installed_ml_dtypes_version = lambda: (0, 6, 0)  # import it, whatever the release\n"
         "start, errors = threading.Barrier(8), []\n"
         "def first_cast():\n"
         "    start.wait()\n"
         "    try:\n"
-        "        assert _cast._ml_bfloat16.__wrapped__() is not None\n"
+        "        assert ml_support._ml_bfloat16.__wrapped__() is not None\n"
         "    except Exception as error:\n"
         "        errors.append(repr(error))\n"
         "threads = [threading.Thread(target=first_cast) for _ in range(8)]\n"
@@ -797,7 +801,9 @@ def test_casts_on_several_threads_at_once_keep_their_own_scratch(target: str) ->
     """Each thread keeps its block temporaries from cast to cast (none are faulted in again per
     piece), and threads casting at once never write into each other's: every result matches torch."""
     rng = np.random.default_rng(7)
-    pieces = [(rng.standard_normal(3 * _cast.BLOCK_ELEMENTS + 5) * 0.02 * (1 + k)).astype(np.float32) for k in range(8)]
+    pieces = [
+        (rng.standard_normal(3 * buffers.BLOCK_ELEMENTS + 5) * 0.02 * (1 + k)).astype(np.float32) for k in range(8)
+    ]
     pieces[3][17] = np.nan  # one piece takes the full kernel (NaN patching) on one block
     expected = [torch_cast(piece, "float32", target) for piece in pieces]
     start, failures, used = threading.Barrier(4), [], {}
@@ -809,7 +815,7 @@ def test_casts_on_several_threads_at_once_keep_their_own_scratch(target: str) ->
                 got = bits(cast_array(pieces[index], "float32", target))
                 if not np.array_equal(got, expected[index]):
                     failures.append((worker, round_, index))
-        with _cast._thread_scratch() as scratch:
+        with buffers._thread_scratch() as scratch:
             used[worker] = scratch
 
     threads = [threading.Thread(target=cast_all, args=(worker,)) for worker in range(4)]
@@ -819,22 +825,22 @@ def test_casts_on_several_threads_at_once_keep_their_own_scratch(target: str) ->
         thread.join()
     assert not failures
     assert len({id(scratch) for scratch in used.values()}) == 4  # one per thread
-    with _cast._thread_scratch() as first, _cast._thread_scratch() as nested:
+    with buffers._thread_scratch() as first, buffers._thread_scratch() as nested:
         assert first is not nested
-    with _cast._thread_scratch() as again:
+    with buffers._thread_scratch() as again:
         assert again is first  # kept for this thread's next cast
 
 
 def test_kernel_buffers_start_on_cache_lines() -> None:
     """The buffers casts stream through start on a 64-byte boundary (numpy's own start 16 bytes past
     one, and its vector loads then straddle cache lines): block temporaries, pieces and outputs."""
-    from ckptconv import streaming
+    from ckptconv.reading import streaming
 
-    for count, dtype in [(1, np.uint8), (5, np.uint16), (_cast.BLOCK_ELEMENTS, np.uint32), (3, np.float64)]:
-        array = _cast.aligned_empty(count, dtype)
-        assert array.ctypes.data % _cast.ALIGNMENT == 0
+    for count, dtype in [(1, np.uint8), (5, np.uint16), (buffers.BLOCK_ELEMENTS, np.uint32), (3, np.float64)]:
+        array = buffers.aligned_empty(count, dtype)
+        assert array.ctypes.data % buffers.ALIGNMENT == 0
         assert array.shape == (count,) and array.dtype == dtype
-    with _cast._thread_scratch() as scratch:
+    with buffers._thread_scratch() as scratch:
         assert scratch.u32(7).ctypes.data % 64 == 0 and scratch.f32(7).ctypes.data % 64 == 0
     buffer = streaming._take(3 << 20)
     assert buffer.ctypes.data % 64 == 0 and buffer.nbytes >= 3 << 20

@@ -20,10 +20,10 @@ import torch
 from click.testing import CliRunner
 
 import ckptconv
-import ckptconv.streaming
+import ckptconv.reading.streaming
 from ckptconv.cli import cli
 from ckptconv.errors import MalformedCheckpointError
-from ckptconv.streaming import reads_whole_record
+from ckptconv.reading.streaming import reads_whole_record
 
 from .conftest import refusal_in_child
 
@@ -33,7 +33,7 @@ TARGETS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 @pytest.fixture
 def piece_style(monkeypatch: pytest.MonkeyPatch) -> str:
     """Small pieces, so every tensor below streams in many of them."""
-    monkeypatch.setattr(ckptconv.streaming, "DEFAULT_CHUNK_BYTES", 8192)
+    monkeypatch.setattr(ckptconv.reading.streaming, "DEFAULT_CHUNK_BYTES", 8192)
     return "small pieces"
 
 
@@ -96,7 +96,7 @@ def test_a_cast_records_the_crc_of_each_whole_record_it_reads(piece_style: str, 
         raw = {info.filename.rsplit("/", 1)[1]: archive.read(info) for info in archive.infolist()}
     for key, ref in weights.items():
         cast = ref.cast(bf16) if ref.dtype.kind == "float" else ref
-        crcs: dict[ckptconv.tensor.Storage, int] = {}
+        crcs: dict[ckptconv.values.tensor.Storage, int] = {}
         torch_bits = (state[key].to(torch.bfloat16) if state[key].is_floating_point() else state[key]).contiguous()
         streamed = b"".join(bytes(chunk) for chunk in cast.iter_bytes(record_crcs=crcs))
         assert streamed == torch_bits.view(torch.uint8).numpy().tobytes(), key
@@ -113,7 +113,7 @@ def test_record_crcs_are_left_alone_when_the_stream_stops_early(piece_style: str
     source = tmp_path / "in.pt"
     torch.save({"w": torch.randn(10_000)}, source)
     ref = ckptconv.open(source).select().weights["w"].cast(ckptconv.Cast("fp16").target)
-    crcs: dict[ckptconv.tensor.Storage, int] = {}
+    crcs: dict[ckptconv.values.tensor.Storage, int] = {}
     chunks = ref.iter_bytes(record_crcs=crcs)
     next(chunks)
     chunks.close()
@@ -162,15 +162,15 @@ def test_spare_buffers_stay_bounded(piece_style: str, tmp_path: Path) -> None:
     for ref in ckptconv.open(source).select().weights.values():
         for _ in ref.cast(ckptconv.Cast("fp16").target).iter_bytes():
             pass
-    spare = ckptconv.streaming._SPARE
-    assert spare and sum(buffer.nbytes for buffer in spare) <= ckptconv.streaming._SPARE_BYTES
+    spare = ckptconv.reading.streaming._SPARE
+    assert spare and sum(buffer.nbytes for buffer in spare) <= ckptconv.reading.streaming._SPARE_BYTES
     assert all(isinstance(buffer, np.ndarray) for buffer in spare)
 
 
 def test_chunk_crcs_are_those_of_the_chunks(piece_style: str, tmp_path: Path) -> None:
     """iter_bytes_with_crcs: a cast's chunks come with their CRC-32 (taken by the cast threads),
     other chunks with None; the bytes are iter_bytes' bytes."""
-    from ckptconv.streaming import iter_bytes_with_crcs
+    from ckptconv.reading.streaming import iter_bytes_with_crcs
 
     source = tmp_path / "in.pt"
     torch.save({"w": torch.randn(30_000), "ids": torch.arange(5000)}, source)
@@ -205,9 +205,9 @@ def test_a_cast_from_a_file_cut_short_after_it_was_opened_is_refused_in_one_line
 def test_a_spare_buffer_too_small_stays_for_a_smaller_request() -> None:
     """A worker's read buffer and the pieces' outputs differ in size: taking one must not drop
     the other (it would be allocated again, its pages faulted in, for the next piece)."""
-    from ckptconv.streaming import _give_back, _take
+    from ckptconv.reading.streaming import _give_back, _take
 
-    spare = ckptconv.streaming._SPARE
+    spare = ckptconv.reading.streaming._SPARE
     saved = spare[:]
     spare.clear()
     try:
@@ -228,13 +228,13 @@ def _cast_threads() -> set[threading.Thread]:
 def _casting_threads(monkeypatch: pytest.MonkeyPatch) -> set[threading.Thread]:
     """The threads that cast pieces from now on (thread objects, which are never reused)."""
     seen: set[threading.Thread] = set()
-    cast = ckptconv.streaming._cast
+    cast = ckptconv.reading.streaming._cast
 
     def spying(ref: Any, values: Any, out: Any = None) -> Any:
         seen.add(threading.current_thread())
         return cast(ref, values, out)
 
-    monkeypatch.setattr(ckptconv.streaming, "_cast", spying)
+    monkeypatch.setattr(ckptconv.reading.streaming, "_cast", spying)
     return seen
 
 
@@ -250,7 +250,7 @@ def test_one_pool_of_cast_threads_serves_a_whole_write_and_ends_with_it(
     ckptconv.convert(source, tmp_path / f"out{suffix}", transforms=[ckptconv.Cast("fp16")], source_hash=False)
     # At most two threads for the four tensors (a pool per tensor starts at least one for each;
     # a fast machine may finish every piece on one).
-    assert 1 <= len(seen) <= ckptconv.streaming.cast_workers()
+    assert 1 <= len(seen) <= ckptconv.reading.streaming.cast_workers()
     assert _cast_threads() == before
     got = ckptconv.open(tmp_path / f"out{suffix}").select().weights
     for key, value in state.items():
@@ -268,7 +268,9 @@ def test_a_stream_outside_a_write_has_threads_of_its_own_that_end_with_it(
     for ref in refs:
         assert sum(len(chunk) for chunk in ref.iter_bytes()) == 10_000
         assert _cast_threads() == before
-    assert len(refs) <= len(seen) <= len(refs) * ckptconv.streaming.cast_workers()  # new threads for each tensor
+    assert (
+        len(refs) <= len(seen) <= len(refs) * ckptconv.reading.streaming.cast_workers()
+    )  # new threads for each tensor
 
 
 def test_a_stream_left_early_in_a_kept_pool_lets_the_next_tensor_cast_exactly(piece_style: str, tmp_path: Path) -> None:
@@ -278,12 +280,12 @@ def test_a_stream_left_early_in_a_kept_pool_lets_the_next_tensor_cast_exactly(pi
     fp16 = ckptconv.Cast("fp16").target
     a, b = (ref.cast(fp16) for ref in ckptconv.open(source).select().weights.values())
     before = _cast_threads()
-    with ckptconv.streaming.keeping_workers():
+    with ckptconv.reading.streaming.keeping_workers():
         chunks = a.iter_bytes()
         next(chunks)
         chunks.close()  # its pieces in flight end here, before the next tensor's start
         streamed = b"".join(bytes(chunk) for chunk in b.iter_bytes())
-        assert len(_cast_threads() - before) == ckptconv.streaming.cast_workers()
+        assert len(_cast_threads() - before) == ckptconv.reading.streaming.cast_workers()
     assert streamed == state["b"].half().view(torch.uint8).numpy().tobytes()
     assert _cast_threads() == before
 
@@ -304,8 +306,8 @@ def test_a_refused_cast_leaves_no_cast_thread_behind(piece_style: str, tmp_path:
 def test_casts_take_a_thread_per_core_but_the_writers_between_two_and_six(
     cores: int, workers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ckptconv._cores, "usable", lambda: cores)
-    assert ckptconv.streaming.cast_workers() == workers
+    monkeypatch.setattr(ckptconv.runtime.cores, "usable", lambda: cores)
+    assert ckptconv.reading.streaming.cast_workers() == workers
 
 
 def test_verifying_a_cast_conversion_casts_on_one_pool_of_threads(
@@ -316,4 +318,4 @@ def test_verifying_a_cast_conversion_casts_on_one_pool_of_threads(
     ckptconv.convert(source, output, transforms=[ckptconv.Cast("fp16")], source_hash=False)
     seen = _casting_threads(monkeypatch)
     assert ckptconv.verify(source, output, transforms=[ckptconv.Cast("fp16")]).ok
-    assert 1 <= len(seen) <= ckptconv.streaming.cast_workers()
+    assert 1 <= len(seen) <= ckptconv.reading.streaming.cast_workers()

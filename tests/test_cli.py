@@ -147,7 +147,7 @@ def test_a_run_switches_the_gil_more_often_and_gives_the_interval_back() -> None
     """The cast threads wait less for the GIL (ckptconv.cli.main); a caller of main() gets its own
     interval back afterwards, after a failure too."""
     code = (
-        "import sys, ckptconv.cli as c, ckptconv._cores as cores\n"
+        "import sys, ckptconv.cli as c, ckptconv.runtime.cores as cores\n"
         "seen = []\n"
         "c.cli.main = lambda **kwargs: seen.append(sys.getswitchinterval()) or sys.exit(3)\n"
         "sys.setswitchinterval(0.002)\n"

@@ -1,4 +1,4 @@
-"""The CPU cores a conversion keeps busy (ckptconv._cores)."""
+"""The CPU cores a conversion keeps busy (ckptconv.runtime.cores)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptconv import _cores
+from ckptconv.runtime import cores as _cores
 
 
 def test_usable_cores_follow_the_affinity_and_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -64,7 +64,7 @@ def test_the_source_hash_counts_as_background_work(tmp_path: Path, monkeypatch: 
     import torch
 
     import ckptconv
-    from ckptconv import metadata
+    from ckptconv.writing import provenance as metadata
 
     monkeypatch.setattr(_cores, "usable", lambda: 4)
     seen: list[int] = []
@@ -88,7 +88,7 @@ def test_file_sha256_is_hashlibs_read_ahead_or_not(
 ) -> None:
     import hashlib
 
-    from ckptconv import metadata
+    from ckptconv.writing import provenance as metadata
 
     monkeypatch.setattr(metadata, "_HASH_CHUNK", 4096)
     monkeypatch.setattr(_cores, "usable", lambda: cores)
@@ -103,7 +103,7 @@ def test_file_sha256_is_hashlibs_read_ahead_or_not(
 def test_a_read_error_while_reading_ahead_reaches_the_caller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    from ckptconv import metadata
+    from ckptconv.writing import provenance as metadata
 
     monkeypatch.setattr(_cores, "usable", lambda: 2)
     path = tmp_path / "f.bin"
@@ -160,10 +160,10 @@ def test_switching_often_gives_the_interval_back_after_a_failure_too() -> None:
 def test_batch_workers_switch_the_gil_often() -> None:
     """A batch worker is a process of ckptconv's own: its cast threads get the same short switch
     interval as the command line's (the job here reports the interval it ran under)."""
-    from ckptconv._worker import read_frame, write_frame
+    from ckptconv.batching.frames import read_frame, write_frame
 
     code = (
-        "import sys, ckptconv.executors as executors, ckptconv._worker as worker\n"
+        "import sys, ckptconv.batching.executors as executors, ckptconv.batching.worker as worker\n"
         "executors.run_job = lambda job: sys.getswitchinterval()\n"
         "worker.main()\n"
     )

@@ -140,10 +140,10 @@ def test_output_symlink_is_replaced_not_followed(source: Path, tmp_path: Path) -
 # temporary files, as on file systems without O_TMPFILE.
 _SLOW_CONVERT = """
 import os, sys, time
-import ckptconv.writing as writing
+import ckptconv.writing.atomic as atomic, ckptconv.writing.copying as copying
 if os.environ.get("CKPTCONV_TEST_NO_TMPFILE"):
-    writing._USE_TMPFILE = False
-write_tensor, write_storage = writing._write_tensor, writing._write_planned_storage
+    atomic._USE_TMPFILE = False
+write_tensor, write_storage = copying.stream_tensor, copying.write_planned_storage
 calls = []
 def started():
     calls.append(1)
@@ -157,8 +157,8 @@ def slow_storage(*args, **kwargs):
     time.sleep(0.02)
     started()
     return write_storage(*args, **kwargs)
-writing._write_tensor, writing._write_planned_storage = slow_tensor, slow_storage
-import ckptconv._torch as torch_bridge
+copying.stream_tensor, copying.write_planned_storage = slow_tensor, slow_storage
+import ckptconv.gpu.torch_tensors as torch_bridge
 to_torch = torch_bridge.to_torch
 def slow_to_torch(*args, **kwargs):  # DCP outputs are written by torch.save, one tensor at a time
     time.sleep(0.02)
@@ -221,10 +221,10 @@ def test_sigkill_during_a_write_never_leaves_a_torn_output(
 
 
 def test_a_live_writers_temporary_file_is_never_removed(tmp_path: Path) -> None:
-    from ckptconv.writing import atomic_output, remove_abandoned
+    from ckptconv.writing.atomic import atomic_output, remove_abandoned
 
     output = tmp_path / "out.pt"
-    from ckptconv import writing
+    from ckptconv.writing import atomic as writing
 
     saved = writing._USE_TMPFILE
     writing._USE_TMPFILE = False
@@ -237,7 +237,7 @@ def test_a_live_writers_temporary_file_is_never_removed(tmp_path: Path) -> None:
                 [
                     sys.executable,
                     "-c",
-                    "import sys; from ckptconv.writing import remove_abandoned as r; "
+                    "import sys; from ckptconv.writing.atomic import remove_abandoned as r; "
                     "sys.exit(len(r(sys.argv[1], 'out.pt')))",
                     str(tmp_path),
                 ],
@@ -329,9 +329,9 @@ def test_an_error_raised_while_an_interruption_unwinds_reports_the_interruption(
     """A worker's read of a file the unwinding closed fails with EBADF; an import Ctrl-C cut short fails
     again when the unwinding imports the module ("cannot load module more than once per process", which
     was a traceback). Either is the interruption, not a failure."""
-    from ckptconv import writing
     from ckptconv.cli.failures import Terminated
     from ckptconv.errors import WriteError
+    from ckptconv.writing import copying as writing
 
     signalled = Terminated() if interrupt == "SIGTERM" else KeyboardInterrupt()
     error = (
@@ -347,7 +347,7 @@ def test_an_error_raised_while_an_interruption_unwinds_reports_the_interruption(
             raise error from None
         yield 0
 
-    monkeypatch.setattr(writing, "_write_tensor", interrupted_write)
+    monkeypatch.setattr(writing, "stream_tensor", interrupted_write)
     source = tmp_path / "many.pt"
     torch.save({"w": torch.ones(4)}, source)
     output = tmp_path / "out.safetensors"
@@ -366,9 +366,9 @@ def test_an_item_error_raised_while_an_interruption_unwinds_stops_the_batch_as_t
 ) -> None:
     """In a batch, the EBADF an unwinding interruption causes is not recorded as the item's failure (exit 3):
     the batch stops as interrupted (found by a SIGTERM test that failed once in a clean-clone CI run)."""
-    from ckptconv import writing
     from ckptconv.cli.failures import Terminated
     from ckptconv.errors import WriteError
+    from ckptconv.writing import copying as writing
 
     signalled = Terminated() if interrupt == "SIGTERM" else KeyboardInterrupt()
 
@@ -379,7 +379,7 @@ def test_an_item_error_raised_while_an_interruption_unwinds_stops_the_batch_as_t
             raise WriteError("cannot write 'm0.safetensors': Bad file descriptor") from None
         yield 0
 
-    monkeypatch.setattr(writing, "_write_tensor", interrupted_write)
+    monkeypatch.setattr(writing, "stream_tensor", interrupted_write)
     zoo, out = tmp_path / "zoo", tmp_path / "out"
     zoo.mkdir()
     torch.save({"w": torch.ones(4)}, zoo / "m0.pt")
@@ -419,7 +419,7 @@ def test_signals_are_held_back_while_cpp_calls_into_python() -> None:
     import signal
     import threading
 
-    from ckptconv._signals import signals_deferred
+    from ckptconv.runtime.signals import signals_deferred
 
     reached = []
     with pytest.raises(KeyboardInterrupt), signals_deferred():
@@ -445,8 +445,8 @@ def test_a_failure_after_an_interruption_a_c_extension_swallowed_reports_the_int
 ) -> None:
     """Ctrl-C inside numpy's extension initialisation: the KeyboardInterrupt is swallowed there, and the
     next import fails with an ImportError that has no trace of it. The handler remembers the signal."""
-    from ckptconv import writing
     from ckptconv.cli import failures
+    from ckptconv.writing import copying as writing
 
     monkeypatch.setattr(failures, "_RECEIVED", [])
 
@@ -456,7 +456,7 @@ def test_a_failure_after_an_interruption_a_c_extension_swallowed_reports_the_int
         raise ImportError("cannot load module more than once per process")
         yield 0
 
-    monkeypatch.setattr(writing, "_write_tensor", interrupted_write)
+    monkeypatch.setattr(writing, "stream_tensor", interrupted_write)
     source = tmp_path / "m.pt"
     torch.save({"w": torch.ones(4)}, source)
     code, _stdout, stderr = run_cli("convert", str(source), str(tmp_path / "out.safetensors"))

@@ -8,9 +8,10 @@ from typing import Any
 
 import click
 
-from ckptconv import report, transforms
+from ckptconv.batching import report
 from ckptconv.cli import cli
 from ckptconv.cli.option_sets import pipeline
+from ckptconv.transforms import keys as transforms
 
 from .conftest import run_cli as run
 

@@ -440,10 +440,10 @@ def test_a_reader_bug_hides_from_ckptconv_verify_but_not_from_torch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Simulate the bug this issue fixed (a reader dropping the conj/neg bits): only --verify=torch sees it."""
-    import ckptconv.rebuild
+    import ckptconv.reading.unpickling.rebuild
 
     source, _ = _conj_example(tmp_path)
-    monkeypatch.setattr(ckptconv.rebuild, "_tensor_bits", lambda metadata: (False, False))
+    monkeypatch.setattr(ckptconv.reading.unpickling.rebuild, "_tensor_bits", lambda metadata: (False, False))
     output = tmp_path / "out.pt"
     code, _, stderr = run_cli("convert", str(source), str(output), "--verify")
     assert code == 0 and "verified bit for bit" in stderr  # the bug checks itself

@@ -18,8 +18,8 @@ import pytest
 
 import ckptconv
 from ckptconv.errors import UnsafeCheckpointError
-from ckptconv.standins import ForeignGlobal, ForeignObject
-from ckptconv.unpickler import Unpickler
+from ckptconv.reading.unpickling.unpickler import Unpickler
+from ckptconv.values.standins import ForeignGlobal, ForeignObject
 
 
 class Outer:
@@ -202,7 +202,7 @@ def test_a_signal_constant_as_python_3_10_pickles_it_is_data(name: str) -> None:
     ],
 )
 def test_the_rest_of_the_signal_module_stays_unsafe(module: str, name: str) -> None:
-    from ckptconv.pickle_policy import classify_global
+    from ckptconv.reading.unpickling.pickle_policy import classify_global
 
     assert classify_global(module, name) == "dangerous"
     with pytest.raises(UnsafeCheckpointError):

@@ -1,6 +1,6 @@
-"""The GPU CRC-32 kernel's arithmetic (ckptconv._gpu_crc), checked against zlib on the CPU.
+"""The GPU CRC-32 kernel's arithmetic (ckptconv.gpu.crc), checked against zlib on the CPU.
 
-The kernel cuts each record into chunks (:func:`ckptconv._gpu_crc.plan`), takes each chunk's CRC
+The kernel cuts each record into chunks (:func:`ckptconv.gpu.crc.plan`), takes each chunk's CRC
 register, moves it to the record's end with the ``x^(2^k)`` table written into the CUDA source, and
 XORs the results. Here the same steps run in Python, with each chunk's register from zlib and the
 table parsed out of the source the GPU compiles, and the result must be zlib's CRC-32 of the whole
@@ -15,8 +15,8 @@ import zlib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptconv import _gpu_crc
-from ckptconv.integrity import _multmodp as multmodp  # the kernel's is zlib's too (test_transfer's crc32_combine test)
+from ckptconv.gpu import crc as _gpu_crc
+from ckptconv.reading.checksums import _multmodp as multmodp
 
 MASK = 0xFFFFFFFF
 

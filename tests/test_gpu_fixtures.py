@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 import ckptconv
-from ckptconv._torch import to_torch
+from ckptconv.gpu.torch_tensors import to_torch
 
 from .conftest import (
     FIXTURES,

@@ -22,8 +22,8 @@ from click.testing import CliRunner
 import ckptconv
 from ckptconv.cli import cli
 from ckptconv.errors import LoadError, MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
-from ckptconv.pickle_policy import classify_global
-from ckptconv.unpickler import Unpickler
+from ckptconv.reading.unpickling.pickle_policy import classify_global
+from ckptconv.reading.unpickling.unpickler import Unpickler
 
 from .hostile import CANARY, CONTAINERS, NEEDS_REGISTRATION, PLATFORM, ROUTES, raw_pickle, zip_checkpoint
 

@@ -20,8 +20,9 @@ from safetensors import safe_open
 
 import ckptconv
 from ckptconv.fitting import Reference
-from ckptconv.tensor import InMemory, Storage, TensorRef
-from ckptconv.transforms import canonical_keys
+from ckptconv.reading.sources import InMemory
+from ckptconv.transforms.keys import canonical_keys
+from ckptconv.values.tensor import Storage, TensorRef
 
 from .conftest import (
     FIXTURES,
@@ -143,7 +144,7 @@ def test_gpu_checkpoints_load_into_a_plain_model(name: str, fixture_models: Any)
     assert report.ok
     expected = ckptconv.canonicalize(ckptconv.open(GPU / name).select().weights)[0]
     expected = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in expected.items()}
-    from ckptconv._torch import to_torch
+    from ckptconv.gpu.torch_tensors import to_torch
 
     assert_same_state(model.state_dict(), to_torch(expected))
 
@@ -165,7 +166,7 @@ def test_fsdp_and_checkpointing_wrapper_names_fit(name: str, fixture_models: Any
     assert report.matched == 17 and not report.unexpected
     # Every parameter now holds the file's bytes under its canonical name.
     saved = dict(ckptconv.canonicalize(ckptconv.open(GPU / name).select().weights)[0].items())
-    from ckptconv._torch import to_torch
+    from ckptconv.gpu.torch_tensors import to_torch
 
     loaded = model.state_dict()
     for key, tensor in to_torch(saved).items():
@@ -201,7 +202,7 @@ def test_lit_ema_weights_map_back_to_the_model(tmp_path: Path) -> None:
     assert "--select ema" in ckptconv.open(path).select().note
     selection = ckptconv.open(path).select("ema")
     assert selection.is_ema
-    from ckptconv._torch import to_torch
+    from ckptconv.gpu.torch_tensors import to_torch
 
     loaded = to_torch(selection.weights)
     assert list(loaded) == [

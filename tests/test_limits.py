@@ -20,8 +20,8 @@ import torch
 
 import ckptconv
 from ckptconv.errors import LoadError, MalformedCheckpointError
-from ckptconv.formats import torch_legacy, torch_zip
-from ckptconv.unpickler import Unpickler
+from ckptconv.reading.formats import torch_legacy, torch_zip
+from ckptconv.reading.unpickling.unpickler import Unpickler
 
 from .conftest import refusal_in_child, run_cli
 from .hostile import legacy_pickles
@@ -275,7 +275,7 @@ _PATTERNS = {
 _MEASURE = """
 import resource, sys, time
 from ckptconv.errors import MalformedCheckpointError
-from ckptconv.unpickler import Unpickler
+from ckptconv.reading.unpickling.unpickler import Unpickler
 data = sys.stdin.buffer.read()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 started = time.process_time()
@@ -336,7 +336,7 @@ def test_numpy_arrays_cannot_claim_more_bytes_than_they_hold() -> None:
 def test_a_file_truncated_after_it_was_opened_is_refused_not_crashed(cast: str | None, tmp_path: Path) -> None:
     """Casts and CRC checks of a file cut short after it was opened (a read past its end) get
     the one-line truncation error."""
-    from ckptconv.integrity import check_record_crcs
+    from ckptconv.reading.integrity import check_record_crcs
 
     path = tmp_path / "model.pt"
     torch.save({"w": torch.arange(1 << 20, dtype=torch.float32)}, path)
@@ -355,7 +355,7 @@ def test_the_fast_crc32_is_zlibs(size: int) -> None:
     """integrity.crc32 (ISA-L's where installed) gives zlib's values, also continued from a running value."""
     import zlib
 
-    from ckptconv.integrity import crc32
+    from ckptconv.reading.checksums import crc32
 
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     assert crc32(data) == zlib.crc32(data)
@@ -375,8 +375,9 @@ def test_a_copy_from_a_file_truncated_after_it_was_opened_is_refused_not_crashed
     source.write_bytes(bytes(range(256)) * (1 << 14))  # 4 MiB
     os.truncate(source, 1 << 20)
     code = (
-        "from ckptconv import _cores, writing\n"
-        "from ckptconv.tensor import FileRegion\n"
+        "from ckptconv.runtime import cores as _cores\n"
+        "from ckptconv.writing import copying as writing\n"
+        "from ckptconv.reading.sources import FileRegion\n"
         f"_cores.spare = lambda: {threads - 1}\n"
         "writing._COPY_STRIPE = 3 << 18\n"
         "output = open(sys.argv[2], 'wb')\n"

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import ckptconv
-from ckptconv._torch import to_torch
-from ckptconv.standins import ForeignObject, NumpyArray
+from ckptconv.gpu.torch_tensors import to_torch
+from ckptconv.values.standins import ForeignObject, NumpyArray
 
 from .conftest import (
     all_dtypes_state,
@@ -319,11 +319,11 @@ def test_trust_hands_the_file_to_torch_load(tmp_path: Path, monkeypatch: pytest.
 
 
 def test_open_pauses_the_cyclic_collector_only_while_it_reads(tmp_path: Path) -> None:
-    """The collector is off while a reader builds the tree (ckptconv._gc), and comes back as it was."""
+    """The collector is off while a reader builds the tree (ckptconv.runtime.collector), and comes back as it was."""
     import gc
 
-    from ckptconv import formats
-    from ckptconv.formats import torch_zip
+    from ckptconv.reading import detection as formats
+    from ckptconv.reading.formats import torch_zip
 
     path = tmp_path / "x.pt"
     torch.save({"w": torch.arange(3.0)}, path)
@@ -369,10 +369,10 @@ def test_a_legacy_file_whose_sys_info_says_big_endian_is_read_little_endian_as_t
 def test_each_format_module_reads_the_format_it_is_listed_for() -> None:
     import importlib
 
-    from ckptconv import formats
+    from ckptconv.reading import detection as formats
 
     for kind, name in formats._MODULES.items():
-        assert kind == importlib.import_module(f"ckptconv.formats.{name}").FORMAT
+        assert kind == importlib.import_module(f"ckptconv.reading.formats.{name}").FORMAT
 
 
 def test_a_safetensors_load_imports_neither_the_pickle_machinery_nor_the_training_run_formats(tmp_path: Path) -> None:
@@ -391,6 +391,6 @@ def test_a_safetensors_load_imports_neither_the_pickle_machinery_nor_the_trainin
     loaded = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path / "m.safetensors")], capture_output=True, text=True, check=True
     ).stdout.split()
-    assert "ckptconv.formats.safetensors" in loaded
+    assert "ckptconv.reading.formats.safetensors" in loaded
     lazy = {"unpickler", "pickle_policy", "rebuild", "formats.torch_zip", "formats.dcp", "formats.deepspeed"}
     assert not {f"ckptconv.{name}" for name in lazy} & set(loaded), loaded

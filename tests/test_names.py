@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import ckptconv
-from ckptconv.discovery import discover
+from ckptconv.reading.discovery import discover
 from ckptconv.suffixes import CHECKPOINT_SUFFIXES, SHARD_SUFFIXES
 
 from .conftest import assert_same_state

@@ -518,7 +518,7 @@ def test_canonicalize_and_save_speak_as_the_readme_does(tmp_path: Path) -> None:
 
 
 def test_device_auto_means_the_same_in_load_and_load_into(tmp_path: Path) -> None:
-    from ckptconv.devices import DeviceFallbackWarning
+    from ckptconv.gpu.devices import DeviceFallbackWarning
 
     source = _dp_checkpoint(tmp_path / "dp.pth")
     if torch.cuda.is_available():

@@ -137,7 +137,7 @@ def test_options_travel_to_workers_whole() -> None:
 
 def test_the_resume_fingerprint_is_unchanged_for_existing_manifests() -> None:
     """Manifests written before the options object must still resume: same fields, same names."""
-    from ckptconv.batching import _fingerprint
+    from ckptconv.batching.flow import _fingerprint
 
     options = ConversionOptions(to="safetensors")
     assert options.fingerprint() == {
@@ -185,7 +185,7 @@ def test_no_provenance_records_nothing_about_the_source(suffix: str, tmp_path: P
 
 
 def test_a_new_option_at_its_default_leaves_the_resume_fingerprint_alone() -> None:
-    from ckptconv.batching import _fingerprint
+    from ckptconv.batching.flow import _fingerprint
 
     assert _fingerprint(ConversionOptions(to="safetensors", provenance=True)) == "95a9dc7a12bce13c"
     assert ConversionOptions(to="safetensors", provenance=False).fingerprint()["provenance"] is False

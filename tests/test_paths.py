@@ -211,7 +211,7 @@ def test_a_device_linked_as_an_index_is_refused(device: str, tmp_path: Path) -> 
 
 
 def test_an_index_over_the_size_cap_is_refused_unread(tmp_path: Path) -> None:
-    from ckptconv.formats import sharded
+    from ckptconv.reading.formats import sharded
 
     index = tmp_path / "x.safetensors.index.json"
     with open(index, "wb") as file:
@@ -312,7 +312,7 @@ def test_a_failed_batch_start_leaves_no_output_folder(tmp_path: Path) -> None:
     out = tmp_path / "new" / "out"
     (tmp_path / "new").mkdir()
     (tmp_path / "elsewhere").mkdir()
-    from ckptconv import manifest
+    from ckptconv.batching import manifest
 
     # The manifest cannot be opened (here: a link planted after the folder was made).
     original = manifest.Manifest.__enter__
@@ -402,7 +402,7 @@ def test_a_shard_in_a_subfolder_is_part_of_its_index_only(tmp_path: Path) -> Non
     )
     report = ckptconv.batch(zoo, tmp_path / "out")
     assert [(r.source, r.status) for r in report.results] == [("hf/model.safetensors.index.json", "converted")]
-    (item,) = ckptconv.discovery.discover(zoo)
+    (item,) = ckptconv.reading.discovery.discover(zoo)
     assert item.members == (
         "hf/model.safetensors.index.json",
         "hf/two.safetensors",
@@ -832,13 +832,13 @@ def test_every_file_is_opened_through_the_policies() -> None:
         ("read_policy.py", "open_descriptor"),  # the one place files are opened for reading
         ("read_policy.py", "open_file"),  # a buffered file around it
         ("write_policy.py", "open_append"),  # the manifest
-        ("writing.py", "_temporary"),  # O_TMPFILE or a locked named temporary file
-        ("writing.py", "_publish"),  # the folder, to link the finished file into it
-        ("writing.py", "atomic_output"),  # the folder, to fsync it
-        ("writing.py", "remove_abandoned"),  # partial files, O_NOFOLLOW, to test their lock
-        ("writing.py", "_umask"),  # /proc/self/status
+        ("atomic.py", "_temporary"),  # O_TMPFILE or a locked named temporary file
+        ("atomic.py", "_publish"),  # the folder, to link the finished file into it
+        ("atomic.py", "atomic_output"),  # the folder, to fsync it
+        ("atomic.py", "remove_abandoned"),  # partial files, O_NOFOLLOW, to test their lock
+        ("atomic.py", "_umask"),  # /proc/self/status
         ("loading.py", "load"),  # ckptconv.open, not the builtin
-        ("_worker.py", "main"),  # its own stdout, for results
+        ("worker.py", "main"),  # its own stdout, for results
     }
     found = set()
     for path in sorted(package.rglob("*.py")):
@@ -874,7 +874,7 @@ def test_a_zoo_link_into_the_output_folder_is_not_an_input(tmp_path: Path) -> No
 def test_progress_bars_show_file_names_escaped(tmp_path: Path) -> None:
     from tqdm import tqdm
 
-    from ckptconv.writing import _progress_callback
+    from ckptconv.writing.writer import _progress_callback
 
     _, close = _progress_callback(True, 10, str(tmp_path / "evil\x1b]0;t\x07.pt"))
     try:
@@ -892,8 +892,8 @@ def test_an_interruption_inside_torch_save_is_not_hidden_by_its_zip_writer(failu
     import io
     from collections.abc import Iterator
 
-    from ckptconv.formats import dcp
-    from ckptconv.writing import _entries
+    from ckptconv.writing import dcp as dcp_writer
+    from ckptconv.writing.writer import _entries
 
     class Failing(io.BytesIO):
         def write(self, data: bytes) -> int:  # type: ignore[override]
@@ -907,7 +907,7 @@ def test_an_interruption_inside_torch_save_is_not_hidden_by_its_zip_writer(failu
 
     expected = KeyboardInterrupt if failure is KeyboardInterrupt else OSError
     with pytest.raises(expected):
-        dcp.write(
+        dcp_writer.write(
             _entries({f"t{i}": torch.ones(1000) for i in range(3)}),
             "unused",
             open_output=open_output,

@@ -281,7 +281,7 @@ def test_memo_and_dup_expansion_beyond_the_budget(tmp_path: Any) -> None:
     while isinstance(value, tuple):
         assert value[0] is value[1]
         value, depth = value[0], depth + 1
-    assert depth == levels and 2**levels > ckptconv.unpickler.DEFAULT_MAX_ITEMS
+    assert depth == levels and 2**levels > ckptconv.reading.unpickling.unpickler.DEFAULT_MAX_ITEMS
     with pytest.raises(MalformedCheckpointError, match="expands to more than"):
         ckptconv.open(_write(tmp_path, "x.pkl", data))
     # Sharing within the budget (tied objects, shared lists) still loads.
@@ -556,7 +556,7 @@ def test_scan_answers_with_a_verdict_for_damaged_variants(corpus: list[tuple[Any
                 data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
         _write(tmp_path, "mutant.bin", bytes(data))
         verdicts[ckptconv.scan(target).verdict] += 1
-    assert set(verdicts) <= set(ckptconv.scanning.VERDICTS)
+    assert set(verdicts) <= set(ckptconv.checking.scanning.VERDICTS)
     assert verdicts["unsafe"] and verdicts["damaged"]
 
 
@@ -576,7 +576,7 @@ def test_a_file_swapped_for_a_link_out_of_the_folder_after_discovery_is_not_read
 ) -> None:
     """scan_many found m.pt, which then became a link to a private file outside the folder: scan read it
     and showed its first bytes ("it starts with bytes 72 6f 6f 74 ...")."""
-    from ckptconv import discovery
+    from ckptconv.reading import discovery
 
     zoo, secret = tmp_path / "zoo", tmp_path / "secret.txt"
     zoo.mkdir()
@@ -602,7 +602,7 @@ def test_a_folder_swapped_for_a_link_to_a_look_alike_hub_snapshot_after_discover
     """The hub-cache exception (a snapshot's link into ../../blobs) was asked of the file's folder as it
     resolves: a folder under SRC swapped for a link to a made-up snapshot, whose blobs link leads anywhere,
     let scan_many read a private file outside SRC and show its first bytes."""
-    from ckptconv import discovery
+    from ckptconv.reading import discovery
 
     zoo, secret, fake = tmp_path / "zoo", tmp_path / "secret.txt", tmp_path / "fake"
     (zoo / "sub").mkdir(parents=True)

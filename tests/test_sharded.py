@@ -16,9 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import ckptconv
-from ckptconv._torch import to_torch
-from ckptconv.formats.sharded import plan_shards
-from ckptconv.tensor import InMemory, Storage, TensorRef
+from ckptconv.gpu.torch_tensors import to_torch
+from ckptconv.reading.sources import InMemory
+from ckptconv.values.tensor import Storage, TensorRef
+from ckptconv.writing.shards import plan_shards
 
 from .conftest import FIXTURES, assert_same_state, assert_same_tensor, dcp_one_process, views_state
 
@@ -302,7 +303,7 @@ def test_a_dcp_tensor_split_by_columns_reads_exactly_and_is_not_kept_alive(tmp_p
     import weakref
 
     from ckptconv.dtypes import dtype_by_name
-    from ckptconv.formats.dcp import Assembled
+    from ckptconv.reading.formats.dcp import Assembled
 
     full = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
     float32 = dtype_by_name("float32")

@@ -33,7 +33,7 @@ import ckptconv
 from ckptconv.cli import cli
 from ckptconv.dtypes import dtype_by_name
 from ckptconv.errors import SelectionError
-from ckptconv.transforms import AddPrefix, Cast, Keep, Rename
+from ckptconv.transforms.keys import AddPrefix, Cast, Keep, Rename
 
 from .conftest import FIXTURES, HAS_PUBLIC_DTENSOR, assert_same_state, assert_same_tensor, dcp_one_process, run_cli
 
@@ -372,7 +372,7 @@ def test_dtensor_rank_files_torch_2_13_wrote_merge_to_their_gathered_state_dict(
 def test_a_dtensor_split_over_the_mesh_in_another_order_is_refused() -> None:
     """torch 2.13's shard_order may split a tensor dimension over the mesh's dimensions in another order
     than the mesh's, which places the pieces elsewhere: refused, not placed in the mesh's order."""
-    from ckptconv.formats import rank_shards, torch_zip
+    from ckptconv.reading.formats import rank_shards, torch_zip
 
     path = str(RUNS / "dtensor_2d_mesh_torch213" / "model_world_size_4_rank_1.pt")
     value = torch_zip.read(path).tree["b"]  # [Shard(0), Shard(0)]: dimension 0 over mesh dimensions (0, 1)
@@ -601,7 +601,7 @@ def test_megatron_inspect_names_the_stacked_layers() -> None:
 
 
 def test_megatron_layers_disagreeing_on_their_count_are_refused(tmp_path: Path) -> None:
-    from ckptconv.formats import megatron
+    from ckptconv.reading.formats import megatron
 
     bad = {"decoder.layers.a.weight": torch.zeros(2, 3), "decoder.layers.b.weight": torch.zeros(3, 3)}
     folder = tmp_path / "ckpt"
@@ -713,7 +713,7 @@ def test_per_rank_copies_of_a_plain_state_dict_are_not_a_sharded_model(tmp_path:
     for rank in range(2):
         torch.save({"w": torch.ones(2)}, tmp_path / f"ddp_rank{rank}.pt")
     assert ckptconv.open(tmp_path / "ddp_rank0.pt").format == "torch-zip"
-    from ckptconv.discovery import discover
+    from ckptconv.reading.discovery import discover
 
     assert [(item.name, item.kind) for item in discover(tmp_path)] == [
         ("ddp_rank0.pt", "file"),

@@ -1,4 +1,4 @@
-"""Parallel reads into torch tensors (ckptconv._transfer), bit for bit against torch.load and safetensors.
+"""Parallel reads into torch tensors (ckptconv.gpu.transfer), bit for bit against torch.load and safetensors.
 
 The pieces are made tiny here so that every tensor is cut into many pieces read
 by several threads in any order. The GPU tests run only where CUDA is available.
@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import ckptconv
-from ckptconv import _transfer
 from ckptconv.errors import MalformedCheckpointError
-from ckptconv.integrity import crc32_combine
+from ckptconv.gpu import page_cache
+from ckptconv.gpu import transfer as _transfer
+from ckptconv.reading.checksums import crc32_combine
 
 from .conftest import all_dtypes_state, assert_same_state, reference_load, views_state
 
@@ -53,7 +54,7 @@ def saved_big_state(tmp_path: Path, suffix: str) -> tuple[Path, dict[str, torch.
 def _gpu_load_taking_crcs(tmp_path: Path) -> tuple[Path, dict[str, Any], dict[object, int]]:
     """:func:`big_state` saved as ``.pt``, its tensors loaded to cuda:0 with the records' CRC-32s taken:
     ``(path, refs, crcs)``."""
-    from ckptconv._torch import to_torch
+    from ckptconv.gpu.torch_tensors import to_torch
 
     path = tmp_path / "m.pt"
     torch.save(big_state(), path)
@@ -193,7 +194,7 @@ def test_readers_check_zip_crcs_without_a_second_read(tmp_path: Path, small_piec
     ckpt = ckptconv.open(path)
     refs = dict(ckpt.tensors())
     crcs: dict[object, int] = {}
-    from ckptconv._torch import to_torch
+    from ckptconv.gpu.torch_tensors import to_torch
 
     to_torch(refs, crcs=crcs)  # type: ignore[arg-type]
     record = refs["w3"].storage
@@ -239,7 +240,7 @@ def test_sharded_folder_is_read_by_one_reader_pool(
         calls.append(len({span.storage.source.path for span in spans}))  # type: ignore[attr-defined]
         real(spans, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ckptconv._torch, "read_spans", counting)
+    monkeypatch.setattr(ckptconv.gpu.torch_tensors, "read_spans", counting)
     loaded = ckptconv.load(folder)
     assert calls == [3]
     reference = {}
@@ -253,31 +254,31 @@ def test_resident_fraction(tmp_path: Path) -> None:
     path.write_bytes(os.urandom(1 << 20))
     with open(path, "rb") as file:
         file.read()
-    assert 0.0 <= _transfer.resident_fraction(str(path)) <= 1.0
-    assert _transfer.resident_fraction(str(path)) > 0.5  # just written and read: in the page cache
+    assert 0.0 <= page_cache.resident_fraction(str(path)) <= 1.0
+    assert page_cache.resident_fraction(str(path)) > 0.5  # just written and read: in the page cache
     empty = tmp_path / "empty.bin"
     empty.write_bytes(b"")
-    assert _transfer.resident_fraction(str(empty)) == 1.0
+    assert page_cache.resident_fraction(str(empty)) == 1.0
 
 
 @pytest.mark.parametrize("extra", [0, 1, 4095])
 def test_resident_fraction_samples_big_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: int) -> None:
     """A big file is asked about in runs of pages spread over it; warm and dropped read the same as
     asking about every page (where the filesystem drops pages at all)."""
-    monkeypatch.setattr(_transfer, "SAMPLE_PAGES", 64)
-    monkeypatch.setattr(_transfer, "SAMPLE_RUN", 8)
+    monkeypatch.setattr(page_cache, "SAMPLE_PAGES", 64)
+    monkeypatch.setattr(page_cache, "SAMPLE_RUN", 8)
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(300 * mmap.PAGESIZE + extra))  # 300 or 301 pages: sampled
     with open(path, "rb") as file:
         file.read()
-    assert _transfer.resident_fraction(str(path)) == _transfer.resident_fraction(str(path), sample=False) == 1.0
+    assert page_cache.resident_fraction(str(path)) == page_cache.resident_fraction(str(path), sample=False) == 1.0
     with open(path, "rb") as file:
         os.fsync(file.fileno())
         os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    whole = _transfer.resident_fraction(str(path), sample=False)
+    whole = page_cache.resident_fraction(str(path), sample=False)
     if whole > 0.5:
         pytest.skip("this filesystem keeps the pages (tmpfs)")
-    assert _transfer.resident_fraction(str(path)) < 0.5
+    assert page_cache.resident_fraction(str(path)) < 0.5
 
 
 @pytest.mark.parametrize("offset, count", [(0, 4096), (1, 10), (4095, 4098), (5000, 9000), (12288, 3)])
@@ -364,7 +365,7 @@ def test_gpu_copies_through_the_cuda_driver_or_torch_land_the_same_bytes(
 ) -> None:
     """The readers' copies go through the CUDA driver (ctypes) where it can be had, else through torch;
     either way every byte lands where torch puts it, and the driver path is really the one taken."""
-    from ckptconv import _cuda_driver
+    from ckptconv.gpu import cuda_driver as _cuda_driver
 
     monkeypatch.setattr(_transfer, "driver_copies", through != "torch")
     if through == "no-driver-library":
@@ -418,7 +419,7 @@ def test_loads_to_a_second_gpu_and_split_across_two_land_the_same_bytes(
 def test_without_a_cuda_driver_the_copier_is_refused_so_readers_copy_through_torch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ckptconv import _cuda_driver
+    from ckptconv.gpu import cuda_driver as _cuda_driver
 
     monkeypatch.setattr(_cuda_driver, "driver", lambda: None)
     with pytest.raises(OSError, match="no CUDA driver library"):
@@ -441,7 +442,7 @@ def test_records_left_to_the_gpu_are_not_checksummed_by_the_readers(tmp_path: Pa
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gpu_crc_kernel_equals_zlib() -> None:
     """The kernel's CRC-32 of records at every start alignment and of lengths around its chunks."""
-    from ckptconv import _gpu_crc
+    from ckptconv.gpu import crc as _gpu_crc
 
     kernel = _gpu_crc.kernel(0)
     assert kernel is not None
@@ -463,7 +464,7 @@ def test_gpu_crcs_come_from_the_gpu_or_the_readers(
 ) -> None:
     """With ``gpu_crc`` every record's CRC-32 is taken by one kernel launch after the copies; without,
     by the readers; the same values either way, those the archive records."""
-    from ckptconv import _gpu_crc
+    from ckptconv.gpu import crc as _gpu_crc
 
     monkeypatch.setattr(_transfer, "gpu_crc", on_gpu)
     launches: list[int] = []
@@ -486,7 +487,7 @@ def test_gpu_load_without_the_kernel_still_refuses_a_flipped_bit(
 ) -> None:
     """Where the kernel cannot be made after the readers left the CRC-32s to it, the records are read
     again and checked (check_record_crcs), so a flipped bit is still refused."""
-    from ckptconv import _gpu_crc
+    from ckptconv.gpu import crc as _gpu_crc
 
     monkeypatch.setattr(_gpu_crc, "kernel", lambda device: None)
     path = tmp_path / "m.pt"

@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 
 from ckptconv.dtypes import dtype_by_name
 from ckptconv.errors import KeyCollisionError, TransformError
-from ckptconv.tensor import InMemory, Storage, TensorRef
-from ckptconv.transforms import AddPrefix, Cast, Drop, Keep, Pipeline, Rename, StripPrefix
+from ckptconv.reading.sources import InMemory
+from ckptconv.transforms.keys import AddPrefix, Cast, Drop, Keep, Pipeline, Rename, StripPrefix
+from ckptconv.values.tensor import Storage, TensorRef
 
 
 def ref(dtype: str = "float32") -> TensorRef:

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptconv.errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
-from ckptconv.pickle_policy import classify_global
-from ckptconv.standins import ForeignGlobal, ForeignObject
-from ckptconv.unpickler import Unpickler
+from ckptconv.reading.unpickling.pickle_policy import classify_global
+from ckptconv.reading.unpickling.unpickler import Unpickler
+from ckptconv.values.standins import ForeignGlobal, ForeignObject
 
 PROTOCOLS = range(pickle.HIGHEST_PROTOCOL + 1)
 

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import ckptconv
-from ckptconv.formats.torch_zip import plan_storages
+from ckptconv.writing.torch_zip import plan_storages
 
 from .conftest import (
     all_dtypes_state,
@@ -122,7 +122,7 @@ def test_views_are_written_compactly(tmp_path: Path) -> None:
 
 def test_overlapping_views_keep_sharing_one_storage() -> None:
     base = torch.arange(100.0)
-    import ckptconv._torch as bridge
+    import ckptconv.gpu.torch_tensors as bridge
 
     cache: dict[Any, Any] = {}
     entries = [
@@ -291,16 +291,16 @@ def test_streaming_in_many_chunks_is_exact(
     source_style: str, cast: str | None, suffix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Small chunk and window sizes drive every streaming path (threads, memory maps) through many pieces."""
-    import ckptconv.formats.torch_zip
-    import ckptconv.streaming
-    import ckptconv.writing
+    import ckptconv.reading.streaming
+    import ckptconv.writing.copying
+    import ckptconv.writing.torch_zip
 
-    monkeypatch.setattr(ckptconv.streaming, "DEFAULT_CHUNK_BYTES", 4100)
-    monkeypatch.setattr(ckptconv.writing, "_COPY_CHUNK", 70_000)
-    monkeypatch.setattr(ckptconv.writing, "_COPY_BUFFER", 4099)  # copies through the buffer in odd pieces
-    monkeypatch.setattr(ckptconv.writing, "_COPY_STRIPE", 3 * 4099 + 5)  # ... in runs shared by two threads
-    monkeypatch.setattr(ckptconv._cores, "spare", lambda: 1)
-    monkeypatch.setattr(ckptconv.formats.torch_zip, "PHASE_MATCH_BYTES", 1)  # page-phase padding everywhere
+    monkeypatch.setattr(ckptconv.reading.streaming, "DEFAULT_CHUNK_BYTES", 4100)
+    monkeypatch.setattr(ckptconv.writing.copying, "_COPY_CHUNK", 70_000)
+    monkeypatch.setattr(ckptconv.writing.copying, "_COPY_BUFFER", 4099)  # copies through the buffer in odd pieces
+    monkeypatch.setattr(ckptconv.writing.copying, "_COPY_STRIPE", 3 * 4099 + 5)  # ... in runs shared by two threads
+    monkeypatch.setattr(ckptconv.runtime.cores, "spare", lambda: 1)
+    monkeypatch.setattr(ckptconv.writing.torch_zip, "PHASE_MATCH_BYTES", 1)  # page-phase padding everywhere
     torch.manual_seed(0)
     state = {
         "big": torch.randn(300, 333),
@@ -332,10 +332,10 @@ def test_pt_output_loads_when_torch_computes_record_offsets(tmp_path: Path, monk
     import subprocess
     import sys
 
-    import ckptconv.formats.torch_zip
+    import ckptconv.writing.torch_zip
 
     pytest.importorskip("torch.utils.serialization.config", reason="this torch cannot compute record offsets")
-    monkeypatch.setattr(ckptconv.formats.torch_zip, "PHASE_MATCH_BYTES", 1)
+    monkeypatch.setattr(ckptconv.writing.torch_zip, "PHASE_MATCH_BYTES", 1)
     source = tmp_path / "in.pt"
     torch.save({"module.a": torch.randn(1000), "module.b": torch.randn(300, 7), "module.c": torch.arange(10)}, source)
     output = tmp_path / "out.pt"
@@ -363,7 +363,7 @@ def test_full_disk_during_a_checksummed_copy_reports_the_disk(tmp_path: Path, mo
 
     from safetensors.torch import save_file
 
-    from ckptconv import writing
+    from ckptconv.writing import copying as writing
 
     source = tmp_path / "m.safetensors"
     save_file({"w": torch.randn(64, 64), "b": torch.randn(64)}, source)
@@ -410,7 +410,7 @@ def test_the_output_is_written_back_while_it_is_written(
     import threading
     import time
 
-    from ckptconv import writing
+    from ckptconv.writing import atomic as writing
 
     started = writing._start_writeback_function()
     if started is None:
@@ -439,7 +439,7 @@ def test_records_copied_whole_are_checked_from_the_copy_not_read_again(
 ) -> None:
     """A zip record copied whole takes its CRC-32 as it is copied: the source's records are read once,
     by the copy, and the output holds the bytes torch reads from the source."""
-    from ckptconv.tensor import Storage
+    from ckptconv.values.tensor import Storage
 
     torch.manual_seed(0)
     state = {"w": torch.randn(64, 65), "ids": torch.arange(300), "half": torch.randn(77).half()}
@@ -467,7 +467,7 @@ def test_outputs_reserve_their_tensor_bytes_and_never_more(
 ) -> None:
     """Each output file has its tensor bytes reserved on disk before they are written (fallocate); a
     reservation never exceeds what the file then holds, so no block stays allocated past its end."""
-    from ckptconv import writing
+    from ckptconv.writing import atomic as writing
 
     reserved: list[int] = []
     reserve = writing._reserve
@@ -507,7 +507,8 @@ def test_copies_in_runs_take_every_run_into_the_record_crc(
     """A record copied in runs (by one thread, or shared with a second) gets the CRC-32 of all its
     bytes in order: an intact record converts to what torch reads, and one flipped bit anywhere in it,
     in a run either thread copied, is refused with nothing left behind."""
-    from ckptconv import _cores, writing
+    from ckptconv.runtime import cores as _cores
+    from ckptconv.writing import copying as writing
 
     monkeypatch.setattr(writing, "_COPY_BUFFER", 1000)
     monkeypatch.setattr(writing, "_COPY_STRIPE", 4096 + 3)
@@ -544,8 +545,9 @@ def test_a_copy_shared_by_two_threads_reports_every_byte_once(tmp_path: Path, mo
     CRC-32 are the source's."""
     import zlib
 
-    from ckptconv import _cores, writing
-    from ckptconv.tensor import FileRegion
+    from ckptconv.reading.sources import FileRegion
+    from ckptconv.runtime import cores as _cores
+    from ckptconv.writing import copying as writing
 
     monkeypatch.setattr(writing, "_COPY_BUFFER", 777)
     monkeypatch.setattr(writing, "_COPY_STRIPE", 5000)
@@ -572,7 +574,7 @@ def test_a_copy_shared_by_two_threads_reports_every_byte_once(tmp_path: Path, mo
 def test_a_save_opens_each_source_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str) -> None:
     """Tensors read for one save share one open descriptor of their file (read_policy.keeping_open),
     and the output still equals what torch reads from the source."""
-    from ckptconv import read_policy
+    from ckptconv.reading import read_policy
 
     source = tmp_path / f"many{suffix}"
     state = {f"t{i}": torch.arange(5, dtype=torch.float32) * i for i in range(40)}

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import click
 
-from .._version import __version__
-from .converting import add_module, batch, convert, fit, strip_module
-from .examining import diff, inspect, scan, verify
-from .failures import EXIT_CODES_HELP, Group, handle_signals, on_unraisable
+from ckptconv._version import __version__
+from ckptconv.cli.converting import add_module, batch, convert, fit, strip_module
+from ckptconv.cli.examining import diff, inspect, scan, verify
+from ckptconv.cli.failures import EXIT_CODES_HELP, Group, handle_signals, on_unraisable
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     handle_signals()
-    from .. import _cores
+    from ckptconv.runtime import cores as _cores
 
     python_hook, sys.unraisablehook = sys.unraisablehook, on_unraisable
     try:

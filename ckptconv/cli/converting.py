@@ -9,10 +9,9 @@ from typing import Any
 
 import click
 
-from .._text import plural
-from ..report import human_bytes
-from .failures import Command, interrupted_code, signal_name
-from .option_sets import (
+from ckptconv._text import human_bytes, plural
+from ckptconv.cli.failures import Command, interrupted_code, signal_name
+from ckptconv.cli.option_sets import (
     batch_options,
     conversion_arguments,
     conversion_options,
@@ -20,13 +19,13 @@ from .option_sets import (
     run_options,
     transform_options,
 )
-from .terminal import echo, say, shortened
+from ckptconv.cli.terminal import echo, say, shortened
 
 
 def run_conversion(
     src: str, dst: str, leading: Sequence[Any], options: dict[str, Any], fit_to: str | None = None
 ) -> None:
-    from ..conversion import convert
+    from ckptconv.conversion import convert
 
     quiet = options["quiet"]
     report = convert(
@@ -94,7 +93,7 @@ def strip_module(src: str, dst: str, **options: Any) -> None:
     Example:
       ckptconv strip-module dp_model.pkl model.pt
     """
-    from ..transforms import StripPrefix
+    from ckptconv.transforms.keys import StripPrefix
 
     run_conversion(src, dst, [StripPrefix("module")], options)
 
@@ -108,7 +107,7 @@ def add_module(src: str, dst: str, **options: Any) -> None:
     Example:
       ckptconv add-module model.pt dp_model.pt
     """
-    from ..transforms import AddPrefix
+    from ckptconv.transforms.keys import AddPrefix
 
     run_conversion(src, dst, [AddPrefix("module")], options)
 
@@ -169,7 +168,7 @@ def batch(src: str, dst: str, **options: Any) -> None:
       ckptconv batch zoo/ out/ --glob '**/*.pth' --resume
       ckptconv batch zoo/ out/ --executor dask --scheduler tcp://host:8786
     """
-    from ..batching import batch as run_batch
+    from ckptconv.batching.flow import batch as run_batch
 
     quiet = options["quiet"]
     if options["scheduler"] and options["executor"] != "dask":

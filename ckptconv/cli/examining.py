@@ -8,11 +8,11 @@ from typing import Any
 
 import click
 
-from .._text import plural, shown
-from ..report import EXIT_NEGATIVE, EXIT_UNSAFE, human_bytes
-from .failures import Command
-from .option_sets import field_options, pipeline, transform_options
-from .terminal import echo, printable, shortened
+from ckptconv._text import human_bytes, plural, shown
+from ckptconv.batching.report import EXIT_NEGATIVE, EXIT_UNSAFE
+from ckptconv.cli.failures import Command
+from ckptconv.cli.option_sets import field_options, pipeline, transform_options
+from ckptconv.cli.terminal import echo, printable, shortened
 
 
 @click.command(cls=Command)
@@ -43,7 +43,7 @@ def verify(src: str, dst: str, select: str | None, trust: bool, reference: str, 
       ckptconv verify model.pt model_bf16.safetensors --dtype bf16
       ckptconv verify model.pt model.safetensors --reference torch
     """
-    from ..verification import verify as verify_files
+    from ckptconv.checking.verification import verify as verify_files
 
     result = verify_files(src, dst, select=select, transforms=pipeline([], options), trust=trust, reference=reference)
     echo(result.summary())
@@ -76,7 +76,7 @@ def diff(a: str, b: str, select_a: str | None, select_b: str | None, trust: bool
       ckptconv diff epoch10.pt epoch11.pt
       ckptconv diff model.pt model.safetensors --json
     """
-    from ..verification import diff as diff_files
+    from ckptconv.checking.verification import diff as diff_files
 
     result = diff_files(a, b, select_a=select_a, select_b=select_b, trust=trust)
     if as_json:
@@ -106,7 +106,7 @@ def diff(a: str, b: str, select_a: str | None, select_b: str | None, trust: bool
 
 
 def print_devices(as_json: bool) -> None:
-    from ..devices import visible_devices
+    from ckptconv.gpu.devices import visible_devices
 
     devices = visible_devices()
     if as_json:
@@ -155,7 +155,7 @@ def inspect(
       ckptconv inspect train_ckpt.pth --json | jq .selected
       ckptconv inspect --devices
     """
-    from ..inspection import inspect as inspect_checkpoint
+    from ckptconv.checking.inspection import inspect as inspect_checkpoint
 
     if show_devices:
         print_devices(as_json)
@@ -233,7 +233,7 @@ def scan(paths: tuple[str, ...], as_json: bool, quiet: bool) -> None:
       ckptconv scan downloads/
       ckptconv scan model.bin other.pt --json | jq '.items[] | select(.verdict=="unsafe")'
     """
-    from ..scanning import SAFE, UNSAFE, scan_many
+    from ckptconv.checking.scanning import SAFE, UNSAFE, scan_many
 
     summary = scan_many(paths)
     if as_json:

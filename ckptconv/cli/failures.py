@@ -11,8 +11,8 @@ from typing import Any, NoReturn
 
 import click
 
-from ..report import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NEGATIVE, EXIT_TERMINATED
-from .terminal import echo, shortened
+from ckptconv.batching.report import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NEGATIVE, EXIT_TERMINATED
+from ckptconv.cli.terminal import echo, shortened
 
 EXIT_CODES_HELP = """\b
 Exit codes:
@@ -33,7 +33,7 @@ class Command(click.Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # `--verify` takes an optional value (`--verify=torch`); click would take the next
         # word (`--verify SRC DST`) as that value. Only a reference's name is one.
-        from ..verification import REFERENCES
+        from ckptconv.checking.verification import REFERENCES
 
         args = [
             "--verify=ckptconv" if arg == "--verify" and (i + 1 == len(args) or args[i + 1] not in REFERENCES) else arg
@@ -76,7 +76,7 @@ class Group(click.Group):
             raise _one_line(error) from None
 
     def invoke(self, ctx: click.Context) -> Any:
-        from ..errors import CkptconvError, DestinationError, FitError, interruption
+        from ckptconv.errors import CkptconvError, DestinationError, FitError, interruption
 
         try:
             return super().invoke(ctx)

@@ -7,7 +7,7 @@ from typing import Any, Callable, TypeVar
 
 import click
 
-from .params import CastTarget, Prefix, Regex, RenameRule, Size
+from ckptconv.cli.params import CastTarget, Prefix, Regex, RenameRule, Size
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -25,8 +25,8 @@ def field_options(group: str, command: str) -> Callable[[F], F]:
     """The click options of the :class:`~ckptconv.options.ConversionOptions` fields in ``group`` that
     ``command`` offers, made from the fields' :class:`~ckptconv.options.Flag` metadata. The click
     parameter takes the field's name, so the values go straight into the options object."""
-    from ..options import BATCH_FORMATS, OUTPUT_FORMATS, flags
-    from ..verification import REFERENCES
+    from ckptconv.checking.verification import REFERENCES
+    from ckptconv.options import BATCH_FORMATS, OUTPUT_FORMATS, flags
 
     decorators = []
     for name, flag in flags():
@@ -65,7 +65,7 @@ def field_options(group: str, command: str) -> Callable[[F], F]:
 
 def conversion_options(options: dict[str, Any], leading: Sequence[Any] = (), fit_to: Any = None) -> Any:
     """The :class:`~ckptconv.options.ConversionOptions` a command's flags ask for."""
-    from ..options import ConversionOptions, flags
+    from ckptconv.options import ConversionOptions, flags
 
     values = {name: options[name] for name, _ in flags() if options.get(name) is not None}  # None: not given
     return ConversionOptions(transforms=pipeline(leading, options), fit_to=fit_to, **values)
@@ -194,7 +194,7 @@ def conversion_arguments(command: str) -> Callable[[F], F]:
 
 
 def pipeline(leading: Sequence[Any], options: dict[str, Any]) -> Any:
-    from ..transforms import AddPrefix, Canonicalize, Cast, Drop, Keep, Pipeline, Rename, StripPrefix
+    from ckptconv.transforms.keys import AddPrefix, Canonicalize, Cast, Drop, Keep, Pipeline, Rename, StripPrefix
 
     steps: list[Any] = [Canonicalize()] if options["canonical"] else []
     steps += list(leading)

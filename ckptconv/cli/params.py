@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 
 import click
 
-from ..errors import TransformError
-from ..transforms import compile_pattern
+from ckptconv.errors import TransformError
+from ckptconv.transforms.keys import compile_pattern
 
 
 class Regex(click.ParamType):  # type: ignore[type-arg]
@@ -56,7 +56,7 @@ class CastTarget(click.ParamType):  # type: ignore[type-arg]
     name = "fp16|bf16|fp32|fp64"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        from ..dtypes import parse_cast_target
+        from ckptconv.dtypes import parse_cast_target
 
         try:
             return parse_cast_target(value).name

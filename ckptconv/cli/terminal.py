@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .._text import shown
+from ckptconv._text import shown
 
 #: The most characters of an error message that are printed. Values from a file are shortened where
 #: the messages are made; this catches any that are not (a 2 MB tensor name made a 2 MB line).

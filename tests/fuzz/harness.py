@@ -8,7 +8,7 @@ from pathlib import Path
 
 import ckptconv
 from ckptconv.errors import CkptconvError
-from ckptconv.unpickler import Unpickler
+from ckptconv.reading.unpickling.unpickler import Unpickler
 
 from ..hostile import CANARY
 

@@ -1,0 +1,215 @@
+"""Report: what a batch did, item by item, and the exit code that follows.
+
+Workers never raise: each returns an :class:`ItemResult`, failures included.
+:class:`BatchReport` collects them and owns the exit code, as black's
+``report.py`` does, so the library and the CLI cannot disagree about whether a
+batch succeeded. The same records, one JSON line each, make the manifest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptconv._text import human_bytes, plural
+
+__all__ = ["BatchReport", "ItemResult", "OutputFile"]
+
+CONVERTED = "converted"
+FAILED = "failed"
+SKIPPED = "skipped"
+CANCELLED = "cancelled"
+PLANNED = "planned"
+STATUSES = (CONVERTED, FAILED, SKIPPED, CANCELLED, PLANNED)
+
+# The exit codes of every command (the CLI's --help and the README list them).
+EXIT_OK = 0  # success
+EXIT_FAILED = 1  # the operation failed: bad input, unsafe file, cannot write
+EXIT_USAGE = 2  # usage error
+EXIT_NEGATIVE = 3  # finished with a negative result: differences, no fit, failed batch items
+EXIT_UNSAFE = 4  # scan found an unsafe file
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it); partial outputs removed
+EXIT_TERMINATED = 143  # SIGTERM (128 + SIGTERM); partial outputs removed
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    """One file an item was written to.
+
+    Attributes:
+        path: relative to the output folder, ``/``-separated.
+        size: bytes.
+        sha256: hex digest, or None when checksums were turned off.
+    """
+
+    path: str
+    size: int
+    sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """What happened to one item of a batch.
+
+    Attributes:
+        source: the item's path relative to the source folder (``/``-separated).
+        status: ``"converted"``; ``"failed"`` (see ``error``); ``"skipped"``
+            (``resume`` found it converted already); ``"cancelled"`` (never
+            started, because ``fail_fast`` stopped the batch); ``"planned"``
+            (a dry run).
+        kind: ``"file"``, ``"sharded"``, ``"dcp"`` or ``"run"`` (a DeepSpeed run folder).
+        output: where the output goes, relative to the output folder.
+        source_size: bytes of the input (all its files).
+        source_mtime_ns: the input's modification time when it was read.
+        source_sha256: the input's hex digest, or None.
+        source_format: ``"torch-zip"``, ``"torch-legacy"``, ``"safetensors"``, ``"pickle"``.
+        format: the output format.
+        outputs: the files written, with their sizes and digests.
+        tensors: keys written.
+        bytes: tensor bytes written.
+        error: one sentence saying what failed and what to do, for failed items.
+        error_type: the exception's class (``"UnsafeCheckpointError"``);
+            unexpected ones carry their module (``"builtins.RecursionError"``).
+        notes: what :func:`ckptconv.convert` had to say.
+        duration_s: seconds spent on the item.
+        traceback: for unexpected exceptions (bugs), the traceback to report.
+    """
+
+    source: str
+    status: str
+    kind: str = "file"
+    output: str = ""
+    source_size: int = 0
+    source_mtime_ns: int = 0
+    source_sha256: str | None = None
+    source_format: str = ""
+    format: str = ""
+    outputs: tuple[OutputFile, ...] = ()
+    tensors: int = 0
+    bytes: int = 0
+    error: str = ""
+    error_type: str = ""
+    notes: tuple[str, ...] = ()
+    duration_s: float = 0.0
+    traceback: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True unless the item failed or was cancelled."""
+        return self.status in (CONVERTED, SKIPPED, PLANNED)
+
+    def to_record(self) -> dict[str, Any]:
+        """The item's manifest record (without the run's fields)."""
+        record: dict[str, Any] = {
+            "source": self.source,
+            "kind": self.kind,
+            "status": self.status,
+            "source_size": self.source_size,
+            "source_mtime_ns": self.source_mtime_ns,
+            "source_sha256": self.source_sha256,
+            "source_format": self.source_format or None,
+            "format": self.format or None,
+            "output": self.output or None,
+            "outputs": [{"path": o.path, "size": o.size, "sha256": o.sha256} for o in self.outputs],
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "error": self.error or None,
+            "error_type": self.error_type or None,
+            "notes": list(self.notes),
+            "duration_s": round(self.duration_s, 6),
+        }
+        if self.traceback:
+            record["traceback"] = self.traceback
+        return record
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> ItemResult:
+        """The inverse of :meth:`to_record`."""
+        return cls(
+            source=str(record["source"]),
+            status=str(record["status"]),
+            kind=str(record.get("kind") or "file"),
+            output=str(record.get("output") or ""),
+            source_size=int(record.get("source_size") or 0),
+            source_mtime_ns=int(record.get("source_mtime_ns") or 0),
+            source_sha256=record.get("source_sha256"),
+            source_format=str(record.get("source_format") or ""),
+            format=str(record.get("format") or ""),
+            outputs=tuple(
+                OutputFile(str(o["path"]), int(o["size"]), o.get("sha256")) for o in record.get("outputs") or ()
+            ),
+            tensors=int(record.get("tensors") or 0),
+            bytes=int(record.get("bytes") or 0),
+            error=str(record.get("error") or ""),
+            error_type=str(record.get("error_type") or ""),
+            notes=tuple(record.get("notes") or ()),
+            duration_s=float(record.get("duration_s") or 0.0),
+            traceback=str(record.get("traceback") or ""),
+        )
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """What :func:`ckptconv.batch` did.
+
+    Attributes:
+        source_dir: the folder that was searched.
+        output_dir: the folder outputs went to.
+        manifest: the manifest file (``""`` for a dry run).
+        results: one :class:`ItemResult` per item found, sorted by source path.
+        duration_s: wall-clock seconds for the whole batch.
+        dry_run: nothing was converted or written.
+        notes: sentences about the search itself: files skipped because they must
+            not be read (a link leading outside the source folder, a FIFO).
+    """
+
+    source_dir: str
+    output_dir: str
+    manifest: str
+    results: tuple[ItemResult, ...] = field(default_factory=tuple)
+    duration_s: float = 0.0
+    dry_run: bool = False
+    notes: tuple[str, ...] = ()
+
+    def _with(self, status: str) -> tuple[ItemResult, ...]:
+        return tuple(result for result in self.results if result.status == status)
+
+    @property
+    def converted(self) -> tuple[ItemResult, ...]:
+        return self._with(CONVERTED)
+
+    @property
+    def failed(self) -> tuple[ItemResult, ...]:
+        return self._with(FAILED)
+
+    @property
+    def skipped(self) -> tuple[ItemResult, ...]:
+        return self._with(SKIPPED)
+
+    @property
+    def cancelled(self) -> tuple[ItemResult, ...]:
+        return self._with(CANCELLED)
+
+    @property
+    def bytes_read(self) -> int:
+        """Input bytes of the items converted in this run."""
+        return sum(result.source_size for result in self.converted)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every item is converted (now or before), 3 when any failed or was cancelled."""
+        return EXIT_NEGATIVE if self.failed or self.cancelled else EXIT_OK
+
+    def summary(self) -> str:
+        """One sentence: ``"converted 47, skipped 2, failed 1 (1.2 GiB in 8.1 s)"``."""
+        done = f"would convert {len(self._with(PLANNED))}" if self.dry_run else f"converted {len(self.converted)}"
+        parts = [done]
+        parts += [f"skipped {len(self.skipped)}", f"failed {len(self.failed)}"]
+        if self.cancelled:
+            parts.append(f"cancelled {len(self.cancelled)}")
+        text = ", ".join(parts) + f" of {plural(len(self.results), 'item')}"
+        if not self.dry_run and self.converted:
+            rate = self.bytes_read / self.duration_s if self.duration_s > 0 else 0.0
+            text += f" ({human_bytes(self.bytes_read)} in {self.duration_s:.1f} s, {human_bytes(rate)}/s)"
+        return text

@@ -1,0 +1,223 @@
+"""Inspect: what a checkpoint holds, without reading a single tensor byte.
+
+:func:`inspect` reads only the file's structure (the pickle or the safetensors
+header), so a checkpoint of any size is described in a fraction of a second.
+The module is not called ``inspect`` so that it does not shadow the standard
+library's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ckptconv._paths import PathLike
+from ckptconv.errors import SelectionError
+from ckptconv.loading import open as open_checkpoint
+from ckptconv.runtime.collector import collector_paused
+from ckptconv.selection.state_dicts import as_tensor, is_module, part_text
+from ckptconv.values.standins import ForeignGlobal, ForeignObject, NumpyArray
+from ckptconv.values.tensor import TensorRef
+
+__all__ = ["CheckpointInfo", "TensorInfo", "inspect"]
+
+
+#: Keys a :class:`TensorInfo` names among those sharing its storage (``shares_count`` counts them all).
+MAX_SHARES_LISTED = 8
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the selected weights.
+
+    Attributes:
+        key: its name.
+        dtype: element type.
+        shape: sizes.
+        nbytes: bytes it occupies when written.
+        shares_with: other keys viewing the same storage (tied weights, views): the first
+            :data:`MAX_SHARES_LISTED` of them, so that thousands of names for one storage
+            cost thousands of rows, not millions of pairs.
+        is_view: True when it covers only part of its storage (or is not contiguous).
+        shares_count: how many other keys view the same storage in all.
+    """
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    shares_with: tuple[str, ...] = ()
+    is_view: bool = False
+    shares_count: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A description of a checkpoint file.
+
+    Attributes:
+        path, format, size: the file.
+        saved_devices: devices its tensors were saved from.
+        foreign_globals: classes that became inert stand-ins, with object counts.
+        metadata: the file's string metadata.
+        outline: ``(key, description)`` for each top-level entry.
+        selected: where the model weights are (``""`` = the whole file), None if not found.
+        selection_note: the selection's remark (EMA alternatives, ...).
+        selection_error: why no weights could be selected, if so.
+        alternatives: other places holding weights.
+        tensors: the selected weights.
+        parameters: total elements in the selected weights.
+        tensor_bytes: total bytes of the selected weights.
+        dtypes: how many selected tensors have each dtype.
+        total_tensors: tensors anywhere in the file (optimizer state included).
+    """
+
+    path: str
+    format: str
+    size: int
+    saved_devices: tuple[str, ...]
+    foreign_globals: Mapping[str, int]
+    metadata: Mapping[str, str]
+    outline: tuple[tuple[str, str], ...]
+    selected: str | None
+    selection_note: str
+    selection_error: str
+    alternatives: tuple[str, ...]
+    tensors: tuple[TensorInfo, ...] = field(repr=False)
+    parameters: int
+    tensor_bytes: int
+    dtypes: Mapping[str, int]
+    total_tensors: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (what ``ckptconv inspect --json`` prints)."""
+        data = asdict(self)
+        data["outline"] = [{"key": key, "value": text} for key, text in self.outline]
+        data["tensors"] = [
+            {**asdict(info), "shape": list(info.shape), "shares_with": list(info.shares_with)} for info in self.tensors
+        ]
+        data["saved_devices"] = list(self.saved_devices)
+        data["alternatives"] = list(self.alternatives)
+        return data
+
+
+def describe_value(value: Any) -> str:
+    """A short human description of one entry of a checkpoint."""
+    tensor = as_tensor(value)
+    if tensor is not None:
+        kind = "numpy array" if tensor.origin == "numpy" else "tensor"
+        return f"{kind} {tensor.dtype.name}{list(tensor.shape)}"
+    if isinstance(value, NumpyArray):
+        return f"numpy array {value.dtype.descr if value.dtype else '?'}{list(value.shape)}"
+    if is_module(value):
+        return f"model {value.qualname} (pickled module)"
+    if isinstance(value, ForeignObject):
+        return f"{value.qualname} (stand-in)"
+    if isinstance(value, ForeignGlobal):
+        return f"reference to {value.qualname} (stand-in)"
+    if isinstance(value, Mapping):
+        tensors = sum(1 for item in value.values() if as_tensor(item) is not None)
+        if tensors and tensors == len(value):
+            return f"state dict of {tensors} tensors"
+        extra = f", {tensors} tensors" if tensors else ""
+        return f"{type(value).__name__} of {len(value)} entries{extra}"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {len(value)} items"
+    if isinstance(value, (str, bytes)):
+        text = repr(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+    if value is None or isinstance(value, (bool, int, float, complex)):
+        return part_text(value)
+    return type(value).__name__
+
+
+def _outline(tree: Any) -> tuple[tuple[str, str], ...]:
+    if isinstance(tree, Mapping) and not (as_tensor(next(iter(tree.values()), None)) is not None):
+        return tuple((part_text(key), describe_value(value)) for key, value in list(tree.items())[:200])
+    if isinstance(tree, ForeignObject) and not is_module(tree):
+        return tuple((part_text(key), describe_value(value)) for key, value in list(tree.attributes().items())[:200])
+    return (("", describe_value(tree)),)
+
+
+def _others(group: list[str], key: str) -> tuple[str, ...]:
+    """The first :data:`MAX_SHARES_LISTED` keys of ``group`` other than ``key`` (keys are unique)."""
+    return tuple(other for other in group[: MAX_SHARES_LISTED + 1] if other != key)[:MAX_SHARES_LISTED]
+
+
+def inspect(path: PathLike, *, select: str | None = None, trust: bool = False) -> CheckpointInfo:
+    """Describe a checkpoint: format, devices, stand-ins, where the weights are, every tensor.
+
+    Reads no tensor data. Never fails because the weights are ambiguous: the
+    reason is reported in ``selection_error`` instead.
+
+    Args:
+        path: any checkpoint :func:`ckptconv.open` reads.
+        select: where the weights are; searched when None.
+        trust: see :func:`ckptconv.open`. Dangerous.
+
+    Raises:
+        LoadError: the file cannot be read.
+
+    Example:
+        >>> info = ckptconv.inspect("train.pth")  # doctest: +SKIP
+        >>> info.selected, info.parameters        # doctest: +SKIP
+        ('state_dict', 11689512)
+    """
+    with collector_paused():  # an object or more per tensor: see ckptconv.runtime.collector
+        return _inspect(path, select=select, trust=trust)
+
+
+def _inspect(path: PathLike, *, select: str | None, trust: bool) -> CheckpointInfo:
+    checkpoint = open_checkpoint(path, trust=trust)
+    selected: str | None = None
+    note = error = ""
+    alternatives: tuple[str, ...] = ()
+    weights: dict[str, TensorRef] = {}
+    try:
+        selection = checkpoint.select(select)
+    except SelectionError as failure:
+        error = failure.reason  # without "run `ckptconv inspect`": this is its output
+        alternatives = failure.candidates
+    else:
+        selected, note, alternatives, weights = (
+            selection.where,
+            selection.note,
+            selection.alternatives,
+            selection.weights,
+        )
+
+    by_storage: dict[int, list[str]] = {}
+    for key, ref in weights.items():
+        by_storage.setdefault(id(ref.storage), []).append(key)
+    tensors = tuple(
+        TensorInfo(
+            key,
+            ref.out_dtype.name,
+            ref.shape,
+            ref.nbytes,
+            _others(by_storage[id(ref.storage)], key),
+            not ref.is_whole_storage,
+            len(by_storage[id(ref.storage)]) - 1,
+        )
+        for key, ref in weights.items()
+    )
+    return CheckpointInfo(
+        path=checkpoint.path,
+        format=checkpoint.format,
+        size=checkpoint.size,
+        saved_devices=tuple(sorted(checkpoint.saved_devices)),
+        foreign_globals=dict(checkpoint.foreign_globals),
+        metadata=dict(checkpoint.metadata),
+        outline=_outline(checkpoint.tree),
+        selected=selected,
+        selection_note=note,
+        selection_error=error,
+        alternatives=alternatives,
+        tensors=tensors,
+        parameters=sum(ref.numel for ref in weights.values()),
+        tensor_bytes=sum(ref.nbytes for ref in weights.values()),
+        dtypes=dict(Counter(ref.out_dtype.name for ref in weights.values())),
+        total_tensors=sum(1 for _ in checkpoint.tensors()),
+    )

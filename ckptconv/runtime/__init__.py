@@ -1,0 +1,3 @@
+"""The process ckptconv runs in: how many cores it keeps busy (``cores``), holding signals back while C++
+calls into Python (``signals``), and pausing the garbage collector while a tree is built (``collector``).
+"""

@@ -1,0 +1,70 @@
+"""Shard planning for sharded folder outputs: which tensors go in which shard, the shards' names and the
+index, as Hugging Face writes them. Pure: no bytes move here (:mod:`ckptconv.writing.folders` writes)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ckptconv.reading.formats._base import json_bytes
+from ckptconv.values.tensor import TensorRef
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which keys go into which shard.
+
+    Attributes:
+        shards: one list of ``(key, tensor)`` per shard, in order.
+        sizes: bytes each shard's tensors take (tied tensors counted once).
+    """
+
+    shards: tuple[tuple[tuple[str, TensorRef], ...], ...]
+    sizes: tuple[int, ...]
+
+
+def plan_shards(entries: Sequence[tuple[str, TensorRef]], max_bytes: int | None) -> ShardPlan:
+    """Split a state dict into shards of at most ``max_bytes``; pure, no I/O.
+
+    Every key lands in exactly one shard; tensors sharing a storage (tied
+    weights, views) land in the same shard so they stay shared; a shard is
+    over the limit only when one such group alone is larger. Order is kept.
+    """
+    groups: dict[int, list[tuple[str, TensorRef]]] = {}
+    for key, ref in entries:
+        groups.setdefault(id(ref.storage), []).append((key, ref))
+
+    def group_bytes(group: list[tuple[str, TensorRef]]) -> int:
+        distinct = {ref for _, ref in group}
+        return sum(ref.nbytes for ref in distinct)
+
+    shards: list[list[tuple[str, TensorRef]]] = [[]]
+    sizes = [0]
+    for group in groups.values():
+        size = group_bytes(group)
+        if max_bytes is not None and shards[-1] and sizes[-1] + size > max_bytes:
+            shards.append([])
+            sizes.append(0)
+        shards[-1].extend(group)
+        sizes[-1] += size
+    return ShardPlan(tuple(tuple(shard) for shard in shards), tuple(sizes))
+
+
+def shard_names(kind: str, count: int) -> tuple[list[str], str]:
+    """File names for ``count`` shards and the index, as transformers names them."""
+    stem, suffix = ("model", "safetensors") if kind == "safetensors" else ("pytorch_model", "bin")
+    if count == 1:
+        return [f"{stem}.{suffix}"], f"{stem}.{suffix}.index.json"
+    return [f"{stem}-{i:05d}-of-{count:05d}.{suffix}" for i in range(1, count + 1)], f"{stem}.{suffix}.index.json"
+
+
+def family_pattern(kind: str) -> re.Pattern[str]:
+    """File names a sharded write of ``kind`` may have left in a folder (this run's or an earlier one's)."""
+    stem, suffix = ("model", "safetensors") if kind == "safetensors" else ("pytorch_model", "bin")
+    return re.compile(rf"^{stem}(-\d{{5}}-of-\d{{5}})?\.{suffix}(\.index\.json)?$")
+
+
+def index_document(weight_map: dict[str, str], total_size: int, metadata: dict[str, str]) -> bytes:
+    document = {"metadata": {"total_size": total_size, **metadata}, "weight_map": dict(sorted(weight_map.items()))}
+    return json_bytes(document, indent=2) + b"\n"

@@ -1,0 +1,229 @@
+"""Write: stream a state dict to ``.pt``, safetensors, a sharded folder or a DCP folder, atomically.
+
+Bytes go from the input file to the output tensor by tensor, in bounded
+chunks, so memory stays bounded by the largest tensor. The output is written to
+a temporary file beside the destination and renamed into place only when it is
+complete: an interrupted or failed write leaves the old file (or nothing),
+never a truncated one (huggingface/safetensors#762).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable, Union
+
+from ckptconv._paths import PathLike, as_path
+from ckptconv._text import shown
+from ckptconv.errors import CkptconvError, WriteError
+from ckptconv.options import TIED
+from ckptconv.reading.formats._base import MetadataValue
+from ckptconv.reading.read_policy import keeping_open
+from ckptconv.reading.streaming import keeping_workers
+from ckptconv.values.tensor import Storage, TensorRef
+from ckptconv.writing import torch_zip as zip_writer
+from ckptconv.writing import write_policy
+from ckptconv.writing.files import WriteReport, save_file
+from ckptconv.writing.folders import save_folder
+from ckptconv.writing.naming import is_folder_destination, output_format
+from ckptconv.writing.room import check_room, planned_bytes
+
+__all__ = ["WriteReport", "output_format", "save"]
+
+Progress = Union[bool, Callable[[int], None]]
+
+
+def _source_paths(entries: Iterable[tuple[str, TensorRef]]) -> set[str]:
+    """Every file the tensors are read from (a DCP tensor's chunks included)."""
+    paths: set[str] = set()
+    for _, ref in entries:
+        paths |= ref.storage.source.paths()
+    return paths
+
+
+def _progress_callback(progress: Progress, total: int, path: str) -> tuple[Callable[[int], None], Callable[[], None]]:
+    if callable(progress):
+        return progress, lambda: None
+    if not progress:
+        return (lambda n: None), (lambda: None)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=shown(os.path.basename(path)),  # a file name could hold terminal escape sequences
+        leave=False,
+        dynamic_ncols=True,
+    )
+
+    def update(count: int) -> None:
+        bar.update(count)
+
+    return update, bar.close
+
+
+def fills_record_crcs(kind: str) -> bool:
+    """Whether :func:`save` of ``kind`` puts the CRC-32s of the zip records it reads whole into
+    ``record_crcs``; DCP folders are written by torch.save, which takes none."""
+    return kind != "dcp"
+
+
+def save(
+    state: Mapping[str, Any],
+    path: PathLike,
+    *,
+    to: str | None = None,
+    overwrite: bool = False,
+    metadata: Mapping[str, MetadataValue] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    max_shard_size: int | None = None,
+    progress: Progress = False,
+    inputs: Iterable[str] = (),
+    check: Callable[[str], None] | None = None,
+    fsync: bool = True,
+    tied: str = "dedupe",
+    format: str | None = None,
+    record_crcs: dict[Storage, int] | None = None,
+) -> WriteReport:
+    """Write a state dict to ``.pt``, safetensors, shards or a DCP folder, streaming, atomically.
+
+    A destination that is a folder (it exists, or ends in ``/``), or any
+    destination with ``max_shard_size`` or ``to="dcp"``, gets a folder
+    layout: ``model.safetensors`` or ``model-0000k-of-0000N.safetensors`` plus
+    ``model.safetensors.index.json`` (``pytorch_model*.bin`` for ``pt``), or a
+    DCP folder (``.metadata`` and ``__0_0.distcp``).
+
+    Args:
+        state: names to tensors: lazy :class:`~ckptconv.values.tensor.TensorRef` from
+            :func:`ckptconv.open`, or torch tensors.
+        path: the output file or folder.
+        to: ``"pt"``, ``"safetensors"`` or ``"dcp"``; from the suffix of
+            ``path`` when None (safetensors for folders). The same word as
+            :func:`ckptconv.convert` and :func:`ckptconv.batch` use.
+        overwrite: replace existing outputs, and remove shards an earlier run
+            left that this one does not write.
+        metadata: string metadata: safetensors ``__metadata__``, or the
+            ``ckptconv.json`` record of a ``.pt`` file (also in a shard index).
+        extra: ``.pt`` only: plain data (numbers, strings, tuples, lists, sets, dicts) to keep
+            beside the weights, which then sit under ``"state_dict"``.
+        max_shard_size: split into shards of at most this many bytes (a tensor
+            larger than that gets a shard of its own).
+        progress: show a progress bar on stderr, or a callable given byte counts.
+        inputs: other files that must never be written, replaced or deleted (every
+            file of the checkpoint read, :attr:`ckptconv.Checkpoint.files`); a folder
+            output may not be a folder that holds one of them.
+        check: called with the finished output's path (the temporary file, or
+            the folder once written); an exception from it leaves no output behind.
+        fsync: flush the output to disk before it appears under its name
+            (durable across power loss); False is faster for scratch files.
+        tied: for safetensors, keys that share one tensor (tied weights):
+            ``"dedupe"`` stores it once and lists the other names in the file's
+            ``ckptconv.aliases`` metadata, as Hugging Face files do (load with
+            ``safetensors.torch.load_model(model, path)`` or :func:`ckptconv.load`);
+            ``"copy"`` writes it under every name, so that
+            ``model.load_state_dict(safetensors.torch.load_file(path), strict=True)``
+            accepts the file. ``.pt`` files always keep tied tensors shared.
+        format: deprecated spelling of ``to``.
+        record_crcs: a dict that receives the CRC-32 of each whole source
+            record a cast reads, taken from the bytes it cast (see
+            :func:`ckptconv.reading.streaming.iter_bytes`); a converter checks them
+            with :func:`ckptconv.reading.integrity.check_record_crcs` (``computed=``)
+            instead of reading those records again.
+
+    Returns:
+        A :class:`WriteReport`.
+
+    Raises:
+        OutputExistsError: an output exists and ``overwrite`` is False.
+        WriteError: the output cannot be written, or is one of the inputs.
+        CastOverflowError: a pending fp16/bf16 cast would create infinities.
+
+    Example:
+        >>> ckptconv.save(model.state_dict(), "model.safetensors")  # doctest: +SKIP
+        >>> ckptconv.save(state, "out/", max_shard_size=5 * 10**9)   # doctest: +SKIP
+    """
+    if format is not None:
+        warnings.warn(
+            "ckptconv.save(format=...) is deprecated; use to=..., as convert() and batch() do",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if to is not None and to != format:
+            raise ValueError(f"save() got to={to!r} and its deprecated spelling format={format!r}; pass only to")
+        to = format
+    if tied not in TIED:
+        raise ValueError(f"tied must be one of {', '.join(TIED)}, not {tied!r}")
+    path = as_path(path)
+    entries = _entries(state)
+    target = os.path.abspath(path)
+    protected = write_policy.Inputs([*_source_paths(entries), *inputs])
+    folder_output = is_folder_destination(path, to, max_shard_size)
+    kind = output_format(path, to, folder=folder_output)
+    # One plan of a .pt file's storages serves the room check and the write: with 10^5 tensors
+    # planning costs seconds.
+    zip_plan = zip_writer.plan_storages(entries) if kind == "pt" and not folder_output else None
+    check_room(entries, target, kind, planned_bytes(entries, kind, zip_plan=zip_plan))
+    total = sum(ref.nbytes for _, ref in entries)
+    update, close = _progress_callback(progress, total, target)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(close)
+        cleanup.enter_context(keeping_open())  # each source file opened once for all its tensors
+        cleanup.enter_context(keeping_workers())  # one pool of cast threads for all the tensors
+        if folder_output:
+            return save_folder(
+                entries,
+                target,
+                kind,
+                overwrite=overwrite,
+                metadata=metadata,
+                extra=extra,
+                max_shard_size=max_shard_size,
+                update=update,
+                inputs=protected,
+                check=check,
+                fsync=fsync,
+                dedupe=tied == "dedupe",
+                record_crcs=record_crcs,
+            )
+        protected.check_file(target)
+        return save_file(
+            entries,
+            target,
+            kind,
+            zip_plan=zip_plan,
+            inputs=protected,
+            overwrite=overwrite,
+            metadata=metadata,
+            extra=extra,
+            update=update,
+            check=check,
+            fsync=fsync,
+            dedupe=tied == "dedupe",
+            record_crcs=record_crcs,
+        )
+
+
+def _entries(state: Mapping[str, Any]) -> list[tuple[str, TensorRef]]:
+    entries: list[tuple[str, TensorRef]] = []
+    cache: dict[Any, Any] = {}
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise WriteError(f"state dict key {key!r} is not a string")
+        if isinstance(value, TensorRef):
+            entries.append((key, value))
+        else:
+            from ckptconv.gpu.torch_tensors import from_torch
+
+            try:
+                entries.append((key, from_torch(value, cache)))
+            except TypeError:
+                raise WriteError(
+                    f"{key!r} holds a {type(value).__name__}, not a tensor; only tensors can be written"
+                ) from None
+            except CkptconvError as error:
+                raise WriteError(f"{key!r} cannot be written: {error}") from None
+    return entries
