@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 import sys
 import threading
 import time
@@ -28,7 +29,7 @@ from ._paths import PathLike, as_path
 from ._text import plural
 from ._version import __version__
 from .discovery import FILE, Item, Planned, discover, folds_case, plan_outputs
-from .errors import DestinationError, OutputExistsError, WriteError
+from .errors import DestinationError, LoadError, OutputExistsError, WriteError
 from .executors import Job, check_sendable, run_dask, run_local
 from .manifest import MANIFEST_NAME, Manifest, latest_conversions, now, read_records
 from .metadata import file_sha256
@@ -135,15 +136,25 @@ def _still_done(plan: Planned, record: dict[str, Any] | None, output_dir: str, f
                 return False
         except OSError:
             return False
-    outputs = record.get("outputs") or []
-    if not outputs:
+    # The outputs vouch only as this item's own file in DST: a record is data anyone may have edited,
+    # and a path that leaves DST (``../x``, ``/abs``, a link) or names another file proves nothing.
+    outputs = record.get("outputs")
+    if not isinstance(outputs, list) or len(outputs) != 1 or not isinstance(outputs[0], dict):
         return False
-    for output in outputs:
-        try:
-            if os.stat(os.path.join(output_dir, str(output["path"]))).st_size != output["size"]:
-                return False
-        except (OSError, KeyError, TypeError):
+    (output,) = outputs
+    if output.get("path") != plan.output:
+        return False
+    path = os.path.join(output_dir, *plan.output.split("/"))
+    try:
+        inside = os.path.realpath(path).startswith(os.path.join(os.path.realpath(output_dir), ""))
+        info = os.lstat(path)
+        if not inside or not stat.S_ISREG(info.st_mode) or info.st_size != output.get("size"):
             return False
+        recorded = output.get("sha256")
+        if recorded is not None and file_sha256(path) != recorded:
+            return False
+    except (OSError, ValueError, LoadError):
+        return False
     return True
 
 

@@ -672,6 +672,48 @@ def test_resume_skips_what_is_done_and_redoes_what_changed(small_zoo: Path, tmp_
     assert len(ckptconv.batch(small_zoo, out, overwrite=True).converted) == 3
 
 
+@pytest.mark.parametrize("forged", ["outside", "absolute", "link", "other-bytes", "other-output"])
+def test_resume_trusts_only_outputs_inside_dst_with_their_recorded_size_and_digest(
+    small_zoo: Path, tmp_path: Path, forged: str
+) -> None:
+    """A record whose outputs are not this item's file in DST (with its size and sha256) vouches for nothing."""
+    out = tmp_path / "out"
+    code, _, _ = run("batch", str(small_zoo), str(out), "--glob", "c.safetensors")
+    assert code == 0
+    real = out / "c.safetensors"
+    decoy = tmp_path / "elsewhere" / "c.safetensors"  # the same bytes, outside DST
+    decoy.parent.mkdir()
+    shutil.copyfile(real, decoy)
+    lines = (out / MANIFEST_NAME).read_text().splitlines(keepends=True)
+    records = [json.loads(line) for line in lines]
+    (item,) = [r for r in records if r["record"] == "item"]
+    if forged == "outside":
+        item["outputs"][0]["path"] = "../elsewhere/c.safetensors"
+        real.unlink()
+    elif forged == "absolute":
+        item["outputs"][0]["path"] = str(decoy)
+        real.unlink()
+    elif forged == "link":
+        real.unlink()
+        real.symlink_to(decoy)
+    elif forged == "other-bytes":  # same size, other content: the recorded sha256 says so
+        assert item["outputs"][0]["sha256"]
+        data = bytearray(real.read_bytes())
+        data[-1] ^= 0xFF
+        real.write_bytes(bytes(data))
+    else:  # the output of another item, existing in DST: not this item's output
+        shutil.copyfile(decoy, out / "other.safetensors")
+        item["outputs"][0]["path"] = "other.safetensors"
+        real.unlink()
+    (out / MANIFEST_NAME).write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, _, stderr = run("batch", str(small_zoo), str(out), "--glob", "c.safetensors", "--resume")
+    assert code == 0
+    assert stderr.splitlines()[-1].startswith("converted 1, skipped 0, failed 0 of 1 item (")
+    assert not real.is_symlink()
+    assert_output_matches(small_zoo / "c.safetensors", real)
+    assert decoy.read_bytes() == (out / "c.safetensors").read_bytes() or forged == "other-bytes"
+
+
 def test_a_torn_manifest_line_is_ignored_and_repaired(small_zoo: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     ckptconv.batch(small_zoo, out, glob="a/**")
