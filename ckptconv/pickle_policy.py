@@ -98,6 +98,11 @@ FAMILIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
                 "torch._export",
                 "torch.export",
                 "torch.utils.bottleneck",
+                "atexit",
+                "unittest",
+                "compileall",
+                "py_compile",
+                "test.libregrtest",
             ]
         ),
         frozenset(
@@ -161,9 +166,34 @@ FAMILIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
                 "torch.utils.collect_env",
                 "torch.distributed.rpc",
                 "torch.multiprocessing",
+                "torch.distributed.elastic",
+                "torch.distributed.launcher",
+                "torch.distributed.run",
+                "torch.distributed.launch",
+                "pexpect",
+                "pipes",
+                "platform",
             ]
         ),
-        frozenset(["uuid._get_command_stdout", "platform._syscmd_file", "platform._syscmd_ver", "platform.popen"]),
+        frozenset(
+            [
+                "uuid._get_command_stdout",
+                "uuid._find_mac_near_keyword",
+                "uuid._find_mac_under_heading",
+                "uuid._ifconfig_getnode",
+                "uuid._ip_getnode",
+                "uuid._arp_getnode",
+                "uuid._lanscan_getnode",
+                "uuid._netstat_getnode",
+                "uuid._ipconfig_getnode",
+                "uuid._netbios_getnode",
+                "uuid.getnode",
+                "torch.distributed.init_process_group",
+                "torch.distributed.distributed_c10d.init_process_group",
+                "torch.distributed.new_group",
+                "torch.distributed.distributed_c10d.new_group",
+            ]
+        ),
     ),
     "loads native code": (
         frozenset(
@@ -208,6 +238,9 @@ FAMILIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
                 "xml.sax",
                 "xml.dom",
                 "smart_open",
+                "filecmp",
+                "difflib",
+                "syslog",
             ]
         ),
         frozenset(
@@ -257,6 +290,8 @@ FAMILIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
                 "numpy.loadtxt",
                 "numpy.genfromtxt",
                 "numpy.savetxt",
+                "torch.distributed.FileStore",
+                "torch._C._distributed_c10d.FileStore",
             ]
         ),
     ),
@@ -296,9 +331,10 @@ FAMILIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
                 "torch.utils.model_zoo",
                 "torchvision.datasets.utils",
                 "torch.hub",
+                "torch.distributed.rendezvous",
             ]
         ),
-        frozenset(),
+        frozenset(["torch.distributed.TCPStore", "torch._C._distributed_c10d.TCPStore"]),
     ),
     "imports code": (
         frozenset(
@@ -317,7 +353,7 @@ FAMILIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
         frozenset(["builtins.__import__", "builtins.reload", "types.ModuleType"]),
     ),
     "reaches into the interpreter": (
-        frozenset(["sys", "gc", "inspect", "_testcapi", "_testinternalcapi"]),
+        frozenset(["sys", "gc", "inspect", "_testcapi", "_testinternalcapi", "operator", "_operator", "__builtins__"]),
         frozenset(
             [
                 "builtins.getattr",
@@ -376,7 +412,7 @@ FAMILIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
         ),
     ),
     "tampers with scanners": (
-        frozenset(["fickling", "picklescan", "modelscan", "modelaudit", "ckptconv"]),
+        frozenset(["fickling", "picklescan", "modelscan", "modelaudit", "saferpickle", "model_unpickler", "ckptconv"]),
         frozenset(),
     ),
 }
@@ -506,6 +542,16 @@ def _family_of(module: str, name: str) -> str | None:
     for i in range(1, len(parts) + 1):
         prefix = ".".join(parts[:i])
         family = _MODULE_FAMILY.get(prefix) or _NAME_FAMILY.get(prefix)
+        if family is not None:
+            return family
+    if known_global(module, name) is not None:
+        return None
+    # The name is an attribute chain from the module (CPython resolves ``a.b.c`` by getattr), so every
+    # module the chain passes through counts: ``__future__._ssl.RAND_bytes`` reaches ``_ssl``, and
+    # ``anything.os`` is the os module itself (which BUILD would monkeypatch).
+    for j in range(len(name_parts)):
+        tail_module, tail_name = name_parts[j], ".".join(name_parts[j + 1 :])
+        family = _family_of(tail_module, tail_name) if tail_name else _MODULE_FAMILY.get(tail_module)
         if family is not None:
             return family
     return None
