@@ -714,6 +714,30 @@ def test_resume_trusts_only_outputs_inside_dst_with_their_recorded_size_and_dige
     assert decoy.read_bytes() == (out / "c.safetensors").read_bytes() or forged == "other-bytes"
 
 
+def test_batch_refuses_a_zoo_with_a_folder_it_cannot_list(tmp_path: Path) -> None:
+    """A checkpoint 25 folders of 200 characters down (deeper than PATH_MAX): batch said "found no
+    checkpoints" and exit 0; the folder it cannot list is named, and nothing is converted."""
+    from .test_scan import _deep_folder
+
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    names = _deep_folder(zoo)
+    real = os.path.realpath(zoo)
+    depth = next(i for i in range(1, len(names) + 1) if len(os.path.join(real, *names[:i])) >= 4096)
+    code, _, stderr = run("batch", str(zoo), str(tmp_path / "out"))
+    assert code == 1
+    (line,) = stderr.splitlines()  # one line; the CLI shortens its middle, the folder is whole in the error
+    assert line.startswith(f"ckptconv: error: {'/'.join(names[:depth])[:1000]}".replace(": a", ": 'a", 1))
+    assert line.endswith(
+        f" in {str(zoo)!r} cannot be listed (File name too long); what it holds would be missed, so stopping "
+        "(move it higher up, or fix its permissions)"
+    )
+    with pytest.raises(ckptconv.LoadError) as caught:
+        ckptconv.batch(zoo, tmp_path / "out")
+    assert caught.value.path == os.path.join(real, *names[:depth])
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_torn_manifest_line_is_ignored_and_repaired(small_zoo: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     ckptconv.batch(small_zoo, out, glob="a/**")

@@ -368,6 +368,45 @@ def test_a_list_that_holds_itself_a_few_times_is_still_safe(tmp_path: Any) -> No
     assert ckptconv.scan(_write(tmp_path, "many.pkl", pickle.dumps([[1]] * 1000))).verdict == "safe"
 
 
+def _deep_folder(root: Path, levels: int = 25, length: int = 200) -> tuple[str, ...]:
+    """``levels`` folders of ``length`` characters, one inside the other (deeper than PATH_MAX), made and
+    filled through directory descriptors; returns the folder names."""
+    names = tuple(chr(ord("a") + level % 26) * length for level in range(levels))
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in names:
+            os.mkdir(name, dir_fd=fd)
+            inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        payload = os.open("evil.pkl", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        os.write(payload, call("os", "system", "id"))
+        os.close(payload)
+    finally:
+        os.close(fd)
+    return names
+
+
+def test_a_folder_deeper_than_path_max_is_never_called_safe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """os.walk drops the folders it cannot list: a malicious pickle 25 folders of 200 characters down was
+    "1 item: 1 safe" (the one good file beside it) and exit 0."""
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    torch.save({"w": torch.ones(2)}, zoo / "good.pt")
+    names = _deep_folder(zoo)
+    real = os.path.realpath(zoo)
+    # The first folder that cannot be listed: the first whose path is longer than PATH_MAX allows.
+    depth = next(i for i in range(1, len(names) + 1) if len(os.path.join(real, *names[:i])) >= 4096)
+    unlisted = os.path.join(real, *names[:depth])
+    monkeypatch.chdir(zoo)
+    result = CliRunner().invoke(cli, ["scan", "."])
+    assert result.exit_code == 3
+    assert result.stdout.splitlines()[-1] == (
+        f"unreadable        {unlisted}: cannot be listed (File name too long); what it holds was not scanned"
+    )
+    assert result.stderr.splitlines()[-1] == "2 items: 1 safe, 1 unreadable"
+
+
 def _in_torch_zip(data_pkl: bytes) -> bytes:
     import zipfile
 
