@@ -364,6 +364,7 @@ def batch(
         if fail_fast and refused:
             stopping.set()
         update, close = _progress(progress, sum(job.item.size for job in todo), len(todo))
+        made = _make_item_folders(todo, output)
         try:
             for result in _execute(todo, executor=executor, scheduler=scheduler, jobs=jobs, stop=stopping.is_set):
                 manifest.item(result)
@@ -373,6 +374,8 @@ def batch(
                     stopping.set()
         finally:
             close()
+            # Only now, with every worker done, can a folder no output went into be removed.
+            write_policy.remove_folders(made)
         for job in todo:
             if job.item.name not in results:
                 results[job.item.name] = _not_run(job.item, job.output_name, kind, CANCELLED)
@@ -389,6 +392,22 @@ def batch(
             },
         )
     return report
+
+
+def _make_item_folders(jobs: Sequence[Job], output: str) -> list[str]:
+    """Create every output subfolder once, before any worker runs; the folders created, outermost first.
+
+    Workers then find their folders made and remove none: a failed item's cleanup must never remove
+    a folder a sibling is about to write into (``--jobs 2``: "folder ... does not exist"). A folder
+    that cannot be made (a link in the way) is left to the item's worker, which fails it in its words.
+    """
+    made: list[str] = []
+    for job in jobs:
+        folder = os.path.dirname(job.output)
+        if folder != output and not os.path.isdir(folder):
+            with contextlib.suppress(WriteError):
+                made.extend(write_policy.make_folders(folder, root=output))
+    return made
 
 
 def _make_output_folder(output: str) -> list[str]:

@@ -35,7 +35,7 @@ from ckptconv.manifest import MANIFEST_NAME, Manifest, read_records
 from ckptconv.options import ConversionOptions
 from ckptconv.transforms import Pipeline, StripPrefix
 
-from .batch_helpers import Explode, KillWorker
+from .batch_helpers import Explode, FolderRace, KillWorker
 from .conftest import (
     FIXTURES,
     assert_same_state,
@@ -736,6 +736,30 @@ def test_batch_refuses_a_zoo_with_a_folder_it_cannot_list(tmp_path: Path) -> Non
         ckptconv.batch(zoo, tmp_path / "out")
     assert caught.value.path == os.path.join(real, *names[:depth])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_failing_items_cleanup_never_removes_a_folder_a_sibling_writes_into(tmp_path: Path) -> None:
+    """``batch --jobs 2``: a failing item removed the output folder it had made while another worker was about
+    to write into it, which failed with "folder ... does not exist; create it first" (see FolderRace)."""
+    zoo = tmp_path / "zoo"
+    (zoo / "m").mkdir(parents=True)
+    for name, key in (("l", "l"), ("m/a", "w"), ("m/b", "f"), ("n", "n")):
+        torch.save({key: torch.ones(2)}, zoo / f"{name}.pt")
+    out, markers = tmp_path / "out", tmp_path / "markers"
+    markers.mkdir()
+    report = ckptconv.batch(zoo, out, jobs=2, transforms=[FolderRace(str(markers), str(out / "m"))])
+    assert {r.source: (r.status, r.error.split(": ")[-1][:4]) for r in report.results} == {
+        "l.pt": ("converted", ""),
+        "m/a.pt": ("converted", ""),
+        "m/b.pt": ("failed", "boom"),
+        "n.pt": ("converted", ""),
+    }
+    assert_output_matches(zoo / "m" / "a.pt", out / "m" / "a.safetensors")
+    # The folder only a failed item needed is still removed, once no item uses it.
+    (zoo / "m" / "a.pt").unlink()
+    report = ckptconv.batch(zoo, tmp_path / "out2", jobs=2, transforms=[FolderRace(str(markers), "", 0.1)])
+    assert [r.source for r in report.failed] == ["m/b.pt"]
+    assert not (tmp_path / "out2" / "m").exists()
 
 
 def test_a_torn_manifest_line_is_ignored_and_repaired(small_zoo: Path, tmp_path: Path) -> None:
