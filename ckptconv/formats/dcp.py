@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from .. import read_policy
 from ..dtypes import DType
-from ..errors import MalformedCheckpointError, UnsupportedFormatError
+from ..errors import CastOverflowError, MalformedCheckpointError, UnsupportedFormatError
 from ..standins import ForeignObject, short_repr
 from ..suffixes import DCP_DATA_SUFFIX, DCP_METADATA
 from ..tensor import ReadInto, Storage, TensorRef, contiguous_strides
@@ -486,7 +486,10 @@ def write(
     total = 0
     with open_output(DATA_FILE) as data_file:
         for key, ref in entries:
-            tensor = to_torch({key: ref})[key]
+            try:
+                tensor = to_torch({key: ref})[key]
+            except CastOverflowError as error:  # named as every other format's writer names it
+                raise CastOverflowError(f"tensor {key!r}: {error}", key=key, count=error.count) from None
             start = data_file.tell()
             try:
                 with signals_deferred():  # torch.save calls back into Python to write: see _signals
