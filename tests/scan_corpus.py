@@ -643,6 +643,40 @@ def _samples() -> list[Sample]:
         "memo/DUP expansion beyond any budget",
         _billion_laughs,
     )
+    # fickling's resource-exhaustion cases (tests/test_crashes.py, TestExpansionAttacks): one container
+    # fetched from the memo or DUPed into itself again and again.
+    add(
+        "fk_memo_expansion.pkl",
+        "malicious",
+        "fickling",
+        "memo GET/APPEND of a list into itself 60 times",
+        lambda: memo_self_appends(60),
+    )
+    add("fk_dup_expansion.pkl", "malicious", "fickling", "150 DUPs of one list", lambda: dup_expansion(150))
+    add(
+        "fk_resource_limits.pkl",
+        "malicious",
+        "fickling",
+        "memo GET/APPEND into itself 100 times",
+        lambda: memo_self_appends(100),
+    )
+    add(
+        "fk_get_ratio.pkl",
+        "malicious",
+        "fickling",
+        "text GET/APPEND into itself 60 times (protocol 2)",
+        lambda: memo_self_appends(60, protocol=2),
+    )
+    add(
+        "fk_check_safety_exhaustion.pkl",
+        "malicious",
+        "fickling",
+        "memo GET/APPEND into itself 200 times",
+        lambda: memo_self_appends(200),
+    )
+    # The same class reached other ways, and names the peers list that ckptconv called foreign.
+    for name, data, what in peer_cases():
+        add(name, "malicious", "ckptconv", what, lambda data=data: data)
     add("fk_frame_straddle.pkl", "malicious", "fickling", "opcode straddles a FRAME boundary", straddle_pickle)
     add(
         "fk_frame_straddle_binary.pkl",
@@ -815,6 +849,74 @@ def _billion_laughs(levels: int = 40) -> bytes:
     """A tuple of two copies of the previous tuple, ``levels`` deep: 2**levels leaves in ~90 bytes."""
     body = pickle.EMPTY_LIST + (pickle.DUP + pickle.TUPLE2) * levels + pickle.STOP
     return pickle.PROTO + b"\x04" + body
+
+
+def memo_self_appends(count: int, *, protocol: int = 4) -> bytes:
+    """``L = []`` memoised, then ``L.append(L)`` ``count`` times through memo reads (fickling's case)."""
+    if protocol >= 4:
+        return b"\x80\x04]\x94" + b"h\x00a" * count + b"."
+    return b"\x80\x02]p0\n" + b"g0\na" * count + b"."
+
+
+def dup_expansion(count: int) -> bytes:
+    """An empty list DUPed ``count`` times (CPython's pickler never writes DUP)."""
+    return b"\x80\x04]" + b"2" * count + b"."
+
+
+def _stack_global(module: str, name: str) -> bytes:
+    return (
+        b"\x80\x04\x8c"
+        + bytes([len(module)])
+        + module.encode()
+        + b"\x8c"
+        + bytes([len(name)])
+        + name.encode()
+        + b"\x93)R."
+    )
+
+
+def peer_cases() -> list[tuple[str, bytes, str]]:
+    """``(file name, bytes, what)``: expansion variants and names the peer scanners' lists flag."""
+    return [
+        (
+            "ck_two_lists_in_each_other.pkl",
+            b"\x80\x04]\x94]\x94" + b"h\x00h\x01a0h\x01h\x00a0" * 30 + b"h\x00.",
+            "two lists appended into each other 30 times",
+        ),
+        (
+            "ck_memo_reads_left_on_the_stack.pkl",
+            b"\x80\x04]\x94" + b"h\x00" * 100 + b".",
+            "one list fetched from the memo 100 times and left on the stack",
+        ),
+        (
+            "ck_object_in_itself.pkl",
+            b"\x80\x04\x8c\x03foo\x8c\x03Bar\x93)\x81\x94" + b"h\x00a" * 40 + b".",
+            "a foreign object appended into itself 40 times",
+        ),
+        ("ck_future_ssl.pkl", _stack_global("__future__", "_ssl.RAND_bytes"), "attribute chain to _ssl"),
+        ("ck_module_attribute_sys.pkl", _stack_global("collections", "abc.sys.modules"), "attribute chain to sys"),
+        (
+            "ck_elastic_etcd.pkl",
+            _stack_global("torch.distributed.elastic.rendezvous.etcd_rendezvous", "EtcdRendezvousHandler"),
+            "torch elastic rendezvous handler",
+        ),
+        (
+            "ck_elastic_c10d.pkl",
+            _stack_global("torch.distributed.elastic.rendezvous.c10d_rendezvous_backend", "C10dRendezvousBackend"),
+            "torch elastic rendezvous backend",
+        ),
+        ("ck_saferpickle.pkl", _stack_global("saferpickle", "disable"), "scanner-disabling module saferpickle"),
+        ("ck_model_unpickler.pkl", _stack_global("model_unpickler", "disable"), "scanner-disabling model_unpickler"),
+        ("ck_short_protocol0.pkl", b"cos\nsystem\n.", "a 12-byte protocol 0 pickle naming os.system"),
+        (
+            "ck_no_proto_header.pkl",
+            b"\x8c\x08builtins\x8c\x04exec\x93\x8c\x011\x85R.",
+            "protocol 4 opcodes without a PROTO header",
+        ),
+        ("ck_itemgetter.pkl", _stack_global("operator", "itemgetter"), "operator.itemgetter (picklescan)"),
+        ("ck_platform.pkl", _stack_global("platform", "architecture"), "platform runs `file` (fickling)"),
+        ("ck_pexpect.pkl", _stack_global("pexpect", "spawn"), "pexpect (fickling)"),
+    ]
 
 
 def _duplicate_zip() -> bytes:

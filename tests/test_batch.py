@@ -36,7 +36,7 @@ from ckptconv.options import ConversionOptions
 from ckptconv.reading.discovery import Item, discover
 from ckptconv.transforms.keys import Pipeline, StripPrefix
 
-from .batch_helpers import Explode, KillWorker
+from .batch_helpers import Explode, FolderRace, KillWorker
 from .conftest import (
     FIXTURES,
     assert_same_state,
@@ -671,6 +671,96 @@ def test_resume_skips_what_is_done_and_redoes_what_changed(small_zoo: Path, tmp_
         for p in ("a/b/model.safetensors", "a/train.safetensors", "c.safetensors")
     ]
     assert len(ckptconv.batch(small_zoo, out, overwrite=True).converted) == 3
+
+
+@pytest.mark.parametrize("forged", ["outside", "absolute", "link", "other-bytes", "other-output"])
+def test_resume_trusts_only_outputs_inside_dst_with_their_recorded_size_and_digest(
+    small_zoo: Path, tmp_path: Path, forged: str
+) -> None:
+    """A record whose outputs are not this item's file in DST (with its size and sha256) vouches for nothing."""
+    out = tmp_path / "out"
+    code, _, _ = run("batch", str(small_zoo), str(out), "--glob", "c.safetensors")
+    assert code == 0
+    real = out / "c.safetensors"
+    decoy = tmp_path / "elsewhere" / "c.safetensors"  # the same bytes, outside DST
+    decoy.parent.mkdir()
+    shutil.copyfile(real, decoy)
+    lines = (out / MANIFEST_NAME).read_text().splitlines(keepends=True)
+    records = [json.loads(line) for line in lines]
+    (item,) = [r for r in records if r["record"] == "item"]
+    if forged == "outside":
+        item["outputs"][0]["path"] = "../elsewhere/c.safetensors"
+        real.unlink()
+    elif forged == "absolute":
+        item["outputs"][0]["path"] = str(decoy)
+        real.unlink()
+    elif forged == "link":
+        real.unlink()
+        real.symlink_to(decoy)
+    elif forged == "other-bytes":  # same size, other content: the recorded sha256 says so
+        assert item["outputs"][0]["sha256"]
+        data = bytearray(real.read_bytes())
+        data[-1] ^= 0xFF
+        real.write_bytes(bytes(data))
+    else:  # the output of another item, existing in DST: not this item's output
+        shutil.copyfile(decoy, out / "other.safetensors")
+        item["outputs"][0]["path"] = "other.safetensors"
+        real.unlink()
+    (out / MANIFEST_NAME).write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, _, stderr = run("batch", str(small_zoo), str(out), "--glob", "c.safetensors", "--resume")
+    assert code == 0
+    assert stderr.splitlines()[-1].startswith("converted 1, skipped 0, failed 0 of 1 item (")
+    assert not real.is_symlink()
+    assert_output_matches(small_zoo / "c.safetensors", real)
+    assert decoy.read_bytes() == (out / "c.safetensors").read_bytes() or forged == "other-bytes"
+
+
+def test_batch_refuses_a_zoo_with_a_folder_it_cannot_list(tmp_path: Path) -> None:
+    """A checkpoint 25 folders of 200 characters down (deeper than PATH_MAX): batch said "found no
+    checkpoints" and exit 0; the folder it cannot list is named, and nothing is converted."""
+    from .test_scan import _deep_folder
+
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    names = _deep_folder(zoo)
+    real = os.path.realpath(zoo)
+    depth = next(i for i in range(1, len(names) + 1) if len(os.path.join(real, *names[:i])) >= 4096)
+    code, _, stderr = run("batch", str(zoo), str(tmp_path / "out"))
+    assert code == 1
+    (line,) = stderr.splitlines()  # one line; the CLI shortens its middle, the folder is whole in the error
+    assert line.startswith(f"ckptconv: error: {'/'.join(names[:depth])[:1000]}".replace(": a", ": 'a", 1))
+    assert line.endswith(
+        f" in {str(zoo)!r} cannot be listed (File name too long); what it holds would be missed, so stopping "
+        "(move it higher up, or fix its permissions)"
+    )
+    with pytest.raises(ckptconv.LoadError) as caught:
+        ckptconv.batch(zoo, tmp_path / "out")
+    assert caught.value.path == os.path.join(real, *names[:depth])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failing_items_cleanup_never_removes_a_folder_a_sibling_writes_into(tmp_path: Path) -> None:
+    """``batch --jobs 2``: a failing item removed the output folder it had made while another worker was about
+    to write into it, which failed with "folder ... does not exist; create it first" (see FolderRace)."""
+    zoo = tmp_path / "zoo"
+    (zoo / "m").mkdir(parents=True)
+    for name, key in (("l", "l"), ("m/a", "w"), ("m/b", "f"), ("n", "n")):
+        torch.save({key: torch.ones(2)}, zoo / f"{name}.pt")
+    out, markers = tmp_path / "out", tmp_path / "markers"
+    markers.mkdir()
+    report = ckptconv.batch(zoo, out, jobs=2, transforms=[FolderRace(str(markers), str(out / "m"))])
+    assert {r.source: (r.status, r.error.split(": ")[-1][:4]) for r in report.results} == {
+        "l.pt": ("converted", ""),
+        "m/a.pt": ("converted", ""),
+        "m/b.pt": ("failed", "boom"),
+        "n.pt": ("converted", ""),
+    }
+    assert_output_matches(zoo / "m" / "a.pt", out / "m" / "a.safetensors")
+    # The folder only a failed item needed is still removed, once no item uses it.
+    (zoo / "m" / "a.pt").unlink()
+    report = ckptconv.batch(zoo, tmp_path / "out2", jobs=2, transforms=[FolderRace(str(markers), "", 0.1)])
+    assert [r.source for r in report.failed] == ["m/b.pt"]
+    assert not (tmp_path / "out2" / "m").exists()
 
 
 def test_a_torn_manifest_line_is_ignored_and_repaired(small_zoo: Path, tmp_path: Path) -> None:

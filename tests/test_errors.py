@@ -202,16 +202,20 @@ def test_unknown_output_suffix(good_checkpoint: Path, tmp_path: Path) -> None:
     assert _run("convert", str(good_checkpoint), str(tmp_path / "out.weights"), "--to", "pt", "-q")[0] == 0
 
 
-@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt", "_dcp"])
 def test_cast_overflow_fails_names_the_tensor_and_leaves_nothing(tmp_path: Path, suffix: str) -> None:
     source = tmp_path / "big_values.pt"
     torch.save({"ok": torch.ones(2), "w": torch.tensor([1.0, 70000.0, -1e6])}, source)
     output = tmp_path / f"out{suffix}"
-    code, _, stderr = _run("convert", str(source), str(output), "--dtype", "fp16")
+    to = ["--to", "dcp"] if suffix == "_dcp" else []  # the DCP writer did not name the tensor
+    code, _, stderr = _run("convert", str(source), str(output), "--dtype", "fp16", *to)
     assert code == 1
-    assert "tensor 'w': casting to float16 would turn finite values such as 70000.0 into inf" in stderr
+    assert stderr.splitlines() == [
+        "ckptconv: error: tensor 'w': casting to float16 would turn finite values such as 70000.0 into inf; "
+        "keep this tensor's dtype (--keep-dtype) or pass --allow-overflow"
+    ]
     assert not output.exists() and list(tmp_path.iterdir()) == [source]
-    assert _run("convert", str(source), str(output), "--dtype", "fp16", "--allow-overflow", "-q")[0] == 0
+    assert _run("convert", str(source), str(output), "--dtype", "fp16", "--allow-overflow", "-q", *to)[0] == 0
 
 
 def test_ambiguous_weights_list_the_candidates(tmp_path: Path) -> None:

@@ -417,6 +417,43 @@ def test_diff_of_fp32_and_its_bf16_cast_reports_the_real_difference(
     assert (difference.reason, difference.max_abs_diff) == ("dtype", 0.0)
 
 
+@pytest.mark.parametrize(
+    ("a", "b", "dtype", "expected"),
+    [
+        ([2**60], [2**60 + 1], torch.int64, 1),
+        ([2**63 - 1, 0], [-(2**63), 0], torch.int64, 2**64 - 1),
+        ([2**64 - 1], [2**64 - 2], getattr(torch, "uint64", None), 1),
+        ([2**64 - 1], [0], getattr(torch, "uint64", None), 2**64 - 1),
+    ],
+)
+def test_diff_of_64_bit_integers_is_exact(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    a: list[int],
+    b: list[int],
+    dtype: torch.dtype | None,
+    expected: int,
+) -> None:
+    """float64 rounds 2**60 + 1 to 2**60: the difference must be computed on the integers themselves."""
+    if dtype is None:
+        pytest.skip("this torch has no uint64")
+    monkeypatch.chdir(tmp_path)
+    torch.save({"steps": torch.tensor(a, dtype=dtype)}, "a.pt")
+    torch.save({"steps": torch.tensor(b, dtype=dtype)}, "b.pt")
+    code, stdout, _ = run_cli("diff", "a.pt", "b.pt")
+    assert code == 3
+    assert stdout.splitlines()[0] == f"values differ: steps: max abs difference {expected}"
+    (difference,) = ckptconv.diff("a.pt", "b.pt").differences
+    assert difference.max_abs_diff == expected and isinstance(difference.max_abs_diff, int)
+    # Across integer dtypes too (int32 against int64), exactly.
+    torch.save({"steps": torch.tensor([7], dtype=torch.int32)}, "i32.pt")
+    torch.save({"steps": torch.tensor([2**60 + 8], dtype=torch.int64)}, "i64.pt")
+    code, stdout, _ = run_cli("diff", "i32.pt", "i64.pt")
+    assert stdout.splitlines()[0] == (
+        f"dtype differs: steps: int32 vs int64; max abs difference {2**60 + 1} (compared exactly)"
+    )
+
+
 @pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="torch 2.8 added float4_e2m1fn_x2")
 def test_diff_does_not_compare_packed_bits_as_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A float4_e2m1fn_x2 byte holds two values: read as one number it would give a made-up difference."""

@@ -23,7 +23,10 @@ from tests.conftest import swap_after_discovery
 from tests.scan_corpus import (
     build_corpus,
     call,
+    dup_expansion,
+    memo_self_appends,
     nested_frame_pickle,
+    peer_cases,
     straddle_binary_pickle,
     straddle_pickle,
 )
@@ -288,6 +291,120 @@ def test_memo_and_dup_expansion_beyond_the_budget(tmp_path: Any) -> None:
     shared = list(range(100))
     ok = {"a": shared, "b": [shared] * 100}
     assert ckptconv.open(_write(tmp_path, "ok.pkl", pickle.dumps(ok, protocol=4))).tree == ok
+
+
+_EXPANSION = "memo/DUP expansion: "
+_PEER_LINES = {
+    "fk_memo_expansion.pkl": (
+        f"{_EXPANSION}puts containers into themselves 60 times (exhausts memory) from pickle byte 4"
+    ),
+    "fk_dup_expansion.pkl": (
+        f"{_EXPANSION}duplicates containers with DUP 150 times (exhausts memory) from pickle byte 3"
+    ),
+    "fk_resource_limits.pkl": (
+        f"{_EXPANSION}puts containers into themselves 100 times (exhausts memory) from pickle byte 4"
+    ),
+    "fk_get_ratio.pkl": f"{_EXPANSION}puts containers into themselves 60 times (exhausts memory) from pickle byte 6",
+    "fk_check_safety_exhaustion.pkl": (
+        f"{_EXPANSION}puts containers into themselves 200 times (exhausts memory) from pickle byte 4"
+    ),
+    "ck_two_lists_in_each_other.pkl": (
+        f"{_EXPANSION}puts containers into themselves 30 times (exhausts memory) from pickle byte 6"
+    ),
+    "ck_memo_reads_left_on_the_stack.pkl": (
+        f"{_EXPANSION}leaves shared containers on the stack at STOP 100 times (exhausts memory) from pickle byte 4"
+    ),
+    "ck_object_in_itself.pkl": (
+        f"{_EXPANSION}puts containers into themselves 40 times (exhausts memory) from pickle byte 16"
+    ),
+    "ck_future_ssl.pkl": "names __future__._ssl.RAND_bytes (reaches the network) at pickle byte 31",
+    "ck_module_attribute_sys.pkl": "names collections.abc.sys.modules (reaches into the interpreter) at pickle byte 32",
+    "ck_elastic_etcd.pkl": (
+        "names torch.distributed.elastic.rendezvous.etcd_rendezvous.EtcdRendezvousHandler (runs processes) "
+        "at pickle byte 79"
+    ),
+    "ck_elastic_c10d.pkl": (
+        "names torch.distributed.elastic.rendezvous.c10d_rendezvous_backend.C10dRendezvousBackend (runs processes) "
+        "at pickle byte 87"
+    ),
+    "ck_saferpickle.pkl": "names saferpickle.disable (tampers with scanners) at pickle byte 24",
+    "ck_model_unpickler.pkl": "names model_unpickler.disable (tampers with scanners) at pickle byte 28",
+    "ck_short_protocol0.pkl": "names os.system (runs processes) at pickle byte 0",
+    "ck_no_proto_header.pkl": "names builtins.exec (runs code) at pickle byte 16",
+    "ck_itemgetter.pkl": "names operator.itemgetter (reaches into the interpreter) at pickle byte 24",
+    "ck_platform.pkl": "names platform.architecture (runs processes) at pickle byte 26",
+    "ck_pexpect.pkl": "names pexpect.spawn (runs processes) at pickle byte 18",
+}
+_PEER_CASES = [
+    ("fk_memo_expansion.pkl", memo_self_appends(60)),
+    ("fk_dup_expansion.pkl", dup_expansion(150)),
+    ("fk_resource_limits.pkl", memo_self_appends(100)),
+    ("fk_get_ratio.pkl", memo_self_appends(60, protocol=2)),
+    ("fk_check_safety_exhaustion.pkl", memo_self_appends(200)),
+    *((name, data) for name, data, _what in peer_cases()),
+]
+
+
+@pytest.mark.parametrize(("name", "data"), _PEER_CASES, ids=[name for name, _ in _PEER_CASES])
+def test_what_the_peer_scanners_flag_is_unsafe(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, name: str, data: bytes
+) -> None:
+    """fickling's expansion cases, names under an allowed module, torch elastic, scanner-disabling modules,
+    pickles without a header or shorter than a placeholder: scan said safe, foreign or not a checkpoint."""
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path, name, data)
+    result = CliRunner().invoke(cli, ["scan", name])
+    assert (result.exit_code, result.stdout) == (4, f"unsafe            {name}: {_PEER_LINES[name]}\n")
+    with pytest.raises(UnsafeCheckpointError):
+        ckptconv.open(name)
+
+
+def test_a_list_that_holds_itself_a_few_times_is_still_safe(tmp_path: Any) -> None:
+    """What CPython's pickler writes for a list that contains itself (16 times at most) is no expansion."""
+    value: list[Any] = [1]
+    value.extend([value] * 16)
+    path = _write(tmp_path, "self.pkl", pickle.dumps(value, protocol=4))
+    assert ckptconv.scan(path).verdict == "safe"
+    assert ckptconv.scan(_write(tmp_path, "many.pkl", pickle.dumps([[1]] * 1000))).verdict == "safe"
+
+
+def _deep_folder(root: Path, levels: int = 25, length: int = 200) -> tuple[str, ...]:
+    """``levels`` folders of ``length`` characters, one inside the other (deeper than PATH_MAX), made and
+    filled through directory descriptors; returns the folder names."""
+    names = tuple(chr(ord("a") + level % 26) * length for level in range(levels))
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in names:
+            os.mkdir(name, dir_fd=fd)
+            inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        payload = os.open("evil.pkl", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        os.write(payload, call("os", "system", "id"))
+        os.close(payload)
+    finally:
+        os.close(fd)
+    return names
+
+
+def test_a_folder_deeper_than_path_max_is_never_called_safe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """os.walk drops the folders it cannot list: a malicious pickle 25 folders of 200 characters down was
+    "1 item: 1 safe" (the one good file beside it) and exit 0."""
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    torch.save({"w": torch.ones(2)}, zoo / "good.pt")
+    names = _deep_folder(zoo)
+    real = os.path.realpath(zoo)
+    # The first folder that cannot be listed: the first whose path is longer than PATH_MAX allows.
+    depth = next(i for i in range(1, len(names) + 1) if len(os.path.join(real, *names[:i])) >= 4096)
+    unlisted = os.path.join(real, *names[:depth])
+    monkeypatch.chdir(zoo)
+    result = CliRunner().invoke(cli, ["scan", "."])
+    assert result.exit_code == 3
+    assert result.stdout.splitlines()[-1] == (
+        f"unreadable        {unlisted}: cannot be listed (File name too long); what it holds was not scanned"
+    )
+    assert result.stderr.splitlines()[-1] == "2 items: 1 safe, 1 unreadable"
 
 
 def _in_torch_zip(data_pkl: bytes) -> bytes:

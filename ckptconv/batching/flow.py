@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 import sys
 import threading
 import time
@@ -30,7 +31,7 @@ from ckptconv.batching.executors import Job, check_sendable, run_dask, run_local
 from ckptconv.batching.manifest import MANIFEST_NAME, Manifest, latest_conversions, now, read_records
 from ckptconv.batching.outputs import Planned, folds_case, plan_outputs
 from ckptconv.batching.report import CANCELLED, FAILED, PLANNED, SKIPPED, BatchReport, ItemResult
-from ckptconv.errors import DestinationError, OutputExistsError, WriteError
+from ckptconv.errors import DestinationError, LoadError, OutputExistsError, WriteError
 from ckptconv.options import ConversionOptions, fingerprint_defaults, fingerprint_flags
 from ckptconv.reading.discovery import FILE, Item, discover
 from ckptconv.writing import write_policy
@@ -136,15 +137,25 @@ def _still_done(plan: Planned, record: dict[str, Any] | None, output_dir: str, f
                 return False
         except OSError:
             return False
-    outputs = record.get("outputs") or []
-    if not outputs:
+    # The outputs vouch only as this item's own file in DST: a record is data anyone may have edited,
+    # and a path that leaves DST (``../x``, ``/abs``, a link) or names another file proves nothing.
+    outputs = record.get("outputs")
+    if not isinstance(outputs, list) or len(outputs) != 1 or not isinstance(outputs[0], dict):
         return False
-    for output in outputs:
-        try:
-            if os.stat(os.path.join(output_dir, str(output["path"]))).st_size != output["size"]:
-                return False
-        except (OSError, KeyError, TypeError):
+    (output,) = outputs
+    if output.get("path") != plan.output:
+        return False
+    path = os.path.join(output_dir, *plan.output.split("/"))
+    try:
+        inside = os.path.realpath(path).startswith(os.path.join(os.path.realpath(output_dir), ""))
+        info = os.lstat(path)
+        if not inside or not stat.S_ISREG(info.st_mode) or info.st_size != output.get("size"):
             return False
+        recorded = output.get("sha256")
+        if recorded is not None and file_sha256(path) != recorded:
+            return False
+    except (OSError, ValueError, LoadError):
+        return False
     return True
 
 
@@ -354,6 +365,7 @@ def batch(
         if fail_fast and refused:
             stopping.set()
         update, close = _progress(progress, sum(job.item.size for job in todo), len(todo))
+        made = _make_item_folders(todo, output)
         try:
             for result in _execute(todo, executor=executor, scheduler=scheduler, jobs=jobs, stop=stopping.is_set):
                 manifest.item(result)
@@ -363,6 +375,8 @@ def batch(
                     stopping.set()
         finally:
             close()
+            # Only now, with every worker done, can a folder no output went into be removed.
+            write_policy.remove_folders(made)
         for job in todo:
             if job.item.name not in results:
                 results[job.item.name] = _not_run(job.item, job.output_name, kind, CANCELLED)
@@ -379,6 +393,22 @@ def batch(
             },
         )
     return report
+
+
+def _make_item_folders(jobs: Sequence[Job], output: str) -> list[str]:
+    """Create every output subfolder once, before any worker runs; the folders created, outermost first.
+
+    Workers then find their folders made and remove none: a failed item's cleanup must never remove
+    a folder a sibling is about to write into (``--jobs 2``: "folder ... does not exist"). A folder
+    that cannot be made (a link in the way) is left to the item's worker, which fails it in its words.
+    """
+    made: list[str] = []
+    for job in jobs:
+        folder = os.path.dirname(job.output)
+        if folder != output and not os.path.isdir(folder):
+            with contextlib.suppress(WriteError):
+                made.extend(write_policy.make_folders(folder, root=output))
+    return made
 
 
 def _make_output_folder(output: str) -> list[str]:

@@ -350,13 +350,19 @@ def scan_many(paths: Iterable[PathLike]) -> ScanSummary:
         if os.path.isdir(path) and not dcp.is_dcp_folder(path) and sharded.find_index(path) is None:
             # Discovery follows a link only inside the folder; held to that while scanning too, a file
             # swapped for a link out of it since is refused, not read (and its first bytes not shown).
+            unlisted: list[tuple[str, str]] = []
             with read_policy.confined(path):
-                for item in discover(path):
+                for item in discover(path, unlisted=unlisted):
                     reports.append(scan(item.path))
                     if item.kind == RUN:
                         # A training run is one item to convert, but every pickle in it is scanned:
                         # older tags, optimizer files beside per-rank model files.
                         reports.extend(scan(extra) for extra in unread_files(item))
+            # A folder that could not be listed is never called safe: what it holds was not scanned.
+            reports.extend(
+                ScanReport(folder, UNREADABLE, f"cannot be listed ({why}); what it holds was not scanned")
+                for folder, why in unlisted
+            )
         else:
             reports.append(scan(path))
     return ScanSummary(tuple(reports))

@@ -180,7 +180,9 @@ class TensorDifference:
             NaNs do not line up), for ``"values"``, and for ``"dtype"`` when the
             shapes agree: both sides are then compared in float64 (complex128),
             which holds every value of either dtype, so an fp32 tensor and its
-            bf16 cast report the rounding error the cast made. ``nan`` where they
+            bf16 cast report the rounding error the cast made. Between two
+            integer tensors it is an exact ``int`` (int64 2**60 against 2**60 + 1
+            is 1, the extremes of uint64 and int64 included). ``nan`` where they
             were not compared (``compared`` is False).
         compared: False where the values were not compared: a side's elements
             are not numbers (packed or opaque bits such as float4_e2m1fn_x2 and
@@ -192,7 +194,7 @@ class TensorDifference:
     reason: str
     a: str = ""
     b: str = ""
-    max_abs_diff: float = 0.0
+    max_abs_diff: float | int = 0.0
     compared: bool = True
 
 
@@ -247,8 +249,8 @@ def _as_float64(ref: TensorRef, values: Array) -> Array:
     return np.asarray(values).astype(np.float64)
 
 
-def _max_abs_difference(a: TensorRef, b: TensorRef) -> float:
-    """The largest |a - b|; nan if NaNs differ.
+def _max_abs_difference(a: TensorRef, b: TensorRef) -> float | int:
+    """The largest |a - b|; nan if NaNs differ; an exact ``int`` when both sides hold integers.
 
     Both tensors are read whole (each bounded by its own size); their float64
     copies are made ``_DIFF_ELEMENTS`` at a time, so the extra memory is a few windows.
@@ -257,6 +259,8 @@ def _max_abs_difference(a: TensorRef, b: TensorRef) -> float:
 
     a_values = a.numpy().reshape(-1)
     b_values = b.numpy().reshape(-1)
+    if a.out_dtype.kind in _INTEGERS and b.out_dtype.kind in _INTEGERS:
+        return _max_abs_integer_difference(a_values, b_values)
     largest = 0.0
     for start in range(0, a_values.size, _DIFF_ELEMENTS):
         x = _as_float64(a, a_values[start : start + _DIFF_ELEMENTS])
@@ -271,6 +275,36 @@ def _max_abs_difference(a: TensorRef, b: TensorRef) -> float:
             delta[same_inf] = 0.0
         if delta.size:
             largest = max(largest, float(np.max(delta)))
+    return largest
+
+
+_INTEGERS = ("int", "uint", "bool")
+# float64 rounds a 64-bit integer by at most 2**11, and the difference of two by at most 2**12 more:
+# every element within this much of the largest rounded difference may be the largest exact one.
+_ROUNDING_MARGIN = float(1 << 14)
+
+
+def _max_abs_integer_difference(a_values: Array, b_values: Array) -> int:
+    """The largest |a - b| of two integer arrays, exactly (float64 would round 2**60 + 1 to 2**60).
+
+    Integers of up to 32 bits subtract exactly in int64. For 64-bit ones the float64 differences
+    find the few elements that can be the largest, and those are subtracted as Python integers.
+    """
+    import numpy as np
+
+    largest = 0
+    for start in range(0, a_values.size, _DIFF_ELEMENTS):
+        x = np.asarray(a_values[start : start + _DIFF_ELEMENTS])
+        y = np.asarray(b_values[start : start + _DIFF_ELEMENTS])
+        if x.size == 0:
+            continue
+        if x.dtype.itemsize < 8 and y.dtype.itemsize < 8:
+            largest = max(largest, int(np.max(np.abs(x.astype(np.int64) - y.astype(np.int64)))))
+            continue
+        rounded = np.abs(x.astype(np.float64) - y.astype(np.float64))
+        candidates = np.flatnonzero(rounded >= float(np.max(rounded)) - _ROUNDING_MARGIN)
+        exact = np.abs(x[candidates].astype(object) - y[candidates].astype(object))
+        largest = max(largest, int(np.max(exact)))
     return largest
 
 

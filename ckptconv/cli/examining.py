@@ -88,11 +88,14 @@ def diff(a: str, b: str, select_a: str | None, select_b: str | None, trust: bool
             echo(f"only in B: {key}")
         not_compared = "not compared as numbers (packed, opaque or quantized elements)"
         for item in result.differences:
+            # Between integer tensors the difference is an exact int, printed whole (``:g`` would round it).
+            exact = isinstance(item.max_abs_diff, int)
+            largest = str(item.max_abs_diff) if exact else f"{item.max_abs_diff:g}"
             if item.reason == "values":
-                amount = f"max abs difference {item.max_abs_diff:g}" if item.compared else not_compared
+                amount = f"max abs difference {largest}" if item.compared else not_compared
                 echo(f"values differ: {item.key}: {amount}")
             elif item.reason == "dtype":
-                amount = f"max abs difference {item.max_abs_diff:g} (compared in float64)"
+                amount = f"max abs difference {largest} ({'compared exactly' if exact else 'compared in float64'})"
                 echo(f"dtype differs: {item.key}: {item.a} vs {item.b}; {amount if item.compared else not_compared}")
             else:
                 echo(f"{item.reason} differs: {item.key}: {item.a} vs {item.b}")

@@ -162,8 +162,21 @@ _NOT_CHECKPOINTS: tuple[tuple[bytes, str], ...] = (
     (b"version https://git-lfs", "a Git LFS pointer, not the checkpoint itself; run `git lfs pull` to fetch it"),
 )
 
-# First opcodes of protocol 0/1 pickles (MARK, EMPTY_DICT, EMPTY_LIST, GLOBAL, NONE, ...).
-_OLD_PICKLE_STARTS = frozenset(b"(}]cNIJKLSVXFGUT)")
+# Opcodes a pickle without a PROTO header may start with (MARK, EMPTY_DICT, EMPTY_LIST, GLOBAL, NONE, ...):
+# CPython's unpickler reads any opcode of any protocol without the header, so a pickle that starts
+# ``\x8c\x08builtins...`` (protocol 4's SHORT_BINUNICODE) runs under torch.load as well as ``cos\n...``.
+_OLD_PICKLE_STARTS = frozenset(b"(}]cNIJKLSVXFGUT)BCM\x88\x89\x8a\x8b\x8c\x8d\x8e\x8f\x95\x96")
+
+
+def _is_whole_pickle(data: bytes) -> bool:
+    """True when ``data`` is one complete pickle, STOP included (parsed by ``pickletools``, never run)."""
+    import pickletools
+
+    try:
+        last = [opcode.name for opcode, _arg, _pos in pickletools.genops(data)][-1:]
+    except Exception:  # any parse failure means "not a pickle"
+        return False
+    return last == ["STOP"]
 
 
 def detect(path: str) -> str:
@@ -206,14 +219,16 @@ def detect(path: str) -> str:
         raise UnsupportedFormatError(f"{path!r} is an HTML/XML page, not a checkpoint (a failed download?)", path=path)
     if head[0] == 0x80 and size >= 3 and 2 <= head[1] <= 5:
         return "pickle"
-    if size < 16:
+    if size < 16 and not (head[0] in _OLD_PICKLE_STARTS and _is_whole_pickle(head)):
+        # A few bytes that are a whole protocol 0/1 pickle (``cos\nsystem\n.``) are read as one: a
+        # placeholder is never so short a program.
         raise UnsupportedFormatError(
             f"{path!r} is only {size} byte{'s' if size != 1 else ''} long: a placeholder, not a "
             "checkpoint (an unfinished download, or a Git LFS file that was not pulled?)",
             path=path,
         )
     if head[0] in _OLD_PICKLE_STARTS:
-        return "pickle"  # protocol 0/1; the reader says so if it is not a pickle after all
+        return "pickle"  # no PROTO header; the reader says so if it is not a pickle after all
     if head[8:9] == b"{" and b"\x00" in head[:8]:
         # A safetensors file whose header length is wrong (cut short, or 2**63):
         # its reader says which, instead of "not a format ckptconv knows".

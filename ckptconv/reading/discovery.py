@@ -264,6 +264,7 @@ def discover(
     globs: Iterable[str] = (),
     exclude: Iterable[PathLike] = (),
     notes: list[str] | None = None,
+    unlisted: list[tuple[str, str]] | None = None,
 ) -> list[Item]:
     """Every checkpoint under ``source_dir``, sorted by relative path.
 
@@ -275,12 +276,17 @@ def discover(
             whatever their spelling (links are resolved).
         notes: when given, a sentence is appended for every file skipped because
             it must not be read (a link leading outside, a FIFO): see the module docstring.
+        unlisted: when given, ``(folder, why)`` is appended for every folder that could not be
+            listed (no permission, a path deeper than PATH_MAX), and the walk goes on; when
+            None, such a folder is an error. Either way it is never passed over in silence:
+            what it holds would go unconverted and unscanned.
 
     Returns:
         One :class:`Item` per checkpoint.
 
     Raises:
-        LoadError: ``source_dir`` is missing or not a folder.
+        LoadError: ``source_dir`` is missing or not a folder, or (without ``unlisted``) a folder
+            under it cannot be listed.
 
     Example:
         >>> [item.name for item in discover("zoo")]  # doctest: +SKIP
@@ -300,7 +306,19 @@ def discover(
     items: list[Item] = []
     claimed: set[str] = set()  # files an index in a folder above claimed as its shards
     skipped = notes if notes is not None else []
-    for folder, subfolders, found_names in os.walk(root):
+
+    def cannot_list(error: OSError) -> None:
+        folder = str(error.filename or root)
+        why = error.strerror or str(error)
+        if unlisted is None:
+            raise LoadError(
+                f"{_relative(root, folder) or shown!r} in {shown!r} cannot be listed ({why}); what it holds "
+                "would be missed, so stopping (move it higher up, or fix its permissions)",
+                path=folder,
+            )
+        unlisted.append((folder, why))
+
+    for folder, subfolders, found_names in os.walk(root, onerror=cannot_list):
         subfolders[:] = sorted(
             name for name in subfolders if not name.startswith(".") and os.path.join(folder, name) not in excluded
         )

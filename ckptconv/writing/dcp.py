@@ -7,8 +7,10 @@ import pickle
 from collections.abc import Sequence
 from typing import Any, Callable
 
+from ckptconv.errors import CastOverflowError
 from ckptconv.reading.formats.dcp import DATA_FILE, METADATA_FILE
 from ckptconv.values.tensor import TensorRef
+from ckptconv.writing.copying import overflow_named
 
 
 def write(
@@ -44,7 +46,10 @@ def write(
     total = 0
     with open_output(DATA_FILE) as data_file:
         for key, ref in entries:
-            tensor = to_torch({key: ref})[key]
+            try:
+                tensor = to_torch({key: ref})[key]
+            except CastOverflowError as error:  # named as every other format's writer names it
+                raise overflow_named(error, key) from None
             start = data_file.tell()
             try:
                 with signals_deferred():  # torch.save calls back into Python to write: see _signals

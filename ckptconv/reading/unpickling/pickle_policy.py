@@ -34,9 +34,9 @@ from __future__ import annotations
 import _compat_pickle  # CPython's own table of Python 2 names, used by every unpickler for protocols 0-2
 
 from ckptconv.reading.unpickling.rebuild import known_global
+from ckptconv.reading.unpickling.unsafe_globals import DANGEROUS_METHODS, FAMILIES
 
 __all__ = [
-    "FAMILIES",
     "GETATTR",
     "TORCH_OWN_TYPES",
     "attribute_lookup_refusal",
@@ -50,378 +50,7 @@ __all__ = [
 # that is not here", so they are never listed as such.
 TORCH_OWN_TYPES = frozenset({"torch.Tensor"})
 
-# The unsafe families: for each, the modules whose every member belongs to it
-# (matched on the module and its submodules) and the single names that do.
-# A name is looked up whole and by every dotted prefix, so
-# ``torch.utils._config_module.ConfigModule.load_config`` matches
-# ``torch.utils._config_module``.
-FAMILIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "runs code": (
-        frozenset(
-            [
-                "code",
-                "codeop",
-                "runpy",
-                "timeit",
-                "cProfile",
-                "profile",
-                "trace",
-                "doctest",
-                "pdb",
-                "bdb",
-                "idlelib",
-                "lib2to3",
-                "IPython",
-                "jinja2",
-                "cgitb",
-                "ast",
-                "tkinter",
-                "turtle",
-                "_pyrepl",
-                "test.support",
-                "site",
-                "sysconfig",
-                "numpy.testing",
-                "numpy.f2py",
-                "numpy.distutils",
-                "_interpreters",
-                "interpreters",
-                "_xxsubinterpreters",
-                "_interpqueues",
-                "_interpchannels",
-                "concurrent.interpreters",
-                "torch.jit",
-                "torch._dynamo",
-                "torch._inductor",
-                "torch.compiler",
-                "torch.fx",
-                "torch._export",
-                "torch.export",
-                "torch.utils.bottleneck",
-            ]
-        ),
-        frozenset(
-            [
-                "builtins.eval",
-                "builtins.exec",
-                "builtins.execfile",
-                "builtins.compile",
-                "builtins.breakpoint",
-                "builtins.help",
-                "builtins.input",
-                "builtins.raw_input",
-                "builtins.apply",
-                "types.FunctionType",
-                "types.LambdaType",
-                "types.CodeType",
-                "types.MethodType",
-                "functools.reduce",
-                "torch.compile",
-                "numpy.lib.utils.safe_eval",
-                "numpy.lib._utils_impl.safe_eval",
-                "pandas.eval",
-                "_functools.reduce",
-                "pandas.core.computation.eval.eval",
-            ]
-        ),
-    ),
-    "runs processes": (
-        frozenset(
-            [
-                "os",
-                "posix",
-                "nt",
-                "posixpath",
-                "ntpath",
-                "subprocess",
-                "_posixsubprocess",
-                "_winapi",
-                "pty",
-                "tty",
-                "multiprocessing",
-                "_multiprocessing",
-                "concurrent",
-                "asyncio",
-                "signal",
-                "_signal",
-                "resource",
-                "commands",
-                "popen2",
-                "pip",
-                "ensurepip",
-                "venv",
-                "webbrowser",
-                "mailcap",
-                "_osx_support",
-                "_aix_support",
-                "distutils",
-                "setuptools",
-                "threading",
-                "_thread",
-                "torch.utils.collect_env",
-                "torch.distributed.rpc",
-                "torch.multiprocessing",
-            ]
-        ),
-        frozenset(["uuid._get_command_stdout", "platform._syscmd_file", "platform._syscmd_ver", "platform.popen"]),
-    ),
-    "loads native code": (
-        frozenset(
-            ["ctypes", "_ctypes", "cffi", "numpy.ctypeslib", "torch.ops", "torch._ops", "torch.utils.cpp_extension"]
-        ),
-        frozenset(["torch.classes", "torch._C._jit_pass_inline", "torch._C.import_ir_module"]),
-    ),
-    "touches files": (
-        frozenset(
-            [
-                "shutil",
-                "tempfile",
-                "glob",
-                "fileinput",
-                "mmap",
-                "linecache",
-                "logging.config",
-                "logging.handlers",
-                "shelve",
-                "dbm",
-                "sqlite3",
-                "_sqlite3",
-                "zipfile",
-                "tarfile",
-                "fsspec",
-                "_pyio",
-                "pandas.io.parsers",
-                "pandas.io.json",
-                "pandas.io.html",
-                "pandas.io.xml",
-                "pandas.io.excel",
-                "pandas.io.parquet",
-                "pandas.io.feather_format",
-                "pandas.io.orc",
-                "pandas.io.pytables",
-                "pandas.io.sql",
-                "pandas.io.sas",
-                "pandas.io.spss",
-                "pandas.io.stata",
-                "pandas.io.clipboards",
-                "pandas.io.common",
-                "xml.sax",
-                "xml.dom",
-                "smart_open",
-            ]
-        ),
-        frozenset(
-            [
-                "builtins.open",
-                "builtins.file",
-                "io.open",
-                "io.open_code",
-                "io.FileIO",
-                "_io.open",
-                "_io.open_code",
-                "_io.FileIO",
-                "codecs.open",
-                "xml.etree.ElementTree.parse",
-                "xml.etree.ElementTree.iterparse",
-                "pandas.read_csv",
-                "pandas.read_table",
-                "pandas.read_json",
-                "pandas.read_html",
-                "pandas.read_xml",
-                "pandas.read_excel",
-                "pandas.read_parquet",
-                "pandas.read_feather",
-                "pandas.read_orc",
-                "pandas.read_hdf",
-                "pandas.read_sql",
-                "pandas.read_fwf",
-                "pandas.read_sas",
-                "pandas.read_spss",
-                "pandas.read_stata",
-                "pandas.read_clipboard",
-                "gzip.open",
-                "gzip.GzipFile",
-                "bz2.open",
-                "bz2.BZ2File",
-                "lzma.open",
-                "lzma.LZMAFile",
-                "logging.FileHandler",
-                "logging.basicConfig",
-                "torch.save",
-                "torch.from_file",
-                "torch.UntypedStorage.from_file",
-                "numpy.save",
-                "numpy.savez",
-                "numpy.fromfile",
-                "numpy.memmap",
-                "numpy.loadtxt",
-                "numpy.genfromtxt",
-                "numpy.savetxt",
-            ]
-        ),
-    ),
-    "reaches the network": (
-        frozenset(
-            [
-                "socket",
-                "_socket",
-                "ssl",
-                "_ssl",
-                "select",
-                "selectors",
-                "http",
-                "urllib",
-                "urllib2",
-                "urllib3",
-                "requests",
-                "httpx",
-                "aiohttp",
-                "ftplib",
-                "smtplib",
-                "telnetlib",
-                "poplib",
-                "imaplib",
-                "nntplib",
-                "xmlrpc",
-                "socketserver",
-                "asyncore",
-                "asynchat",
-                "paramiko",
-                "websocket",
-                "websockets",
-                "grpc",
-                "boto3",
-                "botocore",
-                "huggingface_hub",
-                "torch.utils.model_zoo",
-                "torchvision.datasets.utils",
-                "torch.hub",
-            ]
-        ),
-        frozenset(),
-    ),
-    "imports code": (
-        frozenset(
-            [
-                "importlib",
-                "imp",
-                "_imp",
-                "_frozen_importlib",
-                "_frozen_importlib_external",
-                "pkgutil",
-                "zipimport",
-                "pydoc",
-                "torch.package",
-            ]
-        ),
-        frozenset(["builtins.__import__", "builtins.reload", "types.ModuleType"]),
-    ),
-    "reaches into the interpreter": (
-        frozenset(["sys", "gc", "inspect", "_testcapi", "_testinternalcapi"]),
-        frozenset(
-            [
-                "builtins.getattr",
-                "builtins.setattr",
-                "builtins.delattr",
-                "builtins.globals",
-                "builtins.locals",
-                "builtins.vars",
-                "builtins.exit",
-                "builtins.quit",
-                "operator.attrgetter",
-                "_operator.attrgetter",
-                "_operator.methodcaller",
-                "operator.methodcaller",
-                "copyreg.add_extension",
-                "copyreg.remove_extension",
-                "copyreg.pickle",
-                "copyreg.dispatch_table",
-            ]
-        ),
-    ),
-    "loads further pickles": (
-        frozenset(
-            [
-                "pickle",
-                "_pickle",
-                "cPickle",
-                "pickletools",
-                "dill",
-                "cloudpickle",
-                "joblib",
-                "marshal",
-                "yaml",
-                "jsonpickle",
-                "torch.utils._config_module",
-                "torch.utils.data.datapipes",
-                "_compat_pickle",
-            ]
-        ),
-        frozenset(
-            [
-                "torch.load",
-                "torch.serialization.load",
-                "torch.serialization._load",
-                "torch.serialization._legacy_load",
-                "torch.storage._load_from_bytes",
-                "numpy.load",
-                "numpy.lib.npyio.load",
-                "numpy.lib._npyio_impl.load",
-                "numpy.lib.format.read_array",
-                "numpy.lib._format_impl.read_array",
-                "pandas.read_pickle",
-                "pandas.io.pickle.read_pickle",
-                "numpy.testing._private.utils.runstring",
-            ]
-        ),
-    ),
-    "tampers with scanners": (
-        frozenset(["fickling", "picklescan", "modelscan", "modelaudit", "ckptconv"]),
-        frozenset(),
-    ),
-}
 
-# Method names that, reached through a qualified global such as
-# ``trace.Trace.runctx`` or ``pathlib.Path.write_text``, do something no
-# checkpoint needs, whatever the class.
-_DANGEROUS_METHODS = {
-    "runs code": frozenset(
-        [
-            "eval",
-            "exec",
-            "compile",
-            "run",
-            "runctx",
-            "runcall",
-            "runcode",
-            "runsource",
-            "runcommand",
-            "run_path",
-            "run_module",
-            "execWrapper",
-            "evaluate_guards_expression",
-        ]
-    ),
-    "runs processes": frozenset(
-        [
-            "system",
-            "popen",
-            "spawn",
-            "spawnv",
-            "spawnl",
-            "spawnv_passfds",
-            "check_output",
-            "check_call",
-            "getoutput",
-            "startfile",
-            "fork",
-            "kill",
-        ]
-    ),
-    "touches files": frozenset(["unlink", "remove", "rmtree", "rmdir", "write_text", "write_bytes", "extractall"]),
-    "imports code": frozenset(["import_module"]),
-    "loads further pickles": frozenset(["load", "loads", "load_config"]),
-}
 # Modules inside an unsafe family whose members only build data: TorchScript archives
 # name torch.jit._pickle.build_intlist and friends, which return the list they are given.
 _DATA_ONLY_MODULES = frozenset(["torch.jit._pickle"])
@@ -435,7 +64,7 @@ _DATA_ONLY_CLASSES = frozenset(["signal.Signals", "signal.Handlers", "signal.Sig
 # under Python 3.10 or older names it. The signal module's upper-case names are all such constants
 # (``SIGTERM``, ``SIG_DFL``, ``NSIG``, ``ITIMER_REAL``); its functions are lower case and stay unsafe.
 _DATA_ONLY_CONSTANTS = frozenset(["signal", "_signal"])
-_METHOD_FAMILY = {method: family for family, methods in _DANGEROUS_METHODS.items() for method in methods}
+_METHOD_FAMILY = {method: family for family, methods in DANGEROUS_METHODS.items() for method in methods}
 _NAME_FAMILY = {name: family for family, (_modules, names) in FAMILIES.items() for name in names}
 _MODULE_FAMILY: dict[str, str] = {}
 for _family, (_modules, _names) in FAMILIES.items():
@@ -506,6 +135,16 @@ def _family_of(module: str, name: str) -> str | None:
     for i in range(1, len(parts) + 1):
         prefix = ".".join(parts[:i])
         family = _MODULE_FAMILY.get(prefix) or _NAME_FAMILY.get(prefix)
+        if family is not None:
+            return family
+    if known_global(module, name) is not None:
+        return None
+    # The name is an attribute chain from the module (CPython resolves ``a.b.c`` by getattr), so every
+    # module the chain passes through counts: ``__future__._ssl.RAND_bytes`` reaches ``_ssl``, and
+    # ``anything.os`` is the os module itself (which BUILD would monkeypatch).
+    for j in range(len(name_parts)):
+        tail_module, tail_name = name_parts[j], ".".join(name_parts[j + 1 :])
+        family = _family_of(tail_module, tail_name) if tail_name else _MODULE_FAMILY.get(tail_module)
         if family is not None:
             return family
     return None

@@ -81,6 +81,13 @@ _EXTRA_BYTES = 64 << 20
 # Check the opcode count every this many opcodes (a local counter, cheap).
 _OPCODE_BATCH = 1 << 16
 
+# Expansion patterns (fickling's resource-exhaustion cases): CPython's pickler writes a container into
+# itself once per cycle the object holds, never writes DUP, and leaves nothing on the stack at STOP. More
+# than this many cycle-closing references, DUPs of containers or containers left behind is a pickle built
+# to make a walker (or a naive loader) expand the same object again and again: unsafe, family EXPANSION.
+_EXPANSION_LIMIT = 16
+EXPANSION = "exhausts memory"
+_PLAIN = frozenset({list, tuple, dict, set, frozenset, OrderedDict, Counter})
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 # Objects whose reuse through the memo or DUP can multiply what a walker sees.
 _SHAREABLE = frozenset({list, tuple, dict, set, frozenset, OrderedDict, Counter, ForeignObject})
@@ -106,6 +113,8 @@ class UnsafeFinding:
 
     def describe(self) -> str:
         """``names posix.system (runs processes) at pickle byte 24``."""
+        if self.family == EXPANSION:
+            return f"{self.name} ({self.family}) from pickle byte {self.offset}"  # not a name: a pattern
         return f"names {self.name} ({self.family}) at pickle byte {self.offset}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -204,21 +213,27 @@ class Unpickler:
             path=self.source or None,
         )
 
-    def _check_expansion(self, root: Any) -> None:
-        """Refuse a result whose shared references expand past the object budget.
+    def _check_expansion(self, root: Any) -> int:
+        """Refuse a result whose shared references expand past the object budget; count its cycles.
 
         The memo and DUP let a pickle reuse an object: ``[x, x]`` twice nested
         forty times is ~90 bytes that any loader which copies, prints or walks
         the result as a tree (``copy.deepcopy``, ``json``, a naive converter)
         expands to 2**40 objects. Counted once per object, with each object's
         expanded size computed once, so the check costs one pass over the DAG.
+
+        Returns the references that close a cycle (a list appended to itself):
+        :meth:`_check_expansion_pattern` judges them.
         """
         budget = self.max_items
         sizes: dict[int, int] = {}
-        pending: list[tuple[Any, bool]] = [(root, False)]
+        on_path: set[int] = set()  # the node being walked and its ancestors
+        cycles = 0
+        pending: list[tuple[Any, bool, Any]] = [(root, False, None)]
         while pending:
-            node, children_done = pending.pop()
+            node, children_done, parent = pending.pop()
             if children_done:
+                on_path.discard(id(node))
                 total = 1 + sum(sizes.get(id(child), 1) for child in _parts(node))
                 if total > budget:
                     raise MalformedCheckpointError(
@@ -230,10 +245,34 @@ class Unpickler:
                 sizes[id(node)] = total
                 continue
             if id(node) in sizes:
+                # A reference back to an ancestor closes a cycle. Counted where it puts a plain container
+                # into itself, or a stand-in object into its own items (a model's parent pointer is neither).
+                if id(node) in on_path and (
+                    type(node) in _PLAIN or any(part is parent for part in _parts(node)) or parent is node
+                ):
+                    cycles += 1
                 continue
             sizes[id(node)] = 1  # provisional: a cycle back to this node counts once
-            pending.append((node, True))
-            pending.extend((child, False) for child in _parts(node) if type(child) in _SHAREABLE)
+            on_path.add(id(node))
+            pending.append((node, True, parent))
+            pending.extend((child, False, node) for child in _parts(node) if type(child) in _SHAREABLE)
+        return cycles
+
+    def _check_expansion_pattern(self, cycles: int, dups: int, left: int, offset: int) -> None:
+        """Name a pickle built to expand one container again and again (see ``_EXPANSION_LIMIT``)."""
+        for count, what in (
+            (cycles, "puts containers into themselves"),
+            (dups, "duplicates containers with DUP"),
+            (left, "leaves shared containers on the stack at STOP"),
+        ):
+            if count > _EXPANSION_LIMIT:
+                self._unsafe(
+                    f"memo/DUP expansion: {what} {count:,} times",
+                    EXPANSION,
+                    offset,
+                    f"{what} {count:,} times through the memo/DUP, an expansion pattern ({EXPANSION}) starting",
+                )
+                return
 
     def check_end(self) -> None:
         """Refuse bytes after the pickle's STOP opcode (call after :meth:`load`).
@@ -401,6 +440,8 @@ class Unpickler:
         frame_end = _NO_FRAME
         op_start = self.pos
         shared = False  # a container was pushed again by a memo read or DUP
+        dups = 0  # DUPs of containers (CPython's pickler writes none)
+        shared_at = -1  # the first opcode that pushed a container again
         while True:
             if self.pos >= frame_end:
                 if self.pos > frame_end:
@@ -434,6 +475,7 @@ class Unpickler:
                 value = self._memo_get(memo, data[self.pos])
                 if type(value) in _SHAREABLE:
                     shared = True
+                    shared_at = op_start if shared_at < 0 else shared_at
                 elif value is self._getattr:
                     self._getattr_pushed += 1
                 stack.append(value)
@@ -476,7 +518,9 @@ class Unpickler:
                 stack.append(self._persistent(pop()))
             elif op == 0x6A:  # LONG_BINGET
                 value = self._memo_get(memo, unpack_from("<I", read(4))[0])
-                shared = shared or type(value) in _SHAREABLE
+                if type(value) in _SHAREABLE:
+                    shared = True
+                    shared_at = op_start if shared_at < 0 else shared_at
                 self._getattr_pushed += value is self._getattr
                 stack.append(value)
             elif op == 0x85:  # TUPLE1
@@ -541,7 +585,9 @@ class Unpickler:
                         "uses builtins.getattr other than to name a class's attribute",
                     )
                 if shared:
-                    self._check_expansion(stack[-1])
+                    cycles = self._check_expansion(stack[-1])
+                    left = sum(type(value) in _SHAREABLE for frame in (*metastack, stack[:-1]) for value in frame)
+                    self._check_expansion_pattern(cycles, dups, left, shared_at)
                 return stack[-1]
             elif op == 0x88:  # NEWTRUE
                 stack.append(True)
@@ -645,7 +691,10 @@ class Unpickler:
                 pop_mark()
             elif op == 0x32:  # DUP
                 value = top()
-                shared = shared or type(value) in _SHAREABLE
+                if type(value) in _SHAREABLE:
+                    shared = True
+                    shared_at = op_start if shared_at < 0 else shared_at
+                    dups += 1
                 self._getattr_pushed += value is self._getattr
                 stack.append(value)
             elif op == 0x94:  # MEMOIZE
@@ -654,7 +703,9 @@ class Unpickler:
                 memo[self._parse_int(self._readline())] = top()
             elif op == 0x67:  # GET (text)
                 value = self._memo_get(memo, self._parse_int(self._readline()))
-                shared = shared or type(value) in _SHAREABLE
+                if type(value) in _SHAREABLE:
+                    shared = True
+                    shared_at = op_start if shared_at < 0 else shared_at
                 self._getattr_pushed += value is self._getattr
                 stack.append(value)
 
