@@ -1,0 +1,138 @@
+"""Exact dequantization of quantized checkpoints (ckptconv.dequant), bit for bit against the
+reference libraries' own dequantization: transformers' fine-grained fp8 and mxfp4
+integrations, compressed-tensors' compressors. Checkpoints are made by those libraries, saved
+with safetensors, and read back through ckptconv.open."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import ckptconv
+from ckptconv.dequant import Scheme, UnsupportedQuantizationError, dequantize, detect  # noqa: F401 - used below
+from ckptconv.dtypes import dtype_by_name
+from ckptconv.tensor import TensorRef
+
+TARGETS = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _saved(
+    tmp_path: Path, tensors: Mapping[str, torch.Tensor], name: str = "model.safetensors"
+) -> dict[str, TensorRef]:
+    path = tmp_path / name
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    return dict(ckptconv.open(path).tensors())
+
+
+def _dequantized(
+    tensors: Mapping[str, TensorRef], config: Mapping[str, Any], target: torch.dtype
+) -> dict[str, torch.Tensor]:
+    scheme = detect(config, None, tensors)
+    assert isinstance(scheme, Scheme)
+    target_dtype = dtype_by_name(_name(target))
+    assert target_dtype is not None
+    return {key: ref.torch() for key, ref in dequantize(tensors, scheme, target_dtype).items()}
+
+
+def _same(ours: torch.Tensor, reference: torch.Tensor) -> None:
+    """Bit for bit, on the raw bytes (NaNs included)."""
+    assert ours.dtype == reference.dtype and ours.shape == reference.shape
+    assert torch.equal(ours.contiguous().view(torch.uint8), reference.contiguous().view(torch.uint8))
+
+
+# -- fp8 block-scaled (transformers finegrained_fp8) ----------------------------------------------
+
+
+def _fp8_quantize(weight: torch.Tensor, block: list[int]) -> dict[str, torch.Tensor]:
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    quantizer = SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=block))
+    return Fp8Quantize(quantizer).convert({"weight": weight})
+
+
+def _fp8_ragged(weight: torch.Tensor, block: list[int]) -> dict[str, torch.Tensor]:
+    """fp8 weights and scales for a shape of partial blocks, made by hand (Fp8Quantize skips those)."""
+    rows, cols = weight.shape[-2:]
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    scale = torch.rand(*weight.shape[:-2], *grid, dtype=torch.float32) * 0.01 + 1e-3
+    return {
+        "weight": (torch.randn_like(weight) * 100).clamp(-448, 448).to(torch.float8_e4m3fn),
+        "weight_scale_inv": scale,
+    }
+
+
+FP8_CONFIG = {
+    "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_fp8_block_whole_blocks_match_transformers(tmp_path: Path, target: torch.dtype) -> None:
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    torch.manual_seed(0)
+    q = _fp8_quantize(torch.randn(256, 384) * 3, [128, 128])
+    experts = _fp8_quantize(torch.randn(2, 128, 256), [128, 128])
+    state = {
+        "layer.q_proj.weight": q["weight"],
+        "layer.q_proj.weight_scale_inv": q["weight_scale_inv"],
+        "layer.experts.gate_up_proj": experts["weight"],
+        "layer.experts.gate_up_proj_scale_inv": experts["weight_scale_inv"],
+        "layer.norm.weight": torch.randn(384),
+        "embed.weight": torch.randn(10, 384, dtype=torch.bfloat16),
+    }
+    ours = _dequantized(_saved(tmp_path, state), FP8_CONFIG, target)
+    assert sorted(ours) == ["embed.weight", "layer.experts.gate_up_proj", "layer.norm.weight", "layer.q_proj.weight"]
+    reference = Fp8Dequantize(None)
+    for name in ("layer.q_proj.weight", "layer.experts.gate_up_proj"):
+        expected = reference._dequantize_one(state[name], state[name + "_scale_inv"], output_dtype=target)
+        _same(ours[name], expected)
+    _same(ours["layer.norm.weight"], state["layer.norm.weight"])  # untouched: the caller's --dtype cast applies
+    _same(ours["embed.weight"], state["embed.weight"])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("shape", [(200, 300), (129, 1), (1, 130), (3, 200, 300)])
+def test_fp8_block_ragged_edges_match_transformers(tmp_path: Path, target: torch.dtype, shape: tuple[int, ...]) -> None:
+    """The last, partial blocks take their own scale. transformers' _dequantize_fp8_weight places ragged
+    blocks; in float32 it has Fp8Dequantize's order (float32 product), then .to(target) rounds once."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    torch.manual_seed(1)
+    q = _fp8_ragged(torch.empty(shape), [128, 128])
+    state = {"m.weight": q["weight"], "m.weight_scale_inv": q["weight_scale_inv"]}
+    ours = _dequantized(_saved(tmp_path, state), FP8_CONFIG, target)
+    expected = _dequantize_fp8_weight(q["weight"], q["weight_scale_inv"], [128, 128], torch.float32).to(target)
+    _same(ours["m.weight"], expected)
+    assert list(ours) == ["m.weight"]
+
+
+def test_fp8_block_keeps_modules_to_not_convert_and_e8m0_scales(tmp_path: Path) -> None:
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    torch.manual_seed(2)
+    q = _fp8_quantize(torch.randn(128, 256), [128, 128])
+    e8m0 = torch.randint(100, 140, (1, 2), dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    state = {
+        "a.weight": q["weight"],
+        "a.weight_scale_inv": e8m0,
+        "lm_head.weight": q["weight"].clone(),
+        "lm_head.weight_scale_inv": q["weight_scale_inv"],
+        "a.input_scale": torch.ones(()),
+    }
+    config = {"quantization_config": {**FP8_CONFIG["quantization_config"], "modules_to_not_convert": ["lm_head"]}}
+    ours = _dequantized(_saved(tmp_path, state), config, torch.bfloat16)
+    assert sorted(ours) == ["a.weight", "lm_head.weight", "lm_head.weight_scale_inv"]
+    _same(ours["a.weight"], Fp8Dequantize(None)._dequantize_one(q["weight"], e8m0, output_dtype=torch.bfloat16))
+    _same(ours["lm_head.weight"], q["weight"])
