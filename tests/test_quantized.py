@@ -136,3 +136,40 @@ def test_fp8_block_keeps_modules_to_not_convert_and_e8m0_scales(tmp_path: Path) 
     assert sorted(ours) == ["a.weight", "lm_head.weight", "lm_head.weight_scale_inv"]
     _same(ours["a.weight"], Fp8Dequantize(None)._dequantize_one(q["weight"], e8m0, output_dtype=torch.bfloat16))
     _same(ours["lm_head.weight"], q["weight"])
+
+
+# -- MXFP4 (transformers mxfp4, gpt-oss experts) --------------------------------------------------
+
+MXFP4_CONFIG = {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.0.attn"]}}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_mxfp4_matches_transformers(tmp_path: Path, target: torch.dtype) -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    torch.manual_seed(3)
+    experts = "model.layers.0.mlp.experts."
+    blocks = torch.randint(0, 256, (2, 24, 3, 16), dtype=torch.uint8)
+    scales = torch.randint(118, 136, (2, 24, 3), dtype=torch.uint8)
+    # every scale byte once (0 and 255 included: 2**-127 and inf, which makes 0 * inf a NaN)
+    all_blocks = torch.randint(0, 256, (1, 256, 1, 16), dtype=torch.uint8)
+    all_blocks[0, :, 0, 0] = 0
+    all_scales = torch.arange(256, dtype=torch.uint8).reshape(1, 256, 1)
+    state = {
+        experts + "gate_up_proj_blocks": blocks,
+        experts + "gate_up_proj_scales": scales,
+        experts + "gate_up_proj_bias": torch.randn(2, 24),
+        experts + "down_proj_blocks": all_blocks,
+        experts + "down_proj_scales": all_scales,
+        "model.layers.0.attn.q_proj.weight": torch.randn(4, 4, dtype=torch.bfloat16),
+    }
+    ours = _dequantized(_saved(tmp_path, state), MXFP4_CONFIG, target)
+    assert sorted(ours) == [
+        "model.layers.0.attn.q_proj.weight",
+        experts + "down_proj",
+        experts + "gate_up_proj",
+        experts + "gate_up_proj_bias",
+    ]
+    _same(ours[experts + "gate_up_proj"], convert_moe_packed_tensors(blocks, scales, dtype=target))
+    _same(ours[experts + "down_proj"], convert_moe_packed_tensors(all_blocks, all_scales, dtype=target))
+    _same(ours[experts + "gate_up_proj_bias"], state[experts + "gate_up_proj_bias"])
