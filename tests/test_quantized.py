@@ -5,6 +5,7 @@ with safetensors, and read back through ckptconv.open."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,7 +48,9 @@ def _dequantized(
 def _same(ours: torch.Tensor, reference: torch.Tensor) -> None:
     """Bit for bit, on the raw bytes (NaNs included)."""
     assert ours.dtype == reference.dtype and ours.shape == reference.shape
-    assert torch.equal(ours.contiguous().view(torch.uint8), reference.contiguous().view(torch.uint8))
+    assert torch.equal(
+        ours.contiguous().reshape(-1).view(torch.uint8), reference.contiguous().reshape(-1).view(torch.uint8)
+    )
 
 
 # -- fp8 block-scaled (transformers finegrained_fp8) ----------------------------------------------
@@ -173,3 +176,117 @@ def test_mxfp4_matches_transformers(tmp_path: Path, target: torch.dtype) -> None
     _same(ours[experts + "gate_up_proj"], convert_moe_packed_tensors(blocks, scales, dtype=target))
     _same(ours[experts + "down_proj"], convert_moe_packed_tensors(all_blocks, all_scales, dtype=target))
     _same(ours[experts + "gate_up_proj_bias"], state[experts + "gate_up_proj_bias"])
+
+
+# -- compressed-tensors (its compressors compress; their decompress is the reference) --------------
+
+
+def _observed(weight: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-strategy min and max, shaped as compressed-tensors' observers give them."""
+    strategy = args.strategy.value if hasattr(args.strategy, "value") else str(args.strategy)
+    w = weight.float()
+    if strategy == "tensor":
+        return w.amin().reshape(1), w.amax().reshape(1)
+    if strategy == "channel":
+        return w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    if strategy in ("group", "tensor_group"):
+        g = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
+        return g.amin(-1), g.amax(-1)
+    bh, bw = args.block_structure
+    rows, cols = w.shape
+    padded = torch.nn.functional.pad(w, (0, -cols % bw, 0, -rows % bh))
+    blocks = padded.unflatten(0, (-1, bh)).unflatten(-1, (-1, bw))
+    return blocks.amin((1, 3)), blocks.amax((1, 3))
+
+
+def _ct_module(fmt: str, weights: dict[str, Any], weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], Any, Any]:
+    """(the compressed module tensors, the scheme, the compressor), made by compressed-tensors."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    args = QuantizationArgs(**weights)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format=fmt)
+    low, high = _observed(weight, args)
+    state = {"weight": weight}
+    global_scale = None
+    if fmt == "nvfp4-pack-quantized":
+        global_scale = generate_gparam(weight.float().amin().reshape(1), weight.float().amax().reshape(1))
+        state["weight_global_scale"] = global_scale
+    scale, zero_point = calculate_qparams(low, high, args, global_scale=global_scale)
+    state["weight_scale"] = scale.to(weight.dtype) if fmt != "nvfp4-pack-quantized" else scale
+    state["weight_zero_point"] = zero_point
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    return dict(compressor.compress(state, scheme)), scheme, compressor
+
+
+def _ct_config(fmt: str, weights: dict[str, Any], ignore: list[str]) -> dict[str, Any]:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights), format=fmt)
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme}, format=fmt, quant_method="compressed-tensors", ignore=ignore
+    )
+    return {"quantization_config": json.loads(json.dumps(config.model_dump(mode="json")))}
+
+
+CT_CASES = [
+    ("float-quantized", {"num_bits": 8, "type": "float", "strategy": "tensor"}, (96, 200)),
+    ("float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"}, (96, 200)),
+    ("float-quantized", {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 40}, (96, 200)),
+    (
+        "float-quantized",
+        {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]},
+        (200, 300),
+    ),
+    ("int-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"}, (96, 200)),
+    (
+        "int-quantized",
+        {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 50, "symmetric": False},
+        (96, 200),
+    ),
+    ("int-quantized", {"num_bits": 8, "type": "int", "strategy": "tensor", "symmetric": False}, (96, 200)),
+    ("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}, (100, 128)),
+    (
+        "pack-quantized",
+        {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False},
+        (100, 96),
+    ),
+    ("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "channel", "symmetric": False}, (37, 100)),
+    ("pack-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"}, (37, 100)),
+    (
+        "pack-quantized",
+        {"num_bits": 3, "type": "int", "strategy": "group", "group_size": 20, "symmetric": False},
+        (33, 60),
+    ),
+    ("nvfp4-pack-quantized", {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}, (48, 96)),
+]
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize(("fmt", "weights", "shape"), CT_CASES, ids=lambda v: str(v) if isinstance(v, str) else None)
+def test_compressed_tensors_match_the_compressors(
+    tmp_path: Path, fmt: str, weights: dict[str, Any], shape: tuple[int, int], scale_dtype: torch.dtype
+) -> None:
+    torch.manual_seed(4)
+    layer = _ct_module(fmt, weights, torch.randn(shape, dtype=scale_dtype) * 0.2)
+    head = _ct_module(fmt, weights, torch.randn(shape, dtype=scale_dtype))
+    state = {f"model.layers.0.mlp.up_proj.{k}": v for k, v in layer[0].items()}
+    state.update({f"lm_head.{k}": v for k, v in head[0].items()})  # ignored: left as it is
+    state["model.layers.0.mlp.up_proj.input_scale"] = torch.ones(1, dtype=scale_dtype)
+    state["model.layers.0.self_attn.k_scale"] = torch.ones((), dtype=scale_dtype)
+    state["model.norm.weight"] = torch.randn(shape[1], dtype=scale_dtype)
+    tensors = _saved(tmp_path, state)
+    config = _ct_config(fmt, weights, ["lm_head"])
+    _, scheme, compressor = layer
+    reference = compressor.decompress(dict(layer[0]), scheme)["weight"]
+    for target in TARGETS:
+        ours = _dequantized(tensors, config, target)
+        assert set(ours) == {
+            "model.layers.0.mlp.up_proj.weight",
+            "model.norm.weight",
+            *(f"lm_head.{k}" for k in head[0]),
+        }
+        _same(ours["model.layers.0.mlp.up_proj.weight"], reference.to(target))
+        for key in head[0]:
+            _same(ours[f"lm_head.{key}"], state[f"lm_head.{key}"])
