@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 import ckptconv
-from ckptconv.dequant import Scheme, UnsupportedQuantizationError, dequantize, detect  # noqa: F401 - used below
+from ckptconv.dequant import Scheme, UnsupportedQuantizationError, dequantize, detect
 from ckptconv.dtypes import dtype_by_name
 from ckptconv.tensor import TensorRef
 
@@ -290,3 +290,164 @@ def test_compressed_tensors_match_the_compressors(
         _same(ours["model.layers.0.mlp.up_proj.weight"], reference.to(target))
         for key in head[0]:
             _same(ours[f"lm_head.{key}"], state[f"lm_head.{key}"])
+
+
+# -- the writers stream a dequantized weight; the guard refuses what it cannot undo ----------------
+
+
+def test_dequantized_state_dict_is_written_by_ckptconv_save(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    torch.manual_seed(5)
+    q = _fp8_ragged(torch.empty(200, 300), [128, 128])
+    state = {"m.weight": q["weight"], "m.weight_scale_inv": q["weight_scale_inv"], "m.bias": torch.randn(200)}
+    tensors = _saved(tmp_path, state)
+    scheme = detect(FP8_CONFIG, None, tensors)
+    assert scheme is not None
+    bf16 = dtype_by_name("bfloat16")
+    assert bf16 is not None
+    out = dequantize(tensors, scheme, bf16)
+    assert tensors["m.weight"].storage.source.paths() <= out["m.weight"].storage.source.paths()
+    ckptconv.save(out, tmp_path / "out.safetensors")
+    written = load_file(str(tmp_path / "out.safetensors"))  # an independent reader
+    assert set(written) == {"m.weight", "m.bias"}
+    expected = _dequantize_fp8_weight(q["weight"], q["weight_scale_inv"], [128, 128], torch.float32).to(torch.bfloat16)
+    _same(written["m.weight"], expected)
+    _same(written["m.bias"], state["m.bias"])
+
+
+def test_plain_float8_without_scales_is_not_quantized(tmp_path: Path) -> None:
+    tensors = _saved(tmp_path, {"w": torch.randn(4, 4).to(torch.float8_e4m3fn), "b": torch.randn(4)})
+    assert detect(None, {"format": "pt"}, tensors) is None
+    assert detect({"model_type": "llama"}, None, tensors) is None
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+            "the checkpoint is quantized with GPTQ (quant_method 'gptq'), which ckptconv cannot dequantize exactly; "
+            "load it with its quantization library and save it dequantized first",
+        ),
+        (
+            {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+            "the checkpoint is quantized with bitsandbytes (quant_method 'bitsandbytes'), which ckptconv cannot "
+            "dequantize exactly; load it with its quantization library and save it dequantized first",
+        ),
+        (
+            {"quantization_config": {"quant_method": "awq"}},
+            "the checkpoint is quantized with AWQ (quant_method 'awq'), which ckptconv cannot dequantize exactly; "
+            "load it with its quantization library and save it dequantized first",
+        ),
+        (
+            {"quantization_config": {"bits": 4}},
+            "the checkpoint declares a quantization_config without a quant_method; "
+            "ckptconv cannot tell how it was quantized",
+        ),
+    ],
+)
+def test_declared_schemes_without_an_exact_dequantization_are_refused(config: dict[str, Any], message: str) -> None:
+    with pytest.raises(UnsupportedQuantizationError) as caught:
+        detect(config, None, {})
+    assert str(caught.value) == message
+    assert "\n" not in str(caught.value)
+
+
+def test_safetensors_metadata_declares_a_scheme() -> None:
+    metadata = {"quantization_config": json.dumps({"quant_method": "awq"})}
+    with pytest.raises(UnsupportedQuantizationError, match=r"^the checkpoint is quantized with AWQ "):
+        detect(None, metadata, {})
+    scheme = detect(None, {"quantization_config": json.dumps(FP8_CONFIG["quantization_config"])}, {})
+    assert scheme is not None and scheme.method == "fp8"
+
+
+@pytest.mark.parametrize(
+    ("tensors", "key", "scheme"),
+    [
+        ({"l.qweight": torch.zeros(4, 4, dtype=torch.int32), "l.qzeros": torch.zeros(1, 4, dtype=torch.int32),
+          "l.scales": torch.ones(1, 4, dtype=torch.float16)}, "l.qweight", "GPTQ/AWQ"),
+        ({"l.weight": torch.zeros(4, 4).to(torch.float8_e4m3fn), "l.weight_scale": torch.ones(1)},
+         "l.weight_scale", "compressed-tensors"),
+        ({"l.weight": torch.zeros(4, 4).to(torch.float8_e4m3fn), "l.weight_scale_inv": torch.ones(1, 1)},
+         "l.weight_scale_inv", "fp8 block-scaled"),
+        ({"e.down_blocks": torch.zeros(1, 2, 1, 16, dtype=torch.uint8),
+          "e.down_scales": torch.zeros(1, 2, 1, dtype=torch.uint8)}, "e.down_blocks", "mxfp4"),
+        ({"l.weight": torch.zeros(8, 1, dtype=torch.uint8), "l.weight.absmax": torch.ones(1)},
+         "l.weight.absmax", "bitsandbytes"),
+    ],
+)  # fmt: skip
+def test_scale_pairs_without_a_declaration_are_refused(
+    tmp_path: Path, tensors: dict[str, torch.Tensor], key: str, scheme: str
+) -> None:
+    refs = _saved(tmp_path, tensors)
+    with pytest.raises(UnsupportedQuantizationError) as caught:
+        detect(None, None, refs)
+    assert str(caught.value) == (
+        f"tensor {key!r} belongs to a {scheme} quantized checkpoint, but no quantization_config declares the "
+        "scheme; pass the model's config.json to dequantize it, since a plain cast would drop its scales"
+    )
+    assert caught.value.scheme == scheme and caught.value.key == key
+
+
+def test_layouts_a_declared_scheme_does_not_define_are_refused(tmp_path: Path) -> None:
+    bf16 = dtype_by_name("bfloat16")
+    assert bf16 is not None
+    fp8 = torch.zeros(200, 300).to(torch.float8_e4m3fn)
+    refs = _saved(tmp_path, {"m.weight": fp8, "m.weight_scale_inv": torch.ones(1, 3)})
+    scheme = detect(FP8_CONFIG, None, refs)
+    assert scheme is not None
+    with pytest.raises(UnsupportedQuantizationError) as caught:
+        dequantize(refs, scheme, bf16)
+    assert str(caught.value) == (
+        "fp8 block-scaled tensor 'm.weight_scale_inv' has shape [1, 3]; [2, 3] scales a [200, 300] weight in "
+        "128 x 128 blocks"
+    )
+    lone = _saved(tmp_path, {"m.weight": fp8}, "lone.safetensors")
+    with pytest.raises(UnsupportedQuantizationError, match=r"^fp8 block-scaled tensor 'm.weight' is float8_e4m3fn "):
+        dequantize(lone, scheme, bf16)
+    sparse = {"quantization_config": {"quant_method": "compressed-tensors", "sparsity_config": {"format": "sparse-24"}}}
+    ct = detect(sparse, None, {})
+    assert ct is not None
+    with pytest.raises(UnsupportedQuantizationError) as caught:
+        dequantize({}, ct, bf16)
+    assert str(caught.value) == (
+        "the compressed-tensors quantization_config's sparsity_config is set; ckptconv dequantizes quantized "
+        "weights, not sparse or transformed ones"
+    )
+    f64 = dtype_by_name("float64")
+    assert f64 is not None
+    with pytest.raises(ckptconv.TransformError):
+        dequantize(refs, scheme, f64)
+
+
+def test_compressed_tensors_refusals(tmp_path: Path) -> None:
+    bf16 = dtype_by_name("bfloat16")
+    assert bf16 is not None
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel"}
+    module, _, _ = _ct_module("float-quantized", weights, torch.randn(8, 16, dtype=torch.bfloat16))
+    state = {f"m.{k}": v for k, v in module.items()}
+    state["m.weight_scale"] = state["m.weight_scale"][:4].clone()
+    state["orphan.weight_scale"] = torch.ones(1)
+    refs = _saved(tmp_path, state)
+    scheme = detect(_ct_config("float-quantized", weights, []), None, refs)
+    assert scheme is not None
+    with pytest.raises(UnsupportedQuantizationError) as caught:
+        dequantize(refs, scheme, bf16)
+    assert str(caught.value) == "compressed-tensors tensor 'm.weight_scale' has shape [4, 1] for 8 channels"
+    del state["m.weight_scale"]
+    refs = _saved(tmp_path, {k: v for k, v in state.items() if k.startswith("orphan")}, "orphan.safetensors")
+    with pytest.raises(UnsupportedQuantizationError) as caught:
+        dequantize(refs, scheme, bf16)
+    assert str(caught.value) == (
+        "compressed-tensors tensor 'orphan.weight_scale' belongs to no module the config declares quantized"
+    )
+    mx = _ct_config("float-quantized", weights, [])
+    mx["quantization_config"]["config_groups"]["group_0"]["format"] = "mxfp4-pack-quantized"
+    with pytest.raises(UnsupportedQuantizationError) as caught:
+        dequantize({}, Scheme("compressed-tensors", mx["quantization_config"]), bf16)
+    assert str(caught.value) == (
+        "the compressed-tensors quantization_config's config_groups.group_0 has format 'mxfp4-pack-quantized', "
+        "which ckptconv cannot dequantize exactly"
+    )

@@ -47,7 +47,7 @@ import numpy as np
 from ..dtypes import DType
 from ..tensor import TensorRef
 from ._exact import COMPUTE_DTYPES, Array, cast, rounded, widen
-from .schemes import Scheme, refuse
+from .schemes import Scheme, refuse, refuse_config
 from .source import computed_tensor
 
 __all__ = ["FORMATS", "dequantize_naive", "dequantize_nvfp4", "dequantize_packed", "plan", "unpack_int32"]
@@ -97,26 +97,28 @@ def _match(name: str, target: str) -> bool:
 def _groups(config: Mapping[str, Any]) -> list[_Args]:
     for key in ("sparsity_config", "transform_config"):
         if config.get(key):
-            raise refuse(
-                _SCHEME, key, "is declared; ckptconv dequantizes quantized (not sparse or transformed) weights"
+            raise refuse_config(
+                _SCHEME, key, "is set; ckptconv dequantizes quantized weights, not sparse or transformed ones"
             )
     groups = []
     for name, group in (config.get("config_groups") or {}).items():
         if not isinstance(group, Mapping):
-            raise refuse(_SCHEME, f"config_groups.{name}", "is not a mapping")
+            raise refuse_config(_SCHEME, f"config_groups.{name}", "is not a mapping")
         fmt = str(group.get("format") or config.get("format") or "")
         weights = group.get("weights")
         if fmt == "dense" or not weights:
             continue
         if fmt not in FORMATS:
-            raise refuse(
+            raise refuse_config(
                 _SCHEME, f"config_groups.{name}", f"has format {fmt!r}, which ckptconv cannot dequantize exactly"
             )
         strategy = str(weights.get("strategy") or "tensor")
         if strategy not in _STRATEGIES:
-            raise refuse(_SCHEME, f"config_groups.{name}", f"has strategy {strategy!r}, which ckptconv cannot place")
+            raise refuse_config(
+                _SCHEME, f"config_groups.{name}", f"has strategy {strategy!r}, which ckptconv cannot place"
+            )
         if weights.get("actorder") == "group":
-            raise refuse(_SCHEME, f"config_groups.{name}", "reorders its groups (actorder 'group')")
+            raise refuse_config(_SCHEME, f"config_groups.{name}", "reorders its groups (actorder 'group')")
         block = weights.get("block_structure")
         groups.append(
             _Args(
@@ -132,27 +134,37 @@ def _groups(config: Mapping[str, Any]) -> list[_Args]:
     return groups
 
 
-def _expand(values: Array, args: _Args, shape: tuple[int, ...], key: str) -> Array:
-    """Scale (or zero point) values repeated over the elements they apply to, shaped ``shape``."""
+def check_placement(found: tuple[int, ...], args: _Args, shape: tuple[int, ...], key: str) -> None:
+    """Refuse a scale (or zero point) of shape ``found`` that ``args``'s strategy cannot place on ``shape``."""
     rows, cols = shape
-    if args.strategy == "tensor":
-        if values.size != 1:
-            raise refuse(_SCHEME, key, f"has {values.size} values for a tensor-wise scale")
-        return values.reshape(1, 1)
-    if args.strategy == "channel":
-        if values.size != rows:
-            raise refuse(_SCHEME, key, f"has shape {list(values.shape)} for {rows} channels")
-        return values.reshape(rows, 1)
+    count = math.prod(found)
+    if args.strategy == "tensor" and count != 1:
+        raise refuse(_SCHEME, key, f"has {count} values for a tensor-wise scale")
+    if args.strategy == "channel" and count != rows:
+        raise refuse(_SCHEME, key, f"has shape {list(found)} for {rows} channels")
     if args.strategy in ("group", "tensor_group"):
         size = args.group_size or 0
-        if size <= 0 or cols % size or values.shape != (rows, cols // size):
-            raise refuse(_SCHEME, key, f"has shape {list(values.shape)} for {cols} columns in groups of {size}")
-        return np.repeat(values, size, axis=1)
-    if args.block is None:
-        raise refuse(_SCHEME, key, "has a block strategy but no block_structure")
-    bh, bw = args.block
-    if values.shape != (math.ceil(rows / bh), math.ceil(cols / bw)):
-        raise refuse(_SCHEME, key, f"has shape {list(values.shape)} for a {rows} x {cols} weight in {bh} x {bw} blocks")
+        if size <= 0 or cols % size or found != (rows, cols // size):
+            raise refuse(_SCHEME, key, f"has shape {list(found)} for {cols} columns in groups of {size}")
+    if args.strategy == "block":
+        if args.block is None:
+            raise refuse(_SCHEME, key, "has a block strategy but no block_structure")
+        bh, bw = args.block
+        if found != (math.ceil(rows / bh), math.ceil(cols / bw)):
+            raise refuse(_SCHEME, key, f"has shape {list(found)} for a {rows} x {cols} weight in {bh} x {bw} blocks")
+
+
+def _expand(values: Array, args: _Args, shape: tuple[int, ...], key: str) -> Array:
+    """Scale (or zero point) values repeated over the elements they apply to, shaped ``shape``."""
+    check_placement(tuple(values.shape), args, shape, key)
+    rows, cols = shape
+    if args.strategy == "tensor":
+        return values.reshape(1, 1)
+    if args.strategy == "channel":
+        return values.reshape(rows, 1)
+    if args.strategy in ("group", "tensor_group"):
+        return np.repeat(values, args.group_size or 1, axis=1)
+    bh, bw = args.block or (1, 1)
     return np.repeat(np.repeat(values, bh, axis=0)[:rows], bw, axis=1)[:, :cols]
 
 
@@ -305,6 +317,9 @@ def _plan_module(module: str, tensors: Mapping[str, TensorRef], args: _Args, tar
             result = dequantize_naive(a["weight"], names[0], a["scale"], s, a.get("zero_point"), names[1], args)
             return cast(result, s, out)
 
+    check_placement(scale.shape, args, shape, prefix + "weight_scale")
+    if zero_point is not None and args.format != "pack-quantized":
+        check_placement(zero_point.shape, args, shape, zp_key)
     return computed_tensor(prefix + "weight", compute, inputs, target, shape)
 
 

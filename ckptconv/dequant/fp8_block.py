@@ -34,7 +34,7 @@ import numpy as np
 from ..dtypes import DType
 from ..tensor import TensorRef
 from ._exact import Array, cast, widen
-from .schemes import Scheme, is_module_kept, refuse
+from .schemes import Scheme, is_module_kept, refuse, refuse_config
 from .source import computed_tensor
 
 __all__ = ["plan"]
@@ -50,7 +50,7 @@ def _block(scheme: Scheme) -> tuple[int, int] | None:
     if value is None:
         return None
     if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(type(v) is int and v > 0 for v in value)):
-        raise refuse(_SCHEME, "weight_block_size", f"is {value!r}, not two positive integers")
+        raise refuse_config(_SCHEME, "weight_block_size", f"is {value!r}, not two positive integers")
     return value[0], value[1]
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from ..tensor import TensorRef
 from .errors import UnsupportedQuantizationError
 
-__all__ = ["SUPPORTED_METHODS", "Scheme", "detect", "is_module_kept"]
+__all__ = ["SUPPORTED_METHODS", "Scheme", "detect", "is_module_kept", "refuse", "refuse_config"]
 
 #: ``quant_method`` values dequantized here, with the module that does it.
 SUPPORTED_METHODS = {
@@ -155,7 +155,7 @@ def detect(
         >>> detect({"quantization_config": {"quant_method": "gptq"}}, None, {})
         Traceback (most recent call last):
         ...
-        ckptconv.dequant.errors.UnsupportedQuantizationError: the checkpoint is quantized with GPTQ (quant_method 'gptq'), which ckptconv cannot dequantize exactly; dequantize it with GPTQ's own tools first
+        ckptconv.dequant.errors.UnsupportedQuantizationError: the checkpoint is quantized with GPTQ (quant_method 'gptq'), which ckptconv cannot dequantize exactly; load it with its quantization library and save it dequantized first
     """  # noqa: E501 - the doctest's one-line message
     declared = _declaration(config, metadata)
     if declared is not None:
@@ -171,7 +171,7 @@ def detect(
         name = _NAMES.get(method, method)
         raise UnsupportedQuantizationError(
             f"the checkpoint is quantized with {name} (quant_method {method!r}), which ckptconv cannot "
-            f"dequantize exactly; dequantize it with {name}'s own tools first",
+            "dequantize exactly; load it with its quantization library and save it dequantized first",
             scheme=method,
         )
     found = _giveaway(tensors)
@@ -189,6 +189,11 @@ def detect(
 def refuse(scheme: str, key: str, problem: str) -> UnsupportedQuantizationError:
     """The error for a tensor of a declared scheme that does not have the layout the scheme defines."""
     return UnsupportedQuantizationError(f"{scheme} tensor {key!r} {problem}", scheme=scheme, key=key)
+
+
+def refuse_config(scheme: str, field: str, problem: str) -> UnsupportedQuantizationError:
+    """The error for a declared quantization_config that ckptconv cannot follow exactly."""
+    return UnsupportedQuantizationError(f"the {scheme} quantization_config's {field} {problem}", scheme=scheme)
 
 
 def is_module_kept(module: str, patterns: Any) -> bool:
