@@ -451,3 +451,29 @@ def test_compressed_tensors_refusals(tmp_path: Path) -> None:
         "the compressed-tensors quantization_config's config_groups.group_0 has format 'mxfp4-pack-quantized', "
         "which ckptconv cannot dequantize exactly"
     )
+
+
+def test_the_package_runs_on_numpy_alone() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, ckptconv.dequant, ckptconv.dequant.plan; print('torch' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "False"
+
+
+def test_a_dequantized_weight_is_computed_when_read(tmp_path: Path) -> None:
+    from ckptconv.dequant.source import Dequantized
+
+    q = _fp8_quantize(torch.randn(128, 128), [128, 128])
+    refs = _saved(tmp_path, {"m.weight": q["weight"], "m.weight_scale_inv": q["weight_scale_inv"]})
+    scheme = detect(FP8_CONFIG, None, refs)
+    assert scheme is not None
+    fp16 = dtype_by_name("float16")
+    assert fp16 is not None
+    ref = dequantize(refs, scheme, fp16)["m.weight"]
+    assert isinstance(ref.storage.source, Dequantized) and ref.verbatim_region is None
+    assert ref.storage.nbytes == 128 * 128 * 2 and ref.is_whole_storage
+    assert ref.storage.source.paths() == {str(tmp_path / "model.safetensors")}
+    whole = ref.tobytes()
+    assert ref.storage.read(100, 50) == whole[100:150]  # a byte range of the computed tensor
