@@ -477,3 +477,15 @@ def test_a_dequantized_weight_is_computed_when_read(tmp_path: Path) -> None:
     assert ref.storage.source.paths() == {str(tmp_path / "model.safetensors")}
     whole = ref.tobytes()
     assert ref.storage.read(100, 50) == whole[100:150]  # a byte range of the computed tensor
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_fp8_per_tensor_scale_without_block_size(tmp_path: Path, target: torch.dtype) -> None:
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    torch.manual_seed(6)
+    weight = (torch.randn(40, 70) * 50).to(torch.float8_e4m3fn)
+    scale = torch.tensor(0.0123, dtype=torch.float32)
+    refs = _saved(tmp_path, {"m.weight": weight, "m.weight_scale_inv": scale})
+    ours = _dequantized(refs, {"quantization_config": {"quant_method": "fp8", "weight_block_size": None}}, target)
+    _same(ours["m.weight"], Fp8Dequantize(None)._dequantize_one(weight, scale, output_dtype=target))

@@ -9,8 +9,9 @@ Formats and their tensors (per module ``X``):
 * ``float-quantized`` / ``int-quantized`` / ``naive-quantized``: ``X.weight`` (float8 or int8),
   ``X.weight_scale``, ``X.weight_zero_point`` when asymmetric;
 * ``pack-quantized``: ``X.weight_packed`` (int32: ``num_bits``-bit values, offset by
-  ``2 ** (num_bits - 1)``, packed densely along rows, low bits first), ``X.weight_scale``,
-  ``X.weight_shape``, and ``X.weight_zero_point`` packed along columns for group/channel;
+  ``2 ** (num_bits - 1)``, packed densely along each row, low bits first), ``X.weight_scale``,
+  ``X.weight_shape``, and ``X.weight_zero_point`` packed the same way down its columns (dim 0)
+  for group/channel;
 * ``nvfp4-pack-quantized``: ``X.weight_packed`` (uint8, two float4 e2m1 a byte, low nibble
   first), ``X.weight_scale`` (float8_e4m3fn, one per 16 values), ``X.weight_global_scale``.
 
