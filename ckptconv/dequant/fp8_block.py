@@ -1,0 +1,130 @@
+"""fp8 block-scaled weights: ``quant_method: "fp8"`` with ``weight_block_size`` (DeepSeek-V3's layout).
+
+A quantized weight ``X.weight`` (float8_e4m3fn, shape ``(..., rows, cols)``) comes with
+``X.weight_scale_inv`` (float32, or bfloat16, or float8_e8m0fnu when ``scale_fmt`` is
+``ue8m0``) of shape ``(..., ceil(rows / bm), ceil(cols / bn))`` for ``weight_block_size: [bm, bn]``;
+scale ``[i, j]`` multiplies the block of rows ``i*bm ...`` and columns ``j*bn ...``, the last block
+of a ragged edge included (cut short). Experts stored whole as ``experts.gate_up_proj`` pair with
+``experts.gate_up_proj_scale_inv`` the same way. Without ``weight_block_size`` the scale is one
+value for the whole tensor.
+
+Order of operations, as transformers' ``Fp8Dequantize._dequantize_one``
+(``transformers/integrations/finegrained_fp8.py``) and DeepSeek-V3's ``weight_dequant`` kernel
+compute it:
+
+1. ``q = weight.to(float32)`` (exact);
+2. ``s = weight_scale_inv.to(float32)`` (exact for float32, bfloat16, float16, e8m0);
+3. ``p = q * s`` in float32, each scale broadcast over its block: one rounding;
+4. ``p.to(target)``: one rounding, to nearest even, as ``Tensor.to``.
+
+transformers derives the block size from the scale grid (``rows // scale_rows``), which is right
+for whole blocks only (for a 200 x 300 weight and a 2 x 3 grid it would take 100-blocks); here the
+declared ``weight_block_size`` places the blocks, as the checkpoint's quantizer did, with the same
+arithmetic. ``activation_scale``/``input_scale`` tensors (static activation scales) are dropped;
+modules in ``modules_to_not_convert`` are left as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..dtypes import DType
+from ..tensor import TensorRef
+from ._exact import Array, cast, widen
+from .schemes import Scheme, is_module_kept, refuse, refuse_config
+from .source import computed_tensor
+
+__all__ = ["plan"]
+
+_SCHEME = "fp8 block-scaled"
+_WEIGHT_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
+_SCALE_DTYPES = frozenset({"float32", "bfloat16", "float16", "float8_e8m0fnu"})
+_ACTIVATION_SCALES = frozenset({"activation_scale", "input_scale"})
+
+
+def _block(scheme: Scheme) -> tuple[int, int] | None:
+    value = scheme.config.get("weight_block_size")
+    if value is None:
+        return None
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(type(v) is int and v > 0 for v in value)):
+        raise refuse_config(_SCHEME, "weight_block_size", f"is {value!r}, not two positive integers")
+    return value[0], value[1]
+
+
+def dequantize_array(
+    weight: Array, weight_dtype: str, scale: Array, scale_dtype: str, block: tuple[int, int] | None, target: str
+) -> Array:
+    """The dequantized weight, in ``target``'s storage representation (steps 1-4 of the module docstring)."""
+    q = np.array(widen(weight, weight_dtype), dtype=np.float32)  # a writable copy, multiplied in place
+    s = widen(scale, scale_dtype)
+    rows = q.shape[-2]
+    with np.errstate(all="ignore"):
+        if block is None:
+            q *= s.reshape(())
+        else:
+            bm, bn = block
+            per_row = np.repeat(s, bm, axis=-2)[..., :rows, :]
+            for j in range(s.shape[-1]):
+                q[..., j * bn : (j + 1) * bn] *= per_row[..., j : j + 1]
+    return q if target == "float32" else cast(q, "float32", target)
+
+
+def _dequantized(
+    key: str, weight: TensorRef, scale: TensorRef, block: tuple[int, int] | None, target: DType
+) -> TensorRef:
+    if weight.dtype.name not in _WEIGHT_DTYPES or len(weight.shape) < 2:
+        raise refuse(
+            _SCHEME, key, f"is {weight.dtype.name}{list(weight.shape)}; ckptconv dequantizes float8 matrices only"
+        )
+    if scale.dtype.name not in _SCALE_DTYPES:
+        raise refuse(
+            _SCHEME, key + "_scale_inv", f"is {scale.dtype.name}; ckptconv reads float32, bfloat16 or e8m0 scales"
+        )
+    rows, cols = weight.shape[-2:]
+    if block is None:
+        if scale.numel != 1:
+            raise refuse(_SCHEME, key + "_scale_inv", f"has {scale.numel} values but no weight_block_size is declared")
+    else:
+        grid = (*weight.shape[:-2], math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+        if scale.shape != grid:
+            raise refuse(
+                _SCHEME,
+                key + "_scale_inv",
+                f"has shape {list(scale.shape)}; {list(grid)} scales a {list(weight.shape)} "
+                f"weight in {block[0]} x {block[1]} blocks",
+            )
+    names = (weight.dtype.name, scale.dtype.name, target.name)
+
+    def compute(arrays: Mapping[str, Array]) -> Array:
+        return dequantize_array(arrays["weight"], names[0], arrays["scale"], names[1], block, names[2])
+
+    return computed_tensor(key, compute, {"weight": weight, "scale": scale}, target, weight.shape)
+
+
+def plan(tensors: Mapping[str, TensorRef], scheme: Scheme, target: DType) -> dict[str, TensorRef]:
+    """The state dict with every fp8 weight dequantized to ``target`` and its scales gone."""
+    block = _block(scheme)
+    kept = scheme.config.get("modules_to_not_convert")
+    scales: set[str] = set()
+    result: dict[str, TensorRef] = {}
+    for key, ref in tensors.items():
+        module, _, leaf = key.rpartition(".")
+        if is_module_kept(module, kept):
+            result[key] = ref
+        elif key + "_scale_inv" in tensors:
+            result[key] = _dequantized(key, ref, tensors[key + "_scale_inv"], block, target)
+            scales.add(key + "_scale_inv")
+        elif leaf in _ACTIVATION_SCALES or key.endswith("_scale_inv"):
+            continue  # a scale: consumed above, checked below
+        elif ref.dtype.name.startswith("float8"):
+            raise refuse(_SCHEME, key, f"is {ref.dtype.name} with no {key}_scale_inv beside it")
+        else:
+            result[key] = ref
+    for key in tensors:
+        module = key.rpartition(".")[0]
+        if key.endswith("_scale_inv") and key not in scales and not is_module_kept(module, kept):
+            raise refuse(_SCHEME, key, f"scales no tensor: there is no {key[: -len('_scale_inv')]!r}")
+    return result

@@ -1,0 +1,208 @@
+"""Which quantization scheme a checkpoint declares, and the refusals for the ones ckptconv cannot undo.
+
+The scheme is decided by what the checkpoint *declares*, never by element sizes: the
+``quantization_config`` of its ``config.json`` (or that config itself, or the older
+``compression_config``), else a ``quantization_config`` in the safetensors metadata. A
+declared scheme ckptconv dequantizes becomes a :class:`Scheme`; any other declared scheme is
+refused. With no declaration, tensors that come in weight/scale pairs (``weight_scale_inv``,
+``weight_scale``, ``weight_packed``, ``*_blocks`` with ``*_scales``, GPTQ/AWQ's ``qweight``,
+bitsandbytes' ``quant_state`` ...) are refused too, since casting them alone is silently
+wrong. Only a checkpoint with neither (plain float8 data with no scale included) is
+unquantized: :func:`detect` returns None and a plain cast applies.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..tensor import TensorRef
+from .errors import UnsupportedQuantizationError
+
+__all__ = ["SUPPORTED_METHODS", "Scheme", "detect", "is_module_kept", "refuse", "refuse_config"]
+
+#: ``quant_method`` values dequantized here, with the module that does it.
+SUPPORTED_METHODS = {
+    "fp8": "ckptconv.dequant.fp8_block",
+    "compressed-tensors": "ckptconv.dequant.compressed_tensors",
+    "mxfp4": "ckptconv.dequant.mxfp4",
+}
+
+# How the refusals name the schemes transformers knows (quant_method -> name).
+_NAMES = {
+    "gptq": "GPTQ",
+    "awq": "AWQ",
+    "bitsandbytes": "bitsandbytes",
+    "hqq": "HQQ",
+    "aqlm": "AQLM",
+    "eetq": "EETQ",
+    "quanto": "optimum-quanto",
+    "torchao": "torchao",
+    "fbgemm_fp8": "FBGEMM fp8",
+    "higgs": "HIGGS",
+    "vptq": "VPTQ",
+    "spqr": "SpQR",
+    "bitnet": "BitNet",
+    "fp_quant": "FP-Quant",
+    "quark": "Quark",
+    "auto-round": "AutoRound",
+    "modelopt": "NVIDIA ModelOpt",
+    "gguf": "GGUF",
+}
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A declared quantization scheme that ckptconv dequantizes exactly.
+
+    Attributes:
+        method: the declared ``quant_method``: ``"fp8"``, ``"compressed-tensors"`` or ``"mxfp4"``.
+        config: the whole quantization config as declared (block sizes, config groups, ignore lists).
+    """
+
+    method: str
+    config: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __str__(self) -> str:
+        return self.method
+
+
+def _declaration(config: Mapping[str, Any] | None, metadata: Mapping[str, str] | None) -> Mapping[str, Any] | None:
+    if config:
+        for key in ("quantization_config", "compression_config"):
+            value = config.get(key)
+            if isinstance(value, Mapping) and value:
+                return value
+        if "quant_method" in config:
+            return config
+    for key in ("quantization_config", "quant_method"):
+        text = (metadata or {}).get(key)
+        if not text:
+            continue
+        if key == "quant_method":
+            return {"quant_method": text}
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, Mapping):
+            raise UnsupportedQuantizationError(
+                f"the safetensors metadata's quantization_config is not a JSON object ({text[:60]!r}); "
+                "ckptconv cannot tell how the checkpoint was quantized",
+                scheme="unknown",
+            )
+        return value
+    return None
+
+
+# Tensor-name endings that only quantized checkpoints have, and the scheme each gives away.
+_GIVEAWAYS: tuple[tuple[str, str], ...] = (
+    ("weight_scale_inv", "fp8 block-scaled"),
+    ("_scale_inv", "fp8 block-scaled"),
+    ("weight_packed", "compressed-tensors"),
+    ("weight_global_scale", "compressed-tensors nvfp4"),
+    ("weight_zero_point", "compressed-tensors"),
+    ("weight_scale", "compressed-tensors"),
+    ("weight_shape", "compressed-tensors"),
+    ("qweight", "GPTQ/AWQ"),
+    ("qzeros", "GPTQ/AWQ"),
+    ("g_idx", "GPTQ"),
+    ("quant_state", "bitsandbytes"),
+    ("quant_map", "bitsandbytes"),
+    ("absmax", "bitsandbytes"),
+    ("SCB", "bitsandbytes int8"),
+    ("weight_format", "bitsandbytes int8"),
+)
+
+
+def _giveaway(tensors: Mapping[str, TensorRef]) -> tuple[str, str] | None:
+    for key in tensors:
+        leaf = key.rpartition(".")[2]
+        if ".quant_state." in f".{key}.":
+            return key, "bitsandbytes"
+        for ending, scheme in _GIVEAWAYS:
+            if leaf == ending or (ending.startswith("_") and leaf.endswith(ending)):
+                return key, scheme
+        if leaf.endswith("_blocks") and f"{key[: -len('_blocks')]}_scales" in tensors:
+            return key, "mxfp4"
+    return None
+
+
+def detect(
+    config: Mapping[str, Any] | None,
+    metadata: Mapping[str, str] | None,
+    tensors: Mapping[str, TensorRef],
+) -> Scheme | None:
+    """The quantization scheme the checkpoint declares, or None for an unquantized checkpoint.
+
+    Args:
+        config: the model's ``config.json`` (or its ``quantization_config`` alone), if any.
+        metadata: the safetensors ``__metadata__``, if any.
+        tensors: the checkpoint's tensors by name (only the names are looked at).
+
+    Returns:
+        The declared :class:`Scheme`, or None when nothing is declared and no tensor is a
+        quantization scale, packed weight or zero point.
+
+    Raises:
+        UnsupportedQuantizationError: the declared scheme is one ckptconv cannot dequantize
+            exactly, or tensors come in weight/scale pairs with no declaration.
+
+    Example:
+        >>> detect({"quantization_config": {"quant_method": "gptq"}}, None, {})
+        Traceback (most recent call last):
+        ...
+        ckptconv.dequant.errors.UnsupportedQuantizationError: the checkpoint is quantized with GPTQ (quant_method 'gptq'), which ckptconv cannot dequantize exactly; load it with its quantization library and save it dequantized first
+    """  # noqa: E501 - the doctest's one-line message
+    declared = _declaration(config, metadata)
+    if declared is not None:
+        method = str(declared.get("quant_method", "")).strip().lower()
+        if method in SUPPORTED_METHODS:
+            return Scheme(method, declared)
+        if not method:
+            raise UnsupportedQuantizationError(
+                "the checkpoint declares a quantization_config without a quant_method; "
+                "ckptconv cannot tell how it was quantized",
+                scheme="unknown",
+            )
+        name = _NAMES.get(method, method)
+        raise UnsupportedQuantizationError(
+            f"the checkpoint is quantized with {name} (quant_method {method!r}), which ckptconv cannot "
+            "dequantize exactly; load it with its quantization library and save it dequantized first",
+            scheme=method,
+        )
+    found = _giveaway(tensors)
+    if found is not None:
+        key, scheme = found
+        raise UnsupportedQuantizationError(
+            f"tensor {key!r} belongs to a {scheme} quantized checkpoint, but no quantization_config declares "
+            "the scheme; pass the model's config.json to dequantize it, since a plain cast would drop its scales",
+            scheme=scheme,
+            key=key,
+        )
+    return None
+
+
+def refuse(scheme: str, key: str, problem: str) -> UnsupportedQuantizationError:
+    """The error for a tensor of a declared scheme that does not have the layout the scheme defines."""
+    return UnsupportedQuantizationError(f"{scheme} tensor {key!r} {problem}", scheme=scheme, key=key)
+
+
+def refuse_config(scheme: str, field: str, problem: str) -> UnsupportedQuantizationError:
+    """The error for a declared quantization_config that ckptconv cannot follow exactly."""
+    return UnsupportedQuantizationError(f"the {scheme} quantization_config's {field} {problem}", scheme=scheme)
+
+
+def is_module_kept(module: str, patterns: Any) -> bool:
+    """True when transformers' ``modules_to_not_convert`` keeps ``module`` unquantized.
+
+    The same rule as transformers' ``should_convert_module``: a pattern matches from the start
+    up to a module boundary, as a regex with the same boundary, or as a suffix.
+    """
+    if not patterns:
+        return False
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return any(re.match(rf"(?:{key}){boundary}", module) or module.endswith(key) for key in patterns)
