@@ -40,6 +40,7 @@ from ckptconv.errors import (
     TransformError,
     UnsafeCheckpointError,
     UnsupportedFormatError,
+    UnsupportedQuantizationError,
     VerifyError,
     WriteError,
 )
@@ -136,6 +137,7 @@ __all__ = [
     "TransformError",
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
+    "UnsupportedQuantizationError",
     "VerifyError",
     "VerifyReport",
     "WriteError",

@@ -6,6 +6,7 @@ a caller would handle it differently::
     CkptconvError
     ├── LoadError                       the input could not be read
     │   ├── UnsupportedFormatError      not a checkpoint we can read (TorchScript, HTML, empty, ...)
+    │   │   └── UnsupportedQuantizationError  quantized with a scheme ckptconv cannot dequantize exactly
     │   ├── MalformedCheckpointError    a checkpoint, but broken (truncated, inconsistent)
     │   └── UnsafeCheckpointError       the file reaches for code-running callables
     ├── SelectionError (KeyError)       the weights inside a checkpoint could not be picked
@@ -42,6 +43,7 @@ __all__ = [
     "TransformError",
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
+    "UnsupportedQuantizationError",
     "VerifyError",
     "WriteError",
 ]
@@ -65,6 +67,18 @@ class LoadError(CkptconvError):
 
 class UnsupportedFormatError(LoadError):
     """The input is not in a format ckptconv can read (and says which one it is)."""
+
+
+class UnsupportedQuantizationError(UnsupportedFormatError):
+    """The checkpoint is quantized with a scheme ckptconv cannot dequantize exactly (or declares none for its scales).
+
+    ``scheme`` names the scheme; ``key`` the tensor that gave it away, when a tensor did.
+    """
+
+    def __init__(self, message: str, *, scheme: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.scheme = scheme
+        self.key = key
 
 
 class MalformedCheckpointError(LoadError):

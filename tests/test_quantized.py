@@ -1,4 +1,4 @@
-"""Exact dequantization of quantized checkpoints (ckptconv.dequant), bit for bit against the
+"""Exact dequantization of quantized checkpoints (ckptconv.quantization), bit for bit against the
 reference libraries' own dequantization: transformers' fine-grained fp8 and mxfp4
 integrations, compressed-tensors' compressors. Checkpoints are made by those libraries, saved
 with safetensors, and read back through ckptconv.open."""
@@ -16,9 +16,10 @@ import torch
 from safetensors.torch import save_file
 
 import ckptconv
-from ckptconv.dequant import Scheme, UnsupportedQuantizationError, dequantize, detect
 from ckptconv.dtypes import dtype_by_name
-from ckptconv.tensor import TensorRef
+from ckptconv.errors import UnsupportedQuantizationError
+from ckptconv.quantization import Scheme, dequantize, detect
+from ckptconv.values.tensor import TensorRef
 
 TARGETS = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -457,13 +458,13 @@ def test_the_package_runs_on_numpy_alone() -> None:
     import subprocess
     import sys
 
-    code = "import sys, ckptconv.dequant, ckptconv.dequant.plan; print('torch' in sys.modules)"
+    code = "import sys, ckptconv.quantization, ckptconv.quantization.plan; print('torch' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "False"
 
 
 def test_a_dequantized_weight_is_computed_when_read(tmp_path: Path) -> None:
-    from ckptconv.dequant.source import Dequantized
+    from ckptconv.quantization.source import Dequantized
 
     q = _fp8_quantize(torch.randn(128, 128), [128, 128])
     refs = _saved(tmp_path, {"m.weight": q["weight"], "m.weight_scale_inv": q["weight_scale_inv"]})

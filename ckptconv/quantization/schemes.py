@@ -19,16 +19,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..tensor import TensorRef
-from .errors import UnsupportedQuantizationError
+from ckptconv.errors import UnsupportedQuantizationError
+from ckptconv.values.tensor import TensorRef
 
 __all__ = ["SUPPORTED_METHODS", "Scheme", "detect", "is_module_kept", "refuse", "refuse_config"]
 
 #: ``quant_method`` values dequantized here, with the module that does it.
 SUPPORTED_METHODS = {
-    "fp8": "ckptconv.dequant.fp8_block",
-    "compressed-tensors": "ckptconv.dequant.compressed_tensors",
-    "mxfp4": "ckptconv.dequant.mxfp4",
+    "fp8": "ckptconv.quantization.fp8_block",
+    "compressed-tensors": "ckptconv.quantization.compressed_tensors",
+    "mxfp4": "ckptconv.quantization.mxfp4",
 }
 
 # How the refusals name the schemes transformers knows (quant_method -> name).
@@ -155,7 +155,7 @@ def detect(
         >>> detect({"quantization_config": {"quant_method": "gptq"}}, None, {})
         Traceback (most recent call last):
         ...
-        ckptconv.dequant.errors.UnsupportedQuantizationError: the checkpoint is quantized with GPTQ (quant_method 'gptq'), which ckptconv cannot dequantize exactly; load it with its quantization library and save it dequantized first
+        ckptconv.quantization.errors.UnsupportedQuantizationError: the checkpoint is quantized with GPTQ (quant_method 'gptq'), which ckptconv cannot dequantize exactly; load it with its quantization library and save it dequantized first
     """  # noqa: E501 - the doctest's one-line message
     declared = _declaration(config, metadata)
     if declared is not None:

@@ -45,11 +45,11 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import DType
-from ..tensor import TensorRef
-from ._exact import COMPUTE_DTYPES, Array, cast, rounded, widen
-from .schemes import Scheme, refuse, refuse_config
-from .source import computed_tensor
+from ckptconv.dtypes import DType
+from ckptconv.quantization._exact import COMPUTE_DTYPES, Array, cast, rounded, widen
+from ckptconv.quantization.schemes import Scheme, refuse, refuse_config
+from ckptconv.quantization.source import computed_tensor
+from ckptconv.values.tensor import TensorRef
 
 __all__ = ["FORMATS", "dequantize_naive", "dequantize_nvfp4", "dequantize_packed", "plan", "unpack_int32"]
 

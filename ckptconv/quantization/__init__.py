@@ -9,8 +9,7 @@ One module per scheme, each with its reference order of operations in its docstr
 
 from __future__ import annotations
 
-from .errors import UnsupportedQuantizationError
-from .plan import TARGETS, dequantize
-from .schemes import Scheme, detect
+from ckptconv.quantization.plan import TARGETS, dequantize
+from ckptconv.quantization.schemes import Scheme, detect
 
-__all__ = ["TARGETS", "Scheme", "UnsupportedQuantizationError", "dequantize", "detect"]
+__all__ = ["TARGETS", "Scheme", "dequantize", "detect"]

@@ -3,7 +3,7 @@
 torch's CPU kernels compute a bfloat16 or float16 product (or difference) in float32 and round
 the result once to 16 bits; :func:`rounded` does that rounding, :func:`narrow` and :func:`cast`
 are the float32 -> target and any-float -> target conversions of ``Tensor.to``, bit-exact
-(:mod:`ckptconv._cast`). Every value here travels as float32 between steps: float16, bfloat16
+(:mod:`ckptconv.transforms.casts`). Every value here travels as float32 between steps: float16, bfloat16
 and float8 widen to float32 exactly.
 """
 
@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from .._cast import cast_array
+from ckptconv.transforms.casts import cast_array
 
 __all__ = ["COMPUTE_DTYPES", "Array", "cast", "narrow", "rounded", "widen"]
 
-Array = Any  # numpy arrays (ckptconv._cast.Array); kept loose so mypy needs no numpy stubs per shape
+Array = Any  # numpy arrays (ckptconv.transforms.casts.Array); kept loose so mypy needs no numpy stubs per shape
 
 #: The dtypes a reference implementation computes in here: those a float32 holds exactly.
 COMPUTE_DTYPES = frozenset({"float32", "float16", "bfloat16"})

@@ -26,11 +26,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..dtypes import DType
-from ..tensor import TensorRef
-from ._exact import Array, narrow
-from .schemes import Scheme, is_module_kept, refuse
-from .source import computed_tensor
+from ckptconv.dtypes import DType
+from ckptconv.quantization._exact import Array, narrow
+from ckptconv.quantization.schemes import Scheme, is_module_kept, refuse
+from ckptconv.quantization.source import computed_tensor
+from ckptconv.values.tensor import TensorRef
 
 __all__ = ["FP4_VALUES", "dequantize_array", "plan"]
 

@@ -31,11 +31,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..dtypes import DType
-from ..tensor import TensorRef
-from ._exact import Array, cast, widen
-from .schemes import Scheme, is_module_kept, refuse, refuse_config
-from .source import computed_tensor
+from ckptconv.dtypes import DType
+from ckptconv.quantization._exact import Array, cast, widen
+from ckptconv.quantization.schemes import Scheme, is_module_kept, refuse, refuse_config
+from ckptconv.quantization.source import computed_tensor
+from ckptconv.values.tensor import TensorRef
 
 __all__ = ["plan"]
 

@@ -15,15 +15,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..dtypes import DType
-from ..tensor import ReadInto, Storage, TensorRef, contiguous_strides
-from ._exact import Array
+from ckptconv.dtypes import DType
+from ckptconv.quantization._exact import Array
+from ckptconv.reading.sources import Source
+from ckptconv.values.tensor import ReadInto, Storage, TensorRef, contiguous_strides
 
 __all__ = ["Dequantized", "computed_tensor"]
 
 
 @dataclass(frozen=True, eq=False)
-class Dequantized:
+class Dequantized(Source):
     """Bytes of ``compute(inputs)``: a contiguous array in the output dtype's storage representation.
 
     Attributes:

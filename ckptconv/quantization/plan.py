@@ -1,8 +1,8 @@
 """Dequantizing a state dict: each declared scheme's planner, chosen by the scheme.
 
 The result is a new state dict with the unquantized model's names, in the input's order: each
-quantized weight becomes one lazy :class:`~ckptconv.tensor.TensorRef` in the target dtype whose
-bytes are computed when a writer reads them (:mod:`ckptconv.dequant.source`); scales, zero
+quantized weight becomes one lazy :class:`~ckptconv.values.tensor.TensorRef` in the target dtype whose
+bytes are computed when a writer reads them (:mod:`ckptconv.quantization.source`); scales, zero
 points, global scales, shapes and activation scales are gone; every other tensor passes
 through untouched (a caller's ``--dtype`` cast applies to those separately).
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from ..dtypes import DType
-from ..errors import TransformError
-from ..tensor import TensorRef
-from . import compressed_tensors, fp8_block, mxfp4
-from .schemes import Scheme
+from ckptconv.dtypes import DType
+from ckptconv.errors import TransformError
+from ckptconv.quantization import compressed_tensors, fp8_block, mxfp4
+from ckptconv.quantization.schemes import Scheme
+from ckptconv.values.tensor import TensorRef
 
 __all__ = ["TARGETS", "dequantize"]
 
@@ -35,7 +35,7 @@ def dequantize(tensors: Mapping[str, TensorRef], scheme: Scheme, target: DType) 
 
     Args:
         tensors: the checkpoint's state dict, by name.
-        scheme: what :func:`ckptconv.dequant.detect` found.
+        scheme: what :func:`ckptconv.quantization.detect` found.
         target: float32, float16 or bfloat16.
 
     Returns:
