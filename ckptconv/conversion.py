@@ -20,12 +20,14 @@ from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
 from ckptconv._version import __version__
 from ckptconv.checking.verification import REFERENCES
-from ckptconv.errors import FitError, TransformError, VerifyError
+from ckptconv.errors import FitError, TransformError, UnsupportedQuantizationError, VerifyError
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.options import ConversionOptions
+from ckptconv.quantization import detect
 from ckptconv.reading.formats._base import Deferred, MetadataValue
 from ckptconv.reading.integrity import check_record_crcs
+from ckptconv.reading.model_folder import model_folder, read_config
 from ckptconv.reading.streaming import reads_whole_record
 from ckptconv.runtime import cores as _cores
 from ckptconv.runtime.collector import collector_paused
@@ -215,11 +217,26 @@ def _convert(
     reference = _verify_reference(options)
     checkpoint = open_checkpoint(source, trust=options.trust)
     selection = checkpoint.select(options.select)
+    _refuse_quantized(source, checkpoint, selection)
     transformed = _transform(selection, options)
     summary = _summary(checkpoint, selection, transformed, destination, options)
     if dry_run or destination is None:
         return summary
     return _write(checkpoint, selection, transformed, destination, options, summary, reference, progress)
+
+
+def _refuse_quantized(source: PathLike, checkpoint: Checkpoint, selection: Selection) -> None:
+    """The guard: a quantized checkpoint's weights are never cast without their scales."""
+    folder = model_folder(as_path(source))
+    config = read_config(folder) if folder is not None else None
+    metadata = checkpoint.metadata if checkpoint.format in ("safetensors", "sharded") else None
+    scheme = detect(config, metadata, selection.weights)
+    if scheme is not None:
+        raise UnsupportedQuantizationError(
+            f"{checkpoint.path!r} is quantized ({scheme}); ckptconv does not dequantize it yet, and a cast "
+            "without its scales would write wrong weights",
+            scheme=str(scheme),
+        )
 
 
 def _verify_reference(options: ConversionOptions) -> str | None:

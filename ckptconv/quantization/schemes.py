@@ -155,7 +155,7 @@ def detect(
         >>> detect({"quantization_config": {"quant_method": "gptq"}}, None, {})
         Traceback (most recent call last):
         ...
-        ckptconv.quantization.errors.UnsupportedQuantizationError: the checkpoint is quantized with GPTQ (quant_method 'gptq'), which ckptconv cannot dequantize exactly; load it with its quantization library and save it dequantized first
+        ckptconv.errors.UnsupportedQuantizationError: the checkpoint is quantized with GPTQ (quant_method 'gptq'), which ckptconv cannot dequantize exactly; load it with its quantization library and save it dequantized first
     """  # noqa: E501 - the doctest's one-line message
     declared = _declaration(config, metadata)
     if declared is not None:
@@ -179,7 +179,8 @@ def detect(
         key, scheme = found
         raise UnsupportedQuantizationError(
             f"tensor {key!r} belongs to a {scheme} quantized checkpoint, but no quantization_config declares "
-            "the scheme; pass the model's config.json to dequantize it, since a plain cast would drop its scales",
+            "the scheme; convert the model folder it came from (its config.json declares it), since a plain cast "
+            "would drop its scales",
             scheme=scheme,
             key=key,
         )
