@@ -20,11 +20,12 @@ from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
 from ckptconv._version import __version__
 from ckptconv.checking.verification import REFERENCES
-from ckptconv.errors import FitError, TransformError, UnsupportedQuantizationError, VerifyError
+from ckptconv.dtypes import DType
+from ckptconv.errors import FitError, TransformError, VerifyError
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.options import ConversionOptions
-from ckptconv.quantization import detect
+from ckptconv.quantization import Scheme, dequantize, detect
 from ckptconv.reading.formats._base import Deferred, MetadataValue
 from ckptconv.reading.integrity import check_record_crcs
 from ckptconv.reading.model_folder import model_folder, read_config
@@ -217,26 +218,59 @@ def _convert(
     reference = _verify_reference(options)
     checkpoint = open_checkpoint(source, trust=options.trust)
     selection = checkpoint.select(options.select)
-    _refuse_quantized(source, checkpoint, selection)
-    transformed = _transform(selection, options)
+    dequantization = _dequantization(source, checkpoint, selection, options)
+    transformed = _transform(dequantization.apply(selection) if dequantization else selection, options)
+    if dequantization is not None:
+        transformed.notes.append(dequantization.note(selection, transformed.state))
+        transformed.dequantization = dequantization
     summary = _summary(checkpoint, selection, transformed, destination, options)
     if dry_run or destination is None:
         return summary
     return _write(checkpoint, selection, transformed, destination, options, summary, reference, progress)
 
 
-def _refuse_quantized(source: PathLike, checkpoint: Checkpoint, selection: Selection) -> None:
-    """The guard: a quantized checkpoint's weights are never cast without their scales."""
+@dataclass(frozen=True)
+class _Dequantization:
+    """A quantized checkpoint's scheme, and the dtype its weights are dequantized to (None: kept as they are)."""
+
+    scheme: Scheme
+    target: DType | None
+
+    def apply(self, selection: Selection) -> Selection:
+        if self.target is None:
+            return selection
+        return dataclasses.replace(selection, weights=dequantize(selection.weights, self.scheme, self.target))
+
+    def note(self, selection: Selection, state: Mapping[str, TensorRef]) -> str:
+        if self.target is None:
+            return (
+                f"the weights are quantized ({self.scheme}) and were kept so, with their scales; "
+                "pass --dtype bf16, fp16 or fp32 to dequantize them exactly"
+            )
+        gone = len(selection.weights) - len(state)
+        return (
+            f"dequantized the {self.scheme} weights to {self.target.name}, exactly as the scheme's reference does; "
+            f"left out {plural(gone, 'scale, zero point or shape tensor', 'scale, zero point and shape tensors')}"
+        )
+
+
+def _dequantization(
+    source: PathLike, checkpoint: Checkpoint, selection: Selection, options: ConversionOptions
+) -> _Dequantization | None:
+    """The guard: the scheme a checkpoint declares (config.json, safetensors metadata) or gives away (weight/scale
+    pairs), refused when ckptconv cannot undo it exactly; a quantized weight is never cast without its scales."""
     folder = model_folder(as_path(source))
     config = read_config(folder) if folder is not None else None
     metadata = checkpoint.metadata if checkpoint.format in ("safetensors", "sharded") else None
     scheme = detect(config, metadata, selection.weights)
-    if scheme is not None:
-        raise UnsupportedQuantizationError(
-            f"{checkpoint.path!r} is quantized ({scheme}); ckptconv does not dequantize it yet, and a cast "
-            "without its scales would write wrong weights",
-            scheme=str(scheme),
-        )
+    if scheme is None:
+        return None
+    cast = next((step for step in options.transforms.steps if isinstance(step, Cast)), None)
+    return _Dequantization(scheme, cast.target if cast is not None else None)
+
+
+# The safetensors metadata keys that declare a quantization scheme (ckptconv.quantization.detect reads them).
+_QUANTIZATION_DECLARATIONS = ("quantization_config", "quant_method")
 
 
 def _verify_reference(options: ConversionOptions) -> str | None:
@@ -256,6 +290,12 @@ class _Transformed:
     notes: list[str]
     origins: dict[str, str] | None
     fit_report: Any = None
+    dequantization: _Dequantization | None = None
+
+    @property
+    def dequantized(self) -> bool:
+        """A quantization scheme's weights were dequantized: its declaration must not travel with them."""
+        return self.dequantization is not None and self.dequantization.target is not None
 
 
 def _selection_notes(selection: Selection) -> list[str]:
@@ -362,8 +402,9 @@ def _output_metadata(
     """What travels with the weights: the source's own safetensors metadata, its plain data, the provenance."""
     metadata: dict[str, MetadataValue] = {}
     if checkpoint.format == "safetensors":
+        dropped = {"format", *(_QUANTIZATION_DECLARATIONS if transformed.dequantized else ())}
         metadata.update(
-            {k: v for k, v in checkpoint.metadata.items() if not k.startswith("ckptconv.") and k != "format"}
+            {k: v for k, v in checkpoint.metadata.items() if not k.startswith("ckptconv.") and k not in dropped}
         )
     entries = checkpoint_metadata(checkpoint.tree, selection)
     if kind == "safetensors":
@@ -393,7 +434,7 @@ def _write(
 ) -> ConversionReport:
     """Write the transformed weights, checking CRC-32s, hashing the source and verifying beside the write."""
     state, notes, kind = transformed.state, list(summary.notes), summary.format
-    pipeline, fit_to = options.transforms, options.fit_to
+    pipeline, fit_to, dequantization = options.transforms, options.fit_to, transformed.dequantization
     metadata = _output_metadata(checkpoint, selection, transformed, kind, options)
     extra = None
     if kind == "pt" and options.keep_meta:
@@ -403,6 +444,8 @@ def _write(
 
     def transform_again(weights: dict[str, TensorRef]) -> Mapping[str, TensorRef]:
         """The same steps, on the weights an independent reader gives."""
+        if dequantization is not None:
+            weights = dequantization.apply(dataclasses.replace(selection, weights=weights)).weights
         result, _ = pipeline.apply(weights)
         if fit_to is not None:
             from ckptconv.fitting import fit

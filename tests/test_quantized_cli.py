@@ -51,7 +51,7 @@ FP8_CONFIG = {
 def test_scales_beside_weights_without_a_declaration_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     save_file(fp8_block_state(), str(path))
-    code, out, err = run_cli("convert", str(path), str(tmp_path / "out.safetensors"), "--dtype", "bf16")
+    code, _, err = run_cli("convert", str(path), str(tmp_path / "out.safetensors"), "--dtype", "bf16")
     assert code == 1
     assert err == (
         "ckptconv: error: tensor 'model.layers.0.mlp.down_proj.weight_scale_inv' belongs to a fp8 block-scaled "
@@ -84,3 +84,110 @@ def test_plain_float8_without_scales_is_a_plain_cast(tmp_path: Path) -> None:
     code, _, err = run_cli("convert", str(path), str(tmp_path / "out.safetensors"), "--dtype", "bf16", "-q")
     assert (code, err) == (0, "")
     assert torch.equal(load_file(str(tmp_path / "out.safetensors"))["w"], weight.to(torch.bfloat16))
+
+
+def _bytes_equal(ours: torch.Tensor, reference: torch.Tensor) -> None:
+    assert ours.dtype == reference.dtype and ours.shape == reference.shape
+    assert torch.equal(ours.contiguous().view(torch.uint8), reference.contiguous().view(torch.uint8))
+
+
+def _written(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(shard)))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("flag", "target"), [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)]
+)
+def test_fp8_block_folder_is_dequantized_as_transformers_does(tmp_path: Path, flag: str, target: torch.dtype) -> None:
+    """DeepSeek-V3's layout, ragged edge blocks included, against transformers' own fine-grained fp8 dequantization."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    state = fp8_block_state()
+    folder = model_folder(tmp_path / "fp8", state, FP8_CONFIG)
+    code, _, err = run_cli("convert", str(folder), str(tmp_path / "out") + "/", "--dtype", flag, "--verify")
+    assert code == 0, err
+    assert "note: dequantized the fp8 weights to" in err
+    written = _written(tmp_path / "out")
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert sorted(written) == [name, "model.norm.weight"]  # the scale is gone, the names are the model's
+    expected = _dequantize_fp8_weight(state[name], state[name + "_scale_inv"], BLOCK, torch.float32).to(target)
+    _bytes_equal(written[name], expected)
+    _bytes_equal(written["model.norm.weight"], state["model.norm.weight"].to(target))
+
+
+def test_without_dtype_a_quantized_checkpoint_is_copied_with_its_scales(tmp_path: Path) -> None:
+    state = fp8_block_state()
+    folder = model_folder(tmp_path / "fp8", state, FP8_CONFIG)
+    code, _, err = run_cli("convert", str(folder), str(tmp_path / "out") + "/")
+    assert code == 0, err
+    assert (
+        "note: the weights are quantized (fp8) and were kept so, with their scales; pass --dtype bf16, fp16 or "
+        "fp32 to dequantize them exactly\n"
+    ) in err
+    written = _written(tmp_path / "out")
+    assert sorted(written) == sorted(state)
+    for key, value in state.items():
+        _bytes_equal(written[key], value)
+
+
+def test_dequantizing_to_fp64_is_refused(tmp_path: Path) -> None:
+    folder = model_folder(tmp_path / "fp8", fp8_block_state(), FP8_CONFIG)
+    code, _, err = run_cli("convert", str(folder), str(tmp_path / "out") + "/", "--dtype", "fp64")
+    assert code == 1
+    assert err == "ckptconv: error: ckptconv dequantizes to float32, float16 or bfloat16, not float64\n"
+
+
+def test_verify_with_torch_dequantizes_the_reference_too(tmp_path: Path) -> None:
+    folder = model_folder(tmp_path / "fp8", fp8_block_state(), FP8_CONFIG)
+    code, _, err = run_cli("convert", str(folder), str(tmp_path / "o.safetensors"), "--dtype", "bf16", "--verify=torch")
+    assert code == 0, err
+
+
+def test_mxfp4_experts_are_dequantized_as_transformers_does(tmp_path: Path) -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    generator = torch.Generator().manual_seed(3)
+    experts = "model.layers.0.mlp.experts."
+    blocks = torch.randint(0, 256, (2, 24, 3, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(118, 136, (2, 24, 3), dtype=torch.uint8, generator=generator)
+    state = {experts + "gate_up_proj_blocks": blocks, experts + "gate_up_proj_scales": scales}
+    config = {"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}
+    folder = model_folder(tmp_path / "gpt_oss", state, config)
+    code, _, err = run_cli("convert", str(folder), str(tmp_path / "out.safetensors"), "--dtype", "bf16")
+    assert code == 0, err
+    written = load_file(str(tmp_path / "out.safetensors"))
+    assert list(written) == [experts + "gate_up_proj"]
+    _bytes_equal(written[experts + "gate_up_proj"], convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16))
+
+
+def test_compressed_tensors_w4a16_is_dequantized_as_its_decompressor_does(tmp_path: Path) -> None:
+    """A pack-quantized (int4 in int32, group scales, zero points) layer made by compressed-tensors' own compressor."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
+    weight = torch.randn(64, 96, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
+    groups = weight.float().unflatten(-1, (-1, 32))
+    scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    module = dict(
+        compressor.compress(
+            {"weight": weight, "weight_scale": scale.to(weight.dtype), "weight_zero_point": zero_point}, scheme
+        )
+    )
+    reference = compressor.decompress(dict(module), scheme)["weight"]
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme}, format="pack-quantized", quant_method="compressed-tensors"
+    )
+    state = {f"model.layers.0.mlp.up_proj.{key}": value for key, value in module.items()}
+    folder = model_folder(tmp_path / "w4a16", state, {"quantization_config": json.loads(config.model_dump_json())})
+    code, _, err = run_cli("convert", str(folder), str(tmp_path / "out.safetensors"), "--dtype", "bf16")
+    assert code == 0, err
+    written = load_file(str(tmp_path / "out.safetensors"))
+    assert list(written) == ["model.layers.0.mlp.up_proj.weight"]
+    _bytes_equal(written["model.layers.0.mlp.up_proj.weight"], reference.to(torch.bfloat16))
