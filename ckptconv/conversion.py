@@ -25,7 +25,7 @@ from ckptconv.errors import FitError, TransformError, VerifyError
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.options import ConversionOptions
-from ckptconv.quantization import Scheme, dequantize, detect
+from ckptconv.quantization import Scheme, dequantize, detect, fp8_quantize
 from ckptconv.reading.formats._base import Deferred, MetadataValue
 from ckptconv.reading.integrity import check_record_crcs
 from ckptconv.reading.model_folder import model_folder, read_config
@@ -33,7 +33,7 @@ from ckptconv.reading.streaming import reads_whole_record
 from ckptconv.runtime import cores as _cores
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.weights import Selection
-from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix, Transform
+from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix, Transform, compile_pattern
 from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing.naming import is_folder_destination, output_format
 from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, source_sha256
@@ -223,6 +223,8 @@ def _convert(
     if dequantization is not None:
         transformed.notes.append(dequantization.note(selection, transformed.state))
         transformed.dequantization = dequantization
+    if options.quantize != "none":
+        _quantize(transformed, options, already=dequantization)
     summary = _summary(checkpoint, selection, transformed, destination, options)
     if dry_run or destination is None:
         return summary
@@ -269,6 +271,24 @@ def _dequantization(
     return _Dequantization(scheme, cast.target if cast is not None else None)
 
 
+def _quantize(transformed: _Transformed, options: ConversionOptions, *, already: _Dequantization | None) -> None:
+    """``--quantize fp8-block``: the transformed weights as fp8 blocks, scales beside them (the way back)."""
+    if already is not None and already.target is None:
+        raise TransformError(
+            f"the weights are quantized ({already.scheme}) already; pass --dtype bf16 to dequantize them first"
+        )
+    cast = next((step for step in options.transforms.steps if isinstance(step, Cast)), None)
+    keep = [compile_pattern(pattern) for pattern in cast.keep] if cast is not None else []
+    before = len(transformed.state)
+    transformed.state, left_out = fp8_quantize.quantize(transformed.state, keep=keep)
+    transformed.quantization_config = fp8_quantize.quantization_config(left_out)
+    quantized = len(transformed.state) - before
+    transformed.notes.append(
+        f"quantized {plural(quantized, 'weight')} to float8_e4m3fn in 128x128 blocks, each with a float32 "
+        f"weight_scale_inv; left {plural(len(left_out), 'module')} unquantized (modules_to_not_convert)"
+    )
+
+
 # The safetensors metadata keys that declare a quantization scheme (ckptconv.quantization.detect reads them).
 _QUANTIZATION_DECLARATIONS = ("quantization_config", "quant_method")
 
@@ -291,6 +311,7 @@ class _Transformed:
     origins: dict[str, str] | None
     fit_report: Any = None
     dequantization: _Dequantization | None = None
+    quantization_config: dict[str, Any] | None = None  # what --quantize wrote, for the model's config.json
 
     @property
     def dequantized(self) -> bool:
@@ -409,6 +430,8 @@ def _output_metadata(
     entries = checkpoint_metadata(checkpoint.tree, selection)
     if kind == "safetensors":
         metadata.update(encode_entries(entries, "checkpoint."))
+        if transformed.quantization_config is not None:  # so that the file says how to read it back
+            metadata["quantization_config"] = json.dumps(transformed.quantization_config)
     if options.provenance:
         fit_plan = list(transformed.fit_report.plan) if transformed.fit_report else []
         metadata.update(

@@ -23,6 +23,7 @@ from ckptconv.transforms.keys import Pipeline
 __all__ = [
     "BATCH_FORMATS",
     "OUTPUT_FORMATS",
+    "QUANTIZE_SCHEMES",
     "TIED",
     "ConversionOptions",
     "Flag",
@@ -34,6 +35,8 @@ __all__ = [
 OUTPUT_FORMATS = ("pt", "safetensors", "dcp")
 # How safetensors outputs store tied tensors (see ckptconv.save); the first is the default.
 TIED = ("dedupe", "copy")
+# The schemes --quantize writes (ckptconv/quantization/fp8_quantize.py); the first is the default: none.
+QUANTIZE_SCHEMES = ("none", "fp8-block")
 # A batch writes one file per item: no folder formats.
 BATCH_FORMATS = ("pt", "safetensors")
 
@@ -236,6 +239,18 @@ class ConversionOptions:
             "write a copy under every name, which model.load_state_dict(load_file(DST), strict=True) accepts.",
             kind="choice",
             choices=TIED,
+        ),
+        fingerprint=True,
+    )
+    quantize: str = _option(
+        "none",
+        Flag(
+            "--quantize",
+            "Quantize the weights: fp8-block writes DeepSeek-V3's layout (float8_e4m3fn weights, a float32 "
+            "weight_scale_inv per 128x128 block), bit for bit as transformers' quantizer; embeddings, lm_head, "
+            "norms, integer buffers and --keep-dtype matches are left as they are.",
+            kind="choice",
+            choices=QUANTIZE_SCHEMES,
         ),
         fingerprint=True,
     )

@@ -191,3 +191,71 @@ def test_compressed_tensors_w4a16_is_dequantized_as_its_decompressor_does(tmp_pa
     written = load_file(str(tmp_path / "out.safetensors"))
     assert list(written) == ["model.layers.0.mlp.up_proj.weight"]
     _bytes_equal(written["model.layers.0.mlp.up_proj.weight"], reference.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_fp8_block_is_transformers_quantizer_bit_for_bit(tmp_path: Path, dtype: torch.dtype) -> None:
+    """--quantize fp8-block against transformers' Fp8Quantize; embeddings, lm_head and norms are left as they are,
+    and the round trip through ckptconv's own dequantization gives transformers' dequantization."""
+    from types import SimpleNamespace
+
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
+
+    generator = torch.Generator().manual_seed(7)
+    weight = (torch.randn(256, 384, generator=generator) * 0.05).to(dtype)
+    weight[:128, :128] = 0  # a block of zeros keeps scale 1
+    experts = (torch.randn(2, 128, 256, generator=generator)).to(dtype)
+    state = {
+        "model.layers.0.mlp.up_proj.weight": weight,
+        "model.layers.0.mlp.experts.down_proj.weight": experts,
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(100, 128, generator=generator).to(dtype),  # ragged
+        "model.embed_tokens.weight": torch.randn(10, 384, generator=generator).to(dtype),
+        "model.norm.weight": torch.randn(384, generator=generator).to(dtype),
+        "lm_head.weight": torch.randn(10, 384, generator=generator).to(dtype),
+    }
+    save_file(state, str(tmp_path / "model.safetensors"))
+    out = tmp_path / "fp8.safetensors"
+    code, _, err = run_cli("convert", str(tmp_path / "model.safetensors"), str(out), "--quantize", "fp8-block")
+    assert code == 0, err
+    written = load_file(str(out))
+    reference = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=BLOCK)))
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.experts.down_proj.weight"):
+        expected = reference.convert({name: state[name]})
+        _bytes_equal(written[name], expected[name])
+        scale = name.removesuffix("weight") + "weight_scale_inv"
+        _bytes_equal(written[scale], expected[scale])
+    for name in (
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ):
+        _bytes_equal(written[name], state[name])
+    declared = json.loads(safe_open_metadata(out)["quantization_config"])
+    assert declared["modules_to_not_convert"] == ["lm_head", "model.embed_tokens", "model.layers.0.self_attn.o_proj"]
+
+    back = tmp_path / "back.safetensors"
+    code, _, err = run_cli("convert", str(out), str(back), "--dtype", "bf16")
+    assert code == 0, err
+    name = "model.layers.0.mlp.up_proj.weight"
+    expected = Fp8Dequantize(None)._dequantize_one(
+        written[name], written["model.layers.0.mlp.up_proj.weight_scale_inv"], output_dtype=torch.bfloat16
+    )
+    _bytes_equal(load_file(str(back))[name], expected)
+
+
+def safe_open_metadata(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as file:
+        return dict(file.metadata())
+
+
+def test_quantizing_a_quantized_checkpoint_is_refused(tmp_path: Path) -> None:
+    folder = model_folder(tmp_path / "fp8", fp8_block_state(), FP8_CONFIG)
+    code, _, err = run_cli("convert", str(folder), str(tmp_path / "o.safetensors"), "--quantize", "fp8-block")
+    assert code == 1
+    assert err == (
+        "ckptconv: error: the weights are quantized (fp8) already; pass --dtype bf16 to dequantize them first\n"
+    )
