@@ -259,3 +259,18 @@ def test_quantizing_a_quantized_checkpoint_is_refused(tmp_path: Path) -> None:
     assert err == (
         "ckptconv: error: the weights are quantized (fp8) already; pass --dtype bf16 to dequantize them first\n"
     )
+
+
+def test_inspect_names_the_scheme_and_what_dequantizing_writes(tmp_path: Path) -> None:
+    folder = model_folder(tmp_path / "fp8", fp8_block_state(), FP8_CONFIG)
+    code, out, _ = run_cli("inspect", str(folder))
+    assert code == 0
+    assert (
+        "quantized: fp8: --dtype bf16, fp16 or fp32 dequantizes 1 weight exactly and leaves out "
+        "1 scale, zero point or shape tensor\n"
+    ) in out
+    code, out, _ = run_cli("inspect", str(folder), "--json")
+    assert json.loads(out)["quantization"].startswith("fp8: ")
+    save_file({"w": torch.randn(4, 4).to(torch.float8_e4m3fn)}, str(tmp_path / "plain.safetensors"))
+    code, out, _ = run_cli("inspect", str(tmp_path / "plain.safetensors"))
+    assert (code, "quantized" in out) == (0, False)

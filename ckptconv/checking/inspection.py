@@ -13,9 +13,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptconv._paths import PathLike
-from ckptconv.errors import SelectionError
+from ckptconv._paths import PathLike, as_path
+from ckptconv._text import plural
+from ckptconv.dtypes import dtype_by_name
+from ckptconv.errors import SelectionError, UnsupportedQuantizationError
+from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
+from ckptconv.quantization import dequantize, detect
+from ckptconv.reading.model_folder import model_folder, read_config
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.state_dicts import as_tensor, is_module, part_text
 from ckptconv.values.standins import ForeignGlobal, ForeignObject, NumpyArray
@@ -72,6 +77,8 @@ class CheckpointInfo:
         tensor_bytes: total bytes of the selected weights.
         dtypes: how many selected tensors have each dtype.
         total_tensors: tensors anywhere in the file (optimizer state included).
+        quantization: the quantization scheme the checkpoint declares or gives away, and what
+            dequantizing would write, or why it is refused; ``""`` for an unquantized checkpoint.
     """
 
     path: str
@@ -90,6 +97,7 @@ class CheckpointInfo:
     tensor_bytes: int
     dtypes: Mapping[str, int]
     total_tensors: int
+    quantization: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (what ``ckptconv inspect --json`` prints)."""
@@ -220,4 +228,25 @@ def _inspect(path: PathLike, *, select: str | None, trust: bool) -> CheckpointIn
         tensor_bytes=sum(ref.nbytes for ref in weights.values()),
         dtypes=dict(Counter(ref.out_dtype.name for ref in weights.values())),
         total_tensors=sum(1 for _ in checkpoint.tensors()),
+        quantization=_quantization(path, checkpoint, weights),
+    )
+
+
+def _quantization(path: PathLike, checkpoint: Checkpoint, weights: Mapping[str, TensorRef]) -> str:
+    """The scheme and what ``--dtype`` would write (the names only: no byte is read), or why it is refused."""
+    folder = model_folder(as_path(path))
+    try:
+        config = read_config(folder) if folder is not None else None
+        scheme = detect(config, checkpoint.metadata, weights)
+        if scheme is None:
+            return ""
+        bfloat16 = dtype_by_name("bfloat16")
+        plan = dequantize(weights, scheme, bfloat16) if bfloat16 is not None else dict(weights)
+    except UnsupportedQuantizationError as error:
+        return f"refused: {error}"
+    changed = sum(1 for key, ref in plan.items() if weights.get(key) is not ref)
+    left_out = len(weights) - len(plan)
+    return (
+        f"{scheme}: --dtype bf16, fp16 or fp32 dequantizes {plural(changed, 'weight')} exactly and leaves out "
+        f"{plural(left_out, 'scale, zero point or shape tensor', 'scale, zero point and shape tensors')}"
     )

@@ -195,6 +195,8 @@ def inspect(
     )
     if info.selection_note:
         echo(f"note: {info.selection_note}")
+    if info.quantization:
+        echo(f"quantized: {info.quantization}")
     listed = info.tensors if limit is None else info.tensors[:limit]
     if listed:
         key_width = min(max(len(shown(t.key)) for t in listed), 60)
