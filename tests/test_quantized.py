@@ -387,7 +387,8 @@ def test_scale_pairs_without_a_declaration_are_refused(
         detect(None, None, refs)
     assert str(caught.value) == (
         f"tensor {key!r} belongs to a {scheme} quantized checkpoint, but no quantization_config declares the "
-        "scheme; pass the model's config.json to dequantize it, since a plain cast would drop its scales"
+        "scheme; convert the model folder it came from (its config.json declares it), since a plain cast would "
+        "drop its scales"
     )
     assert caught.value.scheme == scheme and caught.value.key == key
 

@@ -35,6 +35,7 @@ from ckptconv.dtypes import DType
 from ckptconv.quantization._exact import Array, cast, widen
 from ckptconv.quantization.schemes import Scheme, is_module_kept, refuse, refuse_config
 from ckptconv.quantization.source import computed_tensor
+from ckptconv.transforms.casts import storage_dtype
 from ckptconv.values.tensor import TensorRef
 
 __all__ = ["plan"]
@@ -57,19 +58,36 @@ def _block(scheme: Scheme) -> tuple[int, int] | None:
 def dequantize_array(
     weight: Array, weight_dtype: str, scale: Array, scale_dtype: str, block: tuple[int, int] | None, target: str
 ) -> Array:
-    """The dequantized weight, in ``target``'s storage representation (steps 1-4 of the module docstring)."""
-    q = np.array(widen(weight, weight_dtype), dtype=np.float32)  # a writable copy, multiplied in place
+    """The dequantized weight, in ``target``'s storage representation (steps 1-4 of the module docstring).
+
+    Each output element depends only on its float8 byte and its block's scale, so each block is
+    dequantized through a 256-entry table: the 256 float8 values times the block's scale (step 3),
+    rounded to the target (step 4), the same arithmetic on each value as element by element, then
+    gathered by the weight's bytes, a band of ``bm`` rows at a time.
+    """
+    codes = np.ascontiguousarray(weight).view(np.uint8)
+    values = widen(np.arange(256, dtype=np.uint8), weight_dtype)  # every float8 value, exactly
     s = widen(scale, scale_dtype)
-    rows = q.shape[-2]
+    rows, cols = codes.shape[-2:]
+    bm, bn = block if block is not None else (rows, cols)
+    grid = s.reshape(-1, -(-rows // bm), -(-cols // bn)) if block is not None else s.reshape(1, 1, 1)
+    storage = storage_dtype(target)
+    out = np.empty(codes.shape, storage)
+    flat_codes = codes.reshape(-1, rows, cols)
+    flat_out = out.reshape(-1, rows, cols)
+    # Which block each column is in, as an offset into the band's tables.
+    column_table = (np.arange(cols) // bn).astype(np.intp) * 256
     with np.errstate(all="ignore"):
-        if block is None:
-            q *= s.reshape(())
-        else:
-            bm, bn = block
-            per_row = np.repeat(s, bm, axis=-2)[..., :rows, :]
-            for j in range(s.shape[-1]):
-                q[..., j * bn : (j + 1) * bn] *= per_row[..., j : j + 1]
-    return q if target == "float32" else cast(q, "float32", target)
+        for index in range(flat_codes.shape[0]):
+            scales = grid[index if grid.shape[0] > 1 else 0]
+            for band in range(scales.shape[0]):
+                products = values[None, :] * scales[band][:, None]  # (column blocks, 256), float32: one rounding
+                tables = products.reshape(-1) if target == "float32" else cast(products.reshape(-1), "float32", target)
+                tables = np.ascontiguousarray(tables).view(storage)
+                start, stop = band * bm, min((band + 1) * bm, rows)
+                indices = flat_codes[index, start:stop] + column_table
+                np.take(tables, indices, out=flat_out[index, start:stop])
+    return out
 
 
 def _dequantized(
