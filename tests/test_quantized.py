@@ -465,7 +465,7 @@ def test_the_package_runs_on_numpy_alone() -> None:
 
 
 def test_a_dequantized_weight_is_computed_when_read(tmp_path: Path) -> None:
-    from ckptconv.quantization.source import Dequantized
+    from ckptconv.reading.sources import Computed as Dequantized
 
     q = _fp8_quantize(torch.randn(128, 128), [128, 128])
     refs = _saved(tmp_path, {"m.weight": q["weight"], "m.weight_scale_inv": q["weight_scale_inv"]})

@@ -48,7 +48,7 @@ import numpy as np
 from ckptconv.dtypes import DType
 from ckptconv.quantization._exact import COMPUTE_DTYPES, Array, cast, rounded, widen
 from ckptconv.quantization.schemes import Scheme, refuse, refuse_config
-from ckptconv.quantization.source import computed_tensor
+from ckptconv.reading.sources import computed_tensor
 from ckptconv.values.tensor import TensorRef
 
 __all__ = ["FORMATS", "dequantize_naive", "dequantize_nvfp4", "dequantize_packed", "plan", "unpack_int32"]

@@ -34,7 +34,7 @@ import numpy as np
 from ckptconv.dtypes import DType
 from ckptconv.quantization._exact import Array, cast, widen
 from ckptconv.quantization.schemes import Scheme, is_module_kept, refuse, refuse_config
-from ckptconv.quantization.source import computed_tensor
+from ckptconv.reading.sources import computed_tensor
 from ckptconv.transforms.casts import storage_dtype
 from ckptconv.values.tensor import TensorRef
 

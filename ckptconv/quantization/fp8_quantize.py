@@ -32,7 +32,7 @@ import numpy as np
 
 from ckptconv.dtypes import DType, dtype_by_name
 from ckptconv.quantization._exact import Array, widen
-from ckptconv.quantization.source import computed_tensor
+from ckptconv.reading.sources import computed_tensor
 from ckptconv.values.tensor import TensorRef
 
 __all__ = ["BLOCK", "FP8_MAX", "quantization_config", "quantize", "quantize_array", "to_e4m3fn"]

@@ -29,7 +29,7 @@ import numpy as np
 from ckptconv.dtypes import DType
 from ckptconv.quantization._exact import Array, narrow
 from ckptconv.quantization.schemes import Scheme, is_module_kept, refuse
-from ckptconv.quantization.source import computed_tensor
+from ckptconv.reading.sources import computed_tensor
 from ckptconv.values.tensor import TensorRef
 
 __all__ = ["FP4_VALUES", "dequantize_array", "plan"]

@@ -2,7 +2,7 @@
 
 The result is a new state dict with the unquantized model's names, in the input's order: each
 quantized weight becomes one lazy :class:`~ckptconv.values.tensor.TensorRef` in the target dtype whose
-bytes are computed when a writer reads them (:mod:`ckptconv.quantization.source`); scales, zero
+bytes are computed when a writer reads them (:class:`ckptconv.reading.sources.Computed`); scales, zero
 points, global scales, shapes and activation scales are gone; every other tensor passes
 through untouched (a caller's ``--dtype`` cast applies to those separately).
 """

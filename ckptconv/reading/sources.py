@@ -9,22 +9,34 @@ the value layer needs no I/O of its own.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from ckptconv.dtypes import DType
 from ckptconv.errors import MalformedCheckpointError, UnsupportedFormatError
 from ckptconv.reading import read_policy, streaming, torch_views
-from ckptconv.values.tensor import ReadInto
+from ckptconv.values.tensor import ReadInto, Storage, TensorRef, contiguous_strides
 
 if TYPE_CHECKING:
     from ckptconv.transforms.casts import Array
-    from ckptconv.values.tensor import Storage, TensorRef
 
-__all__ = ["FileRegion", "InMemory", "Source", "Unreadable", "ZipMember", "read_exactly_into"]
+__all__ = [
+    "Computed",
+    "FileRegion",
+    "InMemory",
+    "Source",
+    "Unreadable",
+    "ZipMember",
+    "computed_tensor",
+    "read_exactly_into",
+]
 
 
 class Source:
@@ -188,3 +200,58 @@ def read_exactly_into(fd: int, offset: int, out: memoryview, path: str) -> None:
                 path=path,
             )
         filled += count
+
+
+@dataclass(frozen=True, eq=False)
+class Computed(Source):
+    """Bytes of ``compute(inputs)``: a contiguous array in the output dtype's storage representation.
+
+    A dequantized weight, a split of a fused one: computed whole once per ``opened()`` and served in
+    byte ranges while it stays open, so a writer streams it with memory bounded by that one tensor,
+    its inputs and the temporaries of its formula.
+
+    Attributes:
+        compute: takes the inputs' arrays (``TensorRef.numpy()``, by name) and returns the result.
+        inputs: the quantized tensors the result is made of, by role (``"weight"``, ``"scale"``).
+        nbytes: the size the result must have, checked on every computation.
+    """
+
+    compute: Callable[[Mapping[str, Array]], Array]
+    inputs: Mapping[str, TensorRef]
+    nbytes: int
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[ReadInto]:
+        arrays = {role: ref.numpy() for role, ref in self.inputs.items()}
+        result = np.ascontiguousarray(self.compute(arrays))
+        del arrays
+        data = result.reshape(-1).data.cast("B")
+        if data.nbytes != self.nbytes:
+            raise RuntimeError(f"computed {data.nbytes} bytes where {self.nbytes} were planned")  # a bug
+
+        def read_into(start: int, out: memoryview) -> None:
+            out.cast("B")[:] = data[start : start + out.nbytes]
+
+        try:
+            yield read_into
+        finally:
+            data.release()
+
+    def paths(self) -> frozenset[str]:
+        files: frozenset[str] = frozenset()
+        for ref in self.inputs.values():
+            files |= ref.storage.source.paths()
+        return files
+
+
+def computed_tensor(
+    name: str,
+    compute: Callable[[Mapping[str, Array]], Array],
+    inputs: Mapping[str, TensorRef],
+    dtype: DType,
+    shape: tuple[int, ...],
+) -> TensorRef:
+    """A lazy ``dtype`` tensor of ``shape`` whose bytes are ``compute``'s result on ``inputs``."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    storage = Storage(nbytes, Computed(compute, dict(inputs), nbytes), name=name)
+    return TensorRef(storage, dtype, tuple(shape), contiguous_strides(tuple(shape)))
