@@ -30,6 +30,7 @@ from ckptconv.reading.formats._base import Deferred, MetadataValue
 from ckptconv.reading.integrity import check_record_crcs
 from ckptconv.reading.model_folder import model_folder, read_config
 from ckptconv.reading.streaming import reads_whole_record
+from ckptconv.reading.unpickling.rebuild import DEQUANTIZED_ORIGIN
 from ckptconv.runtime import cores as _cores
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.weights import Selection
@@ -225,6 +226,11 @@ def _convert(
         transformed.dequantization = dequantization
     if options.quantize != "none":
         _quantize(transformed, options, already=dequantization)
+    ao = sum(ref.origin == DEQUANTIZED_ORIGIN for ref in selection.weights.values())
+    if ao:
+        transformed.notes.append(
+            f"read {plural(ao, 'torch.ao quantized tensor')} as float32, exactly as tensor.dequantize() gives them"
+        )
     summary = _summary(checkpoint, selection, transformed, destination, options)
     if dry_run or destination is None:
         return summary

@@ -274,3 +274,51 @@ def test_inspect_names_the_scheme_and_what_dequantizing_writes(tmp_path: Path) -
     save_file({"w": torch.randn(4, 4).to(torch.float8_e4m3fn)}, str(tmp_path / "plain.safetensors"))
     code, out, _ = run_cli("inspect", str(tmp_path / "plain.safetensors"))
     assert (code, "quantized" in out) == (0, False)
+
+
+def _torch_ao_state() -> dict[str, torch.Tensor]:
+    import warnings
+
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(64, 30, generator=generator) * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch 2.13 deprecates torch.ao's quantized tensors
+        per_tensor = torch.quantize_per_tensor(x, 0.1, 3, torch.qint8)
+        state = {
+            "fc.weight": per_tensor,
+            "fc2.weight": torch.quantize_per_channel(
+                x,
+                torch.rand(64, dtype=torch.float64, generator=generator) / 10 + 1e-3,
+                torch.randint(0, 5, (64,), generator=generator),
+                0,
+                torch.quint8,
+            ),
+            "fc3.weight": torch.quantize_per_channel(
+                x,
+                torch.rand(30, dtype=torch.float64, generator=generator) / 10 + 1e-3,
+                torch.randint(-3, 3, (30,), generator=generator),
+                1,
+                torch.qint8,
+            ),
+            "acc": torch.quantize_per_tensor(x, 0.01, 7, torch.qint32),
+            "view": per_tensor[::2, 1:5],
+            "bias": torch.randn(64, generator=generator),
+        }
+    return state
+
+
+@pytest.mark.parametrize(("flag", "target"), [("bf16", torch.bfloat16), (None, torch.float32)])
+def test_torch_ao_quantized_tensors_are_their_dequantize(tmp_path: Path, flag: str | None, target: torch.dtype) -> None:
+    """torch.ao quantized tensors (per tensor and per channel; qint8, quint8, qint32; a view) in a .pt file are
+    written as torch's own ``tensor.dequantize()``, cast as ``--dtype`` says; --verify=torch agrees."""
+    state = _torch_ao_state()
+    torch.save(state, tmp_path / "q.pt")
+    out = tmp_path / "out.safetensors"
+    args = ["convert", str(tmp_path / "q.pt"), str(out), "--verify=torch", *(["--dtype", flag] if flag else [])]
+    code, _, err = run_cli(*args)
+    assert code == 0, err
+    assert "note: read 5 torch.ao quantized tensors as float32, exactly as tensor.dequantize() gives them\n" in err
+    written = load_file(str(out))
+    for key, value in state.items():
+        expected = value.dequantize() if value.is_quantized else value
+        _bytes_equal(written[key], expected.to(target))

@@ -130,7 +130,10 @@ def _follow(tree: Any, path: tuple[Any, ...]) -> dict[str, TensorRef] | None:
     cache: dict[Any, Storage] = {}
     weights: dict[str, TensorRef] = {}
     for key, value in node.items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and _has_quantizer(value):
+            # A torch.ao quantized tensor: ckptconv reads it as its dequantize().
+            weights[str(key)] = from_torch(value.dequantize(), cache)
+        elif isinstance(value, torch.Tensor):
             # Bytes, strides, offset and the conj/neg bits exactly as torch rebuilt them.
             weights[str(key)] = from_torch(value, cache, quantized_as_stored=True)
         elif value is not None and not str(key).endswith("_extra_state"):
@@ -196,3 +199,15 @@ class _LibraryTensor(Source):
 
     def paths(self) -> frozenset[str]:
         return frozenset({self.path})
+
+
+def _has_quantizer(tensor: Any) -> bool:
+    """True for a torch.ao quantized tensor; False for bytes viewed as a quantized dtype (saved through a
+    ``QInt8Storage``), which have no quantizer: torch's ``qscheme()`` fails an internal assert on them."""
+    if not tensor.is_quantized:
+        return False
+    try:
+        tensor.qscheme()
+    except RuntimeError:
+        return False
+    return True

@@ -260,7 +260,6 @@ def _holds_shards(root: Any) -> bool:
 # Tensors torch pickles through functions of their own, which ckptconv does not rebuild: they
 # stay inert stand-ins, so a state dict holding one is no state dict of plain tensors.
 _UNSUPPORTED_TENSORS = {
-    "torch._utils._rebuild_qtensor": "quantized",
     "torch._utils._rebuild_sparse_tensor": "sparse",
     "torch._utils._rebuild_sparse_csr_tensor": "sparse",
     "torch._utils._rebuild_nested_tensor": "nested",
@@ -269,7 +268,6 @@ _UNSUPPORTED_TENSORS = {
     "torch._utils._rebuild_meta_tensor_no_storage": "meta-device",
 }
 _HINTS = {
-    "quantized": "dequantize them (tensor.dequantize())",
     "sparse": "make them dense (tensor.to_dense())",
     "nested": "unbind them into ordinary tensors (tensor.unbind())",
     "meta-device": "materialise them (model.to_empty(device='cpu'), then load the real weights)",

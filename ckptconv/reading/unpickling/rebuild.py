@@ -11,15 +11,16 @@ machine's REDUCE and NEWOBJ opcodes do with it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ckptconv._text import short_repr
 from ckptconv.dtypes import DType, dtype_by_name, dtype_by_storage_class
 from ckptconv.errors import MalformedCheckpointError
-from ckptconv.reading.sources import InMemory, Unreadable
+from ckptconv.reading.sources import InMemory, Unreadable, computed_tensor
 from ckptconv.values.standins import ForeignGlobal, ForeignObject, NumpyArray, NumpyDType, StorageType, TypedStorage
 from ckptconv.values.tensor import Storage, TensorRef, contiguous_strides
 
@@ -166,6 +167,78 @@ def _on_storage(typed: TypedStorage, dtype: DType, size: Any, stride: Any, offse
         unreadable = dataclasses.replace(ref.storage, source=Unreadable(reason, ref.storage.source.paths()))
         ref = dataclasses.replace(ref, storage=unreadable)
     return ref
+
+
+# torch.ao's quantization schemes a saved quantized tensor names (``torch.qscheme`` values), as plain data.
+_QSCHEMES = frozenset({"per_tensor_affine", "per_channel_affine", "per_channel_affine_float_qparams"})
+_INTEGER_REPRS = frozenset({"qint8", "quint8", "qint32"})
+#: The ``origin`` of a tensor read as a torch.ao quantized tensor's ``dequantize()``.
+DEQUANTIZED_ORIGIN = "torch.ao quantized"
+
+
+def _per_tensor(scale: float, zero_point: int, arrays: Mapping[str, Any]) -> Any:
+    """torch's ``dequantize()`` of a per-tensor affine tensor: ``(float(q) - float(zero_point)) * float(scale)``,
+    in float32 (checked against torch for qint8, quint8 and qint32)."""
+    import numpy as np
+
+    values = arrays["values"].astype(np.float32)
+    return (values - np.float32(zero_point)) * np.float32(scale)
+
+
+def _per_channel(axis: int, arrays: Mapping[str, Any]) -> Any:
+    """torch's ``dequantize()`` of a per-channel affine tensor: ``(q - zero_point[c]) * scale[c]`` in float64 (its
+    scales are float64), rounded once to float32."""
+    import numpy as np
+
+    values = arrays["values"]
+    shape = [1] * values.ndim
+    shape[axis] = -1
+    scales = arrays["scales"].astype(np.float64).reshape(shape)
+    zero_points = arrays["zero_points"].astype(np.float64).reshape(shape)
+    return ((values.astype(np.float64) - zero_points) * scales).astype(np.float32)
+
+
+def _rebuild_qtensor(
+    storage: Any, offset: Any, size: Any, stride: Any, params: Any, requires_grad: Any, hooks: Any
+) -> TensorRef:
+    """A torch.ao quantized tensor, read as its ``dequantize()``: float32, computed when its bytes are read."""
+    _check_requires_grad(requires_grad)
+    typed = _typed_storage(storage)
+    if typed.dtype.name not in _INTEGER_REPRS:
+        raise malformed(f"a quantized tensor is stored as {typed.dtype.name}, not qint8, quint8 or qint32")
+    if type(offset) is not int:
+        raise malformed(f"tensor storage offset {short_repr(offset)} is not an integer")
+    values = _on_storage(typed, typed.dtype, size, stride, typed.element_offset + offset, None)
+    float32 = dtype_by_name("float32")
+    if float32 is None:  # pragma: no cover - in ckptconv's dtype table
+        raise malformed("float32 is not a dtype")
+    if not isinstance(params, tuple) or not params or params[0] not in {f"torch.{name}" for name in _QSCHEMES}:
+        raise malformed(f"a quantized tensor's parameters {short_repr(params)} name no quantization scheme")
+    scheme = params[0]
+    if scheme == "torch.per_tensor_affine" and len(params) == 3:
+        scale, zero_point = params[1], params[2]
+        if type(scale) is not float or type(zero_point) is not int:
+            raise malformed(f"per-tensor quantization parameters {short_repr(params[1:])} are not a float and an int")
+        compute: Callable[[Mapping[str, Any]], Any] = functools.partial(_per_tensor, scale, zero_point)
+        inputs = {"values": values}
+    elif scheme == "torch.per_channel_affine" and len(params) == 4:
+        scales, zero_points, axis = params[1], params[2], params[3]
+        if not (isinstance(scales, TensorRef) and isinstance(zero_points, TensorRef) and type(axis) is int):
+            raise malformed(
+                f"per-channel quantization parameters {short_repr(params[1:])} are not two tensors and an axis"
+            )
+        if not 0 <= axis < len(values.shape) or scales.numel != values.shape[axis] or zero_points.numel != scales.numel:
+            raise malformed(
+                f"per-channel quantization along axis {axis} has {scales.numel} scales for shape {list(values.shape)}"
+            )
+        compute = functools.partial(_per_channel, axis)
+        inputs = {"values": values, "scales": scales, "zero_points": zero_points}
+    else:
+        why = f"torch.ao's {scheme.removeprefix('torch.')} quantization is not read by ckptconv; dequantize the tensors"
+        unreadable = Storage(values.numel * 4, Unreadable(why + " (tensor.dequantize()) and save them", frozenset()))
+        return TensorRef.checked(unreadable, float32, values.shape, contiguous_strides(values.shape), 0)
+    ref = computed_tensor("dequantized", compute, inputs, float32, values.shape)
+    return dataclasses.replace(ref, origin=DEQUANTIZED_ORIGIN)
 
 
 def _rebuild_tensor_v3(
@@ -433,6 +506,7 @@ _register(["torch._utils._rebuild_parameter", "torch.nn.parameter.Parameter"], _
 _register(["torch._utils._rebuild_parameter_with_state"], _rebuild_parameter, 4, 4)
 _register(["torch._tensor._rebuild_from_type_v2", "torch._tensor._rebuild_from_type"], _rebuild_from_type_v2, 4, 4)
 _register(["torch._utils._rebuild_device_tensor_from_cpu_tensor"], _rebuild_device_tensor, 4, 4)
+_register(["torch._utils._rebuild_qtensor"], _rebuild_qtensor, 7, 7)
 _register(["torch.Size"], _torch_size, 0, 1)
 _register(["torch.device"], _torch_device, 1, 2)
 _register(["collections.OrderedDict"], _ordered_dict, 0, 1)
@@ -490,6 +564,8 @@ def _known_torch_value(module: str, name: str) -> Any:
             dtype = dtype_by_storage_class(name)
             if dtype is not None:
                 return StorageType(dtype)
+    if module == "torch" and name in _QSCHEMES:
+        return f"torch.{name}"  # a qscheme, as plain data (see _rebuild_qtensor)
     if module == "torch":
         dtype = dtype_by_name(_DTYPE_ALIASES.get(name, name))
         if dtype is not None:
