@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors.torch import load_file
 
 import ckptconv
 from ckptconv.architectures import to_hugging_face
@@ -58,6 +59,16 @@ def test_mapped_weights_load_strictly_and_give_megatrons_logits(name: str) -> No
     mapped = to_hugging_face(weights, config, experts="fused")
     model = _model(config)
     model.load_state_dict({k: v.torch() for k, v in mapped.items()}, strict=True)
+    assert _difference(model, config, golden) < TOLERANCE
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_fused_layout_written_by_ckptconv_loads_strictly(name: str, tmp_path: Path) -> None:
+    config, weights, golden = _fixture(name)
+    out = tmp_path / "model.safetensors"
+    ckptconv.save(to_hugging_face(weights, config, reference_names=["x.mlp.experts.gate_up_proj"]), out)
+    model = _model(config)
+    model.load_state_dict(load_file(out), strict=True)
     assert _difference(model, config, golden) < TOLERANCE
 
 
