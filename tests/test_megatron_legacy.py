@@ -108,3 +108,13 @@ def test_ranks_that_disagree_are_refused(tmp_path: Path) -> None:
     ranks = {(r, 0): {"decoder.final_layernorm.weight": torch.zeros(3 + r)} for r in range(2)}
     with pytest.raises(ckptconv.MalformedCheckpointError, match="replicated but the ranks hold shapes"):
         ckptconv.open(_save_ranks(tmp_path, ranks, pp=1))
+
+
+def test_batch_takes_the_run_folder_as_one_item(tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copytree(LEGACY, tmp_path / "runs" / "legacy")
+    report = ckptconv.batch(tmp_path / "runs", tmp_path / "out")
+    (item,) = report.results
+    assert (item.status, item.kind, item.source_format, item.tensors) == ("converted", "run", "megatron-legacy", 29)
+    assert_same_state(load_file(tmp_path / "out" / item.output), golden(), ordered=False)
