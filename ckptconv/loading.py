@@ -229,7 +229,7 @@ def load(
 
 def _read_trusted(path: str, kind: str) -> ReadResult:
     """Unpickle with torch itself; for trusted files only."""
-    if kind in ("safetensors", "sharded", "dcp", "deepspeed", "rank-shards", "megatron-torch-dist"):
+    if kind in ("safetensors", "sharded", "dcp", "deepspeed", "rank-shards", "megatron-torch-dist", "megatron-legacy"):
         return formats.READERS[kind](path)  # nothing in these runs code: trust changes nothing
     import torch
 

@@ -36,6 +36,7 @@ _MODULES = {
     "deepspeed": "deepspeed",
     "rank-shards": "rank_shards",
     "megatron-torch-dist": "megatron",
+    "megatron-legacy": "megatron_legacy",
 }
 
 
@@ -74,6 +75,9 @@ def resolve(path: PathLike) -> tuple[str, str]:
         run = _module("deepspeed").find_checkpoint(path)
         if run is not None:
             return "deepspeed", run
+        legacy = _module("megatron-legacy").find_checkpoint(path)
+        if legacy is not None:
+            return "megatron-legacy", legacy
         if _module("rank-shards").find_files(path) is not None:
             return "rank-shards", path
         index = _module("sharded").find_index(path)
@@ -144,6 +148,8 @@ def checkpoint_files(path: str) -> list[str]:
         return _module("deepspeed").checkpoint_files(path) or []
     if kind == "rank-shards":
         return _module("rank-shards").find_files(path) or []
+    if kind == "megatron-legacy":
+        return _module("megatron-legacy").checkpoint_files(path) or []
     return [path]
 
 

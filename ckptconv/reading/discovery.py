@@ -137,10 +137,10 @@ def _run_members(folder: str) -> tuple[list[str], bool] | None:
     """The files of the training-run checkpoint ``folder`` holds (relative, ``/``-separated), and
     whether the folders inside it belong to it; None if it holds none."""
     from ckptconv.errors import CkptconvError
-    from ckptconv.reading.formats import deepspeed, rank_shards
+    from ckptconv.reading.formats import deepspeed, megatron_legacy, rank_shards
 
     try:
-        files = deepspeed.checkpoint_files(folder)
+        files = deepspeed.checkpoint_files(folder) or megatron_legacy.checkpoint_files(folder)
     except (CkptconvError, OSError):
         return None
     if files is not None:
@@ -155,9 +155,14 @@ def unread_files(item: Item) -> list[str]:
     """The checkpoint files inside a ``run`` item's folder that converting it does not read
     (older tags, optimizer files beside per-rank model files), for a scanner to look at."""
     from ckptconv.reading.detection import is_checkpoint_file
-    from ckptconv.reading.formats import deepspeed, rank_shards
+    from ckptconv.reading.formats import deepspeed, megatron_legacy, rank_shards
 
-    read = set(deepspeed.checkpoint_files(item.path) or rank_shards.find_files(item.path) or [])
+    read = set(
+        deepspeed.checkpoint_files(item.path)
+        or megatron_legacy.checkpoint_files(item.path)
+        or rank_shards.find_files(item.path)
+        or []
+    )
     extra = []
     for folder, subfolders, filenames in os.walk(item.path):
         subfolders.sort()

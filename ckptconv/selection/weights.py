@@ -462,8 +462,8 @@ def _refuse_model_parallel_rank(tree: Any, source: str) -> None:
     if splits:
         raise SelectionError(
             f"{source} is one rank's file of a Megatron-LM run split by {' and '.join(splits)}: its weights are "
-            "that rank's slices, not the model's; ckptconv cannot merge legacy Megatron ranks yet (save the run "
-            "with --ckpt-format torch_dist and convert that folder), or pass --select model to take this rank's "
+            "that rank's slices, not the model's; convert the run's folder (the iter_N folder, or the one holding "
+            "latest_checkpointed_iteration.txt) to merge the ranks, or pass --select model to take this rank's "
             "slices as they are"
         )
 

@@ -37,9 +37,16 @@ tensor whose pieces are byte ranges of the rank files, read where they lie.
   them from the module's saved weights, the values they had in training.
 
 The tree :func:`read` returns holds ``state_dict`` (the fp32 master weights,
-what the selection picks by default), ``module`` (the 16-bit weights as
-saved, stages 1-2; ``--select module``) and the run's plain data (steps,
-``ds_config``, client state).
+what the selection picks by default), ``module`` (the 16-bit weights the model
+trained with; ``--select module``) and the run's plain data (steps,
+``ds_config``, client state). Stages 1-2 save the module whole, and ``module`` is
+it, as saved. Stage 3 saves each parameter of the module as an empty placeholder
+of its dtype (the weights live partitioned in the optimizer files); its 16-bit
+weights are the fp32 master weights cast to that dtype, which is what DeepSpeed
+does after every step (``fp16_partitioned_groups_flat[i].copy_(fp32_partitioned_groups_flat[i])``:
+a round to nearest even, which ckptconv's casts reproduce bit for bit), so
+``module`` is that cast (lazy), the frozen parameters in their saved dtype, the
+buffers as saved and the tied parameters one tensor under both names.
 """
 
 from __future__ import annotations
@@ -175,6 +182,27 @@ def _rank_files(folder: str, pattern: re.Pattern[str], what: str) -> dict[int, s
             path=folder,
         )
     return found
+
+
+def _module_stage3(
+    module: Mapping[str, Any], weights: Mapping[str, TensorRef], buffer_names: Any, model_file: str
+) -> dict[str, Any]:
+    """ZeRO-3's module state dict: each placeholder's parameter, from the master weights, in its saved dtype."""
+    buffers = set(buffer_names)
+    out: dict[str, Any] = {}
+    made: dict[tuple[int, str], TensorRef] = {}  # a tied parameter stays one tensor
+    for name, placeholder in module.items():
+        if name in buffers or not isinstance(placeholder, TensorRef):
+            out[name] = placeholder
+            continue
+        master = weights.get(name)
+        if master is None:
+            raise damaged(model_file, f"its module names {name!r}, which no partition or fragment holds")
+        key = (id(master), placeholder.dtype.name)
+        if key not in made:
+            made[key] = master.cast(placeholder.dtype)
+        out[name] = made[key]
+    return out
 
 
 def read(path: str, *, max_items: int | None = None) -> ReadResult:
@@ -315,8 +343,7 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
                 weights[alias] = weights[target]
 
     result: dict[str, Any] = {"state_dict": weights}
-    if stage < 3:
-        result["module"] = dict(module)
+    result["module"] = dict(module) if stage < 3 else _module_stage3(module, weights, buffer_names, model_file)
     result.update({k: v for k, v in model.items() if isinstance(k, str) and k not in _LAYOUT_KEYS})
     master = Counter(group.dtype.name for group in flats[0])
     saved = Counter(ref.dtype.name for k, ref in module.items() if isinstance(ref, TensorRef) and k not in buffer_names)
@@ -331,7 +358,8 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
         "module_weights": (
             f"{', '.join(saved)} (module: as saved by rank 0; --select module)"
             if stage < 3
-            else "not saved (ZeRO-3 partitions the module; only the master weights can be produced)"
+            else f"{', '.join(saved)} (module: the master weights cast to each parameter's saved dtype, as "
+            "DeepSpeed does after each step; buffers as saved; --select module)"
         ),
     }
     if taken_from_module:

@@ -1,0 +1,14 @@
+"""Model architectures: one training framework's names mapped to a model library's, as tables of data.
+
+:func:`to_hugging_face` maps a Megatron-Core model (``decoder.layers.N.self_attention.linear_qkv``
+…) to the Hugging Face model a ``config.json`` describes, offline, with no Megatron installed.
+``operations.py`` is the vocabulary (rename, rows, chunk, QKV split, unstack, stack),
+``families.py`` the tables, one per model family, ``mapping.py`` runs them.
+"""
+
+from __future__ import annotations
+
+from ckptconv.architectures.families import FAMILIES
+from ckptconv.architectures.mapping import expert_layout, to_hugging_face
+
+__all__ = ["FAMILIES", "expert_layout", "to_hugging_face"]

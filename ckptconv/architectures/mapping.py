@@ -1,0 +1,125 @@
+"""Run a family's table over a checkpoint's names: Megatron-Core weights to a Hugging Face model's."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any
+
+from ckptconv._text import shown
+from ckptconv.architectures import families
+from ckptconv.architectures.operations import Operation, compile_pattern
+from ckptconv.errors import TransformError
+from ckptconv.values.tensor import TensorRef
+
+__all__ = ["expert_layout", "run_table", "to_hugging_face"]
+
+
+def bounded_list(names: list[str], limit: int = 4) -> str:
+    """The first ``limit`` names, quoted, and how many more."""
+    text = ", ".join(shown(name) for name in names[:limit])
+    return text + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def run_table(
+    rules: Iterable[Operation], weights: Mapping[str, TensorRef], config: Mapping[str, Any], *, strict: bool
+) -> dict[str, TensorRef]:
+    """Each name through the first rule whose source matches it; ``strict``: a name no rule matches is refused."""
+    compiled = [(rule, compile_pattern(rule.source)) for rule in rules]
+    matched: dict[int, list[tuple[Mapping[str, str], TensorRef]]] = {}
+    out: dict[str, TensorRef] = {}
+    unknown: list[str] = []
+    for name, ref in weights.items():
+        for index, (_, pattern) in enumerate(compiled):
+            found = pattern.match(name)
+            if found:
+                matched.setdefault(index, []).append((found.groupdict(), ref))
+                break
+        else:
+            if strict:
+                unknown.append(name)
+            else:
+                out[name] = ref
+    if unknown:
+        raise TransformError(
+            f"no rule maps {len(unknown)} Megatron name(s) to a {config.get('model_type')} model: "
+            f"{bounded_list(unknown)}"
+        )
+    for index, matches in sorted(matched.items()):
+        for target, ref in compiled[index][0].map(matches, config):
+            if target in out:
+                raise TransformError(f"two Megatron tensors would both become {target!r}")
+            out[target] = ref
+    return out
+
+
+def expert_layout(reference_names: Collection[str] | None, config: Mapping[str, Any]) -> str:
+    """``"fused"`` (transformers 5's ``experts.gate_up_proj``) or ``"per_expert"`` (the Hub's ``experts.N.*``).
+
+    From the reference's names where given; else per expert, the layout Hub checkpoints hold and
+    every transformers version (5 merges them on load) reads.
+    """
+    if reference_names is not None:
+        if any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in reference_names):
+            return "fused"
+        return "per_expert"
+    return "per_expert"
+
+
+def to_hugging_face(
+    weights: Mapping[str, TensorRef],
+    config: Mapping[str, Any],
+    *,
+    experts: str | None = None,
+    reference_names: Collection[str] | None = None,
+) -> dict[str, TensorRef]:
+    """Megatron-Core weights (``decoder.layers.N.…``) under the names and sizes of ``config``'s HF model.
+
+    Args:
+        weights: a Megatron-Core model's tensors, as ``ckptconv.open(folder).select().weights``
+            gives them (``torch_dist`` folders, or a ``state_dict()`` of the local or TE spec).
+        config: the Hugging Face ``config.json`` as a dict; its ``model_type`` picks the table
+            (:data:`ckptconv.architectures.families.FAMILIES`), its sizes check every tensor, its
+            ``vocab_size`` strips Megatron's vocabulary padding, its ``tie_word_embeddings`` says
+            whether ``lm_head.weight`` is written.
+        experts: ``"fused"`` or ``"per_expert"`` for a mixture of experts; None: from
+            ``reference_names`` (see :func:`expert_layout`).
+        reference_names: the names of the model being matched (a reference folder's keys), if any.
+
+    Returns:
+        The tensors by Hugging Face name, lazy: renames and row blocks are the same bytes, the QKV
+        split and the stacked experts are computed when a writer reads them.
+
+    Raises:
+        TransformError: in one line, for an unknown ``model_type``, a name no rule maps, a size that
+            disagrees with the config, or a name the config's model has that the checkpoint lacks.
+    """
+    model_type = config.get("model_type")
+    if model_type not in families.FAMILIES:
+        raise TransformError(
+            f"no Megatron-Core table for model_type {model_type!r}; known: {', '.join(sorted(families.FAMILIES))}"
+        )
+    layout = experts or expert_layout(reference_names, config)
+    if layout not in families.EXPERT_LAYOUTS:
+        raise TransformError(f"experts must be one of {', '.join(families.EXPERT_LAYOUTS)}, not {layout!r}")
+    tied = bool(config.get("tie_word_embeddings", False))
+    canonical = run_table(families.MEGATRON_SPELLINGS, weights, config, strict=False)
+    if tied and "output_layer.weight" in canonical:
+        raise TransformError(
+            "the config ties the output layer to the embedding (tie_word_embeddings), but the checkpoint has an "
+            "output_layer.weight of its own; give the config tie_word_embeddings: false"
+        )
+    if not tied and "output_layer.weight" not in canonical and "embedding.word_embeddings.weight" in canonical:
+        canonical["output_layer.weight"] = canonical["embedding.word_embeddings.weight"]  # shared in Megatron
+    mapped = run_table(families.table(str(model_type), layout), canonical, config, strict=True)
+    want = families.expected(config, layout, tied)
+    missing = [name for name in want if name not in mapped]
+    extra = [name for name in mapped if name not in want]
+    if missing or extra:
+        parts = ([f"lacks {bounded_list(missing)}"] if missing else []) + (
+            [f"has no place for {bounded_list(extra)}"] if extra else []
+        )
+        raise TransformError(f"the checkpoint does not make the config's {model_type} model: it {'; it '.join(parts)}")
+    wrong = [f"{n} {list(mapped[n].shape)} (config: {list(s)})" for n, s in want.items() if mapped[n].shape != s]
+    if wrong:
+        raise TransformError(f"sizes disagree with the config: {bounded_list(wrong)}")
+    return {name: mapped[name] for name in want}
