@@ -14,7 +14,7 @@ targets by patterns over the same fields, like transformers v5's ``WeightRenamin
 
 Views are :class:`TensorRef`\\ s over a :class:`Window` of the source's storage (no byte moves, each
 with a storage of its own so writers see no tie); computed results are
-:func:`ckptconv.quantization.source.computed_tensor`\\ s, made when a writer reads them, memory
+:func:`ckptconv.reading.sources.computed_tensor`\\ s, made when a writer reads them, memory
 bounded by one weight. Nothing here reads a tensor.
 """
 
@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 
 from ckptconv.errors import TransformError
-from ckptconv.quantization.source import computed_tensor
-from ckptconv.reading.sources import Source
+from ckptconv.reading.sources import Source, computed_tensor
 from ckptconv.values.tensor import ReadInto, Storage, TensorRef, contiguous_strides
 
 __all__ = ["Chunk", "Operation", "Rename", "Rows", "SplitQKV", "Stack", "Unstack", "Window", "compile_pattern"]

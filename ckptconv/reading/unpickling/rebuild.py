@@ -21,6 +21,7 @@ from ckptconv._text import short_repr
 from ckptconv.dtypes import DType, dtype_by_name, dtype_by_storage_class
 from ckptconv.errors import MalformedCheckpointError
 from ckptconv.reading.sources import InMemory, Unreadable, computed_tensor
+from ckptconv.reading.unpickling.torch_ao import per_channel, per_tensor
 from ckptconv.values.standins import ForeignGlobal, ForeignObject, NumpyArray, NumpyDType, StorageType, TypedStorage
 from ckptconv.values.tensor import Storage, TensorRef, contiguous_strides
 
@@ -176,28 +177,6 @@ _INTEGER_REPRS = frozenset({"qint8", "quint8", "qint32"})
 DEQUANTIZED_ORIGIN = "torch.ao quantized"
 
 
-def _per_tensor(scale: float, zero_point: int, arrays: Mapping[str, Any]) -> Any:
-    """torch's ``dequantize()`` of a per-tensor affine tensor: ``(float(q) - float(zero_point)) * float(scale)``,
-    in float32 (checked against torch for qint8, quint8 and qint32)."""
-    import numpy as np
-
-    values = arrays["values"].astype(np.float32)
-    return (values - np.float32(zero_point)) * np.float32(scale)
-
-
-def _per_channel(axis: int, arrays: Mapping[str, Any]) -> Any:
-    """torch's ``dequantize()`` of a per-channel affine tensor: ``(q - zero_point[c]) * scale[c]`` in float64 (its
-    scales are float64), rounded once to float32."""
-    import numpy as np
-
-    values = arrays["values"]
-    shape = [1] * values.ndim
-    shape[axis] = -1
-    scales = arrays["scales"].astype(np.float64).reshape(shape)
-    zero_points = arrays["zero_points"].astype(np.float64).reshape(shape)
-    return ((values.astype(np.float64) - zero_points) * scales).astype(np.float32)
-
-
 def _rebuild_qtensor(
     storage: Any, offset: Any, size: Any, stride: Any, params: Any, requires_grad: Any, hooks: Any
 ) -> TensorRef:
@@ -219,7 +198,7 @@ def _rebuild_qtensor(
         scale, zero_point = params[1], params[2]
         if type(scale) is not float or type(zero_point) is not int:
             raise malformed(f"per-tensor quantization parameters {short_repr(params[1:])} are not a float and an int")
-        compute: Callable[[Mapping[str, Any]], Any] = functools.partial(_per_tensor, scale, zero_point)
+        compute: Callable[[Mapping[str, Any]], Any] = functools.partial(per_tensor, scale, zero_point)
         inputs = {"values": values}
     elif scheme == "torch.per_channel_affine" and len(params) == 4:
         scales, zero_points, axis = params[1], params[2], params[3]
@@ -231,7 +210,7 @@ def _rebuild_qtensor(
             raise malformed(
                 f"per-channel quantization along axis {axis} has {scales.numel} scales for shape {list(values.shape)}"
             )
-        compute = functools.partial(_per_channel, axis)
+        compute = functools.partial(per_channel, axis)
         inputs = {"values": values, "scales": scales, "zero_points": zero_points}
     else:
         why = f"torch.ao's {scheme.removeprefix('torch.')} quantization is not read by ckptconv; dequantize the tensors"
