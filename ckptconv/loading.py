@@ -74,6 +74,8 @@ class Checkpoint:
         files: every file the checkpoint consists of: the file itself, or the index
             and all its shards, or ``.metadata`` and the chunk files. Writers never
             replace or delete any of them.
+        notes: what the reader found the user should know, as sentences (a file saved under
+            ``torch.serialization.skip_data``, whose tensors are zeros).
     """
 
     path: str
@@ -85,6 +87,7 @@ class Checkpoint:
     size: int = 0
     trusted: bool = False
     files: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def select(self, select: str | None = None) -> Selection:
         """The model weights in this checkpoint; see :func:`ckptconv.selection.weights.select_weights`."""
@@ -163,6 +166,7 @@ def open(path: PathLike, *, trust: bool = False) -> Checkpoint:
         size=_size(files),
         trusted=trust,
         files=files,
+        notes=result.notes,
     )
 
 
