@@ -24,7 +24,7 @@ from ckptconv.errors import CkptconvError, LoadError, MalformedCheckpointError
 from ckptconv.reading import detection as formats
 from ckptconv.reading.formats._base import ReadResult
 from ckptconv.runtime.collector import collector_paused
-from ckptconv.selection.state_dicts import children, part_text
+from ckptconv.selection.state_dicts import branches, part_text
 from ckptconv.selection.weights import Selection, select_weights
 from ckptconv.values.standins import NumpyArray
 from ckptconv.values.tensor import Storage, TensorRef
@@ -109,7 +109,9 @@ class Checkpoint:
             if id(value) in seen:
                 continue
             seen.add(id(value))
-            for key, child in reversed(children(value)):
+            # Leaves (None, numbers, text) hold no tensor: no path text is made for them (a list of
+            # ten million small ints made ten million strings here).
+            for key, child in reversed(list(branches(value, any_key=True))):
                 stack.append((f"{path}.{part_text(key)}" if path else part_text(key), child))
 
 

@@ -16,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 _PEAK = """
-import resource, sys
+import sys
 what, path = sys.argv[1], sys.argv[2]
 if what.startswith("torch"):
     import torch
@@ -26,13 +26,15 @@ if what == "torch":
     torch.load(path, weights_only=True)
 elif what == "ckptconv":
     ckptconv.open(path).select()
+elif what == "ckptconv-inspect":
+    ckptconv.inspect(path)
 elif what == "ckptconv-convert":
     from ckptconv.cli import main
     try:
         main(["convert", path, path + ".safetensors", "-q", "--overwrite"])
     except SystemExit as exit:
         assert not exit.code, exit.code
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print([line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")][0])
 """
 
 
@@ -55,7 +57,7 @@ def test_plain_data_takes_a_small_multiple_of_what_torch_load_takes(filler: int 
     path = tmp_path / "plain.pt"
     torch.save({"w": torch.ones(2), "data": [filler if filler is None else i % 100 for i in range(2_000_000)]}, path)
     torch_kib = _peak_kib("torch", path)
-    for what in ("ckptconv", "ckptconv-convert"):
+    for what in ("ckptconv", "ckptconv-inspect", "ckptconv-convert"):
         peak = _peak_kib(what, path)
         # torch.load takes ~240 MiB here; selecting took 2.1x that before the fix (~500 MiB, and 7x
         # of it at 10 million elements), ~0.3x after.
