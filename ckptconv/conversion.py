@@ -376,7 +376,7 @@ def _transform(selection: Selection, options: ConversionOptions) -> _Transformed
 
 def _source_notes(checkpoint: Checkpoint) -> list[str]:
     """What the source file itself says: the devices it was saved on, classes that became stand-ins."""
-    notes: list[str] = []
+    notes: list[str] = list(checkpoint.notes)
     devices = sorted(device for device in checkpoint.saved_devices if device != "cpu")
     if devices:
         notes.append(f"tensors were saved on {', '.join(devices)}; the output is loadable on the CPU")

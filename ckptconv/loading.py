@@ -24,7 +24,7 @@ from ckptconv.errors import CkptconvError, LoadError, MalformedCheckpointError
 from ckptconv.reading import detection as formats
 from ckptconv.reading.formats._base import ReadResult
 from ckptconv.runtime.collector import collector_paused
-from ckptconv.selection.state_dicts import children, part_text
+from ckptconv.selection.state_dicts import branches, part_text
 from ckptconv.selection.weights import Selection, select_weights
 from ckptconv.values.standins import NumpyArray
 from ckptconv.values.tensor import Storage, TensorRef
@@ -74,6 +74,8 @@ class Checkpoint:
         files: every file the checkpoint consists of: the file itself, or the index
             and all its shards, or ``.metadata`` and the chunk files. Writers never
             replace or delete any of them.
+        notes: what the reader found the user should know, as sentences (a file saved under
+            ``torch.serialization.skip_data``, whose tensors are zeros).
     """
 
     path: str
@@ -85,6 +87,7 @@ class Checkpoint:
     size: int = 0
     trusted: bool = False
     files: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def select(self, select: str | None = None) -> Selection:
         """The model weights in this checkpoint; see :func:`ckptconv.selection.weights.select_weights`."""
@@ -106,7 +109,9 @@ class Checkpoint:
             if id(value) in seen:
                 continue
             seen.add(id(value))
-            for key, child in reversed(children(value)):
+            # Leaves (None, numbers, text) hold no tensor: no path text is made for them (a list of
+            # ten million small ints made ten million strings here).
+            for key, child in reversed(list(branches(value, any_key=True))):
                 stack.append((f"{path}.{part_text(key)}" if path else part_text(key), child))
 
 
@@ -163,6 +168,7 @@ def open(path: PathLike, *, trust: bool = False) -> Checkpoint:
         size=_size(files),
         trusted=trust,
         files=files,
+        notes=result.notes,
     )
 
 

@@ -413,6 +413,38 @@ def test_an_interruption_a_finalizer_swallowed_is_delivered_again() -> None:
         sys.unraisablehook = python_hook
 
 
+def test_an_interruption_sent_again_never_lands_inside_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook starts the thread that sends the signal again; on a busy machine the main thread was
+    still inside that Thread.start() when the signal came, so the KeyboardInterrupt was raised inside
+    the hook and swallowed once more (a flaky "DID NOT RAISE"). Here Thread.start() is made slow."""
+    import sys
+    import threading
+
+    from ckptconv.cli.failures import on_unraisable
+
+    start = threading.Thread.start
+
+    def slow_start(self: threading.Thread) -> None:
+        start(self)
+        for _ in range(50):  # the main thread held up in the hook for 50 ms, as a loaded machine does
+            time.sleep(0.001)
+
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+
+    class Interrupted:
+        def __del__(self) -> None:
+            raise KeyboardInterrupt
+
+    python_hook, sys.unraisablehook = sys.unraisablehook, on_unraisable
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Interrupted()
+            for _ in range(200):
+                time.sleep(0.01)
+    finally:
+        sys.unraisablehook = python_hook
+
+
 def test_signals_are_held_back_while_cpp_calls_into_python() -> None:
     """torch.save to a file object calls back into Python: Ctrl-C raised there aborted the process
     (SIGABRT). Inside signals_deferred the signal waits, and reaches its handler when the block ends."""

@@ -173,8 +173,10 @@ def on_unraisable(unraisable: Any) -> None:
     A signal handler's exception raised inside a finalizer or a weakref callback (an import's module
     lock, torch's) cannot leave it: Python printed it ("Exception ignored in ...", a traceback) and
     went on, and the command finished as if never interrupted. The signal is sent again from a
-    thread, a moment later, when the callback has returned (raised from here, the exception would
-    end in this hook, as unraisable as before). Other unraisable errors go to Python's hook.
+    thread once the main thread has left this hook (raised from here, the exception would end in
+    this hook, as unraisable as before): a fixed delay was not enough, as on a busy machine the main
+    thread could still be inside this hook's own ``Thread.start()`` when the signal came. Other
+    unraisable errors go to Python's hook.
     """
     import signal
     import sys
@@ -187,10 +189,27 @@ def on_unraisable(unraisable: Any) -> None:
     sys.__unraisablehook__(unraisable)
 
 
+def _in_the_hook(thread_id: int) -> bool:
+    """True while the thread ``thread_id`` runs :func:`on_unraisable` (or is about to, or just did)."""
+    import sys
+
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code is on_unraisable.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _send_again(signum: int) -> None:
+    import threading
     import time
 
-    time.sleep(0.001)  # past the callback the first one could not leave
+    main = threading.main_thread().ident
+    while True:
+        time.sleep(0.001)  # past the callback the first one could not leave
+        if main is None or not _in_the_hook(main):
+            break
     os.kill(os.getpid(), signum)
 
 

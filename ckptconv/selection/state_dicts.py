@@ -10,7 +10,9 @@ hold training state, and how to step one level down: the vocabulary
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import operator
+from collections.abc import Callable, Iterator, Mapping
+from itertools import compress
 from typing import Any, Union
 
 from ckptconv._text import short_repr
@@ -23,6 +25,7 @@ __all__ = [
     "PathPart",
     "as_state_dict",
     "as_tensor",
+    "branches",
     "children",
     "format_path",
     "is_module",
@@ -230,3 +233,27 @@ def children(value: Any) -> list[tuple[Any, Any]]:
 def path_children(value: Any) -> list[tuple[PathPart, Any]]:
     """:func:`children` whose keys can be written in a ``--select`` path."""
     return [(key, item) for key, item in children(value) if isinstance(key, (str, int))]
+
+
+#: Values that hold nothing: no tensor, no weights, nothing a search for them descends into.
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+def branches(value: Any, *, any_key: bool = False) -> Iterator[tuple[Any, Any]]:
+    """:func:`path_children` that may hold tensors, lazily: leaves (None, numbers, text) left out.
+
+    A list of ten million small ints or Nones is 80 MB of pointers to a few shared objects; a path
+    tuple and a pair for each element made every search through it take 25 times that (and the
+    collector's walks over them, longer than linear). Searches go through this instead.
+    ``any_key``: :func:`children` rather than :func:`path_children` (keys of any type).
+    """
+    if isinstance(value, (list, tuple)):
+        # The test runs in C (map, compress): 30 ns an element rather than 180 in a generator.
+        return compress(enumerate(value), map(operator.not_, map(_ATOMS.__contains__, map(type, value))))
+    if isinstance(value, Mapping):
+        return (
+            (k, item)
+            for k, item in value.items()
+            if type(item) not in _ATOMS and (any_key or isinstance(k, (str, int)))
+        )
+    return ((k, item) for k, item in (children if any_key else path_children)(value) if type(item) not in _ATOMS)

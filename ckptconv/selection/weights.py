@@ -41,15 +41,18 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Callable
 
 from ckptconv._text import plural, short_repr
 from ckptconv.errors import SelectionError
+from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.paths import _resolve
 from ckptconv.selection.state_dicts import (
     PathPart,
     as_state_dict,
     as_tensor,
+    branches,
     children,
     format_path,
     is_module,
@@ -176,7 +179,7 @@ def _candidates(
             if candidate is not None:
                 found.append(candidate)
                 continue
-            for key, child in path_children(value):
+            for key, child in branches(value):
                 if isinstance(key, str) and is_training_state(key):
                     continue
                 next_level.append(((*path, key), child))
@@ -195,7 +198,7 @@ def _holds_tensor(value: Any, limit: int = 10_000) -> bool:
         seen.add(id(node))
         if as_tensor(node) is not None or (isinstance(node, ForeignObject) and node.qualname in _UNSUPPORTED_TENSORS):
             return True
-        queue.extend(child for _, child in children(node))
+        queue.extend(child for _, child in islice(branches(node, any_key=True), limit))
     return len(seen) >= limit  # too large to tell: treat as holding one, so nothing is dropped unseen
 
 
@@ -236,7 +239,7 @@ def _left_out(root: Any, chosen: tuple[PathPart, ...], limit: int = 100_000) -> 
             continue
         queue.extend(
             ((*path, key), child)
-            for key, child in path_children(value)
+            for key, child in islice(branches(value), limit)
             if not (isinstance(key, str) and is_training_state(key))
         )
     return sorted(found)
@@ -289,7 +292,7 @@ def _unsupported_tensors(root: Any, base: tuple[PathPart, ...], limit: int = 100
             if kind is not None:
                 found.setdefault(kind, []).append(format_path(path))
                 continue
-        queue.extend(((*path, key), child) for key, child in path_children(value))
+        queue.extend(((*path, key), child) for key, child in islice(branches(value), limit))
     return found
 
 
@@ -481,6 +484,11 @@ def select_weights(tree: Any, select: str | None = None, *, source: str = "the c
         SelectionError: nothing holds weights, the choice is ambiguous, or
             ``select`` names nothing.
     """
+    with collector_paused():  # a search builds and walks an object per container: see ckptconv.runtime
+        return _select_weights(tree, select, source)
+
+
+def _select_weights(tree: Any, select: str | None, source: str) -> Selection:
     if select == "ema":
         root = _as_candidate(tree, ())
         candidates = [root] if root is not None else _candidates(tree, ())

@@ -33,7 +33,7 @@ _USE_TMPFILE = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
 _PARTIAL = ".partial"
 
 
-def _lock(fd: int) -> bool:
+def try_lock(fd: int) -> bool:
     """Take an exclusive lock without waiting; False when another process holds it."""
     try:
         import fcntl
@@ -74,7 +74,7 @@ def remove_abandoned(folder: str, name: str, *, inputs: write_policy.Inputs | No
             continue
         try:
             info = os.fstat(fd)
-            if stat.S_ISREG(info.st_mode) and _lock(fd):
+            if stat.S_ISREG(info.st_mode) and try_lock(fd):
                 current = os.lstat(path)
                 if (current.st_dev, current.st_ino) == (info.st_dev, info.st_ino):
                     os.unlink(path)
@@ -95,12 +95,12 @@ def _temporary(folder: str, name: str) -> tuple[BinaryIO, str | None]:
             if error.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
                 raise
         else:
-            _lock(fd)  # a name linked to it for a moment (overwrite) is then provably in use
+            try_lock(fd)  # a name linked to it for a moment (overwrite) is then provably in use
             file = os.fdopen(fd, "r+b")
             file.raw.name = f"/proc/self/fd/{fd}"  # type: ignore[attr-defined]
             return file, None
     fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=_PARTIAL, dir=folder)
-    _lock(fd)
+    try_lock(fd)
     if hasattr(os, "fchmod"):
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; outputs get the usual mode
     file = os.fdopen(fd, "r+b")

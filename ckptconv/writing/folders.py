@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from ckptconv.errors import OutputExistsError, WriteError
+from ckptconv.errors import CkptconvError, OutputExistsError, WriteError
 from ckptconv.reading.formats import dcp
 from ckptconv.reading.formats._base import MetadataValue, metadata_text
 from ckptconv.values.tensor import Storage, TensorRef
@@ -16,6 +15,8 @@ from ckptconv.writing import dcp as dcp_writer
 from ckptconv.writing import shards, write_policy
 from ckptconv.writing.atomic import atomic_output
 from ckptconv.writing.files import WriteReport, save_file
+from ckptconv.writing.provenance import written_by_ckptconv
+from ckptconv.writing.staging import Staging
 
 
 def save_folder(
@@ -34,7 +35,13 @@ def save_folder(
     dedupe: bool = True,
     record_crcs: dict[Storage, int] | None = None,
 ) -> WriteReport:
-    """Write a sharded or DCP folder: each file atomically, the index last, stale shards only with overwrite."""
+    """Write a sharded or DCP folder as a whole or not at all (:mod:`.staging`).
+
+    The new files are written and checked apart, then renamed into place, the index last; the
+    previous output's files ckptconv wrote that the new one lacks are removed only with
+    ``overwrite``, after that, and files it did not write never. On any failure the previous output
+    stays as it was.
+    """
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise WriteError(f"{folder!r} is a file; give a folder for a sharded or DCP output", path=folder)
     inputs.check_folder(folder)
@@ -62,17 +69,26 @@ def save_folder(
         inputs.check_file(os.path.join(folder, name), action="replace")
     for name in stale:
         inputs.check_file(os.path.join(folder, name), action="delete")
+    # Only the old output's files ckptconv wrote are removed; a file of the same family that carries no
+    # provenance (the user's own, or a --no-provenance output) stays where it is.
+    removed = [os.path.join(folder, name) for name in stale if written_by_ckptconv(os.path.join(folder, name))]
+    removed.sort(key=lambda path: not path.endswith((".index.json", dcp.METADATA_FILE)))  # indexes go first
     created = write_policy.make_folders(folder)
-    written_files: list[str] = []
+    staged: list[str] = []  # names, in the order they are published: the index or .metadata last
     aliases: dict[str, str] = {}
+    try:
+        staging = Staging(folder, inputs=inputs)
+    except BaseException:
+        write_policy.remove_folders(created)
+        raise
     try:
         if plan is None:
 
             def open_output(name: str) -> Any:
-                written_files.append(os.path.join(folder, name))
-                return atomic_output(os.path.join(folder, name), overwrite=True, fsync=fsync, inputs=inputs)
+                staged.append(name)
+                return atomic_output(staging.file(name), overwrite=True, fsync=fsync, inputs=inputs)
 
-            total = dcp_writer.write(entries, folder, open_output=open_output, on_bytes=update)
+            total = dcp_writer.write(entries, staging.path, open_output=open_output, on_bytes=update)
         else:
             total = 0
             weight_map: dict[str, str] = {}
@@ -80,7 +96,7 @@ def save_folder(
                 # Shards are plain state dicts (what transformers loads); `extra` is for single files.
                 report = save_file(
                     list(shard),
-                    os.path.join(folder, name),
+                    staging.file(name),
                     kind,
                     inputs=inputs,
                     overwrite=True,
@@ -92,27 +108,25 @@ def save_folder(
                     dedupe=dedupe,
                     record_crcs=record_crcs,
                 )
-                written_files.append(report.path)
+                staged.append(name)
                 total += report.bytes
                 aliases.update(report.aliases)
                 weight_map.update({key: name for key, _ in shard if key not in report.aliases})
             if len(shard_files) > 1:
                 index_metadata = {k: metadata_text(v) for k, v in (metadata or {}).items() if k.startswith("ckptconv.")}
                 document = shards.index_document(weight_map, total, index_metadata)
-                index_path = os.path.join(folder, index_file)
-                with atomic_output(index_path, overwrite=True, fsync=fsync, inputs=inputs) as file:
+                with atomic_output(staging.file(index_file), overwrite=True, fsync=fsync, inputs=inputs) as file:
                     file.write(document)
-                written_files.append(os.path.join(folder, index_file))
+                staged.append(index_file)
         if check is not None:
-            # The files this write made, not whatever else the folder holds.
-            check(folder if plan is None else written_files[-1])
-    except BaseException:
-        for path in written_files:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            # The files this write made, where they are staged, before they replace anything.
+            check(staging.path if plan is None else staging.file(staged[-1]))
+        staging.publish(staged, remove=removed, fsync=fsync)
+    except BaseException as error:
+        staging.discard()
         write_policy.remove_folders(created)
+        if isinstance(error, CkptconvError):
+            staging.named_finally(error)
         raise
-    for name in stale:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(folder, name))
-    return WriteReport(folder, kind, len(entries), total, aliases, tuple(written_files))
+    written_files = tuple(os.path.join(folder, name) for name in staged)
+    return WriteReport(folder, kind, len(entries), total, aliases, written_files)

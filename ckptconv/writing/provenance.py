@@ -16,19 +16,22 @@ import math
 import os
 import queue
 import threading
+import zipfile
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ckptconv.dtypes import DType
+from ckptconv.errors import CkptconvError
 from ckptconv.reading import read_policy
+from ckptconv.reading.formats import safetensors, sharded
 from ckptconv.reading.formats._base import json_bytes
 from ckptconv.runtime import cores as _cores
 from ckptconv.selection.state_dicts import as_tensor, is_training_state
 from ckptconv.selection.weights import Selection
 from ckptconv.values.standins import ForeignGlobal, ForeignObject, NumpyArray
 
-__all__ = ["checkpoint_metadata", "file_sha256"]
+__all__ = ["checkpoint_metadata", "file_sha256", "written_by_ckptconv"]
 
 # Entries whose JSON is larger than this are left out (a pickled dataset, say).
 MAX_ENTRY_BYTES = 64 * 1024
@@ -271,3 +274,25 @@ def source_sha256(path: str, stop: threading.Event | None = None) -> str:
 def encode_entries(entries: Mapping[str, Any], prefix: str) -> dict[str, str]:
     """Metadata entries as strings (JSON), each under ``prefix + key``."""
     return {f"{prefix}{key}": json_bytes(value).decode("utf-8", "surrogatepass") for key, value in entries.items()}
+
+
+def written_by_ckptconv(path: str) -> bool:
+    """True when the file at ``path`` carries ckptconv's provenance (it is an output ckptconv wrote).
+
+    A safetensors file or a shard index whose metadata holds ``ckptconv.`` keys, or a ``.pt``/``.bin``
+    zip with a ``ckptconv.json`` record. Anything else (``--no-provenance`` outputs included, and files
+    that cannot be read) is someone else's, which ckptconv never removes.
+    """
+    metadata: Any
+    try:
+        if path.endswith(".index.json"):
+            _, metadata = sharded.read_index(path)
+        elif path.endswith(".safetensors"):
+            header, _, _ = safetensors.read_header(path)
+            metadata = header.get("__metadata__")
+        else:
+            with read_policy.open_file(path) as file, zipfile.ZipFile(file) as archive:
+                return any(name.rpartition("/")[2] == "ckptconv.json" for name in archive.namelist())
+    except (CkptconvError, OSError, ValueError, zipfile.BadZipFile):
+        return False
+    return isinstance(metadata, dict) and any(isinstance(key, str) and key.startswith("ckptconv.") for key in metadata)

@@ -32,6 +32,7 @@ class ReadResult:
         metadata: string metadata carried by the format (safetensors ``__metadata__``).
         files: every file the checkpoint consists of (index and shards, ``.metadata``
             and chunk files); empty for a single file.
+        notes: what the reader found the user should know (records saved without their data).
     """
 
     format: str
@@ -40,6 +41,7 @@ class ReadResult:
     saved_devices: frozenset[str] = frozenset()
     metadata: dict[str, str] = field(default_factory=dict)
     files: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

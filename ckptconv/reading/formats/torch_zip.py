@@ -30,9 +30,10 @@ import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any, BinaryIO
 
-from ckptconv._text import short_repr
+from ckptconv._text import plural, short_repr
 from ckptconv.errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from ckptconv.reading import read_policy
+from ckptconv.reading.checksums import zeros_crc32
 from ckptconv.reading.formats._base import (
     ReadResult,
     check_same_storage_type,
@@ -318,6 +319,7 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
 
     storages: dict[str, Storage] = {}
     types: dict[str, tuple[StorageType, int]] = {}
+    skipped: list[str] = []  # storage records saved under torch.serialization.skip_data
     devices: set[str] = set()
 
     def persistent_load(pid: Any) -> TypedStorage:
@@ -345,6 +347,12 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
             if info.file_size != nbytes:
                 raise _damaged(path, f"record {name!r} holds {info.file_size} bytes but data.pkl expects {nbytes}")
             check_compression(info, path)
+            recorded = info.CRC if crc_recorded else None
+            if recorded == 0 and nbytes:
+                # torch.save under torch.serialization.skip_data records CRC 0 and writes no bytes (a hole,
+                # read as zeros); torch.load reads the zeros. They are held to the CRC-32 of zeros instead.
+                recorded = zeros_crc32(nbytes)
+                skipped.append(name)
             if info.compress_type == zipfile.ZIP_STORED:
                 offset = record_data_offset(file, info, path)
                 if offset + nbytes > size:
@@ -352,13 +360,13 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
                         f"{path!r} is truncated: storage {name!r} ends past the end of the file",
                         path=path,
                     )
-                source: Any = FileRegion(path, base + offset, crc32=info.CRC if crc_recorded else None)
+                source: Any = FileRegion(path, base + offset, crc32=recorded)
             elif base:
                 raise UnsupportedFormatError(
                     f"{path!r} embeds a compressed checkpoint, which ckptconv cannot read in place", path=path
                 )
             else:
-                source = ZipMember(path, name, crc32=info.CRC if crc_recorded else None)
+                source = ZipMember(path, name, crc32=recorded)
             location_tag = pickle_location(location, path)
             devices.add(location_tag)
             storage = Storage(nbytes, source, location_tag, byteorder, name)
@@ -369,7 +377,13 @@ def _read_archive(path: str, archive: zipfile.ZipFile, file: Any, base: int, max
     tree = unpickler.load()
     unpickler.check_end()
     metadata = _read_metadata(archive, infos.get(f"{root}{METADATA_RECORD}"))
-    return ReadResult(FORMAT, tree, unpickler.foreign_globals, frozenset(devices), metadata)
+    notes: tuple[str, ...] = ()
+    if skipped:
+        notes = (
+            f"{plural(len(skipped), 'storage record')} of {path!r} hold no data (the file was saved under "
+            "torch.serialization.skip_data): their tensors are zeros, as torch.load reads them",
+        )
+    return ReadResult(FORMAT, tree, unpickler.foreign_globals, frozenset(devices), metadata, notes=notes)
 
 
 def _check_version(
