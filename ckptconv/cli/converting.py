@@ -210,6 +210,11 @@ def batch(src: str, dst: str, **options: Any) -> None:
                 echo(f"{result.source}: converted already, skipped")
             else:
                 echo(f"{result.source}: cannot convert: {shortened(result.error)}")
+    training_state = [result.source for result in report.skipped if result.error_type == "TrainingStateError"]
+    if training_state and not report.dry_run:
+        more = len(training_state) - 6
+        shown_files = ", ".join(training_state[:6]) + (f" and {more} more" if more > 0 else "")
+        say(quiet, f"skipped {plural(len(training_state), 'file')} of training state, not model weights: {shown_files}")
     for result in report.failed:  # errors: shown even with -q
         echo(f"failed: {result.source}: {shortened(result.error)}", err=True)
     if report.cancelled:

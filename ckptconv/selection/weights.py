@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ckptconv._text import plural, short_repr
-from ckptconv.errors import SelectionError
+from ckptconv.errors import SelectionError, TrainingStateError
 from ckptconv.selection.paths import _resolve
 from ckptconv.selection.state_dicts import (
     PathPart,
@@ -58,6 +58,7 @@ from ckptconv.selection.state_dicts import (
     module_state_dict,
     path_children,
 )
+from ckptconv.selection.training_state import training_state
 from ckptconv.values.standins import ForeignObject
 from ckptconv.values.tensor import TensorRef
 
@@ -516,6 +517,11 @@ def select_weights(tree: Any, select: str | None = None, *, source: str = "the c
             )
         # What --select named holds weights further down: those outside the ones taken are named too.
         return _with_left_out(_choose(_candidates(node, path), path, source, node), node, path)
+    state = training_state(tree)
+    if state is not None:
+        raise TrainingStateError(
+            f"{source} holds {state}, not model weights; convert the model file beside it", what=state
+        )
     _refuse_model_parallel_rank(tree, source)
     whole = _as_candidate(tree, ())
     bare = as_tensor(tree)
