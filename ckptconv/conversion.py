@@ -8,6 +8,7 @@ the file was saved on) comes back in :class:`ConversionReport.notes`.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,13 +29,14 @@ from ckptconv.options import ConversionOptions
 from ckptconv.quantization import Scheme, dequantize, detect
 from ckptconv.reading.formats._base import Deferred, MetadataValue
 from ckptconv.reading.integrity import check_record_crcs
-from ckptconv.reading.model_folder import model_folder, read_config
+from ckptconv.reading.model_folder import inventory, model_folder, read_config
 from ckptconv.reading.streaming import reads_whole_record
 from ckptconv.runtime import cores as _cores
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.weights import Selection
 from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix, Transform
 from ckptconv.values.tensor import Storage, TensorRef
+from ckptconv.writing import model_files, write_policy
 from ckptconv.writing.naming import is_folder_destination, output_format
 from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, source_sha256
 from ckptconv.writing.writer import Progress, fills_record_crcs, save
@@ -224,9 +226,44 @@ def _convert(
         transformed.notes.append(dequantization.note(selection, transformed.state))
         transformed.dequantization = dequantization
     summary = _summary(checkpoint, selection, transformed, destination, options)
+    carried = _model_files(source, checkpoint, selection, transformed, destination, summary)
+    if carried is not None and (dry_run or destination is None or not carried.files):
+        summary = dataclasses.replace(summary, notes=summary.notes + carried.notes)
     if dry_run or destination is None:
         return summary
-    return _write(checkpoint, selection, transformed, destination, options, summary, reference, progress)
+    return _write(checkpoint, selection, transformed, destination, options, summary, reference, progress, carried)
+
+
+def _model_files(
+    source: PathLike,
+    checkpoint: Checkpoint,
+    selection: Selection,
+    transformed: _Transformed,
+    destination: PathLike | None,
+    summary: ConversionReport,
+) -> model_files.ModelFiles | None:
+    """What a model folder in carries to a folder out (configs, tokenizer, ... rewritten where the conversion changed
+    what they say), with its notes; for a file out, a note on what stays behind. None when the source is no model
+    folder (a file given on its own), or the output is DCP."""
+    folder = model_folder(as_path(source))
+    if folder is None or summary.format == "dcp" or checkpoint.format in ("dcp", "megatron-torch-dist", "deepspeed"):
+        return None
+    found = inventory(folder, checkpoint.files or (checkpoint.path,))
+    folder_output = destination is not None and is_folder_destination(destination, summary.format, None)
+    if destination is not None and not folder_output:
+        notes = model_files.left_out(found, carried=False)
+        if found.carried:
+            kept = f"{plural(len(found.carried), 'model file')} ({', '.join(found.carried[:3])}"
+            kept += " ...)" if len(found.carried) > 3 else ")"
+            notes.insert(0, f"{kept} stayed behind: give a folder as DST (out/) to get a model folder")
+        return model_files.ModelFiles(notes=tuple(notes))
+    return model_files.plan(
+        found,
+        read_config(folder),
+        transformed.state,
+        source_keys=selection.weights,
+        dequantized=transformed.dequantized,
+    )
 
 
 @dataclass(frozen=True)
@@ -431,11 +468,16 @@ def _write(
     summary: ConversionReport,
     reference: str | None,
     progress: Progress,
+    carried: model_files.ModelFiles | None = None,
 ) -> ConversionReport:
-    """Write the transformed weights, checking CRC-32s, hashing the source and verifying beside the write."""
+    """Write the transformed weights, checking CRC-32s, hashing the source and verifying beside the write; then the
+    model files a model folder carries (refused before any weight is written when they exist)."""
     state, notes, kind = transformed.state, list(summary.notes), summary.format
     pipeline, fit_to, dequantization = options.transforms, options.fit_to, transformed.dequantization
     metadata = _output_metadata(checkpoint, selection, transformed, kind, options)
+    if carried is not None and carried.files:
+        inputs = write_policy.Inputs(checkpoint.files or (checkpoint.path,))
+        model_files.check(carried, os.path.abspath(as_path(destination)), overwrite=options.overwrite, inputs=inputs)
     extra = None
     if kind == "pt" and options.keep_meta:
         unreadable: dict[str, str] = {}
@@ -510,6 +552,16 @@ def _write(
         except BaseException:
             give_up.set()  # do not make a failed conversion wait for the hash
             raise
+    files = written.files
+    if carried is not None and carried.files:
+        try:
+            files += tuple(model_files.write(carried, written.path, inputs=inputs, fsync=options.fsync))
+        except BaseException:
+            for path in written.files:  # a model folder is whole, or not written
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise
+        notes.extend(carried.notes)
     if written.aliases:
         notes.append(_tied_note(written.aliases, written.path, len(written.files) > 1))
     from ckptconv.checking.reference import CKPTCONV_READER
@@ -524,7 +576,7 @@ def _write(
         tensors=written.tensors,
         bytes=written.bytes,
         aliases=written.aliases,
-        files=written.files,
+        files=files,
         notes=tuple(notes),
         verified=True if reference is not None else None,
         verified_with="ckptconv" if fallback is not None else reference or "",
