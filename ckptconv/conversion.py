@@ -23,6 +23,7 @@ from ckptconv._version import __version__
 from ckptconv.checking.verification import REFERENCES
 from ckptconv.dtypes import DType
 from ckptconv.errors import FitError, TransformError, VerifyError
+from ckptconv.fitting import LikeFolder, cast_like, like_folder
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.options import ConversionOptions
@@ -218,6 +219,10 @@ def _convert(
 ) -> ConversionReport:
     """The pipeline: load, select, transform, then (unless a dry run) write, verifying as it writes."""
     reference = _verify_reference(options)
+    like = like_folder(options.fit_to)  # --like base_model/: the output takes after a model folder
+    folder_out = destination is not None and is_folder_destination(destination, options.to, None)
+    if like is not None and like.max_shard_size and options.max_shard_size is None and folder_out:
+        options = dataclasses.replace(options, max_shard_size=like.max_shard_size)  # sharded like it
     checkpoint = open_checkpoint(source, trust=options.trust)
     selection = checkpoint.select(options.select)
     dequantization = _dequantization(source, checkpoint, selection, options)
@@ -225,8 +230,10 @@ def _convert(
     if dequantization is not None:
         transformed.notes.append(dequantization.note(selection, transformed.state))
         transformed.dequantization = dequantization
+    if like is not None and not any(isinstance(step, Cast) for step in options.transforms.steps):
+        transformed.state, transformed.like = cast_like(transformed.state, like), like
     summary = _summary(checkpoint, selection, transformed, destination, options)
-    carried = _model_files(source, checkpoint, selection, transformed, destination, summary)
+    carried = _model_files(source, checkpoint, selection, transformed, destination, summary, options)
     if carried is not None and (dry_run or destination is None or not carried.files):
         summary = dataclasses.replace(summary, notes=summary.notes + carried.notes)
     if dry_run or destination is None:
@@ -241,14 +248,16 @@ def _model_files(
     transformed: _Transformed,
     destination: PathLike | None,
     summary: ConversionReport,
+    options: ConversionOptions,
 ) -> model_files.ModelFiles | None:
     """What a model folder in carries to a folder out (configs, tokenizer, ... rewritten where the conversion changed
     what they say), with its notes; for a file out, a note on what stays behind. None when the source is no model
     folder (a file given on its own), or the output is DCP."""
-    folder = model_folder(as_path(source))
-    if folder is None or summary.format == "dcp" or checkpoint.format in ("dcp", "megatron-torch-dist", "deepspeed"):
+    like = like_folder(options.fit_to)
+    folder = like.folder if like is not None else model_folder(as_path(source))
+    if folder is None or summary.format == "dcp" or (like is None and checkpoint.format in _NO_MODEL_FOLDER):
         return None
-    found = inventory(folder, checkpoint.files or (checkpoint.path,))
+    found = inventory(folder, like.files if like is not None else (checkpoint.files or (checkpoint.path,)))
     folder_output = destination is not None and is_folder_destination(destination, summary.format, None)
     if destination is not None and not folder_output:
         notes = model_files.left_out(found, carried=False)
@@ -306,6 +315,9 @@ def _dequantization(
     return _Dequantization(scheme, cast.target if cast is not None else None)
 
 
+# Folders of a training framework's own (their model files, if any, are not Hugging Face's).
+_NO_MODEL_FOLDER = ("dcp", "megatron-torch-dist", "deepspeed", "rank-shards")
+
 # The safetensors metadata keys that declare a quantization scheme (ckptconv.quantization.detect reads them).
 _QUANTIZATION_DECLARATIONS = ("quantization_config", "quant_method")
 
@@ -328,6 +340,7 @@ class _Transformed:
     origins: dict[str, str] | None
     fit_report: Any = None
     dequantization: _Dequantization | None = None
+    like: LikeFolder | None = None
 
     @property
     def dequantized(self) -> bool:
@@ -493,7 +506,7 @@ def _write(
             from ckptconv.fitting import fit
 
             result, _ = fit(result, fit_to)
-        return result
+        return cast_like(result, transformed.like) if transformed.like is not None else result
 
     def check(written: str) -> None:
         from ckptconv.checking.verification import compare, compare_with_reference

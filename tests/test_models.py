@@ -379,3 +379,59 @@ def test_an_accelerate_save_state_folder_converts_its_model(tmp_path: Path) -> N
         "note: left out the training state beside the model, which is not weights: optimizer.bin (optimizer state), "
         "random_states_0.pkl (random number generator state)"
     ) in stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# --like MODEL_DIR
+# ------------------------------------------------------------------------------------------------
+
+
+def _lightning(state: dict[str, torch.Tensor], folder: Path) -> Path:
+    path = folder / "last.ckpt"
+    torch.save({"state_dict": {f"model.{k}": v for k, v in state.items()}, "epoch": 3, "optimizer_states": []}, path)
+    return path
+
+
+def _dcp(state: dict[str, torch.Tensor], folder: Path) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    from .conftest import dcp_one_process
+
+    dcp.save({k: v.clone() for k, v in state.items()}, checkpoint_id=str(folder / "dcp"), **dcp_one_process())
+    return folder / "dcp"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("write_source", [_lightning, _dcp], ids=["lightning", "dcp"])
+def test_fit_like_a_model_folder_gives_that_model_folder(write_source: Any, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    base = _llama().to(torch.bfloat16)
+    base.config.dtype = torch.bfloat16
+    base.save_pretrained(tmp_path / "base", max_shard_size="40KB")
+    reference_shards = sorted(p.name for p in (tmp_path / "base").glob("model-*.safetensors"))
+    assert len(reference_shards) > 1
+    torch.manual_seed(1)
+    trained = _llama()  # fp32 training weights, another seed
+    source = write_source(trained.state_dict(), tmp_path)
+    out = tmp_path / "out"
+    code, _, stderr = run_cli("fit", str(source), f"{out}/", "--like", f"{tmp_path / 'base'}/")
+    assert code == 0, stderr
+    assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "base"))
+    assert (out / "config.json").read_bytes() == (tmp_path / "base" / "config.json").read_bytes()
+    loaded = _assert_loads_cleanly(out, transformers.AutoModelForCausalLM)
+    assert loaded.dtype == torch.bfloat16
+    inputs = _text_inputs(trained)
+    assert torch.equal(_logits(loaded, inputs), _logits(trained.to(torch.bfloat16), inputs))
+
+
+def test_fit_like_a_model_folder_with_dtype_casts_as_asked(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    _llama().save_pretrained(tmp_path / "base")
+    torch.manual_seed(1)
+    trained = _llama()
+    source = _lightning(trained.state_dict(), tmp_path)
+    out = tmp_path / "out"
+    code, _, stderr = run_cli("fit", str(source), f"{out}/", "--like", str(tmp_path / "base"), "--dtype", "fp16")
+    assert code == 0, stderr
+    assert "note: rewrote config.json: dtype float32 -> float16\n" in stderr
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.float16}
