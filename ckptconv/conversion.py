@@ -30,7 +30,7 @@ from ckptconv.options import ConversionOptions
 from ckptconv.quantization import Scheme, dequantize, detect
 from ckptconv.reading.formats._base import Deferred, MetadataValue
 from ckptconv.reading.integrity import check_record_crcs
-from ckptconv.reading.model_folder import inventory, model_folder, read_config
+from ckptconv.reading.model_folder import model_folder, read_config
 from ckptconv.reading.streaming import reads_whole_record
 from ckptconv.runtime import cores as _cores
 from ckptconv.runtime.collector import collector_paused
@@ -40,7 +40,7 @@ from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing import model_files, write_policy
 from ckptconv.writing.naming import is_folder_destination, output_format
 from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, source_sha256
-from ckptconv.writing.writer import Progress, fills_record_crcs, save
+from ckptconv.writing.writer import Progress, fills_record_crcs, write_state
 
 __all__ = ["ConversionReport", "convert"]
 
@@ -233,7 +233,7 @@ def _convert(
     if like is not None and not any(isinstance(step, Cast) for step in options.transforms.steps):
         transformed.state, transformed.like = cast_like(transformed.state, like), like
     summary = _summary(checkpoint, selection, transformed, destination, options)
-    carried = _model_files(source, checkpoint, selection, transformed, destination, summary, options)
+    carried = _model_files(source, checkpoint, selection, transformed, destination, summary, like)
     if carried is not None and (dry_run or destination is None or not carried.files):
         summary = dataclasses.replace(summary, notes=summary.notes + carried.notes)
     if dry_run or destination is None:
@@ -248,30 +248,21 @@ def _model_files(
     transformed: _Transformed,
     destination: PathLike | None,
     summary: ConversionReport,
-    options: ConversionOptions,
+    like: LikeFolder | None,
 ) -> model_files.ModelFiles | None:
-    """What a model folder in carries to a folder out (configs, tokenizer, ... rewritten where the conversion changed
-    what they say), with its notes; for a file out, a note on what stays behind. None when the source is no model
-    folder (a file given on its own), or the output is DCP."""
-    like = like_folder(options.fit_to)
+    """What a model folder in (or ``--like``'s) carries to a folder out (configs, tokenizer, ... rewritten where the
+    conversion changed what they say), with its notes; for a file out, a note on what stays behind. None when the
+    source is no model folder (a file given on its own), or the output is DCP."""
     folder = like.folder if like is not None else model_folder(as_path(source))
     if folder is None or summary.format == "dcp" or (like is None and checkpoint.format in _NO_MODEL_FOLDER):
         return None
-    found = inventory(folder, like.files if like is not None else (checkpoint.files or (checkpoint.path,)))
-    folder_output = destination is not None and is_folder_destination(destination, summary.format, None)
-    if destination is not None and not folder_output:
-        notes = model_files.left_out(found, carried=False)
-        if found.carried:
-            kept = f"{plural(len(found.carried), 'model file')} ({', '.join(found.carried[:3])}"
-            kept += " ...)" if len(found.carried) > 3 else ")"
-            notes.insert(0, f"{kept} stayed behind: give a folder as DST (out/) to get a model folder")
-        return model_files.ModelFiles(notes=tuple(notes))
-    return model_files.plan(
-        found,
-        read_config(folder),
+    return model_files.carry(
+        folder,
+        like.files if like is not None else (checkpoint.files or (checkpoint.path,)),
         transformed.state,
         source_keys=selection.weights,
         dequantized=transformed.dequantized,
+        file_output=destination is not None and not is_folder_destination(destination, summary.format, None),
     )
 
 
@@ -547,7 +538,7 @@ def _write(
             digest = hasher.submit(_cores.in_background(source_sha256), checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
         try:
-            written = save(
+            written = write_state(
                 state,
                 destination,
                 to=kind,
@@ -561,6 +552,7 @@ def _write(
                 fsync=options.fsync,
                 tied=options.tied,
                 record_crcs=record_crcs if read_whole else None,
+                stem=carried.stem if carried is not None else None,
             )
         except BaseException:
             give_up.set()  # do not make a failed conversion wait for the hash

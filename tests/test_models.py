@@ -435,3 +435,26 @@ def test_fit_like_a_model_folder_with_dtype_casts_as_asked(tmp_path: Path) -> No
     assert code == 0, stderr
     assert "note: rewrote config.json: dtype float32 -> float16\n" in stderr
     assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.float16}
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft 0.21's own call
+def test_a_peft_adapter_folder_converts_to_an_adapter_folder_peft_loads(tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    adapted = peft.get_peft_model(_llama(), config)
+    adapted.save_pretrained(tmp_path / "adapter")
+    out = tmp_path / "out"
+    code, _, stderr = run_cli("convert", str(tmp_path / "adapter"), f"{out}/", "--dtype", "bf16")
+    assert code == 0, stderr
+    assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "adapter"))
+    assert (out / "adapter_config.json").read_bytes() == (tmp_path / "adapter" / "adapter_config.json").read_bytes()
+    source = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    written = load_file(out / "adapter_model.safetensors")
+    assert written.keys() == source.keys()
+    assert all(torch.equal(written[key], tensor.to(torch.bfloat16)) for key, tensor in source.items())
+    loaded = peft.PeftModel.from_pretrained(_llama(), out)
+    held = peft.get_peft_model_state_dict(loaded)
+    assert held.keys() == written.keys()
+    assert all(torch.equal(held[key].to(torch.bfloat16), tensor) for key, tensor in written.items())
+    assert all(torch.equal(held[key], tensor.to(held[key].dtype)) for key, tensor in written.items())

@@ -19,8 +19,10 @@ policy allows, ``config.json`` last, as a sharded folder's index is written afte
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,12 +31,22 @@ from typing import Any
 from ckptconv._text import plural
 from ckptconv.errors import OutputExistsError
 from ckptconv.reading import read_policy
-from ckptconv.reading.model_folder import CONFIG_NAME, Inventory
+from ckptconv.reading.model_folder import CONFIG_NAME, Inventory, inventory, read_config
 from ckptconv.values.tensor import TensorRef
 from ckptconv.writing import write_policy
 from ckptconv.writing.atomic import atomic_output
 
-__all__ = ["ModelFile", "ModelFiles", "check", "left_out", "plan", "rewritten_config", "write"]
+__all__ = [
+    "ModelFile",
+    "ModelFiles",
+    "carry",
+    "check",
+    "left_out",
+    "plan",
+    "rewritten_config",
+    "weights_stem",
+    "write",
+]
 
 _DTYPE_FIELDS = ("dtype", "torch_dtype")
 _HEAD = "lm_head.weight"
@@ -52,10 +64,57 @@ class ModelFile:
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """The files to carry, in writing order (``config.json`` last), and the notes that say what was done."""
+    """The files to carry, in writing order (``config.json`` last), the notes that say what was done, and the stem
+    the weights' files are named after (None: ``model``/``pytorch_model``, as transformers names them)."""
 
     files: tuple[ModelFile, ...] = ()
     notes: tuple[str, ...] = ()
+    stem: str | None = None
+
+
+# The weights' file names in a model folder: model.safetensors, pytorch_model-00001-of-00002.bin, their index,
+# adapter_model.safetensors (PEFT), diffusion_pytorch_model.safetensors (diffusers).
+_WEIGHTS_NAME = re.compile(r"^(?P<stem>.+?)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
+# Stems that name a format's default (transformers writes model.safetensors and pytorch_model.bin).
+_DEFAULT_STEMS = ("model", "pytorch_model")
+
+
+def weights_stem(files: Iterable[str]) -> str | None:
+    """The stem the weights' files are named after, when it is not transformers' default (``adapter_model``)."""
+    for path in files:
+        match = _WEIGHTS_NAME.match(os.path.basename(path))
+        if match is not None:
+            stem = match.group("stem")
+            return None if stem in _DEFAULT_STEMS else stem
+    return None
+
+
+def carry(
+    folder: str,
+    weights: Sequence[str],
+    state: Mapping[str, TensorRef],
+    *,
+    source_keys: Iterable[str] = (),
+    dequantized: bool = False,
+    file_output: bool = False,
+) -> ModelFiles:
+    """What the model folder ``folder`` (whose weights are the files ``weights``) carries to a folder output, or,
+    for a file output (``file_output``), the notes on what stays behind.
+
+    Raises:
+        LoadError: a file of the folder is a link leading out of it, or not a regular file.
+        MalformedCheckpointError: its ``config.json`` is not a JSON object.
+    """
+    found = inventory(folder, weights)
+    if not file_output:
+        planned = plan(found, read_config(folder), state, source_keys=source_keys, dequantized=dequantized)
+        return dataclasses.replace(planned, stem=weights_stem(weights))
+    notes = left_out(found, carried=False)
+    if found.carried:
+        kept = f"{plural(len(found.carried), 'model file')} ({', '.join(found.carried[:3])}"
+        kept += " ...)" if len(found.carried) > 3 else ")"
+        notes.insert(0, f"{kept} stayed behind: give a folder as DST (out/) to get a model folder")
+    return ModelFiles(notes=tuple(notes))
 
 
 def _listed(names: Sequence[str], limit: int = 6) -> str:
