@@ -8,7 +8,6 @@ the file was saved on) comes back in :class:`ConversionReport.notes`.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import os
@@ -22,7 +21,7 @@ from ckptconv._text import plural
 from ckptconv._version import __version__
 from ckptconv.checking.verification import REFERENCES
 from ckptconv.dtypes import DType
-from ckptconv.errors import FitError, TransformError, VerifyError
+from ckptconv.errors import DestinationError, FitError, TransformError, VerifyError
 from ckptconv.fitting import LikeFolder, cast_like, like_folder
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
@@ -30,7 +29,7 @@ from ckptconv.options import ConversionOptions
 from ckptconv.quantization import Scheme, dequantize, detect
 from ckptconv.reading.formats._base import Deferred, MetadataValue
 from ckptconv.reading.integrity import check_record_crcs
-from ckptconv.reading.model_folder import model_folder, read_config
+from ckptconv.reading.model_folder import components, holds_weights, model_folder, read_config
 from ckptconv.reading.streaming import reads_whole_record
 from ckptconv.runtime import cores as _cores
 from ckptconv.runtime.collector import collector_paused
@@ -40,7 +39,7 @@ from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing import model_files, write_policy
 from ckptconv.writing.naming import is_folder_destination, output_format
 from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, source_sha256
-from ckptconv.writing.writer import Progress, fills_record_crcs, write_state
+from ckptconv.writing.writer import Progress, fills_record_crcs, tied_note, write_state
 
 __all__ = ["ConversionReport", "convert"]
 
@@ -152,21 +151,6 @@ def _origins(keys: Sequence[str], steps: Sequence[Transform]) -> dict[str, str] 
     return origins
 
 
-def _tied_note(aliases: Mapping[str, str], path: str, sharded: bool) -> str:
-    """How to load a file whose tied tensors were stored once: the exact calls (issue 14)."""
-    count = len(aliases)
-    shown = ", ".join(f"{alias} = {kept}" for alias, kept in list(aliases.items())[:2])
-    shown += f" and {count - 2} more" if count > 2 else ""
-    if sharded:
-        how = "transformers' from_pretrained or ckptconv.load() restore them"
-    else:
-        how = f"load with safetensors.torch.load_model(model, {path!r}) or ckptconv.load({path!r}), which restore them"
-    return (
-        f"{count} tied tensor{'s are' if count != 1 else ' is'} stored once, as Hugging Face does ({shown}); {how}; "
-        "plain model.load_state_dict(safetensors.torch.load_file(...), strict=True) needs --tied copy"
-    )
-
-
 def convert(
     source: PathLike,
     destination: PathLike | None,
@@ -206,7 +190,49 @@ def convert(
     options = (options or ConversionOptions()).with_changes("convert", **changes)
     # Its bookkeeping builds and walks objects for every tensor: see ckptconv.runtime.collector.
     with collector_paused():
+        folder = model_folder(source)
+        parts = components(folder) if folder is not None else ()
+        if parts:
+            return _convert_parts(folder or source, destination, options, parts, dry_run=dry_run, progress=progress)
         return _convert(source, destination, options, dry_run=dry_run, progress=progress)
+
+
+def _convert_parts(
+    root: str, destination: str | None, options: ConversionOptions, parts: tuple[str, ...], **how: Any
+) -> ConversionReport:
+    """A folder of model folders (sentence-transformers' modules, diffusers' components): the model at its top (or
+    its files alone), then each part into the folder of its name under ``destination``, converted alike; a failure
+    removes every file written."""
+    if destination is not None and not is_folder_destination(destination, options.to, options.max_shard_size):
+        shown = ", ".join(f"{part}/" for part in parts)
+        raise DestinationError(f"{root!r} is a folder of models ({shown}); give a folder as DST (out/)", path=root)
+    if holds_weights(root):
+        reports = [_convert(root, destination, options, parts=parts, **how)]
+    else:
+        carried, files = model_files.write_alone(
+            root, None if how["dry_run"] else destination, parts, overwrite=options.overwrite, fsync=options.fsync
+        )
+        kind = options.to or "safetensors"
+        shown = os.path.abspath(destination) if destination is not None and not how["dry_run"] else ""
+        reports = [ConversionReport(root, shown, "model folders", kind, "", (), 0, 0, files=files)]
+        reports[0] = dataclasses.replace(reports[0], notes=carried.notes)
+    try:
+        for part in parts:
+            target = None if destination is None else os.path.join(destination, part, "")
+            reports.append(convert(os.path.join(root, part), target, options=options, **how))
+    except BaseException:
+        for path in (path for report in reports for path in report.files):
+            os.unlink(path)
+        raise
+    named = list(zip(("", *(f"{part}/: " for part in parts)), reports))
+    return dataclasses.replace(
+        reports[0],
+        steps=tuple(dataclasses.replace(step, step=name + step.step) for name, r in named for step in r.steps),
+        notes=tuple(name + note for name, report in named for note in report.notes),
+        tensors=sum(report.tensors for report in reports),
+        bytes=sum(report.bytes for report in reports),
+        files=tuple(path for report in reports for path in report.files),
+    )
 
 
 def _convert(
@@ -216,8 +242,10 @@ def _convert(
     *,
     dry_run: bool,
     progress: Progress,
+    parts: tuple[str, ...] = (),
 ) -> ConversionReport:
-    """The pipeline: load, select, transform, then (unless a dry run) write, verifying as it writes."""
+    """The pipeline: load, select, transform, then (unless a dry run) write, verifying as it writes (``parts``: the
+    model folders inside the source's, converted apart)."""
     reference = _verify_reference(options)
     like = like_folder(options.fit_to)  # --like base_model/: the output takes after a model folder
     folder_out = destination is not None and is_folder_destination(destination, options.to, None)
@@ -233,37 +261,25 @@ def _convert(
     if like is not None and not any(isinstance(step, Cast) for step in options.transforms.steps):
         transformed.state, transformed.like = cast_like(transformed.state, like), like
     summary = _summary(checkpoint, selection, transformed, destination, options)
-    carried = _model_files(source, checkpoint, selection, transformed, destination, summary, like)
+    # A model folder in (or --like's) carries its configs, tokenizer ... to a folder out, rewritten where the
+    # conversion changed what they say; a file out gets a note on what stays behind.
+    folder = like.folder if like is not None else model_folder(as_path(source))
+    carried = None
+    if folder is not None and summary.format != "dcp" and (like or checkpoint.format not in _NO_MODEL_FOLDER):
+        carried = model_files.carry(
+            folder,
+            like.files if like is not None else (checkpoint.files or (checkpoint.path,)),
+            transformed.state,
+            source_keys=selection.weights,
+            dequantized=transformed.dequantized,
+            file_output=destination is not None and not is_folder_destination(destination, summary.format, None),
+            parts=parts,
+        )
     if carried is not None and (dry_run or destination is None or not carried.files):
         summary = dataclasses.replace(summary, notes=summary.notes + carried.notes)
     if dry_run or destination is None:
         return summary
     return _write(checkpoint, selection, transformed, destination, options, summary, reference, progress, carried)
-
-
-def _model_files(
-    source: PathLike,
-    checkpoint: Checkpoint,
-    selection: Selection,
-    transformed: _Transformed,
-    destination: PathLike | None,
-    summary: ConversionReport,
-    like: LikeFolder | None,
-) -> model_files.ModelFiles | None:
-    """What a model folder in (or ``--like``'s) carries to a folder out (configs, tokenizer, ... rewritten where the
-    conversion changed what they say), with its notes; for a file out, a note on what stays behind. None when the
-    source is no model folder (a file given on its own), or the output is DCP."""
-    folder = like.folder if like is not None else model_folder(as_path(source))
-    if folder is None or summary.format == "dcp" or (like is None and checkpoint.format in _NO_MODEL_FOLDER):
-        return None
-    return model_files.carry(
-        folder,
-        like.files if like is not None else (checkpoint.files or (checkpoint.path,)),
-        transformed.state,
-        source_keys=selection.weights,
-        dequantized=transformed.dequantized,
-        file_output=destination is not None and not is_folder_destination(destination, summary.format, None),
-    )
 
 
 @dataclass(frozen=True)
@@ -559,16 +575,10 @@ def _write(
             raise
     files = written.files
     if carried is not None and carried.files:
-        try:
-            files += tuple(model_files.write(carried, written.path, inputs=inputs, fsync=options.fsync))
-        except BaseException:
-            for path in written.files:  # a model folder is whole, or not written
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            raise
+        files += model_files.write(carried, written.path, inputs=inputs, fsync=options.fsync, weights=written.files)
         notes.extend(carried.notes)
     if written.aliases:
-        notes.append(_tied_note(written.aliases, written.path, len(written.files) > 1))
+        notes.append(tied_note(written.aliases, written.path, len(written.files) > 1))
     from ckptconv.checking.reference import CKPTCONV_READER
 
     fallback = next((pair for pair in read_by if any(r.startswith(CKPTCONV_READER) for r in pair)), None)

@@ -458,3 +458,74 @@ def test_a_peft_adapter_folder_converts_to_an_adapter_folder_peft_loads(tmp_path
     assert held.keys() == written.keys()
     assert all(torch.equal(held[key].to(torch.bfloat16), tensor) for key, tensor in written.items())
     assert all(torch.equal(held[key], tensor.to(held[key].dtype)) for key, tensor in written.items())
+
+
+# ------------------------------------------------------------------------------------------------
+# Folders of model folders: sentence-transformers modules, diffusers components
+# ------------------------------------------------------------------------------------------------
+
+
+def _sentence_transformer(folder: Path) -> Any:
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
+
+    bert = folder / "bert"
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=48, vocab_size=50
+    )
+    transformers.BertModel(config).save_pretrained(bert)
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"w{i}" for i in range(45))]
+    (bert / "vocab.txt").write_text("\n".join(words))
+    transformers.BertTokenizerFast(vocab_file=str(bert / "vocab.txt")).save_pretrained(bert)
+    modules = [Transformer(str(bert)), Pooling(32), Dense(32, 8), Normalize()]
+    model = st.SentenceTransformer(modules=modules, device="cpu")
+    model.save(str(folder / "st"))
+    return model
+
+
+def test_a_sentence_transformer_converts_with_every_module(tmp_path: Path) -> None:
+    model = _sentence_transformer(tmp_path)
+    st = pytest.importorskip("sentence_transformers")
+    out = tmp_path / "out"
+    code, _, stderr = run_cli("convert", str(tmp_path / "st"), f"{out}/", "--dtype", "bf16")
+    assert code == 0, stderr
+    source_files = sorted(str(p.relative_to(tmp_path / "st")) for p in (tmp_path / "st").rglob("*") if p.is_file())
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == source_files
+    assert "2_Dense/: cast floating-point tensors to bfloat16: 2 changed, 0 unchanged\n" in stderr
+    dense = load_file(out / "2_Dense" / "model.safetensors")
+    assert {tensor.dtype for tensor in dense.values()} == {torch.bfloat16}
+    loaded = st.SentenceTransformer(str(out), device="cpu")
+    sentences = ["w1 w2 w3", "w4 w5"]
+    expected = model.to(torch.bfloat16).encode(sentences, convert_to_tensor=True)
+    assert torch.equal(loaded.encode(sentences, convert_to_tensor=True), expected)
+
+
+def test_a_diffusers_pipeline_folder_converts_component_by_component(tmp_path: Path) -> None:
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DModel(
+        sample_size=8,
+        in_channels=3,
+        out_channels=3,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+        norm_num_groups=4,
+    )
+    pipeline = diffusers.DDPMPipeline(unet=unet, scheduler=diffusers.DDPMScheduler(num_train_timesteps=10))
+    pipeline.save_pretrained(tmp_path / "pipe")
+    out = tmp_path / "out"
+    code, _, stderr = run_cli("convert", str(tmp_path / "pipe"), f"{out}/", "--dtype", "bf16")
+    assert code == 0, stderr
+    assert stderr.splitlines()[-1] == f"wrote {out} (safetensors, 114 tensors, 81.8 KiB)"
+    for name in ("model_index.json", "scheduler/scheduler_config.json", "unet/config.json"):
+        assert (out / name).read_bytes() == (tmp_path / "pipe" / name).read_bytes()
+    loaded, info = diffusers.UNet2DModel.from_pretrained(out / "unet", output_loading_info=True)
+    assert all(not value for value in info.values()), info
+    sample = torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    reference = unet.to(torch.bfloat16).to(torch.float32)  # what the bf16 file holds, read into fp32
+    with torch.no_grad():
+        assert torch.equal(loaded.float()(sample, 3).sample, reference(sample, 3).sample)
+    assert isinstance(diffusers.DDPMPipeline.from_pretrained(out).scheduler, diffusers.DDPMScheduler)

@@ -97,6 +97,7 @@ def carry(
     source_keys: Iterable[str] = (),
     dequantized: bool = False,
     file_output: bool = False,
+    parts: Sequence[str] = (),
 ) -> ModelFiles:
     """What the model folder ``folder`` (whose weights are the files ``weights``) carries to a folder output, or,
     for a file output (``file_output``), the notes on what stays behind.
@@ -105,7 +106,7 @@ def carry(
         LoadError: a file of the folder is a link leading out of it, or not a regular file.
         MalformedCheckpointError: its ``config.json`` is not a JSON object.
     """
-    found = inventory(folder, weights)
+    found = inventory(folder, weights, parts)
     if not file_output:
         planned = plan(found, read_config(folder), state, source_keys=source_keys, dequantized=dequantized)
         return dataclasses.replace(planned, stem=weights_stem(weights))
@@ -230,6 +231,11 @@ def left_out(inventory: Inventory, *, carried: bool = True) -> list[str]:
             f"left out weights ckptconv did not convert ({_listed(list(inventory.other_weights))}); convert them on "
             "their own"
         )
+    if inventory.other_folders:
+        notes.append(
+            f"left out {_listed(list(inventory.other_folders))}, which hold weights of their own (another model); "
+            "convert them on their own"
+        )
     if inventory.too_large:
         notes.append(
             f"left out {_listed(list(inventory.too_large))}: larger than a model folder's files are; copy it yourself"
@@ -254,8 +260,11 @@ def check(files: ModelFiles, folder: str, *, overwrite: bool, inputs: write_poli
         )
 
 
-def write(files: ModelFiles, folder: str, *, inputs: write_policy.Inputs, fsync: bool) -> list[str]:
-    """Write ``files`` into ``folder``, each atomically; on a failure those written are removed again.
+def write(
+    files: ModelFiles, folder: str, *, inputs: write_policy.Inputs, fsync: bool, weights: Sequence[str] = ()
+) -> tuple[str, ...]:
+    """Write ``files`` into ``folder``, each atomically; on a failure those written are removed again, and the
+    ``weights`` written before them too: a model folder is whole, or not written.
 
     Raises:
         LoadError: a source file is no longer a regular file inside its folder.
@@ -276,9 +285,31 @@ def write(files: ModelFiles, folder: str, *, inputs: write_policy.Inputs, fsync:
                         shutil.copyfileobj(source, output, 1 << 20)
             written.append(target)
     except BaseException:
-        for path in written:
+        for path in [*written, *weights]:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         write_policy.remove_folders(created)
         raise
-    return written
+    return tuple(written)
+
+
+def write_alone(
+    folder: str, destination: str | None, parts: Sequence[str], *, overwrite: bool, fsync: bool
+) -> tuple[ModelFiles, tuple[str, ...]]:
+    """The top of a folder of models that holds no weights of its own (diffusers: ``model_index.json``,
+    ``scheduler/``, ``tokenizer/``), carried into ``destination`` (created); its ``parts`` are converted apart.
+    Returns what was carried and the files written (none when ``destination`` is None: a dry run).
+
+    Raises:
+        OutputExistsError, WriteError: see :func:`check` and :func:`write`.
+    """
+    carried = carry(folder, (), {}, parts=parts)
+    if destination is None:
+        return carried, ()
+    target = os.path.abspath(destination)
+    inputs = write_policy.Inputs(file.source for file in carried.files)
+    inputs.check_folder(target)
+    if not os.path.isdir(target):
+        write_policy.make_folders(target)
+    check(carried, target, overwrite=overwrite, inputs=inputs)
+    return carried, write(carried, target, inputs=inputs, fsync=fsync)

@@ -30,7 +30,7 @@ from ckptconv.writing.folders import save_folder
 from ckptconv.writing.naming import is_folder_destination, output_format
 from ckptconv.writing.room import check_room, planned_bytes
 
-__all__ = ["WriteReport", "output_format", "save", "write_state"]
+__all__ = ["WriteReport", "output_format", "save", "tied_note", "write_state"]
 
 Progress = Union[bool, Callable[[int], None]]
 
@@ -263,3 +263,18 @@ def _entries(state: Mapping[str, Any]) -> list[tuple[str, TensorRef]]:
             except CkptconvError as error:
                 raise WriteError(f"{key!r} cannot be written: {error}") from None
     return entries
+
+
+def tied_note(aliases: Mapping[str, str], path: str, sharded: bool) -> str:
+    """How to load a file whose tied tensors were stored once: the exact calls (issue 14)."""
+    count = len(aliases)
+    shown = ", ".join(f"{alias} = {kept}" for alias, kept in list(aliases.items())[:2])
+    shown += f" and {count - 2} more" if count > 2 else ""
+    if sharded:
+        how = "transformers' from_pretrained or ckptconv.load() restore them"
+    else:
+        how = f"load with safetensors.torch.load_model(model, {path!r}) or ckptconv.load({path!r}), which restore them"
+    return (
+        f"{count} tied tensor{'s are' if count != 1 else ' is'} stored once, as Hugging Face does ({shown}); {how}; "
+        "plain model.load_state_dict(safetensors.torch.load_file(...), strict=True) needs --tied copy"
+    )
