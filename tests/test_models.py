@@ -9,6 +9,7 @@ Training-run folders are written by the real ``transformers.Trainer`` (one step 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -317,7 +318,9 @@ def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
         logging_strategy="no",
         disable_tqdm=True,
     )
-    transformers.Trainer(model=model, args=arguments, train_dataset=_Tokens()).train()
+    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=_Tokens())
+    trainer.train()
+    trainer.save_model()  # the final model at the top of the run, beside checkpoint-1/
     return model, run
 
 
@@ -340,8 +343,25 @@ def test_a_trainer_checkpoint_folder_converts_its_model_and_leaves_the_training_
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
     loaded = _assert_loads_cleanly(out, transformers.AutoModelForCausalLM)
     inputs = _text_inputs(model)
-    assert torch.equal(_logits(loaded, inputs), _logits(model.to(torch.bfloat16), inputs))
-    model.float()
+    assert torch.equal(_logits(loaded, inputs), _logits(copy.deepcopy(model).to(torch.bfloat16), inputs))
+
+
+def test_a_trainer_save_model_folder_converts_its_model_and_leaves_the_checkpoints_out(
+    trainer_run: tuple[Any, Path], tmp_path: Path
+) -> None:
+    model, run = trainer_run
+    out = tmp_path / "out"
+    code, _, stderr = run_cli("convert", str(run), f"{out}/")
+    assert code == 0, stderr
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert stderr.splitlines()[1:3] == [
+        "note: left out the training state beside the model, which is not weights: training_args.bin (training "
+        "arguments (transformers.training_args.TrainingArguments))",
+        "note: left out 1 folder holding another model's weights (checkpoint-1/); convert them on their own",
+    ]
+    loaded = _assert_loads_cleanly(out, transformers.AutoModelForCausalLM)
+    inputs = _text_inputs(model)
+    assert torch.equal(_logits(loaded, inputs), _logits(model, inputs))
 
 
 def test_an_optimizer_file_on_its_own_says_what_it_holds(trainer_run: tuple[Any, Path], tmp_path: Path) -> None:
@@ -358,10 +378,10 @@ def test_batch_over_a_training_run_skips_the_training_state(trainer_run: tuple[A
     code, _, stderr = run_cli("batch", str(trainer_run[1]), str(tmp_path / "out"))
     assert code == 0, stderr
     assert stderr.splitlines()[0] == (
-        "skipped 4 files of training state, not model weights: checkpoint-1/optimizer.pt, checkpoint-1/rng_state.pth, "
-        "checkpoint-1/scheduler.pt, checkpoint-1/training_args.bin"
+        "skipped 5 files of training state, not model weights: checkpoint-1/optimizer.pt, checkpoint-1/rng_state.pth, "
+        "checkpoint-1/scheduler.pt, checkpoint-1/training_args.bin, training_args.bin"
     )
-    assert stderr.splitlines()[-1].startswith("converted 1, skipped 4, failed 0 of 5 items")
+    assert stderr.splitlines()[-1].startswith("converted 2, skipped 5, failed 0 of 7 items")
 
 
 def test_an_accelerate_save_state_folder_converts_its_model(tmp_path: Path) -> None:

@@ -233,8 +233,8 @@ def left_out(inventory: Inventory, *, carried: bool = True) -> list[str]:
         )
     if inventory.other_folders:
         notes.append(
-            f"left out {_listed(list(inventory.other_folders))}, which hold weights of their own (another model); "
-            "convert them on their own"
+            f"left out {plural(len(inventory.other_folders), 'folder')} holding another model's weights "
+            f"({_listed(list(inventory.other_folders))}); convert them on their own"
         )
     if inventory.too_large:
         notes.append(
