@@ -422,8 +422,12 @@ def _dcp(state: dict[str, torch.Tensor], folder: Path) -> Path:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-@pytest.mark.parametrize("write_source", [_lightning, _dcp], ids=["lightning", "dcp"])
-def test_fit_like_a_model_folder_gives_that_model_folder(write_source: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("command", "write_source"),
+    [("fit", _lightning), ("fit", _dcp), ("convert", _lightning)],
+    ids=["fit-lightning", "fit-dcp", "convert-lightning"],
+)
+def test_like_a_model_folder_gives_that_model_folder(command: str, write_source: Any, tmp_path: Path) -> None:
     torch.manual_seed(0)
     base = _llama().to(torch.bfloat16)
     base.config.dtype = torch.bfloat16
@@ -434,7 +438,7 @@ def test_fit_like_a_model_folder_gives_that_model_folder(write_source: Any, tmp_
     trained = _llama()  # fp32 training weights, another seed
     source = write_source(trained.state_dict(), tmp_path)
     out = tmp_path / "out"
-    code, _, stderr = run_cli("fit", str(source), f"{out}/", "--like", f"{tmp_path / 'base'}/")
+    code, _, stderr = run_cli(command, str(source), f"{out}/", "--like", f"{tmp_path / 'base'}/")
     assert code == 0, stderr
     assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "base"))
     assert (out / "config.json").read_bytes() == (tmp_path / "base" / "config.json").read_bytes()
