@@ -553,3 +553,30 @@ def test_a_diffusers_pipeline_folder_converts_component_by_component(tmp_path: P
     with torch.no_grad():
         assert torch.equal(loaded.float()(sample, 3).sample, reference(sample, 3).sample)
     assert isinstance(diffusers.DDPMPipeline.from_pretrained(out).scheduler, diffusers.DDPMScheduler)
+
+
+@pytest.mark.parametrize(("run", "golden"), [("ds_zero2_bf16", "golden_fp32.pt"), ("fsdp2_dtensor", "golden_full.pt")])
+def test_fit_like_a_model_folder_from_zero_and_fsdp_runs(run: str, golden: str, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from .conftest import FIXTURES
+
+    expected = torch.load(FIXTURES / "runs" / run / golden, map_location="cpu", weights_only=True)
+    reference = tmp_path / "base"
+    reference.mkdir()
+    weights = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).clone() for k, v in expected.items()}
+    save_file(weights, reference / "model.safetensors")
+    (reference / "config.json").write_text(json.dumps({"model_type": "tiny", "dtype": "bfloat16"}))
+    (reference / "tokenizer_config.json").write_text("{}")
+    out = tmp_path / "out"
+    code, _, stderr = run_cli("fit", str(FIXTURES / "runs" / run), f"{out}/", "--like", str(reference))
+    assert code == 0, stderr
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer_config.json"]
+    from safetensors import safe_open
+
+    written = load_file(out / "model.safetensors")
+    with safe_open(out / "model.safetensors", "pt") as file:
+        aliases = json.loads((file.metadata() or {}).get("ckptconv.aliases", "{}"))  # tied: stored once
+    written.update({alias: written[kept] for alias, kept in aliases.items()})
+    assert sorted(written) == sorted(weights)
+    assert all(torch.equal(written[key], tensor) for key, tensor in weights.items())
