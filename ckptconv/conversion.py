@@ -20,15 +20,17 @@ from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
 from ckptconv._version import __version__
 from ckptconv.checking.verification import REFERENCES
-from ckptconv.dtypes import DType
-from ckptconv.errors import FitError, TransformError, VerifyError
+from ckptconv.errors import DestinationError, FitError, TransformError, VerifyError
+from ckptconv.fitting import LikeFolder, cast_like, like_folder
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.options import ConversionOptions
-from ckptconv.quantization import Scheme, dequantize, detect, fp8_quantize
+from ckptconv.quantization import detect, fp8_quantize
+from ckptconv.quantization.schemes import DECLARATION_KEYS
+from ckptconv.quantization.stage import Dequantization
 from ckptconv.reading.formats._base import Deferred, MetadataValue
 from ckptconv.reading.integrity import check_record_crcs
-from ckptconv.reading.model_folder import model_folder, read_config
+from ckptconv.reading.model_folder import components, holds_weights, model_folder, read_config
 from ckptconv.reading.streaming import reads_whole_record
 from ckptconv.reading.unpickling.rebuild import DEQUANTIZED_ORIGIN
 from ckptconv.runtime import cores as _cores
@@ -36,9 +38,10 @@ from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.weights import Selection
 from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix, Transform, compile_pattern
 from ckptconv.values.tensor import Storage, TensorRef
+from ckptconv.writing import model_files, write_policy
 from ckptconv.writing.naming import is_folder_destination, output_format
 from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, source_sha256
-from ckptconv.writing.writer import Progress, fills_record_crcs, save
+from ckptconv.writing.writer import Progress, fills_record_crcs, tied_note, write_state
 
 __all__ = ["ConversionReport", "convert"]
 
@@ -150,21 +153,6 @@ def _origins(keys: Sequence[str], steps: Sequence[Transform]) -> dict[str, str] 
     return origins
 
 
-def _tied_note(aliases: Mapping[str, str], path: str, sharded: bool) -> str:
-    """How to load a file whose tied tensors were stored once: the exact calls (issue 14)."""
-    count = len(aliases)
-    shown = ", ".join(f"{alias} = {kept}" for alias, kept in list(aliases.items())[:2])
-    shown += f" and {count - 2} more" if count > 2 else ""
-    if sharded:
-        how = "transformers' from_pretrained or ckptconv.load() restore them"
-    else:
-        how = f"load with safetensors.torch.load_model(model, {path!r}) or ckptconv.load({path!r}), which restore them"
-    return (
-        f"{count} tied tensor{'s are' if count != 1 else ' is'} stored once, as Hugging Face does ({shown}); {how}; "
-        "plain model.load_state_dict(safetensors.torch.load_file(...), strict=True) needs --tied copy"
-    )
-
-
 def convert(
     source: PathLike,
     destination: PathLike | None,
@@ -204,7 +192,49 @@ def convert(
     options = (options or ConversionOptions()).with_changes("convert", **changes)
     # Its bookkeeping builds and walks objects for every tensor: see ckptconv.runtime.collector.
     with collector_paused():
+        folder = model_folder(source)
+        parts = components(folder) if folder is not None else ()
+        if parts:
+            return _convert_parts(folder or source, destination, options, parts, dry_run=dry_run, progress=progress)
         return _convert(source, destination, options, dry_run=dry_run, progress=progress)
+
+
+def _convert_parts(
+    root: str, destination: str | None, options: ConversionOptions, parts: tuple[str, ...], **how: Any
+) -> ConversionReport:
+    """A folder of model folders (sentence-transformers' modules, diffusers' components): the model at its top (or
+    its files alone), then each part into the folder of its name under ``destination``, converted alike; a failure
+    removes every file written."""
+    if destination is not None and not is_folder_destination(destination, options.to, options.max_shard_size):
+        shown = ", ".join(f"{part}/" for part in parts)
+        raise DestinationError(f"{root!r} is a folder of models ({shown}); give a folder as DST (out/)", path=root)
+    if holds_weights(root):
+        reports = [_convert(root, destination, options, parts=parts, **how)]
+    else:
+        carried, files = model_files.write_alone(
+            root, None if how["dry_run"] else destination, parts, overwrite=options.overwrite, fsync=options.fsync
+        )
+        kind = options.to or "safetensors"
+        shown = os.path.abspath(destination) if destination is not None and not how["dry_run"] else ""
+        reports = [ConversionReport(root, shown, "model folders", kind, "", (), 0, 0, files=files)]
+        reports[0] = dataclasses.replace(reports[0], notes=carried.notes)
+    try:
+        for part in parts:
+            target = None if destination is None else os.path.join(destination, part, "")
+            reports.append(convert(os.path.join(root, part), target, options=options, **how))
+    except BaseException:
+        for path in (path for report in reports for path in report.files):
+            os.unlink(path)
+        raise
+    named = list(zip(("", *(f"{part}/: " for part in parts)), reports))
+    return dataclasses.replace(
+        reports[0],
+        steps=tuple(dataclasses.replace(step, step=name + step.step) for name, r in named for step in r.steps),
+        notes=tuple(name + note for name, report in named for note in report.notes),
+        tensors=sum(report.tensors for report in reports),
+        bytes=sum(report.bytes for report in reports),
+        files=tuple(path for report in reports for path in report.files),
+    )
 
 
 def _convert(
@@ -214,9 +244,15 @@ def _convert(
     *,
     dry_run: bool,
     progress: Progress,
+    parts: tuple[str, ...] = (),
 ) -> ConversionReport:
-    """The pipeline: load, select, transform, then (unless a dry run) write, verifying as it writes."""
+    """The pipeline: load, select, transform, then (unless a dry run) write, verifying as it writes (``parts``: the
+    model folders inside the source's, converted apart)."""
     reference = _verify_reference(options)
+    like = like_folder(options.fit_to)  # --like base_model/: the output takes after a model folder
+    folder_out = destination is not None and is_folder_destination(destination, options.to, None)
+    if like is not None and like.max_shard_size and options.max_shard_size is None and folder_out:
+        options = dataclasses.replace(options, max_shard_size=like.max_shard_size)  # sharded like it
     checkpoint = open_checkpoint(source, trust=options.trust)
     selection = checkpoint.select(options.select)
     dequantization = _dequantization(source, checkpoint, selection, options)
@@ -224,6 +260,8 @@ def _convert(
     if dequantization is not None:
         transformed.notes.append(dequantization.note(selection, transformed.state))
         transformed.dequantization = dequantization
+    if like is not None and not any(isinstance(step, Cast) for step in options.transforms.steps):
+        transformed.state, transformed.like = cast_like(transformed.state, like), like
     if options.quantize != "none":
         _quantize(transformed, options, already=dequantization)
     ao = sum(ref.origin == DEQUANTIZED_ORIGIN for ref in selection.weights.values())
@@ -232,39 +270,31 @@ def _convert(
             f"read {plural(ao, 'torch.ao quantized tensor')} as float32, exactly as tensor.dequantize() gives them"
         )
     summary = _summary(checkpoint, selection, transformed, destination, options)
+    # A model folder in (or --like's) carries its configs, tokenizer ... to a folder out, rewritten where the
+    # conversion changed what they say; a file out gets a note on what stays behind.
+    folder = like.folder if like is not None else model_folder(as_path(source))
+    carried = None
+    if folder is not None and summary.format != "dcp" and (like or checkpoint.format not in _NO_MODEL_FOLDER):
+        carried = model_files.carry(
+            folder,
+            like.files if like is not None else (checkpoint.files or (checkpoint.path,)),
+            transformed.state,
+            source_keys=selection.weights,
+            dequantized=transformed.dequantized,
+            quantization_config=transformed.quantization_config,
+            file_output=destination is not None and not is_folder_destination(destination, summary.format, None),
+            parts=parts,
+        )
+    if carried is not None and (dry_run or destination is None or not carried.files):
+        summary = dataclasses.replace(summary, notes=summary.notes + carried.notes)
     if dry_run or destination is None:
         return summary
-    return _write(checkpoint, selection, transformed, destination, options, summary, reference, progress)
-
-
-@dataclass(frozen=True)
-class _Dequantization:
-    """A quantized checkpoint's scheme, and the dtype its weights are dequantized to (None: kept as they are)."""
-
-    scheme: Scheme
-    target: DType | None
-
-    def apply(self, selection: Selection) -> Selection:
-        if self.target is None:
-            return selection
-        return dataclasses.replace(selection, weights=dequantize(selection.weights, self.scheme, self.target))
-
-    def note(self, selection: Selection, state: Mapping[str, TensorRef]) -> str:
-        if self.target is None:
-            return (
-                f"the weights are quantized ({self.scheme}) and were kept so, with their scales; "
-                "pass --dtype bf16, fp16 or fp32 to dequantize them exactly"
-            )
-        gone = len(selection.weights) - len(state)
-        return (
-            f"dequantized the {self.scheme} weights to {self.target.name}, exactly as the scheme's reference does; "
-            f"left out {plural(gone, 'scale, zero point or shape tensor', 'scale, zero point and shape tensors')}"
-        )
+    return _write(checkpoint, selection, transformed, destination, options, summary, reference, progress, carried)
 
 
 def _dequantization(
     source: PathLike, checkpoint: Checkpoint, selection: Selection, options: ConversionOptions
-) -> _Dequantization | None:
+) -> Dequantization | None:
     """The guard: the scheme a checkpoint declares (config.json, safetensors metadata) or gives away (weight/scale
     pairs), refused when ckptconv cannot undo it exactly; a quantized weight is never cast without its scales."""
     folder = model_folder(as_path(source))
@@ -274,10 +304,10 @@ def _dequantization(
     if scheme is None:
         return None
     cast = next((step for step in options.transforms.steps if isinstance(step, Cast)), None)
-    return _Dequantization(scheme, cast.target if cast is not None else None)
+    return Dequantization(scheme, cast.target if cast is not None else None)
 
 
-def _quantize(transformed: _Transformed, options: ConversionOptions, *, already: _Dequantization | None) -> None:
+def _quantize(transformed: _Transformed, options: ConversionOptions, *, already: Dequantization | None) -> None:
     """``--quantize fp8-block``: the transformed weights as fp8 blocks, scales beside them (the way back)."""
     if already is not None and already.target is None:
         raise TransformError(
@@ -285,18 +315,12 @@ def _quantize(transformed: _Transformed, options: ConversionOptions, *, already:
         )
     cast = next((step for step in options.transforms.steps if isinstance(step, Cast)), None)
     keep = [compile_pattern(pattern) for pattern in cast.keep] if cast is not None else []
-    before = len(transformed.state)
-    transformed.state, left_out = fp8_quantize.quantize(transformed.state, keep=keep)
-    transformed.quantization_config = fp8_quantize.quantization_config(left_out)
-    quantized = len(transformed.state) - before
-    transformed.notes.append(
-        f"quantized {plural(quantized, 'weight')} to float8_e4m3fn in 128x128 blocks, each with a float32 "
-        f"weight_scale_inv; left {plural(len(left_out), 'module')} unquantized (modules_to_not_convert)"
-    )
+    transformed.state, transformed.quantization_config, note = fp8_quantize.quantize_state(transformed.state, keep)
+    transformed.notes.append(note)
 
 
-# The safetensors metadata keys that declare a quantization scheme (ckptconv.quantization.detect reads them).
-_QUANTIZATION_DECLARATIONS = ("quantization_config", "quant_method")
+# Folders of a training framework's own (their model files, if any, are not Hugging Face's).
+_NO_MODEL_FOLDER = ("dcp", "megatron-torch-dist", "deepspeed", "rank-shards")
 
 
 def _verify_reference(options: ConversionOptions) -> str | None:
@@ -316,8 +340,9 @@ class _Transformed:
     notes: list[str]
     origins: dict[str, str] | None
     fit_report: Any = None
-    dequantization: _Dequantization | None = None
+    dequantization: Dequantization | None = None
     quantization_config: dict[str, Any] | None = None  # what --quantize wrote, for the model's config.json
+    like: LikeFolder | None = None
 
     @property
     def dequantized(self) -> bool:
@@ -429,7 +454,7 @@ def _output_metadata(
     """What travels with the weights: the source's own safetensors metadata, its plain data, the provenance."""
     metadata: dict[str, MetadataValue] = {}
     if checkpoint.format == "safetensors":
-        dropped = {"format", *(_QUANTIZATION_DECLARATIONS if transformed.dequantized else ())}
+        dropped = {"format", *(DECLARATION_KEYS if transformed.dequantized else ())}
         metadata.update(
             {k: v for k, v in checkpoint.metadata.items() if not k.startswith("ckptconv.") and k not in dropped}
         )
@@ -460,11 +485,16 @@ def _write(
     summary: ConversionReport,
     reference: str | None,
     progress: Progress,
+    carried: model_files.ModelFiles | None = None,
 ) -> ConversionReport:
-    """Write the transformed weights, checking CRC-32s, hashing the source and verifying beside the write."""
+    """Write the transformed weights, checking CRC-32s, hashing the source and verifying beside the write; then the
+    model files a model folder carries (refused before any weight is written when they exist)."""
     state, notes, kind = transformed.state, list(summary.notes), summary.format
     pipeline, fit_to, dequantization = options.transforms, options.fit_to, transformed.dequantization
     metadata = _output_metadata(checkpoint, selection, transformed, kind, options)
+    if carried is not None and carried.files:
+        inputs = write_policy.Inputs(checkpoint.files or (checkpoint.path,))
+        model_files.check(carried, os.path.abspath(as_path(destination)), overwrite=options.overwrite, inputs=inputs)
     extra = None
     if kind == "pt" and options.keep_meta:
         unreadable: dict[str, str] = {}
@@ -480,7 +510,7 @@ def _write(
             from ckptconv.fitting import fit
 
             result, _ = fit(result, fit_to)
-        return result
+        return cast_like(result, transformed.like) if transformed.like is not None else result
 
     def check(written: str) -> None:
         from ckptconv.checking.verification import compare, compare_with_reference
@@ -521,7 +551,7 @@ def _write(
             digest = hasher.submit(_cores.in_background(source_sha256), checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
         try:
-            written = save(
+            written = write_state(
                 state,
                 destination,
                 to=kind,
@@ -535,12 +565,17 @@ def _write(
                 fsync=options.fsync,
                 tied=options.tied,
                 record_crcs=record_crcs if read_whole else None,
+                stem=carried.stem if carried is not None else None,
             )
         except BaseException:
             give_up.set()  # do not make a failed conversion wait for the hash
             raise
+    files = written.files
+    if carried is not None and carried.files:
+        files += model_files.write(carried, written.path, inputs=inputs, fsync=options.fsync, weights=written.files)
+        notes.extend(carried.notes)
     if written.aliases:
-        notes.append(_tied_note(written.aliases, written.path, len(written.files) > 1))
+        notes.append(tied_note(written.aliases, written.path, len(written.files) > 1))
     from ckptconv.checking.reference import CKPTCONV_READER
 
     fallback = next((pair for pair in read_by if any(r.startswith(CKPTCONV_READER) for r in pair)), None)
@@ -553,7 +588,7 @@ def _write(
         tensors=written.tensors,
         bytes=written.bytes,
         aliases=written.aliases,
-        files=written.files,
+        files=files,
         notes=tuple(notes),
         verified=True if reference is not None else None,
         verified_with="ckptconv" if fallback is not None else reference or "",

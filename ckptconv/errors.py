@@ -10,6 +10,7 @@ a caller would handle it differently::
     │   ├── MalformedCheckpointError    a checkpoint, but broken (truncated, inconsistent)
     │   └── UnsafeCheckpointError       the file reaches for code-running callables
     ├── SelectionError (KeyError)       the weights inside a checkpoint could not be picked
+    │   └── TrainingStateError          the file holds training state (optimizer, RNG ...), not weights
     ├── TransformError (ValueError)     a key or dtype transform cannot be applied
     │   ├── KeyCollisionError           two keys would end up with one name
     │   ├── CastOverflowError           a cast would turn finite values into inf
@@ -40,6 +41,7 @@ __all__ = [
     "MalformedCheckpointError",
     "OutputExistsError",
     "SelectionError",
+    "TrainingStateError",
     "TransformError",
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
@@ -121,6 +123,15 @@ class SelectionError(CkptconvError, KeyError):
 
     # KeyError's own __str__ would wrap the message in quotes.
     __str__ = CkptconvError.__str__
+
+
+class TrainingStateError(SelectionError):
+    """The file holds training state (an optimizer's, a scheduler's, RNG state, trainer arguments), not weights:
+    a batch counts it as skipped, not failed. ``what`` names the state (``"optimizer state (Adam moments)"``)."""
+
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None, what: str = "") -> None:
+        super().__init__(message, path=path)
+        self.what = what
 
 
 class TransformError(CkptconvError, ValueError):

@@ -24,14 +24,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptconv._paths import PathLike, as_path
+from ckptconv.dtypes import DType
 from ckptconv.errors import CkptconvError, FitError, KeyCollisionError, LoadError, UnsupportedFormatError
 from ckptconv.reading import read_policy
+from ckptconv.reading.model_folder import model_folder, read_config
+from ckptconv.suffixes import INDEX_SUFFIXES
 from ckptconv.transforms.keys import AddPrefix, Canonicalize, StripPrefix, Transform, canonical_keys
+from ckptconv.values.tensor import TensorRef
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FitReport", "Reference", "fit", "load_into", "reference_from"]
+__all__ = ["FitReport", "LikeFolder", "Reference", "cast_like", "fit", "like_folder", "load_into", "reference_from"]
 
 
 # How many mismatched keys a report lists in full.
@@ -406,3 +410,54 @@ def load_into(
         staged = to_torch(fitted, device=pick_device(device))
     model.load_state_dict(staged, strict=strict)
     return report
+
+
+@dataclass(frozen=True)
+class LikeFolder:
+    """A model folder given as the reference (``--like base_model/``): the output takes after it.
+
+    Attributes:
+        folder: the model folder, whose non-weight files the output carries.
+        dtypes: each reference key's dtype, which the fitted tensors are cast to unless ``--dtype`` is given.
+        files: the reference's weight files (index and shards), which are not carried.
+        max_shard_size: the reference's largest shard in bytes when it is sharded (the output is sharded
+            alike), else None.
+    """
+
+    folder: str
+    dtypes: Mapping[str, DType]
+    files: tuple[str, ...]
+    max_shard_size: int | None
+
+
+def like_folder(reference: Any) -> LikeFolder | None:
+    """``reference`` as a :class:`LikeFolder` when it names a model folder (a folder, or its index, beside a
+    ``config.json``); None for any other reference.
+
+    Raises:
+        LoadError: the folder's weights cannot be read.
+    """
+    if not isinstance(reference, (str, os.PathLike)):
+        return None
+    path = as_path(reference)
+    folder = model_folder(path) if os.path.exists(path) else None
+    if folder is None or read_config(folder) is None:
+        return None
+    from ckptconv.loading import open as open_checkpoint
+
+    checkpoint = open_checkpoint(path)
+    dtypes = {key: ref.out_dtype for key, ref in checkpoint.select().weights.items()}
+    files = checkpoint.files or (checkpoint.path,)
+    shards = [name for name in files if not name.endswith(INDEX_SUFFIXES)]
+    largest = max(os.path.getsize(name) for name in shards) if len(shards) > 1 else None
+    return LikeFolder(folder, dtypes, tuple(files), largest)
+
+
+def cast_like(state: Mapping[str, TensorRef], like: LikeFolder) -> dict[str, TensorRef]:
+    """Each floating-point tensor cast to the dtype its key has in the reference (integers and bools keep theirs)."""
+    result: dict[str, TensorRef] = {}
+    for key, ref in state.items():
+        target = like.dtypes.get(key)
+        fits = target is not None and target.kind == "float" and ref.dtype.is_floating_point
+        result[key] = ref.cast(target) if fits and target is not None and ref.out_dtype != target else ref
+    return result

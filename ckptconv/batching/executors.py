@@ -41,8 +41,8 @@ from queue import Queue
 from typing import IO, Any, Callable
 
 from ckptconv.batching.frames import read_frame, write_frame
-from ckptconv.batching.report import CONVERTED, FAILED, ItemResult, OutputFile
-from ckptconv.errors import CkptconvError, LoadError, TransformError, interruption
+from ckptconv.batching.report import CONVERTED, FAILED, SKIPPED, ItemResult, OutputFile
+from ckptconv.errors import CkptconvError, LoadError, TrainingStateError, TransformError, interruption
 from ckptconv.options import ConversionOptions
 from ckptconv.reading import read_policy
 from ckptconv.reading.discovery import FILE, Item, folder_above, member_paths, refusal
@@ -117,7 +117,10 @@ def run_job(job: Job) -> ItemResult:
         interrupt = interruption(error)
         if interrupt is not None:  # raised while Ctrl-C or SIGTERM unwound the work: that is what happened
             raise interrupt from None
-        if isinstance(error, CkptconvError):
+        if isinstance(error, TrainingStateError):
+            # An optimizer.pt beside the model of a training run: nothing to convert, nothing wrong.
+            result = dataclasses.replace(_failed(job, type(error).__name__, str(error)), status=SKIPPED)
+        elif isinstance(error, CkptconvError):
             result = _failed(job, type(error).__name__, str(error))
         else:  # a bug, or a hostile file finding one: record it, keep going
             result = _failed(

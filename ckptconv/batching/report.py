@@ -55,7 +55,8 @@ class ItemResult:
     Attributes:
         source: the item's path relative to the source folder (``/``-separated).
         status: ``"converted"``; ``"failed"`` (see ``error``); ``"skipped"``
-            (``resume`` found it converted already); ``"cancelled"`` (never
+            (``resume`` found it converted already, or it holds training state, not weights: ``error`` says
+            which); ``"cancelled"`` (never
             started, because ``fail_fast`` stopped the batch); ``"planned"``
             (a dry run).
         kind: ``"file"``, ``"sharded"``, ``"dcp"`` or ``"run"`` (a DeepSpeed run folder).

@@ -65,20 +65,31 @@ def run_conversion(
 
 @click.command(cls=Command)
 @conversion_arguments("convert")
-def convert(src: str, dst: str, **options: Any) -> None:
+@click.option(
+    "--like",
+    "reference",
+    default=None,
+    metavar="MODEL_DIR",
+    help="Fit the keys to a model folder (or any REF `ckptconv fit` takes) and, for a model folder, carry its "
+    "config and tokenizer files, take its dtypes (unless --dtype) and shard like it.",
+)
+def convert(src: str, dst: str, reference: str | None, **options: Any) -> None:
     """Convert a checkpoint to .pt, safetensors, a sharded folder or DCP, with optional transforms.
 
     The weights are found inside training checkpoints automatically (see
     --select). Transforms apply in this order: --canonical, --strip-prefix,
     --rename, --add-prefix, --keep, --drop, --dtype; --keep, --drop and
-    --keep-dtype match the output key names.
+    --keep-dtype match the output key names. A model folder (config.json
+    beside the weights) converts to a model folder when DST is a folder.
 
     \b
     Example:
       ckptconv convert train_ckpt.pth weights.safetensors
       ckptconv convert model.safetensors model.pt --dtype bf16 --keep-dtype norm
+      ckptconv convert hf_model/ hf_model_bf16/ --dtype bf16
+      ckptconv convert last.ckpt finetuned/ --like base_model/
     """
-    run_conversion(src, dst, [], options)
+    run_conversion(src, dst, [], options, fit_to=reference)
 
 
 @click.command("strip-module", cls=Command)
@@ -119,7 +130,8 @@ def add_module(src: str, dst: str, **options: Any) -> None:
     "reference",
     required=True,
     metavar="REF",
-    help="What the keys must match: another checkpoint, a text file of key names, or "
+    help="What the keys must match: a model folder (whose config and tokenizer files are carried, whose dtypes "
+    "are taken unless --dtype, and whose sharding is followed), another checkpoint, a text file of key names, or "
     "'package.module:factory' that builds your nn.Module (this imports your code, found as python -m "
     "would: the current folder first, then installed packages).",
 )
@@ -136,6 +148,7 @@ def fit(src: str, dst: str, reference: str, **options: Any) -> None:
     Example:
       ckptconv fit lightning.ckpt model.safetensors --like mypkg.models:build_model
       ckptconv fit dp_model.pkl model.pt --like reference.safetensors
+      ckptconv fit last.ckpt finetuned/ --like base_model/
     """
     run_conversion(src, dst, [], options, fit_to=reference)
 
@@ -210,6 +223,11 @@ def batch(src: str, dst: str, **options: Any) -> None:
                 echo(f"{result.source}: converted already, skipped")
             else:
                 echo(f"{result.source}: cannot convert: {shortened(result.error)}")
+    training_state = [result.source for result in report.skipped if result.error_type == "TrainingStateError"]
+    if training_state and not report.dry_run:
+        more = len(training_state) - 6
+        shown_files = ", ".join(training_state[:6]) + (f" and {more} more" if more > 0 else "")
+        say(quiet, f"skipped {plural(len(training_state), 'file')} of training state, not model weights: {shown_files}")
     for result in report.failed:  # errors: shown even with -q
         echo(f"failed: {result.source}: {shortened(result.error)}", err=True)
     if report.cancelled:

@@ -30,12 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from ckptconv._text import plural
 from ckptconv.dtypes import DType, dtype_by_name
 from ckptconv.quantization._exact import Array, widen
 from ckptconv.reading.sources import computed_tensor
 from ckptconv.values.tensor import TensorRef
 
-__all__ = ["BLOCK", "FP8_MAX", "quantization_config", "quantize", "quantize_array", "to_e4m3fn"]
+__all__ = ["BLOCK", "FP8_MAX", "quantization_config", "quantize", "quantize_array", "quantize_state", "to_e4m3fn"]
 
 #: DeepSeek-V3's block, and transformers' default ``weight_block_size``.
 BLOCK = (128, 128)
@@ -132,6 +133,19 @@ def quantize(
             scale_key, functools.partial(_part, 1, source, block), {"weight": ref}, f32, grid
         )
     return out, left
+
+
+def quantize_state(
+    state: Mapping[str, TensorRef], keep: Sequence[re.Pattern[str]]
+) -> tuple[dict[str, TensorRef], dict[str, Any], str]:
+    """:func:`quantize`, the ``quantization_config`` its output declares, and the note that says what it did."""
+    quantized, left_out = quantize(state, keep=keep)
+    count = len(quantized) - len(state)  # one weight_scale_inv per quantized weight
+    note = (
+        f"quantized {plural(count, 'weight')} to float8_e4m3fn in 128x128 blocks, each with a float32 "
+        f"weight_scale_inv; left {plural(len(left_out), 'module')} unquantized (modules_to_not_convert)"
+    )
+    return quantized, quantization_config(left_out), note
 
 
 def quantization_config(left_out: Sequence[str], block: tuple[int, int] = BLOCK) -> dict[str, Any]:

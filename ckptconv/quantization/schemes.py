@@ -22,7 +22,10 @@ from typing import Any
 from ckptconv.errors import UnsupportedQuantizationError
 from ckptconv.values.tensor import TensorRef
 
-__all__ = ["SUPPORTED_METHODS", "Scheme", "detect", "is_module_kept", "refuse", "refuse_config"]
+__all__ = ["DECLARATION_KEYS", "SUPPORTED_METHODS", "Scheme", "detect", "is_module_kept", "refuse", "refuse_config"]
+
+#: The safetensors metadata keys that declare a scheme (read by :func:`detect`, dropped once dequantized).
+DECLARATION_KEYS = ("quantization_config", "quant_method")
 
 #: ``quant_method`` values dequantized here, with the module that does it.
 SUPPORTED_METHODS = {

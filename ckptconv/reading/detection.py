@@ -19,9 +19,10 @@ from ckptconv.errors import LoadError, UnsupportedFormatError
 from ckptconv.reading import read_policy
 from ckptconv.reading.formats import safetensors
 from ckptconv.reading.formats._base import ReadResult
+from ckptconv.selection.training_state import training_state
 from ckptconv.suffixes import CHECKPOINT_SUFFIXES, INDEX_SUFFIXES
 
-__all__ = ["READERS", "ReadResult", "checkpoint_files", "detect", "is_checkpoint_file", "resolve"]
+__all__ = ["READERS", "ReadResult", "checkpoint_files", "detect", "is_checkpoint_file", "resolve", "training_state_of"]
 
 # Each format's module (its FORMAT), imported when first needed: a safetensors load never imports the
 # pickle machinery nor the training-run formats, a third of ckptconv's import time in a fresh process
@@ -91,6 +92,10 @@ def resolve(path: PathLike) -> tuple[str, str]:
             and os.path.isfile(os.path.join(path, name))
             and is_checkpoint_file(os.path.join(path, name))
         )
+        if len(candidates) > 1:
+            # A training run's folder: the model beside optimizer.pt, scheduler.pt, rng_state.pth ...
+            weights = [name for name in candidates if training_state_of(os.path.join(path, name)) is None]
+            candidates = weights if weights else candidates
         if len(candidates) == 1:
             single = os.path.join(path, candidates[0])
             read_policy.check_file(single, folder=path)
@@ -103,6 +108,19 @@ def resolve(path: PathLike) -> tuple[str, str]:
         )
     kind = detect(path)
     return kind, path
+
+
+def training_state_of(path: str) -> str | None:
+    """What training state the file at ``path`` holds (``"optimizer state (Adam moments)"``), read by its content
+    (:func:`ckptconv.selection.training_state.training_state`); None for weights, and for a file that cannot be
+    read (its own conversion says why). safetensors files hold tensors only, and are never opened for this."""
+    try:
+        kind = detect(path)
+        if kind in (safetensors.FORMAT, "sharded"):
+            return None
+        return training_state(READERS[kind](path).tree)
+    except (LoadError, OSError, ValueError):
+        return None
 
 
 def is_checkpoint_file(path: str) -> bool:

@@ -4,25 +4,227 @@ A Hugging Face model folder holds its weights (one file, or an index and shards)
 ``config.json`` that says what model they are, and how they were quantized. The configuration
 is read only where the checkpoint *is* the folder (a folder or its ``*.index.json`` was given):
 a single file given on its own is converted for what it holds, and never looks beside itself.
+
+:func:`inventory` lists what else such a folder holds, for a conversion that hands the user a model
+folder back: the files to carry (configs, generation config, tokenizer and processor files, chat
+templates, PEFT's ``adapter_config.json``, model cards, ``*.py`` remote code, which is read as bytes and
+never imported), the training state a training run saved beside the model (recognised by content:
+:func:`ckptconv.reading.detection.training_state_of`), and weights in other formats. Hidden files and
+folders (``.git``, ``.cache``, ``.gitattributes``) are not part of a model and are not listed.
+
+A folder of model folders declares its parts: sentence-transformers' ``modules.json`` (``2_Dense/``, with
+weights of its own, beside the transformer at the top) and diffusers' ``model_index.json`` (``unet/``,
+``vae/``, ``text_encoder/``). :func:`components` lists those that hold weights, each converted as a model
+folder of its own; the inventory of the folder above leaves them to that conversion. Any other subfolder
+that holds weights (a training run's ``checkpoint-500/`` beside the model it saved) is left out whole.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+import re
+import stat
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ckptconv._text import short_repr
 from ckptconv.errors import MalformedCheckpointError
 from ckptconv.reading import read_policy
+from ckptconv.reading.detection import is_checkpoint_file, training_state_of
 from ckptconv.reading.formats._base import json_object
 from ckptconv.suffixes import INDEX_SUFFIXES
 
-__all__ = ["CONFIG_NAME", "MAX_CONFIG_BYTES", "model_folder", "read_config"]
+__all__ = [
+    "CONFIG_NAME",
+    "MAX_CARRIED_BYTES",
+    "MAX_CONFIG_BYTES",
+    "Inventory",
+    "components",
+    "holds_weights",
+    "inventory",
+    "model_folder",
+    "read_config",
+]
 
 CONFIG_NAME = "config.json"
+#: The files that declare a folder of model folders: sentence-transformers' modules and diffusers' components.
+MODULES_NAME = "modules.json"
+MODEL_INDEX_NAME = "model_index.json"
+# A module folder's name: one plain component, inside the folder that declares it.
+_PLAIN_NAME = re.compile(r"^(?!\.\.?$)[^/\\\x00]+$")
 #: A model's config.json is kilobytes; a hundred times the largest real one is still refused past this.
 MAX_CONFIG_BYTES = 16 << 20
+#: The largest file carried beside the weights: a tokenizer.json is tens of megabytes. A larger one is left out,
+#: with a note naming it.
+MAX_CARRIED_BYTES = 1 << 30
+
+# Files a model folder holds that ckptconv knows: carried without a note. Anything else is carried verbatim too,
+# and named in a note (ckptconv cannot tell whether the conversion changed what it describes).
+_KNOWN = re.compile(
+    r"""(^|/)(
+        (generation_|preprocessor_|processor_|image_processor_|video_preprocessor_|feature_extractor_|adapter_|
+         scheduler_|sentence_bert_|tokenizer_|audio_processor_)?config\.json
+      | config_sentence_transformers\.json
+      | (tokenizer|vocab|merges|spiece|sentencepiece|special_tokens_map|added_tokens|chat_template|
+         modules|model_index|preprocessor|processor)[^/]*
+      | [^/]*\.(md|py|jinja|txt|model|tiktoken)
+      | LICEN[CS]E[^/]* | NOTICE[^/]* | USE_POLICY[^/]*
+    )$""",
+    re.VERBOSE,
+)
+# Weights in formats ckptconv does not convert (flax, TensorFlow, ONNX, GGUF, Core ML, rust-bert): left out with a
+# note, so the output never holds weights that disagree with the converted ones.
+_OTHER_FORMATS = (".msgpack", ".h5", ".onnx", ".onnx_data", ".gguf", ".tflite", ".ot", ".mlmodel")
+# JSON a training run writes beside the model (HF Trainer's log history): training state by what it is.
+_TRAINING_JSON = ("trainer_state.json",)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What a model folder holds besides the weights a conversion reads.
+
+    Attributes:
+        folder: the model folder.
+        carried: files to copy to a folder output, relative ``/``-separated names, sorted.
+        unknown: those of ``carried`` ckptconv does not interpret (copied verbatim, named in a note).
+        training_state: ``(name, what)`` for each file of training state, left out.
+        other_weights: weights in other formats, or other checkpoints (in subfolders too), left out.
+        too_large: files over :data:`MAX_CARRIED_BYTES`, left out.
+        other_folders: subfolders that hold weights and are no component (``checkpoint-500/``), left out whole.
+    """
+
+    folder: str
+    carried: tuple[str, ...] = ()
+    unknown: tuple[str, ...] = ()
+    training_state: tuple[tuple[str, str], ...] = ()
+    other_weights: tuple[str, ...] = ()
+    too_large: tuple[str, ...] = ()
+    other_folders: tuple[str, ...] = ()
+
+    def path(self, name: str) -> str:
+        """The file ``name`` (one of :attr:`carried`) names, checked by the read policy (inside the folder)."""
+        return read_policy.member(self.folder, name, source=self.folder, what="model file")
+
+
+def _walk(folder: str) -> Iterable[str]:
+    """Every regular file's relative name under ``folder``, hidden ones and links to folders apart; a link that
+    leads out of the folder is refused by the read policy."""
+    for root, folders, files in os.walk(folder, followlinks=False):
+        folders[:] = sorted(name for name in folders if not name.startswith("."))
+        for name in sorted(files):
+            if name.startswith("."):
+                continue
+            path = os.path.join(root, name)
+            info = read_policy.check_file(path, folder=folder)  # links out, FIFOs, devices: refused
+            if stat.S_ISREG(info.st_mode):
+                yield os.path.relpath(path, folder).replace(os.sep, "/")
+
+
+def _read_json(folder: str, name: str) -> Any:
+    path = os.path.join(folder, name)
+    if not os.path.lexists(path):
+        return None
+    data = read_policy.read_limited(path, limit=MAX_CONFIG_BYTES, folder=folder, what=name)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise MalformedCheckpointError(f"{path!r} is not JSON; fix or remove it", path=path) from None
+
+
+def _declared(folder: str) -> list[object]:
+    """The subfolder names ``modules.json`` or ``model_index.json`` declare (unchecked)."""
+    modules = _read_json(folder, MODULES_NAME)
+    names: list[object] = []
+    if isinstance(modules, list):
+        names += [module.get("path") for module in modules if isinstance(module, dict) and module.get("path")]
+    index = _read_json(folder, MODEL_INDEX_NAME)
+    if isinstance(index, dict):
+        names += [name for name, value in index.items() if not str(name).startswith("_") and isinstance(value, list)]
+    return names
+
+
+def holds_weights(folder: str) -> bool:
+    """True when ``folder`` holds a weights file at its top (training state apart)."""
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name.startswith(".") or not os.path.isfile(path) or name.lower().endswith(_OTHER_FORMATS):
+            continue
+        if name.endswith(INDEX_SUFFIXES) or (is_checkpoint_file(path) and training_state_of(path) is None):
+            return True
+    return False
+
+
+def components(folder: str) -> tuple[str, ...]:
+    """The model folders inside ``folder`` that its ``modules.json`` (sentence-transformers) or ``model_index.json``
+    (diffusers) declares and that hold weights: plain names of real folders inside it, in declared order.
+
+    Raises:
+        MalformedCheckpointError: a declaration is not JSON, or names a folder outside ``folder`` or a link.
+    """
+    found: list[str] = []
+    for name in _declared(folder):
+        if not isinstance(name, str) or not _PLAIN_NAME.match(name.strip("/")):
+            raise MalformedCheckpointError(
+                f"{folder!r} declares the module folder {short_repr(name)}, which is not a folder inside it",
+                path=folder,
+            )
+        path = os.path.join(folder, name.strip("/"))
+        if os.path.islink(path):
+            raise MalformedCheckpointError(
+                f"{path!r} is a link; ckptconv converts only module folders that are inside {folder!r}", path=path
+            )
+        if os.path.isdir(path) and name.strip("/") not in found and holds_weights(path):
+            found.append(name.strip("/"))
+    return tuple(found)
+
+
+def inventory(folder: str, weights: Iterable[str], parts: Iterable[str] = ()) -> Inventory:
+    """What ``folder`` holds besides ``weights`` (the files the conversion reads: the weights file, or the index
+    and its shards) and its ``parts`` (:func:`components`, converted on their own), sorted into what to carry
+    and what to leave out.
+
+    Raises:
+        LoadError: a file is a link leading out of the folder, a FIFO or a device.
+    """
+    read = {os.path.realpath(path) for path in weights}
+    carried: list[str] = []
+    unknown: list[str] = []
+    training: list[tuple[str, str]] = []
+    other: list[str] = []
+    large: list[str] = []
+    skip = {f"{part}/" for part in parts}
+    for name in _walk(folder):
+        path = os.path.join(folder, *name.split("/"))
+        if os.path.realpath(path) in read or any(name.startswith(part) for part in skip):
+            continue
+        base = name.rsplit("/", 1)[-1]
+        if base in _TRAINING_JSON:
+            training.append((name, "trainer state"))
+            continue
+        if base.lower().endswith(_OTHER_FORMATS) or base.endswith(INDEX_SUFFIXES):
+            other.append(name)
+            continue
+        if is_checkpoint_file(path):
+            what = training_state_of(path)
+            (training.append((name, what)) if what is not None else other.append(name))
+            continue
+        if os.stat(path).st_size > MAX_CARRIED_BYTES:
+            large.append(name)
+            continue
+        carried.append(name)
+        if not _KNOWN.search(name):
+            unknown.append(name)
+    # A subfolder with weights that is no component (checkpoint-500/ beside the model a Trainer saved) is another
+    # model: none of its files describes the weights converted here.
+    others = sorted({name.split("/", 1)[0] + "/" for name in other if "/" in name})
+
+    def kept(names: list[str]) -> tuple[str, ...]:
+        return tuple(name for name in names if not any(name.startswith(folder) for folder in others))
+
+    training_kept = tuple(item for item in training if not any(item[0].startswith(f) for f in others))
+    return Inventory(folder, kept(carried), kept(unknown), training_kept, kept(other), kept(large), tuple(others))
 
 
 def model_folder(source: str) -> str | None:

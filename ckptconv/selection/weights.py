@@ -45,7 +45,7 @@ from itertools import islice
 from typing import Any, Callable
 
 from ckptconv._text import plural, short_repr
-from ckptconv.errors import SelectionError
+from ckptconv.errors import SelectionError, TrainingStateError
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.paths import _resolve
 from ckptconv.selection.state_dicts import (
@@ -61,6 +61,7 @@ from ckptconv.selection.state_dicts import (
     module_state_dict,
     path_children,
 )
+from ckptconv.selection.training_state import training_state
 from ckptconv.values.standins import ForeignObject
 from ckptconv.values.tensor import TensorRef
 
@@ -522,6 +523,11 @@ def _select_weights(tree: Any, select: str | None, source: str) -> Selection:
             )
         # What --select named holds weights further down: those outside the ones taken are named too.
         return _with_left_out(_choose(_candidates(node, path), path, source, node), node, path)
+    state = training_state(tree)
+    if state is not None:
+        raise TrainingStateError(
+            f"{source} holds {state}, not model weights; convert the model file beside it", what=state
+        )
     _refuse_model_parallel_rank(tree, source)
     whole = _as_candidate(tree, ())
     bare = as_tensor(tree)

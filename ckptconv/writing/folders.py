@@ -34,6 +34,7 @@ def save_folder(
     fsync: bool,
     dedupe: bool = True,
     record_crcs: dict[Storage, int] | None = None,
+    stem: str | None = None,
 ) -> WriteReport:
     """Write a sharded or DCP folder as a whole or not at all (:mod:`.staging`).
 
@@ -51,9 +52,9 @@ def save_folder(
         family = re.compile(r"^(__\d+_\d+\.distcp|\.metadata)$")
     else:
         plan = shards.plan_shards(entries, max_shard_size)
-        shard_files, index_file = shards.shard_names(kind, len(plan.shards))
+        shard_files, index_file = shards.shard_names(kind, len(plan.shards), stem)
         names = shard_files + ([index_file] if len(shard_files) > 1 else [])
-        family = shards.family_pattern(kind)
+        family = shards.family_pattern(kind, stem)
     existing = set(os.listdir(folder)) if os.path.isdir(folder) else set()
     clashes = sorted(name for name in existing if name in names)
     stale = sorted(name for name in existing if family.match(name) and name not in names)

@@ -51,18 +51,24 @@ def plan_shards(entries: Sequence[tuple[str, TensorRef]], max_bytes: int | None)
     return ShardPlan(tuple(tuple(shard) for shard in shards), tuple(sizes))
 
 
-def shard_names(kind: str, count: int) -> tuple[list[str], str]:
-    """File names for ``count`` shards and the index, as transformers names them."""
-    stem, suffix = ("model", "safetensors") if kind == "safetensors" else ("pytorch_model", "bin")
+def _stem_suffix(kind: str, stem: str | None) -> tuple[str, str]:
+    default, suffix = ("model", "safetensors") if kind == "safetensors" else ("pytorch_model", "bin")
+    return stem or default, suffix
+
+
+def shard_names(kind: str, count: int, stem: str | None = None) -> tuple[list[str], str]:
+    """File names for ``count`` shards and the index, as transformers names them (``stem``: another name than
+    ``model``/``pytorch_model``, such as PEFT's ``adapter_model`` or diffusers' ``diffusion_pytorch_model``)."""
+    stem, suffix = _stem_suffix(kind, stem)
     if count == 1:
         return [f"{stem}.{suffix}"], f"{stem}.{suffix}.index.json"
     return [f"{stem}-{i:05d}-of-{count:05d}.{suffix}" for i in range(1, count + 1)], f"{stem}.{suffix}.index.json"
 
 
-def family_pattern(kind: str) -> re.Pattern[str]:
+def family_pattern(kind: str, stem: str | None = None) -> re.Pattern[str]:
     """File names a sharded write of ``kind`` may have left in a folder (this run's or an earlier one's)."""
-    stem, suffix = ("model", "safetensors") if kind == "safetensors" else ("pytorch_model", "bin")
-    return re.compile(rf"^{stem}(-\d{{5}}-of-\d{{5}})?\.{suffix}(\.index\.json)?$")
+    stem, suffix = _stem_suffix(kind, stem)
+    return re.compile(rf"^{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?\.{suffix}(\.index\.json)?$")
 
 
 def index_document(weight_map: dict[str, str], total_size: int, metadata: dict[str, str]) -> bytes:

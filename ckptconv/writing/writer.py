@@ -30,7 +30,7 @@ from ckptconv.writing.folders import save_folder
 from ckptconv.writing.naming import is_folder_destination, output_format
 from ckptconv.writing.room import check_room, planned_bytes
 
-__all__ = ["WriteReport", "output_format", "save"]
+__all__ = ["WriteReport", "output_format", "save", "tied_note", "write_state"]
 
 Progress = Union[bool, Callable[[int], None]]
 
@@ -155,6 +155,41 @@ def save(
         if to is not None and to != format:
             raise ValueError(f"save() got to={to!r} and its deprecated spelling format={format!r}; pass only to")
         to = format
+    return write_state(
+        state,
+        path,
+        to=to,
+        overwrite=overwrite,
+        metadata=metadata,
+        extra=extra,
+        max_shard_size=max_shard_size,
+        progress=progress,
+        inputs=inputs,
+        check=check,
+        fsync=fsync,
+        tied=tied,
+        record_crcs=record_crcs,
+    )
+
+
+def write_state(
+    state: Mapping[str, Any],
+    path: PathLike,
+    *,
+    to: str | None = None,
+    overwrite: bool = False,
+    metadata: Mapping[str, MetadataValue] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    max_shard_size: int | None = None,
+    progress: Progress = False,
+    inputs: Iterable[str] = (),
+    check: Callable[[str], None] | None = None,
+    fsync: bool = True,
+    tied: str = "dedupe",
+    record_crcs: dict[Storage, int] | None = None,
+    stem: str | None = None,
+) -> WriteReport:
+    """:func:`save`, whose folder outputs may name their weights after ``stem`` (``adapter_model.safetensors``)."""
     if tied not in TIED:
         raise ValueError(f"tied must be one of {', '.join(TIED)}, not {tied!r}")
     path = as_path(path)
@@ -188,6 +223,7 @@ def save(
                 fsync=fsync,
                 dedupe=tied == "dedupe",
                 record_crcs=record_crcs,
+                stem=stem,
             )
         protected.check_file(target)
         return save_file(
@@ -227,3 +263,18 @@ def _entries(state: Mapping[str, Any]) -> list[tuple[str, TensorRef]]:
             except CkptconvError as error:
                 raise WriteError(f"{key!r} cannot be written: {error}") from None
     return entries
+
+
+def tied_note(aliases: Mapping[str, str], path: str, sharded: bool) -> str:
+    """How to load a file whose tied tensors were stored once: the exact calls (issue 14)."""
+    count = len(aliases)
+    shown = ", ".join(f"{alias} = {kept}" for alias, kept in list(aliases.items())[:2])
+    shown += f" and {count - 2} more" if count > 2 else ""
+    if sharded:
+        how = "transformers' from_pretrained or ckptconv.load() restore them"
+    else:
+        how = f"load with safetensors.torch.load_model(model, {path!r}) or ckptconv.load({path!r}), which restore them"
+    return (
+        f"{count} tied tensor{'s are' if count != 1 else ' is'} stored once, as Hugging Face does ({shown}); {how}; "
+        "plain model.load_state_dict(safetensors.torch.load_file(...), strict=True) needs --tied copy"
+    )
