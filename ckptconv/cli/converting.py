@@ -28,10 +28,13 @@ def run_conversion(
     from ckptconv.conversion import convert
 
     quiet = options["quiet"]
+    conversion = conversion_options(options, leading, fit_to)
+    if fit_to is None and os.path.lexists(dst):
+        refuse_swapped(src, dst, conversion)
     report = convert(
         src,
         dst,
-        options=conversion_options(options, leading, fit_to),
+        options=conversion,
         dry_run=options["dry_run"],
         progress=not quiet and sys.stderr.isatty(),
     )
@@ -61,6 +64,39 @@ def run_conversion(
         f"wrote {report.destination} ({report.format}, {plural(report.tensors, 'tensor')}, "
         f"{human_bytes(report.bytes)}{verified})",
     )
+
+
+def _renamed(keys: Sequence[str], steps: Sequence[Any]) -> int:
+    """How many of ``keys`` the key steps (not the casts) rename, run on the names alone."""
+    names: dict[str, Any] = {key: key for key in keys}
+    for step in steps:
+        names, _ = step.apply(names)
+    return sum(new != old for new, old in names.items())
+
+
+def refuse_swapped(src: str, dst: str, conversion: Any) -> None:
+    """A usage error when SRC and DST look swapped: the key steps rename nothing in SRC but something in DST,
+    an existing checkpoint. Following "pass --overwrite" would replace the original with a copy of the output."""
+    from ckptconv.errors import CkptconvError
+    from ckptconv.loading import open as open_checkpoint
+    from ckptconv.transforms.keys import Cast
+
+    steps = [step for step in conversion.transforms.steps if not isinstance(step, Cast)]
+    if not steps:
+        return
+    try:
+        source_keys = list(open_checkpoint(src, trust=conversion.trust).select(conversion.select).weights)
+        existing_keys = list(open_checkpoint(dst).select(conversion.select).weights)
+        in_source, in_existing = _renamed(source_keys, steps), _renamed(existing_keys, steps)
+    except (CkptconvError, OSError):  # DST is no checkpoint (or SRC is not readable: convert says why)
+        return
+    if in_source == 0 and in_existing:
+        described = "; ".join(step.describe() for step in steps)
+        command = click.get_current_context().info_name
+        raise click.UsageError(
+            f"the arguments look swapped: {described} changes no key of {src!r} and {plural(in_existing, 'key')} "
+            f"of {dst!r}, which exists; the source comes first: ckptconv {command} {dst} {src}"
+        )
 
 
 @click.command(cls=Command)
