@@ -32,3 +32,46 @@ def test_swapped_arguments_are_refused_and_the_original_kept(tmp_path: Path) -> 
         )
         assert "--overwrite" not in stderr
         assert original.read_bytes() == before
+
+
+def _stripped_pair(tmp_path: Path) -> tuple[Path, Path]:
+    original = tmp_path / "dp_model.pkl"
+    _dp_model(original)
+    model = tmp_path / "model.pt"
+    assert run_cli("strip-module", str(original), str(model), "-q")[0] == 0
+    return original, model
+
+
+def test_verify_says_the_only_difference_is_the_prefix_and_names_the_flag(tmp_path: Path) -> None:
+    original, model = _stripped_pair(tmp_path)
+    assert run_cli("verify", str(original), str(model)) == (
+        3,
+        "verification failed: the keys differ only by the 'module.' prefix; with --strip-prefix module "
+        "all 3 tensors match bit for bit\n",
+        "",
+    )
+    assert run_cli("verify", str(original), str(model), "--strip-prefix", "module") == (
+        0,
+        "verified: all 3 tensors match bit for bit\n",
+        "",
+    )
+
+
+def test_diff_takes_the_transforms_and_says_the_only_difference_is_the_prefix(tmp_path: Path) -> None:
+    original, model = _stripped_pair(tmp_path)
+    assert run_cli("diff", str(original), str(model)) == (
+        3,
+        "different only by the 'module.' prefix: with --strip-prefix module, 3 tensors identical, 0 differ\n",
+        "",
+    )
+    assert run_cli("diff", str(model), str(original)) == (
+        3,
+        "different only by the 'module.' prefix: with --add-prefix module, 3 tensors identical, 0 differ\n",
+        "",
+    )
+    assert run_cli("diff", str(original), str(model), "--strip-prefix", "module") == (
+        0,
+        "identical: 3 tensors identical, 0 differ, 0 only in A, 0 only in B\n",
+        "",
+    )
+    assert run_cli("diff", str(original), str(model), "--canonical")[0] == 0

@@ -43,11 +43,23 @@ def verify(src: str, dst: str, select: str | None, trust: bool, reference: str, 
       ckptconv verify model.pt model_bf16.safetensors --dtype bf16
       ckptconv verify model.pt model.safetensors --reference torch
     """
+    from ckptconv.checking.verification import prefix_difference
     from ckptconv.checking.verification import verify as verify_files
 
-    result = verify_files(src, dst, select=select, transforms=pipeline([], options), trust=trust, reference=reference)
-    echo(result.summary())
-    if not result.ok:
+    transforms = pipeline([], options).steps
+    result = verify_files(src, dst, select=select, transforms=transforms, trust=trust, reference=reference)
+    summary = result.summary()
+    found = prefix_difference(result.missing, result.unexpected)
+    if found is not None:
+        # Only a prefix apart: what matters is how the tensors compare once the flag is passed.
+        what, flag, step = found
+        again = verify_files(src, dst, select=select, transforms=[*transforms, step], trust=trust, reference=reference)
+        if not (again.missing or again.unexpected):
+            outcome = again.summary().removeprefix("verified: ").removeprefix("verification failed: ")
+            summary = f"verification failed: the keys differ only by {what}; with {flag} {outcome}"
+            result = again
+    echo(summary)
+    if summary.startswith("verification failed"):
         for key in result.missing[:20]:
             echo(f"  missing: {key}")
         for key in result.unexpected[:20]:
@@ -63,22 +75,40 @@ def verify(src: str, dst: str, select: str | None, trust: bool, reference: str, 
 @click.option("--select-a", metavar="PATH", help="Where the weights are in A (searched when omitted).")
 @click.option("--select-b", metavar="PATH", help="Where the weights are in B (searched when omitted).")
 @click.option("--trust", is_flag=True, help="DANGEROUS: unpickle with torch.load(weights_only=False).")
+@transform_options
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
-def diff(a: str, b: str, select_a: str | None, select_b: str | None, trust: bool, as_json: bool) -> None:
+def diff(
+    a: str, b: str, select_a: str | None, select_b: str | None, trust: bool, as_json: bool, **options: Any
+) -> None:
     """Compare the weights of two checkpoints.
 
     Lists keys only in A or only in B, dtype and shape mismatches, and the
-    largest absolute difference of every tensor whose values differ. Exits 0
-    when the weights are identical and 3 when they differ.
+    largest absolute difference of every tensor whose values differ. The
+    transform options apply to A first, as convert applies them; when the keys
+    differ only by a wrapper prefix, one line says so and names the flag. Exits
+    0 when the weights are identical and 3 when they differ.
 
     \b
     Example:
       ckptconv diff epoch10.pt epoch11.pt
+      ckptconv diff dp_model.pkl model.pt --strip-prefix module
       ckptconv diff model.pt model.safetensors --json
     """
     from ckptconv.checking.verification import diff as diff_files
+    from ckptconv.checking.verification import prefix_difference
 
-    result = diff_files(a, b, select_a=select_a, select_b=select_b, trust=trust)
+    transforms = pipeline([], options).steps
+    result = diff_files(a, b, select_a=select_a, select_b=select_b, trust=trust, transforms=transforms)
+    found = None if as_json else prefix_difference(result.only_in_a, result.only_in_b)
+    if found is not None:
+        what, flag, step = found
+        again = diff_files(a, b, select_a=select_a, select_b=select_b, trust=trust, transforms=[*transforms, step])
+        if not (again.only_in_a or again.only_in_b):
+            echo(
+                f"different only by {what}: with {flag}, {plural(again.same, 'tensor')} identical, "
+                f"{len(again.differences)} differ"
+            )
+            sys.exit(EXIT_NEGATIVE)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
