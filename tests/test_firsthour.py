@@ -75,3 +75,59 @@ def test_diff_takes_the_transforms_and_says_the_only_difference_is_the_prefix(tm
         "",
     )
     assert run_cli("diff", str(original), str(model), "--canonical")[0] == 0
+
+
+def test_strip_module_of_a_compiled_dataparallel_model_points_to_canonical(tmp_path: Path) -> None:
+    source = tmp_path / "dp_compiled.pt"
+    torch.save({f"module._orig_mod.layers.{i}.weight": torch.ones(2) for i in range(3)}, source)
+    code, _, stderr = run_cli("strip-module", str(source), str(tmp_path / "out.pt"))
+    assert code == 0
+    assert (
+        "note: every key still starts with '_orig_mod.' (torch.compile); pass --canonical to remove every "
+        "wrapper prefix\n"
+    ) in stderr
+
+
+def _averaged(path: Path) -> torch.nn.Module:
+    from torch.optim.swa_utils import AveragedModel
+
+    model = torch.nn.Linear(3, 2)
+    torch.save(AveragedModel(model).state_dict(), path)
+    return model
+
+
+def test_canonical_strips_an_averaged_model_and_sets_its_counter_aside(tmp_path: Path) -> None:
+    source = tmp_path / "swa.pt"
+    model = _averaged(source)
+    output = tmp_path / "model.pt"
+    code, _, stderr = run_cli("convert", str(source), str(output), "--canonical")
+    assert code == 0, stderr
+    assert "note: removed wrappers: 'module.' from 2 keys\n" in stderr
+    assert (
+        "note: set aside 'n_averaged', the counter AveragedModel (SWA/EMA) keeps beside the weights; no model has it\n"
+    ) in stderr
+    assert "no wrapper prefixes found" not in stderr
+    model.load_state_dict(torch.load(output, weights_only=True), strict=True)
+
+
+def test_fit_recognises_an_averaged_model(tmp_path: Path) -> None:
+    source = tmp_path / "swa.pt"
+    model = _averaged(source)
+    reference = tmp_path / "reference.pt"
+    torch.save(model.state_dict(), reference)
+    output = tmp_path / "model.pt"
+    code, _, stderr = run_cli("fit", str(source), str(output), "--like", str(reference))
+    assert code == 0, stderr
+    model.load_state_dict(torch.load(output, weights_only=True), strict=True)
+
+
+def test_canonical_says_how_many_keys_have_module_when_only_some_do(tmp_path: Path) -> None:
+    source = tmp_path / "mixed.pt"
+    torch.save({"module.a": torch.ones(1), "module.b": torch.ones(1), "head.c": torch.ones(1)}, source)
+    code, _, stderr = run_cli("convert", str(source), str(tmp_path / "out.pt"), "--canonical")
+    assert code == 0
+    assert (
+        "note: 'module.' starts 2 of 3 keys, so --canonical kept it (it removes 'module.' only when every key "
+        "has it); pass --strip-prefix module to remove it from those 2\n"
+    ) in stderr
+    assert "already canonical" not in stderr

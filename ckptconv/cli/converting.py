@@ -38,7 +38,12 @@ def run_conversion(
         dry_run=options["dry_run"],
         progress=not quiet and sys.stderr.isatty(),
     )
+    step_notes = [note for step in report.steps for note in step.notes]
     for note in report.notes:
+        if step_notes and note.startswith("no wrapper prefixes found"):
+            continue  # --canonical's own note says which prefix is left, and what to pass
+        say(quiet, f"note: {note}")
+    for note in step_notes:
         say(quiet, f"note: {note}")
     for step in report.steps:
         counts = ([f"{step.changed} changed"] if step.changed or not step.dropped else []) + (
@@ -173,7 +178,19 @@ def fit(src: str, dst: str, reference: str, **options: Any) -> None:
       ckptconv fit lightning.ckpt model.safetensors --like mypkg.models:build_model
       ckptconv fit dp_model.pkl model.pt --like reference.safetensors
     """
-    run_conversion(src, dst, [], options, fit_to=reference)
+    from ckptconv.errors import CkptconvError
+    from ckptconv.loading import open as open_checkpoint
+    from ckptconv.transforms.keys import Canonicalize, averaging_counters
+
+    leading: list[Any] = []
+    if not options["canonical"]:
+        try:
+            keys = open_checkpoint(src, trust=options["trust"]).select(options["select"]).weights
+        except (CkptconvError, OSError):
+            keys = {}  # convert says why
+        if averaging_counters(keys):  # an AveragedModel (SWA/EMA): its counter set aside, its 'module.' removed
+            leading.append(Canonicalize())
+    run_conversion(src, dst, leading, options, fit_to=reference)
 
 
 @click.command(cls=Command)
