@@ -49,7 +49,11 @@ class UsageError(click.UsageError):
     def show(self, file: Any = None) -> None:
         where = f"; see '{self.ctx.command_path} --help'" if self.ctx is not None else ""
         message = shortened(self.format_message())
-        echo(f"ckptconv: error: {message.removesuffix('.') if where else message}{where}", err=True)
+        # A message of several lines (one per option that differs) is printed line by line, each escaped.
+        *lines, last = f"ckptconv: error: {message}".split("\n")
+        for line in lines:
+            echo(line, err=True)
+        echo(f"{last.removesuffix('.') if where else last}{where}", err=True)
 
 
 # `ckptconv` (or a group's command) run with no arguments: click shows the help, which is no error to shorten.
