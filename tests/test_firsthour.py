@@ -131,3 +131,32 @@ def test_canonical_says_how_many_keys_have_module_when_only_some_do(tmp_path: Pa
         "has it); pass --strip-prefix module to remove it from those 2\n"
     ) in stderr
     assert "already canonical" not in stderr
+
+
+def test_transform_help_is_grouped_and_shows_only_what_the_command_takes() -> None:
+    code, stdout, _ = run_cli("strip-module", "--help")
+    assert code == 0
+    headings = [line for line in stdout.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert headings == ["Selection:", "Transforms:", "Output:", "Safety:", "Speed:", "Run:", "Other options:"]
+    assert "--add-prefix" not in stdout and "dcp" not in stdout
+    assert "--strip-prefix" not in run_cli("add-module", "--help")[1]
+    assert "[pt|safetensors|dcp]" in run_cli("convert", "--help")[1]
+
+
+def test_commands_are_listed_in_workflow_order_with_whole_summaries() -> None:
+    import re
+
+    stdout = run_cli("--help")[1]
+    commands = [line.split()[0] for line in stdout.splitlines() if re.match(r"^  [a-z][a-z-]+ +[A-Z]", line)]
+    assert commands == ["inspect", "scan", "convert", "strip-module", "add-module", "fit", "batch", "verify", "diff"]
+    words = " ".join(stdout.split())
+    assert "strip-module Remove the 'module.' prefix DataParallel and DDP add to every key. add-module" in words
+    assert "..." not in stdout[stdout.index("Look at checkpoints:") : stdout.index("Exit codes:")]
+
+
+def test_a_close_command_is_suggested() -> None:
+    assert run_cli("strip", "a.pt", "b.pt") == (
+        2,
+        "",
+        "ckptconv: error: No such command 'strip'. Did you mean 'strip-module'?; see 'cli --help'\n",
+    )

@@ -11,14 +11,7 @@ import click
 
 from ckptconv._text import human_bytes, plural
 from ckptconv.cli.failures import Command, interrupted_code, signal_name
-from ckptconv.cli.option_sets import (
-    batch_options,
-    conversion_arguments,
-    conversion_options,
-    field_options,
-    run_options,
-    transform_options,
-)
+from ckptconv.cli.option_sets import conversion_arguments, conversion_options, sections
 from ckptconv.cli.terminal import echo, say, shortened
 
 
@@ -154,15 +147,21 @@ def add_module(src: str, dst: str, **options: Any) -> None:
 
 
 @click.command(cls=Command)
-@conversion_arguments("fit")
-@click.option(
-    "--like",
-    "reference",
-    required=True,
-    metavar="REF",
-    help="What the keys must match: another checkpoint, a text file of key names, or "
-    "'package.module:factory' that builds your nn.Module (this imports your code, found as python -m "
-    "would: the current folder first, then installed packages).",
+@conversion_arguments(
+    "fit",
+    {
+        "Reference": [
+            click.option(
+                "--like",
+                "reference",
+                required=True,
+                metavar="REF",
+                help="What the keys must match: another checkpoint, a text file of key names, or "
+                "'package.module:factory' that builds your nn.Module (this imports your code, found as python -m "
+                "would: the current folder first, then installed packages).",
+            )
+        ]
+    },
 )
 def fit(src: str, dst: str, reference: str, **options: Any) -> None:
     """Rename a checkpoint's keys to match a reference model, then write it.
@@ -196,11 +195,7 @@ def fit(src: str, dst: str, reference: str, **options: Any) -> None:
 @click.command(cls=Command)
 @click.argument("src", type=click.Path(file_okay=False))
 @click.argument("dst", type=click.Path(file_okay=False))
-@field_options("selection", "batch")
-@transform_options
-@field_options("output", "batch")
-@run_options("batch")
-@batch_options
+@sections("batch")
 def batch(src: str, dst: str, **options: Any) -> None:
     """Convert every checkpoint under a folder, in parallel, with a manifest.
 

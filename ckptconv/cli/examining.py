@@ -7,26 +7,32 @@ import sys
 from typing import Any
 
 import click
+import cloup
 
 from ckptconv._text import human_bytes, plural, shown
 from ckptconv.batching.report import EXIT_NEGATIVE, EXIT_UNSAFE
 from ckptconv.cli.failures import Command
-from ckptconv.cli.option_sets import field_options, pipeline, transform_options
+from ckptconv.cli.option_sets import SAFETY, SELECTION, TRANSFORMS, field_options, pipeline, sections, transforms_of
 from ckptconv.cli.terminal import echo, printable, shortened
 
 
 @click.command(cls=Command)
 @click.argument("src", type=click.Path(dir_okay=True))
 @click.argument("dst", type=click.Path(dir_okay=True))
-@field_options("selection", "verify")
-@transform_options
-@click.option(
-    "--reference",
-    type=click.Choice(["ckptconv", "torch"]),
-    default="ckptconv",
-    show_default=True,
-    help="Who reads the tensors: ckptconv's readers, or torch.load(weights_only=True) and the "
-    "safetensors library (where they can read the file; the result line says who read what).",
+@sections(
+    "verify",
+    {
+        SAFETY: [
+            click.option(
+                "--reference",
+                type=click.Choice(["ckptconv", "torch"]),
+                default="ckptconv",
+                show_default=True,
+                help="Who reads the tensors: ckptconv's readers, or torch.load(weights_only=True) and the "
+                "safetensors library (where they can read the file; the result line says who read what).",
+            )
+        ]
+    },
 )
 def verify(src: str, dst: str, select: str | None, trust: bool, reference: str, **options: Any) -> None:
     """Prove DST holds SRC's weights after the given transforms, bit for bit.
@@ -72,11 +78,16 @@ def verify(src: str, dst: str, select: str | None, trust: bool, reference: str, 
 @click.command(cls=Command)
 @click.argument("a", type=click.Path(dir_okay=True))
 @click.argument("b", type=click.Path(dir_okay=True))
-@click.option("--select-a", metavar="PATH", help="Where the weights are in A (searched when omitted).")
-@click.option("--select-b", metavar="PATH", help="Where the weights are in B (searched when omitted).")
-@click.option("--trust", is_flag=True, help="DANGEROUS: unpickle with torch.load(weights_only=False).")
-@transform_options
-@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
+@cloup.option_group(
+    SELECTION,
+    click.option("--select-a", metavar="PATH", help="Where the weights are in A (searched when omitted)."),
+    click.option("--select-b", metavar="PATH", help="Where the weights are in B (searched when omitted)."),
+    click.option("--trust", is_flag=True, help="DANGEROUS: unpickle with torch.load(weights_only=False)."),
+)
+@cloup.option_group(TRANSFORMS, transforms_of("diff"))
+@cloup.option_group(
+    "Output", click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
+)
 def diff(
     a: str, b: str, select_a: str | None, select_b: str | None, trust: bool, as_json: bool, **options: Any
 ) -> None:
