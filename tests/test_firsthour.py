@@ -160,3 +160,18 @@ def test_a_close_command_is_suggested() -> None:
         "",
         "ckptconv: error: No such command 'strip'. Did you mean 'strip-module'?; see 'cli --help'\n",
     )
+
+
+def test_scan_names_the_files_under_the_folder_as_it_was_typed(tmp_path: Path, monkeypatch: object) -> None:
+    import os
+
+    (tmp_path / "incoming").mkdir()
+    torch.save({"w": torch.ones(1)}, tmp_path / "incoming" / "model.pt")
+    os.chdir(tmp_path)
+    try:
+        assert run_cli("scan", "incoming/")[:2] == (
+            0,
+            "safe              incoming/model.pt: holds only tensors, containers and plain data\n",
+        )
+    finally:
+        os.chdir(Path(__file__).parent)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -254,6 +255,15 @@ def inspect(
         echo(f"  ... and {len(info.tensors) - limit} more")
 
 
+def _as_typed(path: str, given: tuple[str, ...]) -> str:
+    """``path``, found under one of the folders the user gave, spelled from that folder as they typed it."""
+    for folder in given:
+        root = os.path.abspath(folder)
+        if path.startswith(root + os.sep):
+            return os.path.join(folder, path[len(root) + 1 :])
+    return path
+
+
 @click.command(cls=Command)
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
@@ -286,7 +296,7 @@ def scan(paths: tuple[str, ...], as_json: bool, quiet: bool) -> None:
         for report in summary.reports:
             if quiet and report.verdict == SAFE:
                 continue
-            click.echo(printable(f"{report.verdict:<16}  {report.path}: {shortened(report.reason)}"))
+            click.echo(printable(f"{report.verdict:<16}  {_as_typed(report.path, paths)}: {shortened(report.reason)}"))
         click.echo(summary.summary(), err=True)
     worst = summary.worst
     if worst == UNSAFE:
