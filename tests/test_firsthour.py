@@ -175,3 +175,11 @@ def test_scan_names_the_files_under_the_folder_as_it_was_typed(tmp_path: Path, m
         )
     finally:
         os.chdir(Path(__file__).parent)
+
+
+def test_inspect_of_a_training_run_counts_the_bytes_of_its_files() -> None:
+    run = Path(__file__).resolve().parent.parent / "fixtures" / "runs" / "ds_zero2_bf16" / "global_step3"
+    total = sum(path.stat().st_size for path in run.iterdir())
+    code, stdout, _ = run_cli("inspect", str(run), "--limit", "0")
+    assert code == 0
+    assert stdout.splitlines()[0].startswith(f"{run}: deepspeed, {total / 1024:.1f} KiB, saved on")
