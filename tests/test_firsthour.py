@@ -183,3 +183,40 @@ def test_inspect_of_a_training_run_counts_the_bytes_of_its_files() -> None:
     code, stdout, _ = run_cli("inspect", str(run), "--limit", "0")
     assert code == 0
     assert stdout.splitlines()[0].startswith(f"{run}: deepspeed, {total / 1024:.1f} KiB, saved on")
+
+
+def test_wrote_a_folder_names_its_files(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(300, 300), "b": torch.ones(300, 300)}, str(tmp_path / "m.safetensors"))
+    out = tmp_path / "out"
+    code, _, stderr = run_cli("convert", str(tmp_path / "m.safetensors"), f"{out}/", "--max-shard-size", "400KB")
+    assert code == 0
+    assert stderr.splitlines()[-1] == (
+        f"wrote {out}/: model-00001-of-00002.safetensors, model-00002-of-00002.safetensors, "
+        "model.safetensors.index.json (safetensors, 2 tensors, 703.1 KiB)"
+    )
+
+
+def test_inspect_of_safetensors_says_nothing_of_devices_it_does_not_record(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(2)}, str(tmp_path / "m.safetensors"))
+    first = run_cli("inspect", str(tmp_path / "m.safetensors"))[1].splitlines()[0]
+    assert first == f"{tmp_path / 'm.safetensors'}: safetensors, {(tmp_path / 'm.safetensors').stat().st_size} B"
+
+
+def test_a_hub_id_says_ckptconv_reads_local_files_and_how_to_download(tmp_path: Path) -> None:
+    import os
+
+    os.chdir(tmp_path)
+    try:
+        code, _, stderr = run_cli("inspect", "openai-community/gpt2")
+    finally:
+        os.chdir(Path(__file__).parent)
+    assert code == 1
+    assert stderr == (
+        "ckptconv: error: 'openai-community/gpt2' does not exist (ckptconv reads local files; for the Hugging "
+        "Face Hub model, download it first: huggingface-cli download openai-community/gpt2 --local-dir gpt2, "
+        "then pass the folder); check the path\n"
+    )

@@ -57,10 +57,14 @@ def run_conversion(
     verified = ""
     if report.verified:
         verified = ", verified bit for bit" + (" by torch" if report.verified_with == "torch" else "")
+    written = report.destination
+    if len(report.files) > 1:  # a folder: its files, by name
+        names = [os.path.basename(file) for file in report.files]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        written = f"{dst if dst.endswith(('/', os.sep)) else report.destination}: {shown}"
     say(
         quiet,
-        f"wrote {report.destination} ({report.format}, {plural(report.tensors, 'tensor')}, "
-        f"{human_bytes(report.bytes)}{verified})",
+        f"wrote {written} ({report.format}, {plural(report.tensors, 'tensor')}, {human_bytes(report.bytes)}{verified})",
     )
 
 

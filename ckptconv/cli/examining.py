@@ -212,8 +212,9 @@ def inspect(
     if as_json:
         click.echo(json.dumps(info.to_dict(), indent=2))
         return
-    devices = ", ".join(info.saved_devices) or "n/a"
-    echo(f"{info.path}: {info.format}, {human_bytes(info.size)}, saved on {devices}")
+    # A format that records no device (safetensors) says nothing of one.
+    devices = f", saved on {', '.join(info.saved_devices)}" if info.saved_devices else ""
+    echo(f"{info.path}: {info.format}, {human_bytes(info.size)}{devices}")
     if info.foreign_globals:
         echo("stand-ins (classes from code that is not here; nothing was run):")
         for name, count in info.foreign_globals.items():
