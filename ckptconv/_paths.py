@@ -17,6 +17,7 @@ expanded where it starts with one (:func:`missing`).
 from __future__ import annotations
 
 import os
+import re
 from typing import Union
 
 __all__ = ["PathLike", "as_path", "missing", "tilde_note"]
@@ -51,7 +52,27 @@ def missing(path: str, *, what: str = "") -> str:
         if blocking == path.rstrip("/" + os.sep):
             return f"{named} ends in {path[len(blocking) :]!r}, but {blocking!r} is a file, not a folder"
         return f"{named} does not exist: {blocking!r} is a file, not a folder"
-    return f"{named} does not exist{tilde_note(path)}"
+    return f"{named} does not exist{tilde_note(path)}{hub_note(path)}"
+
+
+# A Hugging Face Hub id: an owner and a name, with no suffix a checkpoint file would have.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]")
+_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".safetensors", ".tar", ".json")
+
+
+def hub_note(path: str) -> str:
+    """How to download a Hugging Face Hub model, for a missing ``path`` that looks like its id
+    (``openai-community/gpt2``), else ``""``: ckptconv reads local files only."""
+    if (
+        not _HUB_ID.fullmatch(path)
+        or path.lower().endswith(_FILE_SUFFIXES)
+        or os.path.lexists(path.split("/", maxsplit=1)[0])
+    ):
+        return ""
+    return (
+        " (ckptconv reads local files; for the Hugging Face Hub model, download it first: "
+        f"huggingface-cli download {path} --local-dir {path.split('/')[1]}, then pass the folder)"
+    )
 
 
 def tilde_note(path: str) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
 from ckptconv._version import __version__
+from ckptconv.architectures import MEGATRON_FORMATS, to_hugging_face
 from ckptconv.checking.verification import REFERENCES
 from ckptconv.errors import DestinationError, FitError, TransformError, VerifyError
 from ckptconv.fitting import LikeFolder, cast_like, like_folder
@@ -255,6 +256,9 @@ def _convert(
         options = dataclasses.replace(options, max_shard_size=like.max_shard_size)  # sharded like it
     checkpoint = open_checkpoint(source, trust=options.trust)
     selection = checkpoint.select(options.select)
+    if like is not None and checkpoint.format in MEGATRON_FORMATS:  # Megatron's names -> the reference's
+        weights = to_hugging_face(selection.weights, like.config, reference_names=list(like.dtypes))
+        selection = dataclasses.replace(selection, weights=weights, note=f"mapped Megatron's names to {like.folder}'s")
     dequantization = _dequantization(source, checkpoint, selection, options)
     transformed = _transform(dequantization.apply(selection) if dequantization else selection, options)
     if dequantization is not None:

@@ -428,6 +428,7 @@ class LikeFolder:
     dtypes: Mapping[str, DType]
     files: tuple[str, ...]
     max_shard_size: int | None
+    config: Mapping[str, Any] = field(default_factory=dict)  # its config.json
 
 
 def like_folder(reference: Any) -> LikeFolder | None:
@@ -441,7 +442,8 @@ def like_folder(reference: Any) -> LikeFolder | None:
         return None
     path = as_path(reference)
     folder = model_folder(path) if os.path.exists(path) else None
-    if folder is None or read_config(folder) is None:
+    config = read_config(folder) if folder is not None else None
+    if folder is None or config is None:
         return None
     from ckptconv.loading import open as open_checkpoint
 
@@ -450,7 +452,7 @@ def like_folder(reference: Any) -> LikeFolder | None:
     files = checkpoint.files or (checkpoint.path,)
     shards = [name for name in files if not name.endswith(INDEX_SUFFIXES)]
     largest = max(os.path.getsize(name) for name in shards) if len(shards) > 1 else None
-    return LikeFolder(folder, dtypes, tuple(files), largest)
+    return LikeFolder(folder, dtypes, tuple(files), largest, config)
 
 
 def cast_like(state: Mapping[str, TensorRef], like: LikeFolder) -> dict[str, TensorRef]:

@@ -177,6 +177,11 @@ def _size(files: tuple[str, ...]) -> int:
     total = 0
     for file in files:
         try:
+            if os.path.isdir(file):  # a training run's folder (its reader names no files): the files in it
+                total += sum(
+                    os.lstat(os.path.join(top, name)).st_size for top, _, names in os.walk(file) for name in names
+                )
+                continue
             total += os.stat(file).st_size
         except OSError as error:
             raise LoadError(f"{file!r} cannot be read: {error.strerror or error}", path=file) from None

@@ -168,3 +168,19 @@ def test_a_qkv_split_is_computed_from_the_interleaved_groups() -> None:
     assert torch.equal(k, qkv[:, 2].reshape(32, 64))
     assert torch.equal(v, qkv[:, 3].reshape(32, 64))
     assert dataclasses.is_dataclass(mapped["model.layers.0.self_attn.k_proj.weight"].storage.source)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_convert_like_a_base_model_folder_gives_a_model_transformers_loads(name: str, tmp_path: Path) -> None:
+    """The command users type: ``ckptconv convert megatron_run/ out/ --like hf_base_model/``; the output folder loads
+    with from_pretrained, nothing missing or unexpected, and gives Megatron's own logits."""
+    from .conftest import run_cli
+
+    config, _, golden = _fixture(name)
+    base = tmp_path / "base"
+    _model(config).save_pretrained(base)
+    code, _, err = run_cli("convert", str(RUNS / name), str(tmp_path / "out") + "/", "--like", str(base))
+    assert code == 0, err
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert {key: list(value) for key, value in info.items()} == {key: [] for key in info}
+    assert _difference(model.eval(), config, golden) <= TOLERANCE

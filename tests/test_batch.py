@@ -663,13 +663,14 @@ def test_resume_skips_what_is_done_and_redoes_what_changed(small_zoo: Path, tmp_
     assert len(fourth.converted) == 3
     assert ckptconv.load(out / "c.safetensors")["conv.weight"].dtype == torch.float16
 
-    # Without --resume an existing output is a per-item failure that points to --resume, not an overwrite.
-    fifth = ckptconv.batch(small_zoo, out)
-    assert [r.error for r in fifth.failed] == [
-        f"{p!r} already exists in the output folder; pass --resume to skip what an earlier batch converted, "
-        "or --overwrite to convert it again"
-        for p in ("a/b/model.safetensors", "a/train.safetensors", "c.safetensors")
-    ]
+    # Without --resume existing outputs stop the batch before it starts, pointing to --resume, not an overwrite.
+    (out / "c.safetensors").unlink()
+    with pytest.raises(ckptconv.DestinationError) as caught:
+        ckptconv.batch(small_zoo, out)
+    assert str(caught.value) == (
+        f"2 of 3 outputs exist already in {str(out)!r} (e.g. 'a/b/model.safetensors'; a batch ran there before); "
+        "pass --resume to skip what it converted, or --overwrite to convert them again"
+    )
     assert len(ckptconv.batch(small_zoo, out, overwrite=True).converted) == 3
 
 

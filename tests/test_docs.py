@@ -15,7 +15,9 @@ from ckptconv.transforms import keys as transforms
 
 from .conftest import run_cli as run
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+# The README and the pages of docs/ it links to: together they describe every option.
+README = "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
 
 # The flag that makes each kind of step.
 _FLAG_OF = {
@@ -82,7 +84,7 @@ def test_every_option_is_in_the_readme() -> None:
 def test_the_readme_mentions_no_option_that_does_not_exist() -> None:
     mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", README))
     pip = {"--extra-index-url"}  # the set-up section's advice for a CPU torch elsewhere
-    assert sorted(mentioned - _cli_options() - {"--version"} - pip) == []
+    assert sorted(mentioned - _cli_options() - {"--version", "--help"} - pip) == []
 
 
 def test_the_exit_codes_in_the_readme_and_help_are_the_ones_the_code_uses() -> None:

@@ -354,5 +354,5 @@ def test_usage_errors_are_one_line_too(args: list[str], message: str) -> None:
 def test_no_arguments_still_shows_the_help() -> None:
     """click shows the help when `ckptconv` runs with no command: that is no error to put on one line."""
     code, stdout, stderr = _run()
-    assert code == 2 and "Usage:" in (stdout + stderr) and "Commands:" in (stdout + stderr)
+    assert code == 2 and "Usage:" in (stdout + stderr) and "Convert:" in (stdout + stderr)
     assert "ckptconv: error:" not in stderr

@@ -209,9 +209,10 @@ def test_resume_with_other_options_stops_and_says_which(tmp_path: Path) -> None:
     assert code == 2
     assert stderr == (
         f"ckptconv: error: cannot resume: 4 items in {str(out)!r} were converted with other options "
-        "(transforms: cast floating-point tensors to bfloat16 then, none now); resume with the same options, "
-        "choose another output folder, or pass --overwrite to convert them again with these options; "
-        "see 'cli batch --help'\n"
+        "(recorded → now):\n"
+        "  transforms: cast floating-point tensors to bfloat16 → none\n"
+        "resume with the same options, choose another output folder, or pass --overwrite to convert them again "
+        "with these options; see 'cli batch --help'\n"
     )
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before  # nothing touched
     # The same options carry on; --overwrite converts again with the new ones.
@@ -227,18 +228,20 @@ def test_resume_names_every_option_that_differs(tmp_path: Path) -> None:
     ckptconv.batch(zoo, out, to="pt", transforms=[ckptconv.StripPrefix("module")])
     with pytest.raises(ckptconv.DestinationError) as caught:
         ckptconv.batch(zoo, out, to="pt", resume=True, keep_meta=True)
-    assert "(transforms: strip prefix 'module.' then, none now; --keep-meta: no then, yes now)" in str(caught.value)
+    assert "\n  transforms: strip prefix 'module.' → none\n  --keep-meta: no → yes\n" in str(caught.value)
 
 
 def test_running_a_batch_again_points_to_resume(tmp_path: Path) -> None:
     zoo, out = _zoo(tmp_path, 2), tmp_path / "out"
     assert run_cli("batch", str(zoo), str(out), "-q")[0] == 0
+    manifest = (out / "ckptconv-manifest.jsonl").read_bytes()
     code, _, stderr = run_cli("batch", str(zoo), str(out))
-    assert code == 3
-    assert (
-        "failed: m0.pt: 'm0.safetensors' already exists in the output folder; pass --resume to skip what an "
-        "earlier batch converted, or --overwrite to convert it again"
-    ) in stderr.splitlines()
+    assert code == 2
+    assert stderr == (
+        f"ckptconv: error: the outputs of all 2 items exist already in {str(out)!r} (a batch ran there before); "
+        "pass --resume to skip what it converted, or --overwrite to convert them again; see 'cli batch --help'\n"
+    )
+    assert (out / "ckptconv-manifest.jsonl").read_bytes() == manifest  # nothing recorded as failed
 
 
 def test_a_batch_that_matches_nothing_creates_nothing(tmp_path: Path) -> None:
@@ -578,6 +581,6 @@ def test_resume_tells_tied_copy_from_the_default(tmp_path: Path) -> None:
     torch.save(TiedLM().state_dict(), zoo / "lm.pt")
     out = tmp_path / "out"
     assert ckptconv.batch(zoo, out).exit_code == 0  # the default, as manifests before --tied recorded it
-    with pytest.raises(ckptconv.DestinationError, match=r"\(--tied: dedupe then, copy now\)"):
+    with pytest.raises(ckptconv.DestinationError, match=r"\n  --tied: dedupe → copy\n"):
         ckptconv.batch(zoo, out, resume=True, tied="copy")
     assert [r.status for r in ckptconv.batch(zoo, out, resume=True).results] == ["skipped"]

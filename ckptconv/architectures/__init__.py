@@ -11,4 +11,7 @@ from __future__ import annotations
 from ckptconv.architectures.families import FAMILIES
 from ckptconv.architectures.mapping import expert_layout, to_hugging_face
 
-__all__ = ["FAMILIES", "expert_layout", "to_hugging_face"]
+__all__ = ["FAMILIES", "MEGATRON_FORMATS", "expert_layout", "to_hugging_face"]
+
+#: The formats whose names the tables map (``convert SRC DST/ --like hf_base_model/`` maps them first).
+MEGATRON_FORMATS = frozenset({"megatron-torch-dist", "megatron-legacy"})

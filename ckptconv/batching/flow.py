@@ -31,7 +31,7 @@ from ckptconv.batching.executors import Job, check_sendable, run_dask, run_local
 from ckptconv.batching.manifest import MANIFEST_NAME, Manifest, latest_conversions, now, read_records
 from ckptconv.batching.outputs import Planned, folds_case, plan_outputs
 from ckptconv.batching.report import CANCELLED, FAILED, PLANNED, SKIPPED, BatchReport, ItemResult
-from ckptconv.errors import DestinationError, LoadError, OutputExistsError, WriteError
+from ckptconv.errors import DestinationError, LoadError, WriteError
 from ckptconv.options import ConversionOptions, fingerprint_defaults, fingerprint_flags
 from ckptconv.reading.discovery import FILE, Item, discover
 from ckptconv.writing import write_policy
@@ -102,18 +102,18 @@ def _check_same_options(
     now_options = _output_options(options)
     if isinstance(recorded, dict):
         differ = [
-            f"{_FLAGS[name]}: {_shown(name, then)} then, {_shown(name, value)} now"
+            f"  {_FLAGS[name]}: {_shown(name, then)} → {_shown(name, value)}"
             for name in _FLAGS
             if (value := now_options.get(name, _DEFAULTS.get(name)))
             != (then := recorded.get(name, _DEFAULTS.get(name)))
         ]
     else:
         differ = []
-    what = "; ".join(differ) if differ else "the manifest does not say which"
+    what = " (recorded → now):\n" + "\n".join(differ) + "\n" if differ else " (the manifest does not say which); "
     items = plural(count, "item")
     raise DestinationError(
         f"cannot resume: {items} in {output_dir!r} {'was' if count == 1 else 'were'} converted with other "
-        f"options ({what}); "
+        f"options{what}"
         "resume with the same options, choose another output folder, or pass --overwrite to convert "
         "them again with these options",
         path=output_dir,
@@ -295,24 +295,29 @@ def batch(
 
     results: dict[str, ItemResult] = {}
     refused: list[ItemResult] = []
+    existing: list[str] = []  # outputs there already, without --resume or --overwrite
     todo: list[Job] = []
     for plan in planned:
         item = plan.item
         if plan.problem:
             refused.append(_not_run(item, plan.output, kind, FAILED, error=plan.problem, error_type="WriteError"))
         elif not (resume or options.overwrite) and os.path.lexists(os.path.join(output, *plan.output.split("/"))):
-            error = (
-                f"{plan.output!r} already exists in the output folder; pass --resume to skip what an "
-                "earlier batch converted, or --overwrite to convert it again"
-            )
-            refused.append(
-                _not_run(item, plan.output, kind, FAILED, error=error, error_type=OutputExistsError.__name__)
-            )
+            existing.append(plan.output)
         elif resume and _still_done(plan, done.get(item.name), output, fingerprint):
             previous = ItemResult.from_record(done[item.name])
             results[item.name] = dataclasses.replace(previous, status=SKIPPED, duration_s=0.0)
         else:
             todo.append(Job(item, os.path.join(output, *plan.output.split("/")), plan.output, options, replace=resume))
+    if existing:  # a batch ran there before: one line saying what to pass, and nothing recorded as failed
+        if len(existing) == len(planned):
+            which, why = f"the outputs of all {plural(len(planned), 'item')}", "a batch ran there before"
+        else:
+            which, why = f"{len(existing)} of {len(planned)} outputs", f"e.g. {existing[0]!r}; a batch ran there before"
+        raise DestinationError(
+            f"{which} exist already in {output_dir!r} ({why}); "
+            "pass --resume to skip what it converted, or --overwrite to convert them again",
+            path=output_dir,
+        )
     results.update((result.source, result) for result in refused)
 
     if dry_run or not planned:  # nothing to do: no output folder, no manifest

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptconv._paths import PathLike
+from ckptconv.errors import TransformError
 from ckptconv.reading.integrity import check_record_crcs
 from ckptconv.reading.streaming import keeping_workers
-from ckptconv.transforms.keys import Pipeline, Transform
+from ckptconv.transforms.keys import AddPrefix, Canonicalize, Pipeline, StripPrefix, Transform
 from ckptconv.values.tensor import TensorRef
 
 if TYPE_CHECKING:
@@ -315,6 +316,7 @@ def diff(
     select_a: str | None = None,
     select_b: str | None = None,
     trust: bool = False,
+    transforms: Pipeline | Sequence[Transform] = (),
 ) -> DiffReport:
     """Compare the weights of two checkpoints: keys on one side only, dtype/shape mismatches, value differences.
 
@@ -322,6 +324,7 @@ def diff(
         a, b: any checkpoints :func:`ckptconv.open` reads.
         select_a, select_b: where the weights are in each (searched when None).
         trust: see :func:`ckptconv.open`. Dangerous.
+        transforms: steps applied to ``a``'s weights first (``ckptconv diff --strip-prefix module``).
 
     Returns:
         A :class:`DiffReport`.
@@ -332,7 +335,8 @@ def diff(
     """
     from ckptconv.loading import open as open_checkpoint
 
-    first = open_checkpoint(a, trust=trust).select(select_a).weights
+    pipeline = transforms if isinstance(transforms, Pipeline) else Pipeline.of(transforms)
+    first, _ = pipeline.apply(open_checkpoint(a, trust=trust).select(select_a).weights)
     second = open_checkpoint(b, trust=trust).select(select_b).weights
     differences = []
     same = 0
@@ -359,3 +363,30 @@ def diff(
     only_b = tuple(key for key in second if key not in first)
     identical = not (only_a or only_b or differences)
     return DiffReport(identical, only_a, only_b, tuple(differences), same)
+
+
+# The prefixes a wrapper puts in front of every key (DataParallel/DDP, torch.compile, Lightning), and a
+# training framework's own (`model.`): tried when two sides' keys differ only by one of them.
+_PREFIXES = ("module", "_orig_mod", "_forward_module", "model")
+
+
+def prefix_difference(only_in_a: Sequence[str], only_in_b: Sequence[str]) -> tuple[str, str, Transform] | None:
+    """When removing or adding one wrapper prefix (or every wrapper, ``--canonical``) turns the keys only
+    ``a`` has into exactly the keys only ``b`` has: what differs (``"the 'module.' prefix"``), the flag that
+    makes them the same (``"--strip-prefix module"``) and its step. None otherwise."""
+    if not only_in_a or len(only_in_a) != len(only_in_b):
+        return None
+    candidates: list[tuple[str, str, Transform]] = [
+        *((f"the '{p}.' prefix", f"--strip-prefix {p}", StripPrefix(p)) for p in _PREFIXES),
+        *((f"the '{p}.' prefix", f"--add-prefix {p}", AddPrefix(p)) for p in _PREFIXES),
+        ("wrapper prefixes", "--canonical", Canonicalize()),
+    ]
+    wanted = set(only_in_b)
+    for candidate in candidates:
+        try:
+            renamed, _ = candidate[2].apply({key: key for key in only_in_a})  # type: ignore[misc]
+        except TransformError:
+            continue
+        if set(renamed) == wanted:
+            return candidate
+    return None

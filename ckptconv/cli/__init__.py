@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import click
+import cloup
 
 from ckptconv._version import __version__
 from ckptconv.cli.converting import add_module, batch, convert, fit, strip_module
@@ -18,7 +19,17 @@ from ckptconv.cli.examining import diff, inspect, scan, verify
 from ckptconv.cli.failures import EXIT_CODES_HELP, Group, handle_signals, on_unraisable
 
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_HELP)
+@click.group(
+    cls=Group,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog=EXIT_CODES_HELP,
+    # The commands in the order of the work: look, convert, check.
+    sections=[
+        cloup.Section("Look at checkpoints", [inspect, scan]),
+        cloup.Section("Convert", [convert, strip_module, add_module, fit, batch]),
+        cloup.Section("Check a conversion", [verify, diff]),
+    ],
+)
 @click.version_option(__version__, "--version", prog_name="ckptconv")
 def cli() -> None:
     """Open any PyTorch checkpoint safely on the CPU and convert it.
@@ -28,10 +39,6 @@ def cli() -> None:
     functions are refused. GPU-saved files load on any machine, and every
     output is CPU-tagged.
     """
-
-
-for _command in (convert, strip_module, add_module, fit, verify, diff, inspect, scan, batch):
-    cli.add_command(_command)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

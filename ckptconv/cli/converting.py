@@ -11,14 +11,7 @@ import click
 
 from ckptconv._text import human_bytes, plural
 from ckptconv.cli.failures import Command, interrupted_code, signal_name
-from ckptconv.cli.option_sets import (
-    batch_options,
-    conversion_arguments,
-    conversion_options,
-    field_options,
-    run_options,
-    transform_options,
-)
+from ckptconv.cli.option_sets import conversion_arguments, conversion_options, sections
 from ckptconv.cli.terminal import echo, say, shortened
 
 
@@ -28,14 +21,22 @@ def run_conversion(
     from ckptconv.conversion import convert
 
     quiet = options["quiet"]
+    conversion = conversion_options(options, leading, fit_to)
+    if fit_to is None and os.path.lexists(dst):
+        refuse_swapped(src, dst, conversion)
     report = convert(
         src,
         dst,
-        options=conversion_options(options, leading, fit_to),
+        options=conversion,
         dry_run=options["dry_run"],
         progress=not quiet and sys.stderr.isatty(),
     )
+    step_notes = [note for step in report.steps for note in step.notes]
     for note in report.notes:
+        if step_notes and note.startswith("no wrapper prefixes found"):
+            continue  # --canonical's own note says which prefix is left, and what to pass
+        say(quiet, f"note: {note}")
+    for note in step_notes:
         say(quiet, f"note: {note}")
     for step in report.steps:
         counts = ([f"{step.changed} changed"] if step.changed or not step.dropped else []) + (
@@ -56,22 +57,65 @@ def run_conversion(
     verified = ""
     if report.verified:
         verified = ", verified bit for bit" + (" by torch" if report.verified_with == "torch" else "")
+    written = report.destination
+    if len(report.files) > 1:  # a folder: its files, by name
+        names = [os.path.basename(file) for file in report.files]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        written = f"{dst if dst.endswith(('/', os.sep)) else report.destination}: {shown}"
     say(
         quiet,
-        f"wrote {report.destination} ({report.format}, {plural(report.tensors, 'tensor')}, "
-        f"{human_bytes(report.bytes)}{verified})",
+        f"wrote {written} ({report.format}, {plural(report.tensors, 'tensor')}, {human_bytes(report.bytes)}{verified})",
     )
 
 
+def _renamed(keys: Sequence[str], steps: Sequence[Any]) -> int:
+    """How many of ``keys`` the key steps (not the casts) rename, run on the names alone."""
+    names: dict[str, Any] = {key: key for key in keys}
+    for step in steps:
+        names, _ = step.apply(names)
+    return sum(new != old for new, old in names.items())
+
+
+def refuse_swapped(src: str, dst: str, conversion: Any) -> None:
+    """A usage error when SRC and DST look swapped: the key steps rename nothing in SRC but something in DST,
+    an existing checkpoint. Following "pass --overwrite" would replace the original with a copy of the output."""
+    from ckptconv.errors import CkptconvError
+    from ckptconv.loading import open as open_checkpoint
+    from ckptconv.transforms.keys import Cast
+
+    steps = [step for step in conversion.transforms.steps if not isinstance(step, Cast)]
+    if not steps:
+        return
+    try:
+        source_keys = list(open_checkpoint(src, trust=conversion.trust).select(conversion.select).weights)
+        existing_keys = list(open_checkpoint(dst).select(conversion.select).weights)
+        in_source, in_existing = _renamed(source_keys, steps), _renamed(existing_keys, steps)
+    except (CkptconvError, OSError):  # DST is no checkpoint (or SRC is not readable: convert says why)
+        return
+    if in_source == 0 and in_existing:
+        described = "; ".join(step.describe() for step in steps)
+        command = click.get_current_context().info_name
+        raise click.UsageError(
+            f"the arguments look swapped: {described} changes no key of {src!r} and {plural(in_existing, 'key')} "
+            f"of {dst!r}, which exists; the source comes first: ckptconv {command} {dst} {src}"
+        )
+
+
 @click.command(cls=Command)
-@conversion_arguments("convert")
-@click.option(
-    "--like",
-    "reference",
-    default=None,
-    metavar="MODEL_DIR",
-    help="Fit the keys to a model folder (or any REF `ckptconv fit` takes) and, for a model folder, carry its "
-    "config and tokenizer files, take its dtypes (unless --dtype) and shard like it.",
+@conversion_arguments(
+    "convert",
+    {
+        "Reference": [
+            click.option(
+                "--like",
+                "reference",
+                default=None,
+                metavar="MODEL_DIR",
+                help="Fit the keys to a model folder (or any REF `ckptconv fit` takes) and, for a model folder, carry "
+                "its config and tokenizer files, take its dtypes (unless --dtype) and shard like it.",
+            )
+        ]
+    },
 )
 def convert(src: str, dst: str, reference: str | None, **options: Any) -> None:
     """Convert a checkpoint to .pt, safetensors, a sharded folder or DCP, with optional transforms.
@@ -124,16 +168,23 @@ def add_module(src: str, dst: str, **options: Any) -> None:
 
 
 @click.command(cls=Command)
-@conversion_arguments("fit")
-@click.option(
-    "--like",
-    "reference",
-    required=True,
-    metavar="REF",
-    help="What the keys must match: a model folder (whose config and tokenizer files are carried, whose dtypes "
-    "are taken unless --dtype, and whose sharding is followed), another checkpoint, a text file of key names, or "
-    "'package.module:factory' that builds your nn.Module (this imports your code, found as python -m "
-    "would: the current folder first, then installed packages).",
+@conversion_arguments(
+    "fit",
+    {
+        "Reference": [
+            click.option(
+                "--like",
+                "reference",
+                required=True,
+                metavar="REF",
+                help="What the keys must match: a model folder (whose config and tokenizer files are carried, whose "
+                "dtypes are taken unless --dtype, and whose sharding is followed), another checkpoint, a text file of "
+                "key names, or "
+                "'package.module:factory' that builds your nn.Module (this imports your code, found as python -m "
+                "would: the current folder first, then installed packages).",
+            )
+        ]
+    },
 )
 def fit(src: str, dst: str, reference: str, **options: Any) -> None:
     """Rename a checkpoint's keys to match a reference model, then write it.
@@ -150,17 +201,25 @@ def fit(src: str, dst: str, reference: str, **options: Any) -> None:
       ckptconv fit dp_model.pkl model.pt --like reference.safetensors
       ckptconv fit last.ckpt finetuned/ --like base_model/
     """
-    run_conversion(src, dst, [], options, fit_to=reference)
+    from ckptconv.errors import CkptconvError
+    from ckptconv.loading import open as open_checkpoint
+    from ckptconv.transforms.keys import Canonicalize, averaging_counters
+
+    leading: list[Any] = []
+    if not options["canonical"]:
+        try:
+            keys = open_checkpoint(src, trust=options["trust"]).select(options["select"]).weights
+        except (CkptconvError, OSError):
+            keys = {}  # convert says why
+        if averaging_counters(keys):  # an AveragedModel (SWA/EMA): its counter set aside, its 'module.' removed
+            leading.append(Canonicalize())
+    run_conversion(src, dst, leading, options, fit_to=reference)
 
 
 @click.command(cls=Command)
 @click.argument("src", type=click.Path(file_okay=False))
 @click.argument("dst", type=click.Path(file_okay=False))
-@field_options("selection", "batch")
-@transform_options
-@field_options("output", "batch")
-@run_options("batch")
-@batch_options
+@sections("batch")
 def batch(src: str, dst: str, **options: Any) -> None:
     """Convert every checkpoint under a folder, in parallel, with a manifest.
 

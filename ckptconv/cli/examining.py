@@ -3,30 +3,37 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
 import click
+import cloup
 
 from ckptconv._text import human_bytes, plural, shown
 from ckptconv.batching.report import EXIT_NEGATIVE, EXIT_UNSAFE
 from ckptconv.cli.failures import Command
-from ckptconv.cli.option_sets import field_options, pipeline, transform_options
+from ckptconv.cli.option_sets import SAFETY, SELECTION, TRANSFORMS, field_options, pipeline, sections, transforms_of
 from ckptconv.cli.terminal import echo, printable, shortened
 
 
 @click.command(cls=Command)
 @click.argument("src", type=click.Path(dir_okay=True))
 @click.argument("dst", type=click.Path(dir_okay=True))
-@field_options("selection", "verify")
-@transform_options
-@click.option(
-    "--reference",
-    type=click.Choice(["ckptconv", "torch"]),
-    default="ckptconv",
-    show_default=True,
-    help="Who reads the tensors: ckptconv's readers, or torch.load(weights_only=True) and the "
-    "safetensors library (where they can read the file; the result line says who read what).",
+@sections(
+    "verify",
+    {
+        SAFETY: [
+            click.option(
+                "--reference",
+                type=click.Choice(["ckptconv", "torch"]),
+                default="ckptconv",
+                show_default=True,
+                help="Who reads the tensors: ckptconv's readers, or torch.load(weights_only=True) and the "
+                "safetensors library (where they can read the file; the result line says who read what).",
+            )
+        ]
+    },
 )
 def verify(src: str, dst: str, select: str | None, trust: bool, reference: str, **options: Any) -> None:
     """Prove DST holds SRC's weights after the given transforms, bit for bit.
@@ -43,11 +50,23 @@ def verify(src: str, dst: str, select: str | None, trust: bool, reference: str, 
       ckptconv verify model.pt model_bf16.safetensors --dtype bf16
       ckptconv verify model.pt model.safetensors --reference torch
     """
+    from ckptconv.checking.verification import prefix_difference
     from ckptconv.checking.verification import verify as verify_files
 
-    result = verify_files(src, dst, select=select, transforms=pipeline([], options), trust=trust, reference=reference)
-    echo(result.summary())
-    if not result.ok:
+    transforms = pipeline([], options).steps
+    result = verify_files(src, dst, select=select, transforms=transforms, trust=trust, reference=reference)
+    summary = result.summary()
+    found = prefix_difference(result.missing, result.unexpected)
+    if found is not None:
+        # Only a prefix apart: what matters is how the tensors compare once the flag is passed.
+        what, flag, step = found
+        again = verify_files(src, dst, select=select, transforms=[*transforms, step], trust=trust, reference=reference)
+        if not (again.missing or again.unexpected):
+            outcome = again.summary().removeprefix("verified: ").removeprefix("verification failed: ")
+            summary = f"verification failed: the keys differ only by {what}; with {flag} {outcome}"
+            result = again
+    echo(summary)
+    if summary.startswith("verification failed"):
         for key in result.missing[:20]:
             echo(f"  missing: {key}")
         for key in result.unexpected[:20]:
@@ -60,25 +79,48 @@ def verify(src: str, dst: str, select: str | None, trust: bool, reference: str, 
 @click.command(cls=Command)
 @click.argument("a", type=click.Path(dir_okay=True))
 @click.argument("b", type=click.Path(dir_okay=True))
-@click.option("--select-a", metavar="PATH", help="Where the weights are in A (searched when omitted).")
-@click.option("--select-b", metavar="PATH", help="Where the weights are in B (searched when omitted).")
-@click.option("--trust", is_flag=True, help="DANGEROUS: unpickle with torch.load(weights_only=False).")
-@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
-def diff(a: str, b: str, select_a: str | None, select_b: str | None, trust: bool, as_json: bool) -> None:
+@cloup.option_group(
+    SELECTION,
+    click.option("--select-a", metavar="PATH", help="Where the weights are in A (searched when omitted)."),
+    click.option("--select-b", metavar="PATH", help="Where the weights are in B (searched when omitted)."),
+    click.option("--trust", is_flag=True, help="DANGEROUS: unpickle with torch.load(weights_only=False)."),
+)
+@cloup.option_group(TRANSFORMS, transforms_of("diff"))
+@cloup.option_group(
+    "Output", click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
+)
+def diff(
+    a: str, b: str, select_a: str | None, select_b: str | None, trust: bool, as_json: bool, **options: Any
+) -> None:
     """Compare the weights of two checkpoints.
 
     Lists keys only in A or only in B, dtype and shape mismatches, and the
-    largest absolute difference of every tensor whose values differ. Exits 0
-    when the weights are identical and 3 when they differ.
+    largest absolute difference of every tensor whose values differ. The
+    transform options apply to A first, as convert applies them; when the keys
+    differ only by a wrapper prefix, one line says so and names the flag. Exits
+    0 when the weights are identical and 3 when they differ.
 
     \b
     Example:
       ckptconv diff epoch10.pt epoch11.pt
+      ckptconv diff dp_model.pkl model.pt --strip-prefix module
       ckptconv diff model.pt model.safetensors --json
     """
     from ckptconv.checking.verification import diff as diff_files
+    from ckptconv.checking.verification import prefix_difference
 
-    result = diff_files(a, b, select_a=select_a, select_b=select_b, trust=trust)
+    transforms = pipeline([], options).steps
+    result = diff_files(a, b, select_a=select_a, select_b=select_b, trust=trust, transforms=transforms)
+    found = None if as_json else prefix_difference(result.only_in_a, result.only_in_b)
+    if found is not None:
+        what, flag, step = found
+        again = diff_files(a, b, select_a=select_a, select_b=select_b, trust=trust, transforms=[*transforms, step])
+        if not (again.only_in_a or again.only_in_b):
+            echo(
+                f"different only by {what}: with {flag}, {plural(again.same, 'tensor')} identical, "
+                f"{len(again.differences)} differ"
+            )
+            sys.exit(EXIT_NEGATIVE)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
@@ -170,8 +212,9 @@ def inspect(
     if as_json:
         click.echo(json.dumps(info.to_dict(), indent=2))
         return
-    devices = ", ".join(info.saved_devices) or "n/a"
-    echo(f"{info.path}: {info.format}, {human_bytes(info.size)}, saved on {devices}")
+    # A format that records no device (safetensors) says nothing of one.
+    devices = f", saved on {', '.join(info.saved_devices)}" if info.saved_devices else ""
+    echo(f"{info.path}: {info.format}, {human_bytes(info.size)}{devices}")
     if info.foreign_globals:
         echo("stand-ins (classes from code that is not here; nothing was run):")
         for name, count in info.foreign_globals.items():
@@ -215,6 +258,15 @@ def inspect(
         echo(f"  ... and {len(info.tensors) - limit} more")
 
 
+def _as_typed(path: str, given: tuple[str, ...]) -> str:
+    """``path``, found under one of the folders the user gave, spelled from that folder as they typed it."""
+    for folder in given:
+        root = os.path.abspath(folder)
+        if path.startswith(root + os.sep):
+            return os.path.join(folder, path[len(root) + 1 :])
+    return path
+
+
 @click.command(cls=Command)
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
@@ -247,7 +299,7 @@ def scan(paths: tuple[str, ...], as_json: bool, quiet: bool) -> None:
         for report in summary.reports:
             if quiet and report.verdict == SAFE:
                 continue
-            click.echo(printable(f"{report.verdict:<16}  {report.path}: {shortened(report.reason)}"))
+            click.echo(printable(f"{report.verdict:<16}  {_as_typed(report.path, paths)}: {shortened(report.reason)}"))
         click.echo(summary.summary(), err=True)
     worst = summary.worst
     if worst == UNSAFE:

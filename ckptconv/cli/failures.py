@@ -10,6 +10,7 @@ import os
 from typing import Any, NoReturn
 
 import click
+import cloup
 
 from ckptconv.batching.report import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NEGATIVE, EXIT_TERMINATED
 from ckptconv.cli.terminal import echo, shortened
@@ -27,8 +28,12 @@ Exit codes:
   143  terminated (SIGTERM); partial outputs are removed"""
 
 
-class Command(click.Command):
-    """Every ckptconv command: ``--verify`` takes its reader only as ``--verify=NAME`` or a reader's name."""
+class Command(cloup.Command):
+    """Every ckptconv command: ``--verify`` takes its reader only as ``--verify=NAME`` or a reader's name; its
+    options in the help's sections; its whole first sentence as its summary in ``ckptconv --help``."""
+
+    def get_short_help_str(self, limit: int = 45) -> str:
+        return (self.help or "").strip().split("\n\n")[0].replace("\n", " ") or super().get_short_help_str(limit)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # `--verify` takes an optional value (`--verify=torch`); click would take the next
@@ -49,7 +54,11 @@ class UsageError(click.UsageError):
     def show(self, file: Any = None) -> None:
         where = f"; see '{self.ctx.command_path} --help'" if self.ctx is not None else ""
         message = shortened(self.format_message())
-        echo(f"ckptconv: error: {message.removesuffix('.') if where else message}{where}", err=True)
+        # A message of several lines (one per option that differs) is printed line by line, each escaped.
+        *lines, last = f"ckptconv: error: {message}".split("\n")
+        for line in lines:
+            echo(line, err=True)
+        echo(f"{last.removesuffix('.') if where else last}{where}", err=True)
 
 
 # `ckptconv` (or a group's command) run with no arguments: click shows the help, which is no error to shorten.
@@ -66,7 +75,24 @@ def _one_line(error: click.UsageError) -> click.UsageError:
     return UsageError(error.format_message(), error.ctx)
 
 
-class Group(click.Group):
+class Group(cloup.Group):
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.exceptions.NoSuchCommand as error:
+            # click suggests by spelling alone ('convrt'); a command's first part counts too ('strip').
+            import difflib
+
+            name = error.command_name or ""
+            close = [command for command in self.commands if command.split("-")[0] == name or command.startswith(name)]
+            close += [c for c in difflib.get_close_matches(name, list(self.commands)) if c not in close]
+            if not close:
+                raise
+            suggested = " or ".join(repr(command) for command in close[:3])
+            raise UsageError(f"No such command {name!r}. Did you mean {suggested}?", ctx) from None
+
     def make_context(
         self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
     ) -> click.Context:

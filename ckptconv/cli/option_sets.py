@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Callable, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
 
 import click
 
 from ckptconv.cli.params import CastTarget, Prefix, Regex, RenameRule, Size
 
-F = TypeVar("F", bound=Callable[..., Any])
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
-def compose(*decorators: Callable[[F], F]) -> Callable[[F], F]:
-    def apply(function: F) -> F:
+def compose(*decorators: Decorator) -> Decorator:
+    def apply(function: Callable[..., Any]) -> Callable[..., Any]:
         for decorator in reversed(decorators):
             function = decorator(function)
         return function
@@ -21,16 +21,42 @@ def compose(*decorators: Callable[[F], F]) -> Callable[[F], F]:
     return apply
 
 
-def field_options(group: str, command: str) -> Callable[[F], F]:
+# The help's sections, in the order they are shown; each options field goes to one (new fields: by their group).
+SELECTION, TRANSFORMS, OUTPUT, SAFETY, SPEED, RUN = "Selection", "Transforms", "Output", "Safety", "Speed", "Run"
+_SECTION_OF_FIELD = {
+    "select": SELECTION,
+    "trust": SELECTION,
+    "overwrite": SAFETY,
+    "verify": SAFETY,
+    "check_crc": SAFETY,
+    "fsync": SPEED,
+    "checksums": SPEED,
+}
+# Commands that write one file of a key transform: no DCP folder (convert --to dcp makes one).
+_FILE_COMMANDS = ("batch", "strip-module", "add-module")
+
+
+def field_options(group: str, command: str, section: str | None = None) -> Decorator:
+    """The options of :func:`field_option_list`, as one decorator."""
+    return compose(*field_option_list(group, command, section))
+
+
+def field_option_list(group: str, command: str, section: str | None = None) -> list[Decorator]:
     """The click options of the :class:`~ckptconv.options.ConversionOptions` fields in ``group`` that
-    ``command`` offers, made from the fields' :class:`~ckptconv.options.Flag` metadata. The click
-    parameter takes the field's name, so the values go straight into the options object."""
+    ``command`` offers (only those of the help's ``section``, when given), made from the fields'
+    :class:`~ckptconv.options.Flag` metadata. The click parameter takes the field's name, so the values
+    go straight into the options object."""
     from ckptconv.checking.verification import REFERENCES
     from ckptconv.options import BATCH_FORMATS, OUTPUT_FORMATS, flags
 
-    decorators = []
+    decorators: list[Decorator] = []
     for name, flag in flags():
         if flag.group != group or command not in flag.commands:
+            continue
+        if (
+            section is not None
+            and _SECTION_OF_FIELD.get(name, SELECTION if group == "selection" else OUTPUT) != section
+        ):
             continue
         help_text = flag.batch_help if command == "batch" and flag.batch_help else flag.help
         if flag.kind == "flag":
@@ -46,8 +72,10 @@ def field_options(group: str, command: str) -> Callable[[F], F]:
             kinds: dict[str, Any] = {
                 "text": click.STRING,
                 "size": Size(),
-                "format": click.Choice(BATCH_FORMATS if command == "batch" else OUTPUT_FORMATS),
+                "format": click.Choice(BATCH_FORMATS if command in _FILE_COMMANDS else OUTPUT_FORMATS),
             }
+            if flag.kind == "format" and command in _FILE_COMMANDS and command != "batch":
+                help_text = help_text.split(" A folder DST")[0]  # no DCP folder here: convert --to dcp
             if flag.kind == "choice":
                 option = click.option(
                     flag.name,
@@ -60,7 +88,7 @@ def field_options(group: str, command: str) -> Callable[[F], F]:
             else:
                 option = click.option(flag.name, name, type=kinds[flag.kind], metavar=flag.metavar, help=help_text)
         decorators.append(option)
-    return compose(*decorators)
+    return decorators
 
 
 def conversion_options(options: dict[str, Any], leading: Sequence[Any] = (), fit_to: Any = None) -> Any:
@@ -71,64 +99,79 @@ def conversion_options(options: dict[str, Any], leading: Sequence[Any] = (), fit
     return ConversionOptions(transforms=pipeline(leading, options), fit_to=fit_to, **values)
 
 
-transform_options = compose(
-    click.option(
+def _named(flag: str, *args: Any, **kwargs: Any) -> tuple[str, Decorator]:
+    return flag, click.option(flag, *args, **kwargs)
+
+
+_TRANSFORM_OPTIONS = (
+    _named(
         "--canonical",
         is_flag=True,
         help="Remove every wrapper prefix, stacked in any order: "
         "module. (DataParallel/DDP), _orig_mod. (torch.compile), _forward_module. (Lightning), "
         "_fsdp_wrapped_module. / _checkpoint_wrapped_module. / _fpw_module. (FSDP, checkpointing).",
     ),
-    click.option(
+    _named(
         "--strip-prefix",
         "strip_prefixes",
         multiple=True,
         type=Prefix(),
         help="Remove this leading prefix (whole components) from every key that has it. Repeatable.",
     ),
-    click.option(
+    _named(
         "--rename",
         "renames",
         multiple=True,
         type=RenameRule(),
         help="Rewrite keys with re.sub(REGEX, REPL, key). Repeatable; applied in order.",
     ),
-    click.option(
+    _named(
         "--add-prefix",
         "add_prefixes",
         multiple=True,
         type=Prefix(),
         help="Put this prefix in front of every key. Repeatable.",
     ),
-    click.option(
+    _named(
         "--keep",
         "keeps",
         multiple=True,
         type=Regex(),
         help="Keep only keys matching REGEX (after renaming). Repeatable: a key any of them matches is kept.",
     ),
-    click.option(
+    _named(
         "--drop", "drops", multiple=True, type=Regex(), help="Drop keys matching REGEX (after renaming). Repeatable."
     ),
-    click.option(
+    _named(
         "--dtype", type=CastTarget(), help="Cast floating-point tensors; integer and bool tensors keep their dtype."
     ),
-    click.option(
+    _named(
         "--keep-dtype",
         "keep_dtypes",
         multiple=True,
         type=Regex(),
         help="With --dtype: keys matching REGEX keep their dtype (e.g. 'norm'). Repeatable.",
     ),
-    click.option(
+    _named(
         "--allow-overflow",
         is_flag=True,
         help="With --dtype fp16/bf16: let values beyond the range become inf instead of failing.",
     ),
 )
+# What a command leaves out of the transforms: strip-module adds no prefix, add-module strips none.
+_LEFT_OUT = {"strip-module": ("--add-prefix",), "add-module": ("--strip-prefix",)}
 
 
-def run_options(command: str) -> Callable[[F], F]:
+def transforms_of(command: str) -> Decorator:
+    """The transform options ``command`` takes, in the order they apply."""
+    left_out = _LEFT_OUT.get(command, ())
+    return compose(*(option for flag, option in _TRANSFORM_OPTIONS if flag not in left_out))
+
+
+transform_options = transforms_of("convert")
+
+
+def run_options(command: str) -> Decorator:
     """Flags about this run, not about the output."""
     dry_run = (
         "List the items and where each output would go, and write nothing (not even the manifest)."
@@ -141,8 +184,8 @@ def run_options(command: str) -> Callable[[F], F]:
     )
 
 
-batch_options = compose(
-    click.option(
+_BATCH_OPTIONS = (
+    _named(
         "-j",
         "--jobs",
         type=click.IntRange(min=1),
@@ -150,28 +193,28 @@ batch_options = compose(
         show_default=True,
         help="Items converted at once, each in its own worker process (1: in this process).",
     ),
-    click.option(
+    _named(
         "--glob",
         "globs",
         multiple=True,
         metavar="PATTERN",
         help="Only items whose path under SRC matches, e.g. '**/*.pth' ('**/' spans folders). Repeatable.",
     ),
-    click.option(
+    _named(
         "--resume",
         is_flag=True,
         help="Skip items the manifest records as converted with the same "
         "options from an unchanged source; convert the rest again.",
     ),
-    click.option("--fail-fast", is_flag=True, help="Stop starting items after the first failure."),
-    click.option(
+    _named("--fail-fast", is_flag=True, help="Stop starting items after the first failure."),
+    _named(
         "--executor",
         type=click.Choice(["local", "dask"]),
         default="local",
         show_default=True,
         help="Where items are converted: local processes, or a Dask cluster (pip install 'ckptconv[dask]').",
     ),
-    click.option(
+    _named(
         "--scheduler",
         metavar="ADDRESS",
         help="With --executor dask: the scheduler, e.g. "
@@ -181,15 +224,42 @@ batch_options = compose(
 )
 
 
-def conversion_arguments(command: str) -> Callable[[F], F]:
+_BATCH_SECTIONS = {"--glob": SELECTION, "-j": SPEED, "--executor": SPEED, "--scheduler": SPEED}
+
+
+def _batch_options(section: str) -> list[Decorator]:
+    return [option for flag, option in _BATCH_OPTIONS if _BATCH_SECTIONS.get(flag, RUN) == section]
+
+
+def sections(command: str, extra: Mapping[str, Sequence[Decorator]] | None = None) -> Decorator:
+    """Every option ``command`` takes, grouped in the help's sections (those of ``extra`` first)."""
+    import cloup
+
+    batch = command == "batch"
+    grouped: dict[str, list[Decorator]] = {title: list(options) for title, options in (extra or {}).items()}
+    standard = {
+        SELECTION: [*field_option_list("selection", command, SELECTION), *(_batch_options(SELECTION) if batch else [])],
+        TRANSFORMS: [transforms_of(command)],
+        OUTPUT: field_option_list("output", command, OUTPUT),
+        SAFETY: field_option_list("output", command, SAFETY),
+        SPEED: [*field_option_list("output", command, SPEED), *(_batch_options(SPEED) if batch else [])],
+        RUN: [run_options(command), *(_batch_options(RUN) if batch else [])] if command in _RUNS else [],
+    }
+    for title, options in standard.items():
+        grouped[title] = [*grouped.get(title, []), *options]
+    return compose(*(cloup.option_group(title, *options) for title, options in grouped.items() if options))
+
+
+# The commands that write (and so take --dry-run and --quiet).
+_RUNS = ("convert", "strip-module", "add-module", "fit", "batch")
+
+
+def conversion_arguments(command: str, extra: Mapping[str, Sequence[Decorator]] | None = None) -> Decorator:
     """Everything a conversion command takes: SRC, DST, the options fields it offers, the transforms."""
     return compose(
         click.argument("src", type=click.Path(dir_okay=True)),
         click.argument("dst", type=click.Path(dir_okay=True)),
-        field_options("selection", command),
-        transform_options,
-        field_options("output", command),
-        run_options(command),
+        sections(command, extra),
     )
 
 
@@ -198,9 +268,9 @@ def pipeline(leading: Sequence[Any], options: dict[str, Any]) -> Any:
 
     steps: list[Any] = [Canonicalize()] if options["canonical"] else []
     steps += list(leading)
-    steps += [StripPrefix(prefix) for prefix in options["strip_prefixes"]]
+    steps += [StripPrefix(prefix) for prefix in options.get("strip_prefixes", ())]
     steps += [Rename(pattern, replacement) for pattern, replacement in options["renames"]]
-    steps += [AddPrefix(prefix) for prefix in options["add_prefixes"]]
+    steps += [AddPrefix(prefix) for prefix in options.get("add_prefixes", ())]
     if options["keeps"]:
         steps.append(Keep(tuple(options["keeps"])) if len(options["keeps"]) > 1 else Keep(options["keeps"][0]))
     steps += [Drop(pattern) for pattern in options["drops"]]

@@ -21,6 +21,7 @@ Key rules, learned from real breakage in other projects:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -58,7 +59,9 @@ class StepReport:
         changed: keys renamed or cast.
         unchanged: keys the step left as they were.
         details: step-specific counts, e.g. keys per wrapper removed by :class:`Canonicalize`.
-        dropped: keys the step removed (:class:`Keep`, :class:`Drop`).
+        dropped: keys the step removed (:class:`Keep`, :class:`Drop`, the counters :class:`Canonicalize`
+            sets aside).
+        notes: sentences the user should hear about this step (a wrapper left on every key, what to pass).
     """
 
     step: str
@@ -66,6 +69,7 @@ class StepReport:
     unchanged: int
     details: Mapping[str, int] = field(default_factory=dict)
     dropped: int = 0
+    notes: tuple[str, ...] = ()
 
 
 class Transform(Protocol):
@@ -120,7 +124,14 @@ class StripPrefix:
 
     def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
         prefix = self.component
-        return _rekey(state, lambda key: key[len(prefix) :] if key.startswith(prefix) else key, self.describe())
+        result, report = _rekey(
+            state, lambda key: key[len(prefix) :] if key.startswith(prefix) else key, self.describe()
+        )
+        left = next((w for w in LEADING_WRAPPERS if result and all(k.startswith(f"{w}.") for k in result)), None)
+        if report.changed and left is not None:
+            note = f"every key still starts with '{left}.' ({_WRAPPER_OF[left]}); pass --canonical to remove every "
+            report = dataclasses.replace(report, notes=(note + "wrapper prefix",))
+        return result, report
 
     def describe(self) -> str:
         return f"strip prefix {self.component!r}"
@@ -155,6 +166,19 @@ LEADING_WRAPPERS = ("_orig_mod", "_forward_module", "module")
 # parameter wrappers (`_fpw_module`), and torch.compile applied to a submodule.
 INTERIOR_WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_fpw_module", "_orig_mod"})
 _UNAMBIGUOUS_LEADING = frozenset(LEADING_WRAPPERS) - {"module"}
+_WRAPPER_OF = {"_orig_mod": "torch.compile", "_forward_module": "Lightning", "module": "DataParallel/DDP"}
+# The counters an averaging wrapper keeps beside its `module.`: torch's AveragedModel (SWA/EMA) and mmengine's
+# EMA models. No model has them; with every other key under `module.`, they are set aside.
+AVERAGING_COUNTERS = {"n_averaged": "AveragedModel (SWA/EMA)", "steps": "mmengine's EMA model"}
+
+
+def averaging_counters(keys: Iterable[str]) -> list[str]:
+    """The counters of an averaging wrapper among ``keys``: top-level names in :data:`AVERAGING_COUNTERS`,
+    when every other key starts with ``module.``."""
+    keys = list(keys)
+    counters = [key for key in keys if key in AVERAGING_COUNTERS]
+    rest = [key for key in keys if key not in AVERAGING_COUNTERS]
+    return counters if counters and rest and all(key.startswith("module.") for key in rest) else []
 
 
 def canonical_keys(keys: Iterable[str]) -> tuple[dict[str, str], dict[str, int]]:
@@ -216,9 +240,26 @@ class Canonicalize:
     """Remove every known wrapper prefix (DataParallel, DDP, compile, FSDP, Lightning, ...)."""
 
     def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
-        mapping, removed = canonical_keys(state)
-        result, report = _rekey(state, mapping.__getitem__, self.describe())
-        return result, StepReport(report.step, report.changed, report.unchanged, removed)
+        # An averaging wrapper's counter (0-dim where the values are tensors; fit passes names) is set aside.
+        counters = [
+            key for key in averaging_counters(state) if not isinstance(state[key], TensorRef) or state[key].shape == ()
+        ]
+        kept = {key: value for key, value in state.items() if key not in counters}
+        mapping, removed = canonical_keys(kept)
+        result, report = _rekey(kept, mapping.__getitem__, self.describe())
+        notes = [
+            f"set aside {key!r}, the counter {AVERAGING_COUNTERS[key]} keeps beside the weights; no model has it"
+            for key in counters
+        ]
+        wrapped = sum(key.startswith("module.") for key in result)
+        if "module" not in removed and wrapped:
+            notes.append(
+                f"'module.' starts {wrapped} of {len(result)} keys, so --canonical kept it (it removes 'module.' "
+                f"only when every key has it); pass --strip-prefix module to remove it from those {wrapped}"
+            )
+        return result, StepReport(
+            report.step, report.changed, report.unchanged, removed, dropped=len(counters), notes=tuple(notes)
+        )
 
     def describe(self) -> str:
         return "remove wrapper prefixes (canonical names)"
