@@ -125,6 +125,8 @@ class ConversionOptions:
             Hugging Face does (load with ``safetensors.torch.load_model`` or
             :func:`ckptconv.load`); ``"copy"`` writes it under every name, which
             ``model.load_state_dict(safetensors.torch.load_file(path), strict=True)`` accepts.
+        quantize: ``"fp8-block"`` quantizes the weights to DeepSeek-V3's fp8 blocks
+            (:mod:`ckptconv.quantization.fp8_quantize`); ``"none"`` (the default) does not.
         checksums: :func:`ckptconv.batch` only: record the sha256 of every input
             and output in the manifest (one more read of each).
     """

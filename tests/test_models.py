@@ -543,7 +543,10 @@ def test_a_diffusers_pipeline_folder_converts_component_by_component(tmp_path: P
     out = tmp_path / "out"
     code, _, stderr = run_cli("convert", str(tmp_path / "pipe"), f"{out}/", "--dtype", "bf16")
     assert code == 0, stderr
-    assert stderr.splitlines()[-1] == f"wrote {out} (safetensors, 114 tensors, 81.8 KiB)"
+    wrote = stderr.splitlines()[-1]
+    assert wrote.startswith(f"wrote {out}/: model_index.json, ") and wrote.endswith(
+        " (safetensors, 114 tensors, 81.8 KiB)"
+    )
     for name in ("model_index.json", "scheduler/scheduler_config.json", "unet/config.json"):
         assert (out / name).read_bytes() == (tmp_path / "pipe" / name).read_bytes()
     loaded, info = diffusers.UNet2DModel.from_pretrained(out / "unet", output_loading_info=True)
