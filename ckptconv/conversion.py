@@ -26,18 +26,18 @@ from ckptconv.fitting import LikeFolder, cast_like, like_folder
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.options import ConversionOptions
-from ckptconv.quantization import detect, fp8_quantize
+from ckptconv.quantization import fp8_quantize
 from ckptconv.quantization.schemes import DECLARATION_KEYS
-from ckptconv.quantization.stage import Dequantization
+from ckptconv.quantization.stage import Dequantization, declared_scheme
 from ckptconv.reading.formats._base import Deferred, MetadataValue
 from ckptconv.reading.integrity import check_record_crcs
-from ckptconv.reading.model_folder import components, holds_weights, model_folder, read_config
+from ckptconv.reading.model_folder import components, holds_weights, model_folder
 from ckptconv.reading.streaming import reads_whole_record
 from ckptconv.reading.unpickling.rebuild import DEQUANTIZED_ORIGIN
 from ckptconv.runtime import cores as _cores
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.weights import Selection
-from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix, Transform, compile_pattern
+from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix, Transform, cast_step, compile_pattern
 from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing import model_files, write_policy
 from ckptconv.writing.naming import is_folder_destination, output_format
@@ -264,7 +264,7 @@ def _convert(
     if dequantization is not None:
         transformed.notes.append(dequantization.note(selection, transformed.state))
         transformed.dequantization = dequantization
-    if like is not None and not any(isinstance(step, Cast) for step in options.transforms.steps):
+    if like is not None and cast_step(options.transforms) is None:
         transformed.state, transformed.like = cast_like(transformed.state, like), like
     if options.quantize != "none":
         _quantize(transformed, options, already=dequantization)
@@ -301,13 +301,10 @@ def _dequantization(
 ) -> Dequantization | None:
     """The guard: the scheme a checkpoint declares (config.json, safetensors metadata) or gives away (weight/scale
     pairs), refused when ckptconv cannot undo it exactly; a quantized weight is never cast without its scales."""
-    folder = model_folder(as_path(source))
-    config = read_config(folder) if folder is not None else None
-    metadata = checkpoint.metadata if checkpoint.format in ("safetensors", "sharded") else None
-    scheme = detect(config, metadata, selection.weights)
+    scheme = declared_scheme(as_path(source), checkpoint.format, checkpoint.metadata, selection.weights)
     if scheme is None:
         return None
-    cast = next((step for step in options.transforms.steps if isinstance(step, Cast)), None)
+    cast = cast_step(options.transforms)
     return Dequantization(scheme, cast.target if cast is not None else None)
 
 
@@ -317,7 +314,7 @@ def _quantize(transformed: _Transformed, options: ConversionOptions, *, already:
         raise TransformError(
             f"the weights are quantized ({already.scheme}) already; pass --dtype bf16 to dequantize them first"
         )
-    cast = next((step for step in options.transforms.steps if isinstance(step, Cast)), None)
+    cast = cast_step(options.transforms)
     keep = [compile_pattern(pattern) for pattern in cast.keep] if cast is not None else []
     transformed.state, transformed.quantization_config, note = fp8_quantize.quantize_state(transformed.state, keep)
     transformed.notes.append(note)

@@ -465,7 +465,7 @@ def test_the_package_runs_on_numpy_alone() -> None:
 
 
 def test_a_dequantized_weight_is_computed_when_read(tmp_path: Path) -> None:
-    from ckptconv.reading.sources import Computed as Dequantized
+    from ckptconv.reading.sources import Computed
 
     q = _fp8_quantize(torch.randn(128, 128), [128, 128])
     refs = _saved(tmp_path, {"m.weight": q["weight"], "m.weight_scale_inv": q["weight_scale_inv"]})
@@ -474,7 +474,7 @@ def test_a_dequantized_weight_is_computed_when_read(tmp_path: Path) -> None:
     fp16 = dtype_by_name("float16")
     assert fp16 is not None
     ref = dequantize(refs, scheme, fp16)["m.weight"]
-    assert isinstance(ref.storage.source, Dequantized) and ref.verbatim_region is None
+    assert isinstance(ref.storage.source, Computed) and ref.verbatim_region is None
     assert ref.storage.nbytes == 128 * 128 * 2 and ref.is_whole_storage
     assert ref.storage.source.paths() == {str(tmp_path / "model.safetensors")}
     whole = ref.tobytes()

@@ -19,8 +19,8 @@ from ckptconv.dtypes import dtype_by_name
 from ckptconv.errors import SelectionError, UnsupportedQuantizationError
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
-from ckptconv.quantization import dequantize, detect
-from ckptconv.reading.model_folder import model_folder, read_config
+from ckptconv.quantization import dequantize
+from ckptconv.quantization.stage import declared_scheme
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.state_dicts import as_tensor, is_module, part_text
 from ckptconv.values.standins import ForeignGlobal, ForeignObject, NumpyArray
@@ -234,10 +234,8 @@ def _inspect(path: PathLike, *, select: str | None, trust: bool) -> CheckpointIn
 
 def _quantization(path: PathLike, checkpoint: Checkpoint, weights: Mapping[str, TensorRef]) -> str:
     """The scheme and what ``--dtype`` would write (the names only: no byte is read), or why it is refused."""
-    folder = model_folder(as_path(path))
     try:
-        config = read_config(folder) if folder is not None else None
-        scheme = detect(config, checkpoint.metadata, weights)
+        scheme = declared_scheme(as_path(path), checkpoint.format, checkpoint.metadata, weights)
         if scheme is None:
             return ""
         bfloat16 = dtype_by_name("bfloat16")

@@ -74,25 +74,38 @@ def to_e4m3fn(values: Array) -> Array:
     return out
 
 
-def quantize_array(values: Array, source: str, block: tuple[int, int] = BLOCK) -> tuple[Array, Array]:
-    """``(float8_e4m3fn bits, float32 weight_scale_inv)`` of a weight whose last two dims are whole blocks."""
+def _tiles(values: Array, source: str, block: tuple[int, int]) -> Array:
+    """The weight in float32 as ``(..., row blocks, bm, column blocks, bn)`` (step 1)."""
     v = widen(values, source).astype(_F32, copy=False)
     *lead, rows, cols = v.shape
     bm, bn = block
-    tiles = v.reshape(*lead, rows // bm, bm, cols // bn, bn)
+    return v.reshape(*lead, rows // bm, bm, cols // bn, bn)
+
+
+def _scales(tiles: Array) -> tuple[Array, Array]:
+    """``(s, weight_scale_inv)`` per block (steps 2 and 3)."""
     max_abs = np.abs(tiles).max(axis=(-3, -1))
     safe = np.where(max_abs > 0, max_abs, np.float32(1))
     # ``448 / t`` of a tensor is ``t.reciprocal() * 448`` in torch (Tensor.__rtruediv__): two roundings.
     scales = np.where(max_abs > 0, (np.float32(1) / safe) * np.float32(FP8_MAX), np.float32(1)).astype(_F32)
-    inverse = (np.float32(1) / scales).astype(_F32)
-    scaled = tiles * scales[..., :, None, :, None]
-    clamped = np.clip(scaled, np.float32(-FP8_MAX), np.float32(FP8_MAX))
-    return to_e4m3fn(clamped).reshape(v.shape), inverse
+    return scales, (np.float32(1) / scales).astype(_F32)
 
 
-def _part(index: int, source: str, block: tuple[int, int], arrays: Mapping[str, Array]) -> Array:
-    """The quantized weight (0) or its scales (1), each computed when a writer reads it."""
-    return quantize_array(arrays["weight"], source, block)[index]
+def quantize_array(values: Array, source: str, block: tuple[int, int] = BLOCK) -> tuple[Array, Array]:
+    """``(float8_e4m3fn bits, float32 weight_scale_inv)`` of a weight whose last two dims are whole blocks."""
+    tiles = _tiles(values, source, block)
+    scales, inverse = _scales(tiles)
+    clamped = np.clip(tiles * scales[..., :, None, :, None], np.float32(-FP8_MAX), np.float32(FP8_MAX))
+    return to_e4m3fn(clamped).reshape(values.shape), inverse
+
+
+def _quantized_weight(source: str, block: tuple[int, int], arrays: Mapping[str, Array]) -> Array:
+    return quantize_array(arrays["weight"], source, block)[0]
+
+
+def _inverse_scales(source: str, block: tuple[int, int], arrays: Mapping[str, Array]) -> Array:
+    """The scales alone: one max-abs pass over the weight, not a second quantization of it."""
+    return _scales(_tiles(arrays["weight"], source, block))[1]
 
 
 def _quantizable(key: str, ref: TensorRef, keep: Sequence[re.Pattern[str]], block: tuple[int, int]) -> bool:
@@ -127,10 +140,12 @@ def quantize(
             continue
         source = ref.out_dtype.name
         grid = (*ref.shape[:-2], ref.shape[-2] // block[0], ref.shape[-1] // block[1])
-        out[key] = computed_tensor(key, functools.partial(_part, 0, source, block), {"weight": ref}, fp8, ref.shape)
+        out[key] = computed_tensor(
+            key, functools.partial(_quantized_weight, source, block), {"weight": ref}, fp8, ref.shape
+        )
         scale_key = key.removesuffix("weight") + "weight_scale_inv"
         out[scale_key] = computed_tensor(
-            scale_key, functools.partial(_part, 1, source, block), {"weight": ref}, f32, grid
+            scale_key, functools.partial(_inverse_scales, source, block), {"weight": ref}, f32, grid
         )
     return out, left
 

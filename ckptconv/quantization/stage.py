@@ -13,11 +13,29 @@ from dataclasses import dataclass
 from ckptconv._text import plural
 from ckptconv.dtypes import DType
 from ckptconv.quantization.plan import dequantize
-from ckptconv.quantization.schemes import Scheme
+from ckptconv.quantization.schemes import Scheme, detect
+from ckptconv.reading.model_folder import model_folder, read_config
 from ckptconv.selection.weights import Selection
 from ckptconv.values.tensor import TensorRef
 
-__all__ = ["Dequantization"]
+__all__ = ["Dequantization", "declared_scheme"]
+
+# The formats whose metadata can declare a scheme (safetensors' __metadata__, and a sharded index's).
+_DECLARING_FORMATS = ("safetensors", "sharded")
+
+
+def declared_scheme(
+    source: str, format: str, metadata: Mapping[str, str], weights: Mapping[str, TensorRef]
+) -> Scheme | None:
+    """The scheme the checkpoint at ``source`` declares (its model folder's ``config.json``, its metadata) or gives
+    away (weight/scale pairs), or None; the one place ``convert`` and ``inspect`` ask.
+
+    Raises:
+        UnsupportedQuantizationError: a scheme ckptconv cannot undo exactly.
+    """
+    folder = model_folder(source)
+    config = read_config(folder) if folder is not None else None
+    return detect(config, metadata if format in _DECLARING_FORMATS else None, weights)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ __all__ = [
     "Transform",
     "canonical_keys",
     "canonicalize",
+    "cast_step",
 ]
 
 State = dict[str, TensorRef]
@@ -397,3 +398,8 @@ class Pipeline:
 
     def __bool__(self) -> bool:
         return bool(self.steps)
+
+
+def cast_step(pipeline: Pipeline) -> Cast | None:
+    """The pipeline's ``--dtype`` step (its target and keep rules), or None when it casts nothing."""
+    return next((step for step in pipeline.steps if isinstance(step, Cast)), None)

@@ -202,7 +202,9 @@ def _rebuild_qtensor(
         inputs = {"values": values}
     elif scheme == "torch.per_channel_affine" and len(params) == 4:
         scales, zero_points, axis = params[1], params[2], params[3]
-        if not (isinstance(scales, TensorRef) and isinstance(zero_points, TensorRef) and type(axis) is int):
+        if not (isinstance(scales, TensorRef) and isinstance(zero_points, TensorRef) and type(axis) is int) or not (
+            scales.dtype.kind == "float" and zero_points.dtype.kind in ("int", "uint", "float")
+        ):
             raise malformed(
                 f"per-channel quantization parameters {short_repr(params[1:])} are not two tensors and an axis"
             )
