@@ -155,6 +155,11 @@ LOADERS: dict[str, tuple[str, str, bool]] = {
         ".pt",
         True,
     ),
+    "ckptconv.load(x.pt, device='cuda:0', check_crc=False)": (
+        "import ckptconv; state = ckptconv.load(PATH + '.pt', device='cuda:0', check_crc=False)",
+        ".pt",
+        True,
+    ),
     "ckptconv.load(sharded folder, device='cuda:0')": (
         "import ckptconv; state = ckptconv.load(PATH + '_sharded', device='cuda:0')",
         "_sharded",

@@ -169,6 +169,7 @@ def test_pinned_buffers_come_one_by_one_and_errors_reach_the_readers(monkeypatch
         return torch.empty(nbytes, dtype=torch.uint8)
 
     monkeypatch.setattr(_transfer, "_staging", fake_staging)
+    monkeypatch.setattr(_transfer, "registered_staging", False)  # torch's buffers, as where CUDA refuses
     pinned = _transfer._Pinned(3)
     buffers = [pinned.first(), pinned.first(), pinned.first()]
     assert all(b.numel() == _transfer.PIECE_BYTES for b in buffers)
@@ -184,6 +185,57 @@ def test_pinned_buffers_come_one_by_one_and_errors_reach_the_readers(monkeypatch
     with pytest.raises(RuntimeError, match="cudaHostAlloc failed"):
         pinned.first()
     pinned.close()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_loads_stage_in_one_registered_area_kept_for_the_next_load(
+    tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptconv.gpu import host_staging
+
+    made: list[int] = []
+    real = host_staging.Area
+
+    def counted(nbytes: int) -> host_staging.Area:
+        made.append(nbytes)
+        return real(nbytes)
+
+    monkeypatch.setattr(host_staging, "Area", counted)
+    monkeypatch.setattr(host_staging, "_idle", [])
+    monkeypatch.setattr(_transfer, "_staging", lambda nbytes: pytest.fail("torch's pinned buffers were made"))
+    for suffix in (".safetensors", ".pt"):
+        path, want = saved_big_state(tmp_path, suffix)
+        got = ckptconv.load(path, device="cuda:0")
+        assert_same_state({k: v.cpu() for k, v in got.items()}, want)
+    assert len(made) == 1  # the second load took the first one's area
+    assert len(host_staging._idle) == 1
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("reserve", [True, False])
+def test_gpu_destinations_come_out_of_one_reservation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reserve: bool
+) -> None:
+    """Large destinations are split out of one cudaMalloc, each still a storage of its own."""
+    from ckptconv.gpu import torch_tensors
+
+    monkeypatch.setattr(torch_tensors, "reserve_destinations", reserve)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    generator = torch.Generator().manual_seed(8)
+    state = {f"w{i}": torch.randn(1 << 20, generator=generator) for i in range(24)}  # 4 MiB each: large pool
+    state["small"] = torch.randn(7, generator=generator)
+    path = tmp_path / "m.safetensors"
+    save_file(state, path)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_stats()["segment.large_pool.allocated"]
+    got = ckptconv.load(path, device="cuda:0")
+    segments = torch.cuda.memory_stats()["segment.large_pool.allocated"] - before
+    assert_same_state({k: v.cpu() for k, v in got.items()}, load_file(path))
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == len(got)
+    assert segments == 1 if reserve else segments > 1
+    del got
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("whole_record", [True, False])
