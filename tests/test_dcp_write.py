@@ -53,6 +53,7 @@ def _state() -> dict[str, torch.Tensor]:
             "transposed": big[:8, :4].t(),
             "expanded": torch.randn(1, 3).expand(4, 3),  # stride 0
             "whole": big,
+            "large": torch.randn(512, 640),  # 1.25 MiB: streamed to the file, not filled in memory
             "naïve.ключ": torch.arange(4),  # a key outside ASCII
         }
     )
@@ -185,6 +186,9 @@ def test_progress_counts_every_tensor_byte(tmp_path: Path) -> None:
     ckptconv.convert(tmp_path / "model.safetensors", tmp_path / "out", to="dcp", progress=counts.append)
     assert sum(counts) == sum(value.nbytes for value in state.values())
     assert len(counts) > 2  # the big tensor reported as it is copied, not once at its end
+    loaded = _dcp_load(tmp_path / "out", state)
+    for key, value in state.items():
+        assert_same_tensor(loaded[key], value, key)
 
 
 # The CLI run as a user types it, in a fresh interpreter: torch must not be imported on the way.
