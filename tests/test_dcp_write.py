@@ -3,6 +3,7 @@ bit, with the ``.metadata`` torch's ``FileSystemWriter`` would write for the sam
 
 from __future__ import annotations
 
+import math
 import pickle
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ckptconv
 
@@ -221,3 +224,45 @@ def test_convert_to_dcp_does_not_import_torch(tmp_path: Path, options: list[str]
     loaded = _dcp_load(tmp_path / "out", expected)
     for key, value in expected.items():
         assert_same_tensor(loaded[key], value, key)
+
+
+_VIEW_DTYPES = [torch.float32, torch.bfloat16, torch.float8_e5m2, torch.int16, torch.bool, torch.complex64]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dtype=st.sampled_from(_VIEW_DTYPES),
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=3),
+    steps=st.lists(st.integers(1, 3), min_size=3, max_size=3),
+    start=st.integers(0, 2),
+    transpose=st.booleans(),
+    conj_neg=st.sampled_from(["", "conj", "neg"]),
+)
+def test_any_view_torch_holds_is_loaded_by_dcp_as_itself(
+    dtype: torch.dtype, shape: list[int], steps: list[int], start: int, transpose: bool, conj_neg: str
+) -> None:
+    """Strided views (steps, an offset, transposes), conj and neg bits, saved by ``ckptconv.save(to="dcp")``
+    from torch tensors in memory, read back by ``torch.distributed.checkpoint.load``."""
+    import tempfile
+
+    base = torch.randint(0, 256, (64 * 64 * 4,), dtype=torch.uint8)
+    if dtype == torch.bool:
+        base = base & 1
+    flat = base.view(dtype) if dtype.itemsize == 1 else base.view(torch.int16).to(dtype)
+    sizes = [s * step for s, step in zip(shape, steps)]
+    needed = math.prod(sizes) if sizes else 1
+    block = flat[start : start + needed].reshape(sizes) if needed else flat[:0].reshape(sizes)
+    view = block[tuple(slice(None, None, step) for step in steps[: len(sizes)])]
+    if transpose and view.dim() >= 2:
+        view = view.transpose(0, -1)
+    if conj_neg == "conj" and view.is_complex():
+        view = view.conj()
+    elif conj_neg == "neg" and view.is_complex():
+        view = view.conj().imag  # a view with the negative bit set
+    state = {"view": view, "base": flat[:16]}
+    with tempfile.TemporaryDirectory() as work:
+        ckptconv.save(state, Path(work) / "out", to="dcp")
+        loaded = _dcp_load(Path(work) / "out", state)
+    for key, value in state.items():
+        expected = torch.empty(value.shape, dtype=value.dtype).copy_(value)  # the values, conj/neg applied
+        assert_same_tensor(loaded[key], expected, key)
