@@ -887,9 +887,10 @@ def test_progress_bars_show_file_names_escaped(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("failure", [KeyboardInterrupt, lambda: OSError(errno.ENOSPC, "No space left on device")])
-def test_an_interruption_inside_torch_save_is_not_hidden_by_its_zip_writer(failure: object) -> None:
-    """A DCP output is written by torch.save; Ctrl-C, SIGTERM or a failed write in the middle of it was
-    replaced by the RuntimeError torch's zip writer raises while closing ("unexpected pos"), a traceback."""
+def test_an_interruption_while_writing_a_dcp_record_is_not_hidden(failure: object) -> None:
+    """Ctrl-C, SIGTERM or a failed write in the middle of a DCP record comes out as itself (when torch.save
+    wrote the records, it was replaced by the RuntimeError torch's zip writer raises while closing,
+    "unexpected pos", a traceback)."""
     import contextlib
     import io
     from collections.abc import Iterator

@@ -150,12 +150,24 @@ def plan_storages(entries: Sequence[tuple[str, TensorRef]]) -> Plan:
     return storages, [p for p in planned if p is not None]
 
 
-class _PickleWriter:
-    """Writes the protocol-2 pickle torch.save would write for a dict of tensors."""
+class PickleWriter:
+    """Writes the protocol-2 pickle torch.save would write for a dict of tensors, or for one tensor;
+    :mod:`ckptconv.writing.dcp` builds a DCP ``.metadata`` with its opcodes too."""
 
     def __init__(self) -> None:
         self.out = bytearray(b"\x80\x02")
-        self.memo: dict[str, int] = {}
+        self.memo: dict[object, int] = {}
+
+    def memoized(self, key: object, emit: Callable[[], None]) -> None:
+        """The object ``emit`` pushes, pushed once and fetched from the memo (BINGET) after that."""
+        slot = self.memo.get(key)
+        if slot is not None:
+            self.out += b"h" + bytes([slot]) if slot < 256 else b"j" + struct.pack("<I", slot)
+            return
+        emit()
+        slot = len(self.memo)
+        self.memo[key] = slot
+        self.out += b"q" + bytes([slot]) if slot < 256 else b"r" + struct.pack("<I", slot)
 
     def _int(self, value: int) -> None:
         if 0 <= value < 0x100:
@@ -174,14 +186,11 @@ class _PickleWriter:
 
     def _global(self, module: str, name: str) -> None:
         full = f"{module}\n{name}\n"
-        slot = self.memo.get(full)
-        if slot is not None:
-            self.out += b"h" + bytes([slot]) if slot < 256 else b"j" + struct.pack("<I", slot)
-            return
-        self.out += b"c" + full.encode("ascii")
-        slot = len(self.memo)
-        self.memo[full] = slot
-        self.out += b"q" + bytes([slot]) if slot < 256 else b"r" + struct.pack("<I", slot)
+
+        def emit() -> None:
+            self.out += b"c" + full.encode("ascii")
+
+        self.memoized(full, emit)
 
     def _int_tuple(self, values: tuple[int, ...]) -> None:
         if not values:
@@ -283,6 +292,12 @@ class _PickleWriter:
                 self.tensor(tensor, storages[tensor.storage_index], str(tensor.storage_index))
             self.out += b"u"  # SETITEMS
 
+    def single(self, tensor: PlannedTensor, storage: PlannedStorage) -> bytes:
+        """One tensor, as ``torch.save(tensor)`` pickles it: the tensor itself, its storage record ``0``."""
+        self.tensor(tensor, storage, "0")
+        self.out += b"."
+        return bytes(self.out)
+
     def checkpoint(
         self, tensors: Sequence[PlannedTensor], storages: Sequence[PlannedStorage], extra: Mapping[str, Any] | None
     ) -> bytes:
@@ -304,9 +319,15 @@ class _PickleWriter:
 class _ZipWriter:
     """A minimal zip writer with torch's 64-byte data alignment and ZIP64 support."""
 
-    def __init__(self, file: BinaryIO) -> None:
+    def __init__(self, file: BinaryIO, *, base: int = 0) -> None:
         self.file = file
+        # Where the archive starts in the file: its offsets count from there (torch.save writing at a
+        # file's current position counts from there too, and torch.load of that slice reads them so).
+        self.base = base
         self.entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, header offset
+
+    def _tell(self) -> int:
+        return self.file.tell() - self.base
 
     def _local_header(self, name: bytes, size: int, crc: int, offset: int, phase: int | None = None) -> bytes:
         zip64 = size >= _ZIP64_LIMIT
@@ -316,13 +337,16 @@ class _ZipWriter:
         # output offset has the same position within a page as the input's
         # (page-level copies, no 4K-aliasing in memcpy), so big records may ask
         # for a page phase, which is then also 64-aligned.
-        if phase is not None and phase % ALIGNMENT == 0:
-            padding = (phase - data_start) % PAGE
-        else:
-            padding = -data_start % ALIGNMENT
+        # The phase is the file's, so an archive that starts inside the file (a DCP record) can take it
+        # only from a 64-byte boundary, where its own offsets stay 64-aligned.
+        paged = False
+        padding = -data_start % ALIGNMENT
+        if phase is not None and phase % ALIGNMENT == 0 and self.base % ALIGNMENT == 0:
+            paged = True
+            padding = (phase - self.base - data_start) % PAGE
         if padding:
             if padding < 4:
-                padding += ALIGNMENT if phase is None else PAGE
+                padding += PAGE if paged else ALIGNMENT
             extra += struct.pack("<HH", 0x4246, padding - 4) + b"Z" * (padding - 4)  # torch's "FB" pad
         field_size = _ZIP64_LIMIT if zip64 else size
         version = 45 if zip64 else 20
@@ -340,7 +364,7 @@ class _ZipWriter:
         ``phase``, if given, is the data's preferred offset modulo the page size.
         """
         encoded = name.encode("utf-8")
-        offset = self.file.tell()
+        offset = self._tell()
         if size <= BUFFERED_RECORD:
             buffer = io.BytesIO()
             crc = fill(buffer)
@@ -357,7 +381,7 @@ class _ZipWriter:
         if end - data_start != size:
             raise AssertionError(f"record {name} wrote {end - data_start} bytes, planned {size}")
         # The CRC is known only now; patch it into the local header.
-        self.file.seek(offset + 14)
+        self.file.seek(self.base + offset + 14)
         self.file.write(struct.pack("<I", crc))
         self.file.seek(end)
         self.entries.append((encoded, crc, size, offset))
@@ -382,7 +406,7 @@ class _ZipWriter:
         self.write_record(name, len(data), fill)
 
     def close(self) -> None:
-        directory_start = self.file.tell()
+        directory_start = self._tell()
         for name, crc, size, offset in self.entries:
             extra_fields = []
             if size >= _ZIP64_LIMIT:
@@ -421,7 +445,7 @@ class _ZipWriter:
                 + name
                 + extra
             )
-        directory_end = self.file.tell()
+        directory_end = self._tell()
         directory_size = directory_end - directory_start
         count = len(self.entries)
         if count >= 0xFFFF or directory_start >= _ZIP64_LIMIT or directory_size >= _ZIP64_LIMIT:
@@ -463,7 +487,38 @@ def write(
     """
     storages, tensors = plan or plan_storages(entries)
     writer = _ZipWriter(file)
-    writer.write_bytes(f"{ROOT}/data.pkl", _PickleWriter().checkpoint(tensors, storages, extra))
+    _write_archive(writer, PickleWriter().checkpoint(tensors, storages, extra), storages, write_storage, metadata)
+    return sum(storage.nbytes for storage in storages)
+
+
+def write_tensor(ref: TensorRef, file: BinaryIO, *, write_storage: Callable[[PlannedStorage, BinaryIO], int]) -> int:
+    """Write one tensor as ``torch.save(tensor, file)`` does, from ``file``'s position on: a record of a
+    DCP data file, which torch's reader hands to ``torch.load`` as a slice of the file.
+
+    The archive holds one storage: the tensor's bytes (a view keeps its strides over the part of its
+    storage it spans, a sparse view is gathered, as :func:`plan_storages` decides). Offsets inside
+    the archive count from its start. Records of big tensors keep their source's page phase only
+    when the archive starts at a 64-byte boundary of the file (:class:`_ZipWriter`).
+
+    Returns:
+        The bytes the archive takes in ``file``.
+    """
+    storages, tensors = plan_storages([("", ref)])
+    start = file.tell()
+    writer = _ZipWriter(file, base=start)
+    _write_archive(writer, PickleWriter().single(tensors[0], storages[0]), storages, write_storage, None)
+    return file.tell() - start
+
+
+def _write_archive(
+    writer: _ZipWriter,
+    pickled: bytes,
+    storages: Sequence[PlannedStorage],
+    write_storage: Callable[[PlannedStorage, BinaryIO], int],
+    metadata: Mapping[str, MetadataValue] | None,
+) -> None:
+    """The records torch.save writes, in its order, around ``pickled`` (data.pkl) and the storages."""
+    writer.write_bytes(f"{ROOT}/data.pkl", pickled)
     writer.write_bytes(f"{ROOT}/.format_version", b"1")
     writer.write_bytes(f"{ROOT}/.storage_alignment", str(ALIGNMENT).encode())
     writer.write_bytes(f"{ROOT}/byteorder", b"little")
@@ -478,7 +533,6 @@ def write(
         writer.write_bytes(f"{ROOT}/{METADATA_RECORD}", json_bytes(resolved))
     writer.write_bytes(f"{ROOT}/.data/serialization_id", writer.content_id().encode())
     writer.close()
-    return sum(storage.nbytes for storage in storages)
 
 
 def source_phase(ref: TensorRef) -> int | None:

@@ -15,9 +15,9 @@ runs any code the file contains; ckptconv reads it with its safe unpickler and
 each chunk with its lazy zip reader, in place. A tensor split across ranks
 becomes one tensor whose chunks are read where they lie.
 
-Writing needs torch (the metadata must be made of torch's own classes so that
-``torch.distributed.checkpoint.load`` accepts it); tensors are still written
-one at a time.
+Writing (:mod:`ckptconv.writing.dcp`) needs no torch: the records are torch zip
+archives ckptconv writes itself, and ``.metadata`` a pickle that names torch's
+own classes, so that ``torch.distributed.checkpoint.load`` accepts it.
 """
 
 from __future__ import annotations
