@@ -108,10 +108,23 @@ def test_fp8_block_whole_blocks_match_transformers(tmp_path: Path, target: torch
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("shape", [(200, 300), (129, 1), (1, 130), (3, 200, 300)])
-def test_fp8_block_ragged_edges_match_transformers(tmp_path: Path, target: torch.dtype, shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("index_buffer", [None, 700])
+def test_fp8_block_ragged_edges_match_transformers(
+    tmp_path: Path,
+    target: torch.dtype,
+    shape: tuple[int, ...],
+    index_buffer: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The last, partial blocks take their own scale. transformers' _dequantize_fp8_weight places ragged
-    blocks; in float32 it has Fp8Dequantize's order (float32 product), then .to(target) rounds once."""
+    blocks; in float32 it has Fp8Dequantize's order (float32 product), then .to(target) rounds once.
+    ``index_buffer``: the gather's indices a few rows at a time (2 rows of 300), not a band at once."""
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    from ckptconv.quantization import fp8_block
+
+    if index_buffer is not None:
+        monkeypatch.setattr(fp8_block, "_INDEX_BUFFER_ELEMENTS", index_buffer)
 
     torch.manual_seed(1)
     q = _fp8_ragged(torch.empty(shape), [128, 128])

@@ -7,6 +7,7 @@ import json
 import os
 import stat
 import struct
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any, Callable
@@ -602,3 +603,36 @@ def test_a_save_opens_each_source_file_once(tmp_path: Path, monkeypatch: pytest.
         assert got.keys() == state.keys()
         for key, value in state.items():
             assert torch.equal(got[key], value), key
+
+
+def _file_system_of(path: Path) -> str:
+    """The type /proc/mounts names for the mount holding ``path`` (the longest mount point above it)."""
+    best, kind = "", ""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        fields = line.split()
+        point = fields[1]
+        if (str(path) == point or str(path).startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
+@pytest.mark.skipif(not Path("/proc/mounts").exists(), reason="Linux only")
+def test_outputs_in_tmpfs_are_not_reserved_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tmpfs's fallocate zeroes pages the writes then fill again: outputs there skip the reservation;
+    whether a file is in tmpfs is asked of statfs, and held here against /proc/mounts."""
+    from ckptconv.writing import atomic as writing
+
+    shm = Path("/dev/shm")
+    if _file_system_of(shm) != "tmpfs" or not os.access(shm, os.W_OK):
+        pytest.skip("no writable tmpfs at /dev/shm")
+    for folder in (shm, tmp_path):
+        with tempfile.TemporaryFile(dir=folder) as file:
+            assert writing._in_memory(file.fileno()) == (_file_system_of(folder) == "tmpfs")
+    reserved: list[int] = []
+    monkeypatch.setattr(writing, "_reserve_function", lambda: lambda fd, length: reserved.append(length) or 0)
+    source = tmp_path / "in.pt"
+    torch.save({"w": torch.randn(100, 10)}, source)
+    with tempfile.TemporaryDirectory(dir=shm) as folder:
+        ckptconv.convert(source, Path(folder) / "out.safetensors", source_hash=False)
+        assert_same_state(load_file(Path(folder) / "out.safetensors"), torch.load(source, weights_only=True))
+    assert reserved == []

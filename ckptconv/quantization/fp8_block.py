@@ -45,6 +45,9 @@ _WEIGHT_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
 _SCALE_DTYPES = frozenset({"float32", "bfloat16", "float16", "float8_e8m0fnu"})
 _ACTIVATION_SCALES = frozenset({"activation_scale", "input_scale"})
 
+#: The most gather indices held at once (8 bytes each): 4 MiB, a few rows of the widest weights.
+_INDEX_BUFFER_ELEMENTS = 1 << 19
+
 
 def _block(scheme: Scheme) -> tuple[int, int] | None:
     value = scheme.config.get("weight_block_size")
@@ -77,6 +80,12 @@ def dequantize_array(
     flat_out = out.reshape(-1, rows, cols)
     # Which block each column is in, as an offset into the band's tables.
     column_table = (np.arange(cols) // bn).astype(np.intp) * 256
+    # The gather's indices, a few rows at a time into one buffer: numpy's take converts any other
+    # index type to intp in a new array, and checks bounds through a copy of its output unless told
+    # how to treat indices out of range ("wrap"; none is: codes < 256 and column offsets < the tables).
+    # 45 ms against 150-170 ms for a 4096 x 11008 weight on the 2-core VM.
+    step = max(1, min(bm, _INDEX_BUFFER_ELEMENTS // max(cols, 1)))
+    indices = np.empty((step, cols), np.intp)
     with np.errstate(all="ignore"):
         for index in range(flat_codes.shape[0]):
             scales = grid[index if grid.shape[0] > 1 else 0]
@@ -84,9 +93,11 @@ def dequantize_array(
                 products = values[None, :] * scales[band][:, None]  # (column blocks, 256), float32: one rounding
                 tables = products.reshape(-1) if target == "float32" else cast(products.reshape(-1), "float32", target)
                 tables = np.ascontiguousarray(tables).view(storage)
-                start, stop = band * bm, min((band + 1) * bm, rows)
-                indices = flat_codes[index, start:stop] + column_table
-                np.take(tables, indices, out=flat_out[index, start:stop])
+                for start in range(band * bm, min((band + 1) * bm, rows), step):
+                    stop = min(start + step, (band + 1) * bm, rows)
+                    part = indices[: stop - start]
+                    np.add(flat_codes[index, start:stop], column_table, out=part)
+                    np.take(tables, part, out=flat_out[index, start:stop], mode="wrap")
     return out
 
 

@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import stat
+import struct
 import sys
 import tempfile
 import threading
@@ -243,8 +244,25 @@ def _reserve(fd: int, length: int) -> None:
     which the writes then report) is left to allocate as it goes.
     """
     reserve = _reserve_function()
-    if reserve is not None and length > 0:
+    if reserve is not None and length > 0 and not _in_memory(fd):
         reserve(fd, length)
+
+
+# statfs's f_type of tmpfs (linux/magic.h): its fallocate zeroes the pages the writes then fill again,
+# 0.93 s of a 1.2 GB bf16 output in /dev/shm on the development VM.
+_TMPFS_MAGIC = 0x01021994
+
+
+def _in_memory(fd: int) -> bool:
+    """True when ``fd`` is a file of tmpfs (Linux; False where that cannot be told)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buffer = ctypes.create_string_buffer(256)  # struct statfs, whose first field is f_type (a long)
+        if libc.fstatfs(ctypes.c_int(fd), buffer) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    return int(struct.unpack_from("l", buffer.raw)[0]) == _TMPFS_MAGIC
 
 
 @contextlib.contextmanager
