@@ -106,6 +106,14 @@ class _Scratch:
         self._magnitude_of: Array | None = None
         self._mid: Array | None = None
         self._mask: Array | None = None
+        self._intp: Array | None = None
+
+    def indices(self, count: int) -> Array:
+        """An intp buffer of ``count`` elements, for gathers through a table (numpy's take converts
+        any other index type to intp in a new array of its own)."""
+        if self._intp is None or self._intp.size < count:
+            self._intp = np.empty(max(count, self.size), np.intp)
+        return self._intp[:count]
 
     def magnitude(self, block: Array) -> Array:
         """The bits of ``|x|`` for a float32 block, in the u32 buffer.

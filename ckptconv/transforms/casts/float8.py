@@ -113,7 +113,12 @@ def _float8_table(source: str, target: str) -> Array:
 
 def _table_kernel(source: str, target: str) -> _Kernel:
     def kernel(src: Array, out: Array, scratch: _Scratch) -> None:
-        np.take(_float8_table(source, target), src, out=out, mode="clip")
+        # Indices of our own, and "wrap" (codes are below 256, so nothing wraps): numpy's take
+        # otherwise converts the codes into a new intp array and checks bounds through a copy of
+        # its output; 3.7 ms against 8-13 ms per 4 MiB of float8 on the 2-core VM.
+        indices = scratch.indices(src.size).reshape(src.shape)
+        np.copyto(indices, src)
+        np.take(_float8_table(source, target), indices, out=out, mode="wrap")
 
     return kernel
 
