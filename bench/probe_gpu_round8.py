@@ -10,6 +10,7 @@ Parts (``--skip`` any):
 * ``costs``: one fresh process each: pinning 12 x 8 MiB through torch, 96 MiB at once, an anonymous
   mapping (huge pages asked) registered with ``cuMemHostRegister``; ``torch.empty`` on the GPU for the
   file's storages with and without one reservation of the whole size first.
+* ``reads``: the readers' half alone, page cache to pinned memory by 8, 12 and 16 threads.
 * ``timeline``: ``ckptconv.load`` of the safetensors file in a fresh process with its phases timed
   (import, until the readers start, the readers, each staging buffer's arrival).
 * ``loads``: whole loads in fresh processes, variants alternating with instanttensor's buffered back
@@ -25,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu_load import alternating_loads, probe_files, probe_parser, run_probe
+from bench_gpu_load import PROBE_READS, alternating_loads, probe_files, probe_parser, run_probe
 
 REGISTER = textwrap.dedent(
     """
@@ -150,7 +151,7 @@ SHAPES = [
 
 
 def main() -> None:
-    parser = probe_parser(__doc__, "costs timeline loads")
+    parser = probe_parser(__doc__, "costs reads timeline loads")
     parser.add_argument("--variants", nargs="*", default=None)
     parser.add_argument("--shapes", action="store_true", help="the readers' count, depth and piece size")
     args = parser.parse_args()
@@ -168,6 +169,12 @@ def main() -> None:
         for round_ in range(2):
             for what in whats:
                 print(f"{round_} cost {what}: {run_probe(COSTS, {'what': what, 'path': stem + '.safetensors'}, env)}")
+    if "reads" not in args.skip:  # the readers' half alone: page cache to pinned memory, no GPU copies
+        for round_ in range(2):
+            for threads in (8, 12, 16):
+                part = {"path": stem + ".safetensors", "threads": threads, "block": 8 << 20, "crc": None}
+                result = run_probe(PROBE_READS, part, env)
+                print(f"{round_} page cache to pinned, {threads} threads: {result}", flush=True)
     if "timeline" not in args.skip:
         for round_ in range(3):
             print(f"{round_} timeline: {run_probe(TIMELINE, {'stem': stem}, env)}", flush=True)
