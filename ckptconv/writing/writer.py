@@ -201,8 +201,9 @@ def write_state(
     # One plan of a .pt file's storages serves the room check and the write: with 10^5 tensors
     # planning costs seconds.
     zip_plan = zip_writer.plan_storages(entries) if kind == "pt" and not folder_output else None
-    check_room(entries, target, kind, planned_bytes(entries, kind, zip_plan=zip_plan))
-    total = sum(ref.nbytes for _, ref in entries)
+    # What the writer copies: tied tensors once (or once per name with tied="copy"), so the bar ends at its total.
+    total = planned_bytes(entries, kind, zip_plan=zip_plan, dedupe=tied == "dedupe")
+    check_room(entries, target, kind, total)
     update, close = _progress_callback(progress, total, target)
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(close)

@@ -1,0 +1,76 @@
+"""The first hour, round 3 (issue 34): the items left open, each run through the CLI as a user types it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from .conftest import run_cli
+
+
+class _Bars:
+    """The progress bars a command showed: each one's total and where it stopped."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import click.testing
+        import tqdm.auto
+
+        self.finished: list[tuple[float, float]] = []
+        bars = self
+
+        class Recorded(tqdm.auto.tqdm):  # type: ignore[misc,name-defined]
+            def close(self) -> None:
+                if not self.disable:
+                    bars.finished.append((self.n, self.total))
+                super().close()
+
+        monkeypatch.setattr(tqdm.auto, "tqdm", Recorded)
+        # stderr is a terminal, as when a user types the command: ckptconv shows a bar only then.
+        monkeypatch.setattr(click.testing._NamedTextIOWrapper, "isatty", lambda self: True)
+
+
+def _gpt2_like(path: Path) -> dict[str, Any]:
+    torch.manual_seed(0)
+    wte = torch.nn.Parameter(torch.randn(64, 16))
+    state = {
+        "transformer.wte.weight": wte,
+        "transformer.h.0.mlp.weight": torch.randn(16, 16),
+        "transformer.ln_f.weight": torch.ones(16),
+        "lm_head.weight": wte,  # tied, as GPT-2's lm_head is
+    }
+    torch.save(state, path)
+    return state
+
+
+@pytest.mark.parametrize(
+    "output, extra",
+    [
+        ("out.safetensors", ()),
+        ("out.pt", ()),
+        ("out.safetensors", ("--tied", "copy")),
+        ("out/", ("--max-shard-size", "3KB")),
+        ("out/", ("--to", "pt", "--max-shard-size", "3KB")),
+        ("out/", ("--to", "dcp")),
+    ],
+)
+def test_the_progress_bar_ends_at_its_total_with_tied_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, output: str, extra: tuple[str, ...]
+) -> None:
+    bars = _Bars(monkeypatch)
+    t = torch.randn(40, 40)
+    sources = {"shared.pt": {"a": t, "b": t}, "gpt2.pt": None}
+    for name, state in sources.items():
+        if state is None:
+            _gpt2_like(tmp_path / name)
+        else:
+            torch.save(state, tmp_path / name)
+        (tmp_path / name.replace(".pt", "")).mkdir()
+        target = str(tmp_path / name.replace(".pt", "") / output)
+        code, _, stderr = run_cli("convert", str(tmp_path / name), target, *extra)
+        assert code == 0, stderr
+    assert len(bars.finished) == 2
+    for count, total in bars.finished:
+        assert count == total > 0
