@@ -466,14 +466,13 @@ def _output_metadata(
             metadata["quantization_config"] = json.dumps(transformed.quantization_config)
     if options.provenance:
         fit_plan = list(transformed.fit_report.plan) if transformed.fit_report else []
-        metadata.update(
-            {
-                "ckptconv.version": __version__,
-                "ckptconv.source": _file_name(checkpoint.path),
-                "ckptconv.selected": selection.where,
-                "ckptconv.transforms": json.dumps(options.transforms.describe() + fit_plan),
-            }
-        )
+        provenance = {
+            "ckptconv.version": __version__,
+            "ckptconv.source": _file_name(checkpoint.path),
+            "ckptconv.selected": selection.where,  # "" for the whole file: then left out
+            "ckptconv.transforms": json.dumps(options.transforms.describe() + fit_plan),
+        }
+        metadata.update({key: value for key, value in provenance.items() if value})
     return metadata
 
 

@@ -74,3 +74,26 @@ def test_the_progress_bar_ends_at_its_total_with_tied_weights(
     assert len(bars.finished) == 2
     for count, total in bars.finished:
         assert count == total > 0
+
+
+def test_no_provenance_value_is_empty(tmp_path: Path) -> None:
+    import json
+    import zipfile
+
+    from safetensors import safe_open
+
+    torch.save({"a": torch.ones(300, 300), "b": torch.ones(300, 300)}, tmp_path / "model.pt")
+    for output, extra in (("sharded/", ("--max-shard-size", "400KB")), ("one.safetensors", ()), ("one.pt", ())):
+        code, _, stderr = run_cli("convert", str(tmp_path / "model.pt"), str(tmp_path / output), *extra, "-q")
+        assert code == 0, stderr
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["metadata"]
+    with safe_open(str(tmp_path / "one.safetensors"), "pt") as file:
+        header = file.metadata()
+    with zipfile.ZipFile(tmp_path / "one.pt") as archive:
+        (record,) = [name for name in archive.namelist() if name.endswith("/ckptconv.json")]
+        pt_record = json.loads(archive.read(record))
+    for metadata in (index, header, pt_record):
+        provenance = {key: value for key, value in metadata.items() if key.startswith("ckptconv.")}
+        assert "ckptconv.source" in provenance and "ckptconv.version" in provenance, metadata
+        assert "ckptconv.selected" not in provenance  # the whole file: nothing to say
+        assert all(value != "" for value in provenance.values()), provenance
