@@ -77,7 +77,7 @@ class ConversionReport:
         aliases: safetensors keys stored as references to another key's data.
         foreign_globals: classes that became inert stand-ins (nothing was run).
         saved_devices: devices the input's tensors were saved from.
-        notes: sentences the user should see, in order.
+        notes: sentences the user should see, in order (each step's :attr:`StepReport.notes` among them).
         verified: True when the output was verified, None when not asked.
         renames: the first ``(old, new)`` key pairs, for ``--dry-run``.
         files: every file written (one, or the shards and the index of a folder).
@@ -118,8 +118,8 @@ def _file_name(path: str) -> str:
 
 def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> list[str]:
     if isinstance(step, Canonicalize):
-        if not report.details:
-            return ["no wrapper prefixes found; the keys are already canonical"]
+        if not report.details:  # unless the step's own notes say which prefix is left, and what to pass
+            return [] if report.notes else ["no wrapper prefixes found; the keys are already canonical"]
         removed = ", ".join(f"'{name}.' from {plural(count, 'key')}" for name, count in report.details.items())
         return [f"removed wrappers: {removed}"]
     if not isinstance(step, StripPrefix) or not report.unchanged:
@@ -381,7 +381,7 @@ def _transform(selection: Selection, options: ConversionOptions) -> _Transformed
                 "written: check the pattern, which is searched in the key names after any renaming"
             )
         reports.append(report)
-        notes.extend(_prefix_notes(step, report, keys))
+        notes.extend([*_prefix_notes(step, report, keys), *report.notes])  # the report's notes are all the notes
 
     origins = _origins(list(selection.weights), pipeline.steps)
     fit_report = None

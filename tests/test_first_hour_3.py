@@ -97,3 +97,53 @@ def test_no_provenance_value_is_empty(tmp_path: Path) -> None:
         assert "ckptconv.source" in provenance and "ckptconv.version" in provenance, metadata
         assert "ckptconv.selected" not in provenance  # the whole file: nothing to say
         assert all(value != "" for value in provenance.values()), provenance
+
+
+_LEFT_BEHIND = (
+    "every key still starts with '_orig_mod.' (torch.compile); pass --canonical to remove every wrapper prefix"
+)
+_SET_ASIDE = "set aside 'n_averaged', the counter AveragedModel (SWA/EMA) keeps beside the weights; no model has it"
+
+
+def _wrapped_zoo(folder: Path) -> None:
+    from torch.optim.swa_utils import AveragedModel
+
+    folder.mkdir()
+    torch.save({f"module._orig_mod.layers.{i}.weight": torch.ones(2) for i in range(3)}, folder / "compiled.pt")
+    torch.save(AveragedModel(torch.nn.Linear(3, 2)).state_dict(), folder / "swa.pt")
+
+
+def test_step_notes_reach_the_library_report_and_batch_manifest(tmp_path: Path) -> None:
+    import json
+
+    import ckptconv
+
+    zoo = tmp_path / "zoo"
+    _wrapped_zoo(zoo)
+    compiled = ckptconv.convert(zoo / "compiled.pt", tmp_path / "a.pt", transforms=[ckptconv.StripPrefix("module")])
+    assert _LEFT_BEHIND in compiled.notes
+    swa = ckptconv.convert(zoo / "swa.pt", tmp_path / "b.pt", transforms=[ckptconv.Canonicalize()])
+    assert _SET_ASIDE in swa.notes
+    for flag, name, note in (("--strip-prefix", "compiled.pt", _LEFT_BEHIND), ("--canonical", "swa.pt", _SET_ASIDE)):
+        out = tmp_path / f"out{flag}"
+        args = (flag, "module") if flag == "--strip-prefix" else (flag,)
+        code, _, stderr = run_cli("batch", str(zoo), str(out), *args, "--glob", name, "-q")
+        assert code == 0, stderr
+        lines = (out / "ckptconv-manifest.jsonl").read_text().splitlines()
+        (item,) = [record for record in map(json.loads, lines) if record["record"] == "item"]
+        assert note in item["notes"]
+        assert not any(n.startswith("no wrapper prefixes found") for n in item["notes"])
+
+
+def test_canonical_on_some_module_keys_says_it_once_in_the_report(tmp_path: Path) -> None:
+    import ckptconv
+
+    torch.save({"module.a": torch.ones(1), "module.b": torch.ones(1), "head.c": torch.ones(1)}, tmp_path / "m.pt")
+    report = ckptconv.convert(tmp_path / "m.pt", tmp_path / "out.pt", transforms=[ckptconv.Canonicalize()])
+    assert report.notes == (
+        "'module.' starts 2 of 3 keys, so --canonical kept it (it removes 'module.' only when every key "
+        "has it); pass --strip-prefix module to remove it from those 2",
+    )
+    code, _, stderr = run_cli("convert", str(tmp_path / "m.pt"), str(tmp_path / "cli.pt"), "--canonical")
+    assert code == 0
+    assert [line for line in stderr.splitlines() if line.startswith("note: ")] == [f"note: {report.notes[0]}"]
