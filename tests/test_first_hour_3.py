@@ -147,3 +147,75 @@ def test_canonical_on_some_module_keys_says_it_once_in_the_report(tmp_path: Path
     code, _, stderr = run_cli("convert", str(tmp_path / "m.pt"), str(tmp_path / "cli.pt"), "--canonical")
     assert code == 0
     assert [line for line in stderr.splitlines() if line.startswith("note: ")] == [f"note: {report.notes[0]}"]
+
+
+_GIVE_A_CHECKPOINT = "give a checkpoint file (torch.save, pickle or safetensors) or the folder that holds one"
+
+
+@pytest.mark.parametrize(
+    "name, content, said",
+    [
+        (
+            "README.md",
+            "# My model\n\nTrained for 3 epochs.\n",
+            f"is a text file (Markdown), not a checkpoint; {_GIVE_A_CHECKPOINT}",
+        ),
+        (
+            "train.yaml",
+            "model:\n  name: gpt2\n  lr: 0.1\n",
+            f"is a text file (YAML), not a checkpoint; {_GIVE_A_CHECKPOINT}",
+        ),
+        # 'N' is an old-protocol pickle opcode: the pickle reader is tried first, and says the same
+        ("data.csv", "Name,value\na,1\nb,2\n", f"is a text file (CSV), not a checkpoint; {_GIVE_A_CHECKPOINT}"),
+        ("notes", "Checkpoint of run 7, the best one.\n", f"is a text file, not a checkpoint; {_GIVE_A_CHECKPOINT}"),
+        (
+            "weights.pt",
+            '{"a": [1, 2, 3], "b": "c"}\n',
+            f"is a text file (JSON), not a checkpoint; {_GIVE_A_CHECKPOINT}",
+        ),
+    ],
+)
+def test_a_text_file_given_as_src_is_said_to_be_text(tmp_path: Path, name: str, content: str, said: str) -> None:
+    import os
+
+    (tmp_path / name).write_text(content)
+    os.chdir(tmp_path)
+    try:
+        for command in (("inspect", name), ("convert", name, "out.safetensors")):
+            assert run_cli(*command) == (1, "", f"ckptconv: error: {name!r} {said}\n")
+        assert not (tmp_path / "out.safetensors").exists()
+    finally:
+        os.chdir(Path(__file__).parent)
+
+
+def test_a_models_config_json_points_at_its_folder(tmp_path: Path) -> None:
+    import json
+
+    (tmp_path / "gpt2").mkdir()
+    config = tmp_path / "gpt2" / "config.json"
+    config.write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 768}))
+    assert run_cli("convert", str(config), str(tmp_path / "out.safetensors")) == (
+        1,
+        "",
+        f"ckptconv: error: {str(config)!r} is a text file (JSON), a model's config, not its weights; give the "
+        f"model folder that holds it ({str(tmp_path / 'gpt2') + '/'!r}) to read the weights beside it\n",
+    )
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        bytes(range(256)) * 4,  # binary garbage
+        b"weights\x00\x00\x00 text with NUL bytes, which no text file holds" * 4,
+        ("\x1b\x07\x02\x03" * 60).encode(),  # valid UTF-8, but control characters
+        "caf\xe9 latin-1 text, which is not UTF-8\n".encode("latin-1") * 4,
+    ],
+)
+def test_other_bytes_are_still_shown_in_hex(tmp_path: Path, content: bytes) -> None:
+    (tmp_path / "blob.bin").write_bytes(content)
+    code, _, stderr = run_cli("inspect", str(tmp_path / "blob.bin"))
+    assert code == 1
+    assert stderr == (
+        f"ckptconv: error: {str(tmp_path / 'blob.bin')!r} is not a checkpoint format ckptconv knows (it starts "
+        f"with bytes {content[:8].hex(' ')}); expected a torch.save file, a pickle or safetensors\n"
+    )
