@@ -219,3 +219,88 @@ def test_other_bytes_are_still_shown_in_hex(tmp_path: Path, content: bytes) -> N
         f"ckptconv: error: {str(tmp_path / 'blob.bin')!r} is not a checkpoint format ckptconv knows (it starts "
         f"with bytes {content[:8].hex(' ')}); expected a torch.save file, a pickle or safetensors\n"
     )
+
+
+def _small(path: Path, value: float = 1.0) -> dict[str, torch.Tensor]:
+    state = {"w": torch.full((4, 4), value), "b": torch.arange(4.0)}
+    torch.save(state, path)
+    return state
+
+
+@pytest.mark.parametrize("output", ["new/sub/out.safetensors", "new/sub/out.pt", "new/sub/", "new/sub/dcp/"])
+def test_a_missing_parent_folder_of_dst_is_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, output: str
+) -> None:
+    from safetensors.torch import load_file
+
+    from .conftest import assert_same_state
+
+    state = _small(tmp_path / "a.pt")
+    monkeypatch.chdir(tmp_path)
+    extra = ("--to", "dcp") if output.endswith("dcp/") else ()
+    code, _, stderr = run_cli("convert", "a.pt", output, *extra, "-q")
+    assert (code, stderr) == (0, "")
+    if output.endswith(".safetensors"):
+        assert_same_state(load_file(output), state, ordered=False)
+    elif output.endswith(".pt"):
+        assert_same_state(torch.load(output, weights_only=True), state)
+    elif extra:
+        assert (tmp_path / output / ".metadata").is_file()
+    else:
+        assert_same_state(load_file(f"{output}model.safetensors"), state, ordered=False)
+
+
+@pytest.mark.parametrize("output", ["new/sub/out.safetensors", "new/sub/"])
+def test_a_failed_write_removes_the_folders_it_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, output: str
+) -> None:
+    _small(tmp_path / "a.pt", value=1e6)  # too large for fp16: the cast refuses, once writing started
+    (tmp_path / "kept").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = run_cli("convert", "a.pt", f"kept/{output}", "--dtype", "fp16")
+    assert code == 1 and stderr.startswith("ckptconv: error: tensor 'w': "), stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.pt", "kept"]
+    assert list((tmp_path / "kept").iterdir()) == []
+
+
+def test_folders_are_created_only_below_what_exists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _small(tmp_path / "a.pt")
+    (tmp_path / "dangling").symlink_to(tmp_path / "elsewhere" / "target")
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("convert", "a.pt", "new/../x/out.pt") == (
+        1,
+        "",
+        "ckptconv: error: refusing to create 'new/../x': the part of it that does not exist yet ('new/../x') holds "
+        "'..', and ckptconv creates folders only below the part that exists; create them first\n",
+    )
+    assert run_cli("convert", "a.pt", "dangling/sub/out.pt") == (
+        1,
+        "",
+        "ckptconv: error: cannot create 'dangling/sub': 'dangling' is a link that leads nowhere\n",
+    )
+    assert run_cli("convert", "a.pt", "a.pt/sub/out.pt") == (
+        1,
+        "",
+        "ckptconv: error: cannot create 'a.pt/sub': 'a.pt' is a file, not a folder\n",
+    )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.pt", "dangling"]
+
+
+def test_batch_creates_dst_below_what_exists_and_no_further(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors.torch import load_file
+
+    from .conftest import assert_same_state
+
+    (tmp_path / "zoo").mkdir()
+    state = _small(tmp_path / "zoo" / "a.pt")
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = run_cli("batch", "zoo", "new/sub/out", "-q")
+    assert (code, stderr) == (0, "")
+    assert_same_state(load_file("new/sub/out/a.safetensors"), state, ordered=False)
+    code, _, stderr = run_cli("batch", "zoo", "other/../x")
+    assert (code, stderr) == (
+        1,
+        "ckptconv: error: refusing to create 'other/../x': the part of it that does not exist yet ('other/../x') "
+        "holds '..', and ckptconv creates folders only below the part that exists; create them first\n",
+    )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["new", "zoo"]

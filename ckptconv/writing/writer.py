@@ -204,8 +204,13 @@ def write_state(
     # What the writer copies: tied tensors once (or once per name with tied="copy"), so the bar ends at its total.
     total = planned_bytes(entries, kind, zip_plan=zip_plan, dedupe=tied == "dedupe")
     check_room(entries, target, kind, total)
+    # A missing parent folder is created, as save_pretrained does, below the part of the path that exists
+    # (write_policy.make_folders says how far); removed again when the write fails.
+    parent = os.path.dirname(path.rstrip("/" + os.sep))
+    created = write_policy.make_folders(parent) if parent and not os.path.isdir(parent) else []
     update, close = _progress_callback(progress, total, target)
     with contextlib.ExitStack() as cleanup:
+        cleanup.push(lambda *error: write_policy.remove_folders(created) if error[0] is not None else None)
         cleanup.callback(close)
         cleanup.enter_context(keeping_open())  # each source file opened once for all its tensors
         cleanup.enter_context(keeping_workers())  # one pool of cast threads for all the tensors
