@@ -20,12 +20,11 @@ from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
 from ckptconv._version import __version__
 from ckptconv.architectures import MEGATRON_FORMATS, to_hugging_face
-from ckptconv.checking.verification import REFERENCES
 from ckptconv.errors import DestinationError, FitError, TransformError, VerifyError
 from ckptconv.fitting import LikeFolder, cast_like, like_folder
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
-from ckptconv.options import ConversionOptions
+from ckptconv.options import REFERENCES, ConversionOptions
 from ckptconv.quantization import fp8_quantize
 from ckptconv.quantization.schemes import DECLARATION_KEYS
 from ckptconv.quantization.stage import Dequantization, declared_scheme

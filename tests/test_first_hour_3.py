@@ -304,3 +304,28 @@ def test_batch_creates_dst_below_what_exists_and_no_further(tmp_path: Path, monk
         "holds '..', and ckptconv creates folders only below the part that exists; create them first\n",
     )
     assert sorted(path.name for path in tmp_path.iterdir()) == ["new", "zoo"]
+
+
+@pytest.mark.parametrize("command", [("--help",), ("convert", "--help"), ("verify", "--help")])
+def test_help_imports_no_stage_of_the_pipeline(command: tuple[str, ...]) -> None:
+    """--help pays for the command line alone: no reader, writer or checker (the verifier and its
+    streaming threads were imported for the name of --verify's readers). Its time: bench/bench_help.py."""
+    import subprocess
+    import sys
+
+    child = (
+        "import contextlib, io, runpy, sys\n"
+        f"sys.argv = ['ckptconv', *{list(command)!r}]\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    runpy.run_module('ckptconv', run_name='__main__')\n"
+        "print(' '.join(sorted(sys.modules)))\n"
+    )
+    modules = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout.split()
+    assert "ckptconv.cli" in modules
+    paid = [
+        name
+        for name in modules
+        if name.startswith(("ckptconv.reading", "ckptconv.writing", "ckptconv.checking", "ckptconv.conversion"))
+        or name in ("concurrent.futures", "hashlib", "torch", "numpy")
+    ]
+    assert paid == []
