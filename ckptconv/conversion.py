@@ -208,6 +208,7 @@ def _convert_parts(
     if destination is not None and not is_folder_destination(destination, options.to, options.max_shard_size):
         shown = ", ".join(f"{part}/" for part in parts)
         raise DestinationError(f"{root!r} is a folder of models ({shown}); give a folder as DST (out/)", path=root)
+    made = write_policy.missing_folders(destination, folder_output=True, parts=parts) if destination else []
     if holds_weights(root):
         reports = [_convert(root, destination, options, parts=parts, **how)]
     else:
@@ -216,15 +217,13 @@ def _convert_parts(
         )
         kind = options.to or "safetensors"
         shown = os.path.abspath(destination) if destination is not None and not how["dry_run"] else ""
-        reports = [ConversionReport(root, shown, "model folders", kind, "", (), 0, 0, files=files)]
-        reports[0] = dataclasses.replace(reports[0], notes=carried.notes)
+        reports = [ConversionReport(root, shown, "model folders", kind, "", (), 0, 0, notes=carried.notes, files=files)]
     try:
         for part in parts:
             target = None if destination is None else os.path.join(destination, part, "")
             reports.append(convert(os.path.join(root, part), target, options=options, **how))
     except BaseException:
-        for path in (path for report in reports for path in report.files):
-            os.unlink(path)
+        write_policy.remove_written([path for report in reports for path in report.files], made)
         raise
     named = list(zip(("", *(f"{part}/: " for part in parts)), reports))
     return dataclasses.replace(
@@ -549,6 +548,8 @@ def _write(
         if options.source_hash and options.provenance:
             digest = hasher.submit(_cores.in_background(source_sha256), checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
+        folder_output = is_folder_destination(destination, kind, options.max_shard_size)
+        made = write_policy.missing_folders(as_path(destination), folder_output=folder_output)  # gone on failure
         try:
             written = write_state(
                 state,
@@ -571,7 +572,9 @@ def _write(
             raise
     files = written.files
     if carried is not None and carried.files:
-        files += model_files.write(carried, written.path, inputs=inputs, fsync=options.fsync, weights=written.files)
+        files += model_files.write(
+            carried, written.path, inputs=inputs, fsync=options.fsync, weights=written.files, made=made
+        )
         notes.extend(carried.notes)
     if written.aliases:
         notes.append(tied_note(written.aliases, written.path, len(written.files) > 1))

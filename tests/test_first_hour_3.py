@@ -329,3 +329,57 @@ def test_help_imports_no_stage_of_the_pipeline(command: tuple[str, ...]) -> None
         or name in ("concurrent.futures", "hashlib", "torch", "numpy")
     ]
     assert paid == []
+
+
+def test_a_model_folder_whose_files_fail_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weights are written, then the disk fills while config.json is carried: the weights are removed, and
+    the folders made for them too."""
+    import errno
+    import json
+
+    from safetensors.torch import save_file
+
+    from ckptconv.writing import model_files, write_policy
+
+    (tmp_path / "hf").mkdir()
+    save_file({"w": torch.ones(3)}, str(tmp_path / "hf" / "model.safetensors"))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"architectures": ["X"], "model_type": "gpt2"}))
+    real = model_files.atomic_output
+
+    def full_disk(path: str, **kwargs: Any) -> Any:
+        if path.endswith("config.json"):
+            raise write_policy.os_error(OSError(errno.ENOSPC, "No space left on device"), path)  # as atomic_output says
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(model_files, "atomic_output", full_disk)
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = run_cli("convert", "hf/", "new/sub/")
+    assert (code, stderr.splitlines()[-1][:30]) == (1, "ckptconv: error: cannot write "), stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]
+
+
+def test_a_folder_of_models_that_fails_part_way_leaves_no_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A diffusers-like pipeline folder: model_index.json and scheduler/ are carried, unet/ converts, then vae/'s
+    weights turn out damaged: every file written is removed, and the folders made for them too."""
+    import json
+
+    from safetensors.torch import save_file
+
+    pipeline = tmp_path / "pipe"
+    for part in ("unet", "vae", "scheduler"):
+        (pipeline / part).mkdir(parents=True)
+    (pipeline / "model_index.json").write_text(
+        json.dumps({"_class_name": "P", "unet": ["diffusers", "U"], "vae": ["diffusers", "V"]})
+    )
+    (pipeline / "scheduler" / "scheduler_config.json").write_text("{}")
+    for part in ("unet", "vae"):
+        (pipeline / part / "config.json").write_text(json.dumps({"_class_name": part}))
+        save_file({"w": torch.ones(3)}, str(pipeline / part / "diffusion_pytorch_model.safetensors"))
+    damaged = (pipeline / "vae" / "diffusion_pytorch_model.safetensors").read_bytes()
+    (pipeline / "vae" / "diffusion_pytorch_model.safetensors").write_bytes(damaged[:-4])
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = run_cli("convert", "pipe/", "new/sub/")
+    assert code == 1 and "vae" in stderr, stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["pipe"]

@@ -28,7 +28,7 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import BinaryIO
 
 from ckptconv._paths import tilde_note
@@ -39,9 +39,11 @@ __all__ = [
     "check_not_a_link",
     "check_replaceable",
     "make_folders",
+    "missing_folders",
     "open_append",
     "os_error",
     "remove_folders",
+    "remove_written",
 ]
 
 _REASONS = {
@@ -253,6 +255,33 @@ def make_folders(folder: str, *, root: str | None = None) -> list[str]:
             raise os_error(error, parent) from None
         raise
     return created
+
+
+def missing_folders(path: str, *, folder_output: bool, parts: Iterable[str] = ()) -> list[str]:
+    """The folders of ``path`` (a file's, or with ``folder_output`` the folder's own, and its subfolders
+    ``parts``) that do not exist yet, outermost first: those a write to it creates (:func:`make_folders`),
+    for a caller that must remove them when a later step fails."""
+    missing: list[str] = []
+    top = os.path.abspath(path) if folder_output else os.path.dirname(os.path.abspath(path))
+    folder = top
+    while not os.path.lexists(folder) and folder != os.path.dirname(folder):
+        missing.insert(0, folder)
+        folder = os.path.dirname(folder)
+    return missing + [os.path.join(top, part) for part in parts if not os.path.lexists(os.path.join(top, part))]
+
+
+def remove_written(files: Iterable[str], made: Sequence[str]) -> None:
+    """Undo a write: remove ``files`` (which it wrote), then the folders it made: ``made``
+    (:func:`missing_folders`) and every folder below one of them that held a file (a model folder's
+    ``scheduler/``), if empty."""
+    below: set[str] = set()
+    for path in files:
+        os.unlink(path)
+        folder = os.path.dirname(path)
+        while any(folder.startswith(os.path.join(top, "")) for top in made):
+            below.add(folder)
+            folder = os.path.dirname(folder)
+    remove_folders([*made, *sorted(below, key=len)])
 
 
 def remove_folders(created: Iterable[str]) -> None:

@@ -207,10 +207,10 @@ def write_state(
     # A missing parent folder is created, as save_pretrained does, below the part of the path that exists
     # (write_policy.make_folders says how far); removed again when the write fails.
     parent = os.path.dirname(path.rstrip("/" + os.sep))
-    created = write_policy.make_folders(parent) if parent and not os.path.isdir(parent) else []
-    update, close = _progress_callback(progress, total, target)
     with contextlib.ExitStack() as cleanup:
+        created = write_policy.make_folders(parent) if parent and not os.path.isdir(parent) else []
         cleanup.push(lambda *error: write_policy.remove_folders(created) if error[0] is not None else None)
+        update, close = _progress_callback(progress, total, target)
         cleanup.callback(close)
         cleanup.enter_context(keeping_open())  # each source file opened once for all its tensors
         cleanup.enter_context(keeping_workers())  # one pool of cast threads for all the tensors
