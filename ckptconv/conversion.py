@@ -20,12 +20,11 @@ from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
 from ckptconv._version import __version__
 from ckptconv.architectures import MEGATRON_FORMATS, to_hugging_face
-from ckptconv.checking.verification import REFERENCES
 from ckptconv.errors import DestinationError, FitError, TransformError, VerifyError
 from ckptconv.fitting import LikeFolder, cast_like, like_folder
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
-from ckptconv.options import ConversionOptions
+from ckptconv.options import REFERENCES, ConversionOptions
 from ckptconv.quantization import fp8_quantize
 from ckptconv.quantization.schemes import DECLARATION_KEYS
 from ckptconv.quantization.stage import Dequantization, declared_scheme
@@ -77,7 +76,7 @@ class ConversionReport:
         aliases: safetensors keys stored as references to another key's data.
         foreign_globals: classes that became inert stand-ins (nothing was run).
         saved_devices: devices the input's tensors were saved from.
-        notes: sentences the user should see, in order.
+        notes: sentences the user should see, in order (each step's :attr:`StepReport.notes` among them).
         verified: True when the output was verified, None when not asked.
         renames: the first ``(old, new)`` key pairs, for ``--dry-run``.
         files: every file written (one, or the shards and the index of a folder).
@@ -118,8 +117,8 @@ def _file_name(path: str) -> str:
 
 def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> list[str]:
     if isinstance(step, Canonicalize):
-        if not report.details:
-            return ["no wrapper prefixes found; the keys are already canonical"]
+        if not report.details:  # unless the step's own notes say which prefix is left, and what to pass
+            return [] if report.notes else ["no wrapper prefixes found; the keys are already canonical"]
         removed = ", ".join(f"'{name}.' from {plural(count, 'key')}" for name, count in report.details.items())
         return [f"removed wrappers: {removed}"]
     if not isinstance(step, StripPrefix) or not report.unchanged:
@@ -209,6 +208,7 @@ def _convert_parts(
     if destination is not None and not is_folder_destination(destination, options.to, options.max_shard_size):
         shown = ", ".join(f"{part}/" for part in parts)
         raise DestinationError(f"{root!r} is a folder of models ({shown}); give a folder as DST (out/)", path=root)
+    made = write_policy.missing_folders(destination, folder_output=True, parts=parts) if destination else []
     if holds_weights(root):
         reports = [_convert(root, destination, options, parts=parts, **how)]
     else:
@@ -217,15 +217,13 @@ def _convert_parts(
         )
         kind = options.to or "safetensors"
         shown = os.path.abspath(destination) if destination is not None and not how["dry_run"] else ""
-        reports = [ConversionReport(root, shown, "model folders", kind, "", (), 0, 0, files=files)]
-        reports[0] = dataclasses.replace(reports[0], notes=carried.notes)
+        reports = [ConversionReport(root, shown, "model folders", kind, "", (), 0, 0, notes=carried.notes, files=files)]
     try:
         for part in parts:
             target = None if destination is None else os.path.join(destination, part, "")
             reports.append(convert(os.path.join(root, part), target, options=options, **how))
     except BaseException:
-        for path in (path for report in reports for path in report.files):
-            os.unlink(path)
+        write_policy.remove_written([path for report in reports for path in report.files], made)
         raise
     named = list(zip(("", *(f"{part}/: " for part in parts)), reports))
     return dataclasses.replace(
@@ -381,7 +379,7 @@ def _transform(selection: Selection, options: ConversionOptions) -> _Transformed
                 "written: check the pattern, which is searched in the key names after any renaming"
             )
         reports.append(report)
-        notes.extend(_prefix_notes(step, report, keys))
+        notes.extend([*_prefix_notes(step, report, keys), *report.notes])  # the report's notes are all the notes
 
     origins = _origins(list(selection.weights), pipeline.steps)
     fit_report = None
@@ -466,14 +464,13 @@ def _output_metadata(
             metadata["quantization_config"] = json.dumps(transformed.quantization_config)
     if options.provenance:
         fit_plan = list(transformed.fit_report.plan) if transformed.fit_report else []
-        metadata.update(
-            {
-                "ckptconv.version": __version__,
-                "ckptconv.source": _file_name(checkpoint.path),
-                "ckptconv.selected": selection.where,
-                "ckptconv.transforms": json.dumps(options.transforms.describe() + fit_plan),
-            }
-        )
+        provenance = {
+            "ckptconv.version": __version__,
+            "ckptconv.source": _file_name(checkpoint.path),
+            "ckptconv.selected": selection.where,  # "" for the whole file: then left out
+            "ckptconv.transforms": json.dumps(options.transforms.describe() + fit_plan),
+        }
+        metadata.update({key: value for key, value in provenance.items() if value})
     return metadata
 
 
@@ -551,6 +548,8 @@ def _write(
         if options.source_hash and options.provenance:
             digest = hasher.submit(_cores.in_background(source_sha256), checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
+        folder_output = is_folder_destination(destination, kind, options.max_shard_size)
+        made = write_policy.missing_folders(as_path(destination), folder_output=folder_output)  # gone on failure
         try:
             written = write_state(
                 state,
@@ -573,7 +572,9 @@ def _write(
             raise
     files = written.files
     if carried is not None and carried.files:
-        files += model_files.write(carried, written.path, inputs=inputs, fsync=options.fsync, weights=written.files)
+        files += model_files.write(
+            carried, written.path, inputs=inputs, fsync=options.fsync, weights=written.files, made=made
+        )
         notes.extend(carried.notes)
     if written.aliases:
         notes.append(tied_note(written.aliases, written.path, len(written.files) > 1))

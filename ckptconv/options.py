@@ -24,6 +24,7 @@ __all__ = [
     "BATCH_FORMATS",
     "OUTPUT_FORMATS",
     "QUANTIZE_SCHEMES",
+    "REFERENCES",
     "TIED",
     "ConversionOptions",
     "Flag",
@@ -39,6 +40,8 @@ TIED = ("dedupe", "copy")
 QUANTIZE_SCHEMES = ("none", "fp8-block")
 # A batch writes one file per item: no folder formats.
 BATCH_FORMATS = ("pt", "safetensors")
+# Whose readers --verify re-reads both sides with (ckptconv.checking.verification); the first is --verify's.
+REFERENCES = ("ckptconv", "torch")
 
 # Which commands show a flag.
 CONVERSION_COMMANDS = frozenset({"convert", "strip-module", "add-module", "fit", "batch"})

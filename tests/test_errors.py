@@ -189,9 +189,13 @@ def test_writing_onto_the_input_is_refused(good_checkpoint: Path) -> None:
     assert _sha256(good_checkpoint) == before
 
 
-def test_missing_output_folder(good_checkpoint: Path, tmp_path: Path) -> None:
-    code, _, stderr = _run("convert", str(good_checkpoint), str(tmp_path / "nope" / "out.pt"))
-    assert code == 1 and "does not exist; create it first" in stderr
+def test_missing_output_folder_is_created(good_checkpoint: Path, tmp_path: Path) -> None:
+    """It was "folder ... does not exist; create it first"; now made as save_pretrained makes it (issue 34)."""
+    code, _, stderr = _run("convert", str(good_checkpoint), str(tmp_path / "nope" / "out.pt"), "-q")
+    assert (code, stderr) == (0, "")
+    written = torch.load(tmp_path / "nope" / "out.pt", weights_only=True)
+    for key, tensor in torch.load(good_checkpoint, weights_only=True).items():
+        assert torch.equal(written[key], tensor), key
 
 
 def test_unknown_output_suffix(good_checkpoint: Path, tmp_path: Path) -> None:

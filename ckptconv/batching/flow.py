@@ -327,7 +327,7 @@ def batch(
     if executor == "local" and jobs > 1 and len(todo) > 1:
         check_sendable(options)  # before the output folder and the manifest exist
 
-    created = _make_output_folder(output)
+    created = _make_output_folder(output_dir)
     run = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + os.urandom(3).hex()
     with contextlib.ExitStack() as stack:
         try:
@@ -417,21 +417,9 @@ def _make_item_folders(jobs: Sequence[Job], output: str) -> list[str]:
 
 
 def _make_output_folder(output: str) -> list[str]:
-    """Create DST (and missing parents); the folders created, so a failed start can remove them."""
-    missing = []
-    folder = output
-    while not os.path.lexists(folder):
-        missing.append(folder)
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            break
-        folder = parent
-    try:
-        os.makedirs(output, exist_ok=True)
-    except OSError as error:
-        write_policy.remove_folders(reversed(missing))
-        raise write_policy.os_error(error, output) from None
-    return list(reversed(missing))
+    """Create DST (and missing parents, below the part of it that exists, as convert does:
+    :func:`~ckptconv.writing.write_policy.make_folders`); the folders created, so a failed start can remove them."""
+    return write_policy.make_folders(output)
 
 
 def _execute(

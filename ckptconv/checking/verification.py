@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ckptconv._paths import PathLike
 from ckptconv.errors import TransformError
+from ckptconv.options import REFERENCES
 from ckptconv.reading.integrity import check_record_crcs
 from ckptconv.reading.streaming import keeping_workers
 from ckptconv.transforms.keys import AddPrefix, Canonicalize, Pipeline, StripPrefix, Transform
@@ -91,9 +92,6 @@ def compare(expected: Mapping[str, TensorRef], actual: Mapping[str, TensorRef]) 
                 mismatched.append((key, "values differ"))
     ok = not (missing or unexpected or mismatched)
     return VerifyReport(ok, checked, missing, unexpected, tuple(mismatched))
-
-
-REFERENCES = ("ckptconv", "torch")
 
 
 def verify(

@@ -31,12 +31,7 @@ def run_conversion(
         dry_run=options["dry_run"],
         progress=not quiet and sys.stderr.isatty(),
     )
-    step_notes = [note for step in report.steps for note in step.notes]
-    for note in report.notes:
-        if step_notes and note.startswith("no wrapper prefixes found"):
-            continue  # --canonical's own note says which prefix is left, and what to pass
-        say(quiet, f"note: {note}")
-    for note in step_notes:
+    for note in report.notes:  # the steps' notes among them, as the library and batch's manifest have them
         say(quiet, f"note: {note}")
     for step in report.steps:
         counts = ([f"{step.changed} changed"] if step.changed or not step.dropped else []) + (

@@ -38,7 +38,7 @@ class Command(cloup.Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # `--verify` takes an optional value (`--verify=torch`); click would take the next
         # word (`--verify SRC DST`) as that value. Only a reference's name is one.
-        from ckptconv.checking.verification import REFERENCES
+        from ckptconv.options import REFERENCES
 
         args = [
             "--verify=ckptconv" if arg == "--verify" and (i + 1 == len(args) or args[i + 1] not in REFERENCES) else arg

@@ -46,8 +46,7 @@ def field_option_list(group: str, command: str, section: str | None = None) -> l
     ``command`` offers (only those of the help's ``section``, when given), made from the fields'
     :class:`~ckptconv.options.Flag` metadata. The click parameter takes the field's name, so the values
     go straight into the options object."""
-    from ckptconv.checking.verification import REFERENCES
-    from ckptconv.options import BATCH_FORMATS, OUTPUT_FORMATS, flags
+    from ckptconv.options import BATCH_FORMATS, OUTPUT_FORMATS, REFERENCES, flags
 
     decorators: list[Decorator] = []
     for name, flag in flags():

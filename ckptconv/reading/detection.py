@@ -19,6 +19,7 @@ from ckptconv.errors import LoadError, UnsupportedFormatError
 from ckptconv.reading import read_policy
 from ckptconv.reading.formats import safetensors
 from ckptconv.reading.formats._base import ReadResult
+from ckptconv.reading.formats._other_files import TEXT_PROBE_BYTES, not_a_checkpoint
 from ckptconv.selection.training_state import training_state
 from ckptconv.suffixes import CHECKPOINT_SUFFIXES, INDEX_SUFFIXES
 
@@ -257,8 +258,7 @@ def detect(path: str) -> str:
         # A safetensors file whose header length is wrong (cut short, or 2**63):
         # its reader says which, instead of "not a format ckptconv knows".
         return safetensors.FORMAT
-    raise UnsupportedFormatError(
-        f"{path!r} is not a checkpoint format ckptconv knows (it starts with bytes {head[:8].hex(' ')}); "
-        "expected a torch.save file, a pickle or safetensors",
-        path=path,
-    )
+    if size > len(head):  # enough of it to tell text from other bytes
+        with read_policy.open_file(path) as file:
+            head = file.read(TEXT_PROBE_BYTES)
+    raise not_a_checkpoint(path, head, size)

@@ -58,7 +58,7 @@ def save_file(
     aliases: dict[str, str] = {}
     if kind == "pt" and zip_plan is None:
         zip_plan = zip_writer.plan_storages(entries)
-    reserve = planned_bytes(entries, kind, zip_plan=zip_plan)
+    reserve = planned_bytes(entries, kind, zip_plan=zip_plan, dedupe=dedupe)
     with atomic_output(target, overwrite=overwrite, fsync=fsync, reserve=reserve, inputs=inputs) as file:
         if kind == "safetensors":
 

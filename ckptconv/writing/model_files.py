@@ -281,10 +281,16 @@ def check(files: ModelFiles, folder: str, *, overwrite: bool, inputs: write_poli
 
 
 def write(
-    files: ModelFiles, folder: str, *, inputs: write_policy.Inputs, fsync: bool, weights: Sequence[str] = ()
+    files: ModelFiles,
+    folder: str,
+    *,
+    inputs: write_policy.Inputs,
+    fsync: bool,
+    weights: Sequence[str] = (),
+    made: Sequence[str] = (),
 ) -> tuple[str, ...]:
     """Write ``files`` into ``folder``, each atomically; on a failure those written are removed again, and the
-    ``weights`` written before them too: a model folder is whole, or not written.
+    ``weights`` written before them too, and the folders ``made`` for them: a model folder is whole, or not written.
 
     Raises:
         LoadError: a source file is no longer a regular file inside its folder.
@@ -308,7 +314,7 @@ def write(
         for path in [*written, *weights]:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        write_policy.remove_folders(created)
+        write_policy.remove_folders([*made, *created])
         raise
     return tuple(written)
 
@@ -329,7 +335,6 @@ def write_alone(
     target = os.path.abspath(destination)
     inputs = write_policy.Inputs(file.source for file in carried.files)
     inputs.check_folder(target)
-    if not os.path.isdir(target):
-        write_policy.make_folders(target)
     check(carried, target, overwrite=overwrite, inputs=inputs)
-    return carried, write(carried, target, inputs=inputs, fsync=fsync)
+    made = [] if os.path.isdir(target) else write_policy.make_folders(destination)
+    return carried, write(carried, target, inputs=inputs, fsync=fsync, made=made)

@@ -13,14 +13,21 @@ from ckptconv.writing import torch_zip as zip_writer
 
 
 def planned_bytes(
-    entries: Sequence[tuple[str, TensorRef]], kind: str, *, zip_plan: zip_writer.Plan | None = None
+    entries: Sequence[tuple[str, TensorRef]],
+    kind: str,
+    *,
+    zip_plan: zip_writer.Plan | None = None,
+    dedupe: bool = True,
 ) -> int:
-    """Tensor bytes an output of ``kind`` will hold: ``.pt`` keeps views and ties as torch.save
-    does (``zip_plan``, when already made, says how); the other formats store each distinct
-    tensor once, contiguous."""
+    """Tensor bytes an output of ``kind`` will hold, which are the bytes its writer copies (the
+    progress bar's total): ``.pt`` keeps views and ties as torch.save does (``zip_plan``, when
+    already made, says how); safetensors stores each distinct tensor once, contiguous, or under
+    every name without ``dedupe`` (``--tied copy``); DCP saves every key's tensor apart."""
     if kind == "pt":
         storages, _ = zip_plan or zip_writer.plan_storages(entries)
         return sum(storage.nbytes for storage in storages)
+    if kind == "dcp" or not dedupe:
+        return sum(ref.nbytes for _, ref in entries)
     return sum(ref.nbytes for ref in {ref: None for _, ref in entries})
 
 

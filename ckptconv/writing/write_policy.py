@@ -28,7 +28,7 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import BinaryIO
 
 from ckptconv._paths import tilde_note
@@ -39,9 +39,11 @@ __all__ = [
     "check_not_a_link",
     "check_replaceable",
     "make_folders",
+    "missing_folders",
     "open_append",
     "os_error",
     "remove_folders",
+    "remove_written",
 ]
 
 _REASONS = {
@@ -172,22 +174,59 @@ def _check_parts(relative: str, path: str) -> list[str]:
     return parts
 
 
+def _below_what_exists(folder: str) -> tuple[str, list[str]]:
+    """The deepest part of ``folder`` (as the user spelled it) that exists, and the names to create below it.
+
+    That part must be a folder (a link to one counts: the user named it, as when the whole folder
+    exists); the names below it must be plain names, never ``..``, so nothing is created anywhere but
+    under it (``new/../../x`` is refused rather than read as ``../x``), and a leading ``~`` the shell did
+    not expand is not made a folder of that name.
+    """
+    head = folder.rstrip("/" + os.sep) or folder
+    names: list[str] = []
+    while head and not os.path.lexists(head):
+        head, name = os.path.split(head)
+        names.insert(0, name)
+        head = head.rstrip("/" + os.sep) or head[:1]  # "a//b" and "/" alike
+    names = [name for name in names if name not in ("", ".")]
+    if not names:  # it exists: the loop below says whether it is a folder (a link the user named is)
+        absolute = os.path.abspath(folder)
+        return os.path.dirname(absolute), [os.path.basename(absolute)]
+    existing = head or "."
+    if names[0].startswith("~") and tilde_note(folder):  # "~/out.pt" from Python: no folder named "~" is made
+        missing = os.path.abspath(os.path.join(existing, names[0]))
+        raise WriteError(f"folder {missing!r} does not exist{tilde_note(folder)}; create it first", path=folder)
+    if ".." in names:
+        raise WriteError(
+            f"refusing to create {folder!r}: the part of it that does not exist yet ({'/'.join(names)!r}) holds "
+            "'..', and ckptconv creates folders only below the part that exists; create them first",
+            path=folder,
+        )
+    if not os.path.isdir(existing):
+        reason = "a link that leads nowhere" if os.path.islink(existing) else "a file, not a folder"
+        raise WriteError(f"cannot create {folder!r}: {existing!r} is {reason}{tilde_note(folder)}", path=folder)
+    return os.path.abspath(existing), names
+
+
 def make_folders(folder: str, *, root: str | None = None) -> list[str]:
     """Create ``folder`` and its missing parents; return the folders created, outermost first.
 
-    With ``root`` (an output root such as a batch's DST), ``folder`` must lie
-    below it and every component below ``root`` must be a real folder, not a
-    link: a link there (made by someone else) could lead anywhere, so it is refused.
+    Without ``root``, the missing folders are created below the deepest part of ``folder`` that
+    exists, which must be a folder (or a link to one, named by the user), one at a time, none through
+    a link, and never after a ``..`` (:func:`_below_what_exists`); as ``save_pretrained`` and
+    ``mkdir -p`` do, but no further. With ``root`` (an output root such as a batch's DST), ``folder``
+    must lie below it and every component below ``root`` must be a real folder, not a link: a link
+    there (made by someone else) could lead anywhere, so it is refused.
 
     Raises:
         WriteError: a component is a link or a file, or the folder cannot be created
             (the folders made so far are removed again).
     """
     created: list[str] = []
+    named = False  # the folder exists: nothing below what the user named is created
     if root is None:
-        parent, parts = os.path.dirname(os.path.abspath(folder)), [os.path.basename(os.path.abspath(folder))]
-        if not os.path.isdir(parent):
-            raise WriteError(f"folder {parent!r} does not exist{tilde_note(parent)}; create it first", path=folder)
+        parent, parts = _below_what_exists(folder)
+        named = os.path.lexists(folder)
     else:
         parent = os.path.abspath(root)
         parts = _check_parts(os.path.relpath(os.path.abspath(folder), parent), folder)
@@ -199,8 +238,8 @@ def make_folders(folder: str, *, root: str | None = None) -> list[str]:
             except FileExistsError:
                 info = os.lstat(parent)
                 if stat.S_ISLNK(info.st_mode):
-                    if root is None:
-                        continue  # the user named this path, link and all
+                    if root is None and named:
+                        continue  # the user named this path, link and all (a link in what is created: refused)
                     raise WriteError(
                         f"refusing to write into {parent!r}: it is a link, and ckptconv writes only into "
                         "folders it can see are inside the output folder; remove the link",
@@ -216,6 +255,33 @@ def make_folders(folder: str, *, root: str | None = None) -> list[str]:
             raise os_error(error, parent) from None
         raise
     return created
+
+
+def missing_folders(path: str, *, folder_output: bool, parts: Iterable[str] = ()) -> list[str]:
+    """The folders of ``path`` (a file's, or with ``folder_output`` the folder's own, and its subfolders
+    ``parts``) that do not exist yet, outermost first: those a write to it creates (:func:`make_folders`),
+    for a caller that must remove them when a later step fails."""
+    missing: list[str] = []
+    top = os.path.abspath(path) if folder_output else os.path.dirname(os.path.abspath(path))
+    folder = top
+    while not os.path.lexists(folder) and folder != os.path.dirname(folder):
+        missing.insert(0, folder)
+        folder = os.path.dirname(folder)
+    return missing + [os.path.join(top, part) for part in parts if not os.path.lexists(os.path.join(top, part))]
+
+
+def remove_written(files: Iterable[str], made: Sequence[str]) -> None:
+    """Undo a write: remove ``files`` (which it wrote), then the folders it made: ``made``
+    (:func:`missing_folders`) and every folder below one of them that held a file (a model folder's
+    ``scheduler/``), if empty."""
+    below: set[str] = set()
+    for path in files:
+        os.unlink(path)
+        folder = os.path.dirname(path)
+        while any(folder.startswith(os.path.join(top, "")) for top in made):
+            below.add(folder)
+            folder = os.path.dirname(folder)
+    remove_folders([*made, *sorted(below, key=len)])
 
 
 def remove_folders(created: Iterable[str]) -> None:

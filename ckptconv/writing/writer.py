@@ -201,10 +201,16 @@ def write_state(
     # One plan of a .pt file's storages serves the room check and the write: with 10^5 tensors
     # planning costs seconds.
     zip_plan = zip_writer.plan_storages(entries) if kind == "pt" and not folder_output else None
-    check_room(entries, target, kind, planned_bytes(entries, kind, zip_plan=zip_plan))
-    total = sum(ref.nbytes for _, ref in entries)
-    update, close = _progress_callback(progress, total, target)
+    # What the writer copies: tied tensors once (or once per name with tied="copy"), so the bar ends at its total.
+    total = planned_bytes(entries, kind, zip_plan=zip_plan, dedupe=tied == "dedupe")
+    check_room(entries, target, kind, total)
+    # A missing parent folder is created, as save_pretrained does, below the part of the path that exists
+    # (write_policy.make_folders says how far); removed again when the write fails.
+    parent = os.path.dirname(path.rstrip("/" + os.sep))
     with contextlib.ExitStack() as cleanup:
+        created = write_policy.make_folders(parent) if parent and not os.path.isdir(parent) else []
+        cleanup.push(lambda *error: write_policy.remove_folders(created) if error[0] is not None else None)
+        update, close = _progress_callback(progress, total, target)
         cleanup.callback(close)
         cleanup.enter_context(keeping_open())  # each source file opened once for all its tensors
         cleanup.enter_context(keeping_workers())  # one pool of cast threads for all the tensors

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pickletools
 
 from ckptconv._text import short_repr
-from ckptconv.errors import MalformedCheckpointError, UnsupportedFormatError
+from ckptconv.errors import MalformedCheckpointError
 from ckptconv.reading import read_policy
 from ckptconv.reading.formats._base import ReadResult
+from ckptconv.reading.formats._other_files import TEXT_PROBE_BYTES, not_a_checkpoint
 from ckptconv.reading.unpickling.unpickler import DEFAULT_MAX_ITEMS, Unpickler
 
 __all__ = ["read"]
@@ -30,11 +31,7 @@ def read(path: str, *, max_items: int | None = None) -> ReadResult:
         if data[:1] == b"\x80" or _parses(data):
             raise  # a pickle, whatever it holds: say what is wrong with what it holds
         # Only the first byte suggested an old-protocol pickle; it was a guess.
-        raise UnsupportedFormatError(
-            f"{path!r} is not a checkpoint format ckptconv knows (it starts with bytes "
-            f"{data[:8].hex(' ')}); expected a torch.save file, a pickle or safetensors",
-            path=path,
-        ) from None
+        raise not_a_checkpoint(path, data[:TEXT_PROBE_BYTES], len(data)) from None
     if data[unpickler.end : unpickler.end + 1] == b"\x80" and not isinstance(tree, (dict, list)):
         # A plain pickle is one pickle; a legacy torch.save file is several, the first of them a magic number.
         raise MalformedCheckpointError(
