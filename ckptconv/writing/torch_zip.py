@@ -40,7 +40,8 @@ ROOT = "archive"
 _ZIP64_LIMIT = 0xFFFFFFFF
 
 
-@dataclass(frozen=True)
+# One of each a tensor (10^6 in a checkpoint of many small tensors): no __dict__ each (issue #31).
+@dataclass(frozen=True, slots=True)
 class PlannedStorage:
     """One storage record of the output, described as the tensor whose bytes fill it.
 
@@ -61,7 +62,7 @@ class PlannedStorage:
         return self.tensor.nbytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PlannedTensor:
     key: str
     storage_index: int
