@@ -575,6 +575,7 @@ def _write(
     if carried is not None and carried.files:
         files += model_files.write(carried, written.path, inputs=inputs, fsync=options.fsync, weights=written.files)
         notes.extend(carried.notes)
+    notes.extend(written.notes)  # files an --overwrite kept
     if written.aliases:
         notes.append(tied_note(written.aliases, written.path, len(written.files) > 1))
     from ckptconv.checking.reference import CKPTCONV_READER
