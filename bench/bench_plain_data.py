@@ -37,7 +37,7 @@ what, path = sys.argv[1], sys.argv[2]
 start = time.perf_counter()
 import os
 shards = [path]
-if os.path.isdir(path):  # a sharded folder: the index, then each shard in turn
+if what in ("safe_open", "load_file") and os.path.isdir(path):  # a sharded folder: the index, then each shard
     index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
     shards = [os.path.join(path, name) for name in dict.fromkeys(index["weight_map"].values())]
 if what == "torch.load":
@@ -169,6 +169,7 @@ def main() -> None:
     parser.add_argument("--headers", action="store_true", help="safetensors headers and shard indexes instead")
     parser.add_argument("--tensors", type=int, default=300_000, help="--headers: tensors of the file and the shards")
     parser.add_argument("--empty", type=int, default=1_670_000, help="--headers: empty tensors of the 99 MB header")
+    parser.add_argument("--only", nargs="+", help="only the files whose description holds one of these")
     args = parser.parse_args()
     if args.make:
         print(json.dumps({name: str(path) for name, path in make_files(Path(args.make), args.elements).items()}))
@@ -189,6 +190,8 @@ def main() -> None:
             maker = [sys.executable, __file__, "--make", str(folder), "--elements", str(args.elements)]
         made = subprocess.run(maker, capture_output=True, text=True, check=True)
         for name, spelled in json.loads(made.stdout).items():
+            if args.only and not any(text in name for text in args.only):
+                continue
             path = Path(spelled)
             kind = "plain" if path.suffix == ".pt" else "empty" if "empty" in name else "headers"
             if not args.headers and path.suffix == ".safetensors":
