@@ -286,7 +286,7 @@ class _PickleWriter:
 
     def checkpoint(
         self, tensors: Sequence[PlannedTensor], storages: Sequence[PlannedStorage], extra: Mapping[str, Any] | None
-    ) -> bytes:
+    ) -> bytearray:
         """A state dict, or ``{"state_dict": ..., **extra}`` when there is plain data to keep beside it."""
         if extra:
             self.out += b"}("
@@ -299,7 +299,7 @@ class _PickleWriter:
         else:
             self._tensors(tensors, storages)
         self.out += b"."
-        return bytes(self.out)
+        return self.out  # not bytes(self.out): a second copy of a pickle of 10^6 tensors (86 MB)
 
 
 class _ZipWriter:
@@ -375,7 +375,7 @@ class _ZipWriter:
             digest.update(struct.pack("<IQI", crc, size, len(name)) + name)
         return digest.hexdigest()
 
-    def write_bytes(self, name: str, data: bytes) -> None:
+    def write_bytes(self, name: str, data: bytes | bytearray) -> None:
         def fill(file: BinaryIO) -> int:
             file.write(data)
             return zlib.crc32(data)
