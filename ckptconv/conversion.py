@@ -576,6 +576,7 @@ def _write(
             carried, written.path, inputs=inputs, fsync=options.fsync, weights=written.files, made=made
         )
         notes.extend(carried.notes)
+    notes.extend(written.notes)  # files an --overwrite kept
     if written.aliases:
         notes.append(tied_note(written.aliases, written.path, len(written.files) > 1))
     from ckptconv.checking.reference import CKPTCONV_READER

@@ -129,3 +129,25 @@ def test_sigkill_during_an_overwrite_leaves_the_previous_output_loadable(
     assert run_cli("convert", str(first), f"{out}/", *extra, "--overwrite", "-q")[0] == 0
     assert not [p for p in out.iterdir() if p.name.startswith(".ckptconv-staging.")]
     assert _digests(out) == before
+
+
+def test_an_overwrite_that_keeps_files_ckptconv_did_not_write_names_them_in_one_note(tmp_path: Path) -> None:
+    source, out = tmp_path / "a.pt", tmp_path / "dst"
+    torch.save(_tensors(6), source)
+    out.mkdir()
+    save_file({"mine": torch.ones(3)}, out / "model.safetensors")  # no ckptconv provenance: the user's own
+    save_file({"mine": torch.ones(4)}, out / "model-00003-of-00003.safetensors")
+    code, _, stderr = run_cli("convert", str(source), f"{out}/", "--max-shard-size", "4KB", "--overwrite")
+    assert code == 0, stderr
+    notes = [line for line in stderr.splitlines() if line.startswith("note: kept")]
+    assert notes == [
+        f"note: kept 2 files in {str(out)!r} that ckptconv did not write and the new output does not use: "
+        "model-00003-of-00003.safetensors, model.safetensors; remove them if they are not yours to keep"
+    ], stderr
+    assert load_file(out / "model.safetensors")["mine"].tolist() == [1.0, 1.0, 1.0]  # kept, unchanged
+    _assert_same(_load_sharded(out, "safetensors"), _tensors(6))
+    # With the user's files gone, an overwrite keeps nothing and says nothing of it.
+    (out / "model.safetensors").unlink()
+    (out / "model-00003-of-00003.safetensors").unlink()
+    code, _, stderr = run_cli("convert", str(source), f"{out}/", "--max-shard-size", "4KB", "--overwrite")
+    assert code == 0 and "note: kept" not in stderr, stderr

@@ -33,7 +33,7 @@ __all__ = ["CheckpointInfo", "TensorInfo", "inspect"]
 MAX_SHARES_LISTED = 8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one a tensor: no __dict__ each (issue #31)
 class TensorInfo:
     """One tensor of the selected weights.
 
@@ -149,6 +149,18 @@ def _outline(tree: Any) -> tuple[tuple[str, str], ...]:
     return (("", describe_value(tree)),)
 
 
+def _shared_storages(weights: Mapping[str, TensorRef]) -> dict[int, list[str]]:
+    """The keys of each storage more than one key views, by the storage's id: a list for those
+    only, not one for every tensor."""
+    first: dict[int, str] = {}
+    shared: dict[int, list[str]] = {}
+    for key, ref in weights.items():
+        owner = first.setdefault(id(ref.storage), key)
+        if owner != key:
+            shared.setdefault(id(ref.storage), [owner]).append(key)
+    return shared
+
+
 def _others(group: list[str], key: str) -> tuple[str, ...]:
     """The first :data:`MAX_SHARES_LISTED` keys of ``group`` other than ``key`` (keys are unique)."""
     return tuple(other for other in group[: MAX_SHARES_LISTED + 1] if other != key)[:MAX_SHARES_LISTED]
@@ -196,18 +208,17 @@ def _inspect(path: PathLike, *, select: str | None, trust: bool) -> CheckpointIn
             selection.weights,
         )
 
-    by_storage: dict[int, list[str]] = {}
-    for key, ref in weights.items():
-        by_storage.setdefault(id(ref.storage), []).append(key)
+    shared = _shared_storages(weights)
+    alone: list[str] = []
     tensors = tuple(
         TensorInfo(
             key,
             ref.out_dtype.name,
             ref.shape,
             ref.nbytes,
-            _others(by_storage[id(ref.storage)], key),
+            _others(group, key) if (group := shared.get(id(ref.storage), alone)) else (),
             not ref.is_whole_storage,
-            len(by_storage[id(ref.storage)]) - 1,
+            max(len(group) - 1, 0),
         )
         for key, ref in weights.items()
     )

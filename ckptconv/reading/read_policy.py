@@ -336,7 +336,8 @@ def read_limited(path: str, *, limit: int = MAX_TEXT_BYTES, folder: str | None =
         MalformedCheckpointError: the file holds more than ``limit`` bytes.
     """
     with open_file(path, folder=folder) as file:
-        data = file.read(limit + 1)
+        # read(limit + 1) allocates limit + 1 bytes first (100 MB for a shard index), whatever the size.
+        data = file.read(min(os.fstat(file.fileno()).st_size, limit) + 1)
     if len(data) > limit:
         raise MalformedCheckpointError(
             f"{path!r} is larger than {limit:,} bytes, too large for a {what}; it is not one", path=path

@@ -42,6 +42,8 @@ __all__ = [
 class Source:
     """What every byte source shares: reading the tensors on it (the methods of :class:`TensorRef` call these)."""
 
+    __slots__ = ()  # so a subclass with slots (FileRegion: one per safetensors tensor) keeps no __dict__
+
     #: The CRC-32 the file records for the whole storage (zip records); None where it records none.
     crc32: int | None = None
     #: Reads go front to back (a compressed stream): two threads reading out of order would rewind it.
@@ -63,7 +65,7 @@ class Source:
         return torch_views.cpu_tensor(ref)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FileRegion(Source):
     """Bytes stored uncompressed at ``offset`` in the file at ``path``.
 

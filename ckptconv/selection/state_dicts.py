@@ -140,7 +140,8 @@ def _flatten(
     for key, item in items:
         if not isinstance(key, str):
             return False
-        name = f"{prefix}{key}"
+        # The key itself at the top: a copy of every name (f"{''}{key}" makes one) is 75 bytes a tensor (issue #31).
+        name = key if not prefix and type(key) is str else f"{prefix}{key}"
         tensor = as_tensor(item)
         if tensor is not None:
             if name in weights:

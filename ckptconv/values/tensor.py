@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptconv.dtypes import DType
@@ -86,7 +85,7 @@ class StoredRegion(Protocol):
     def crc32(self) -> int | None: ...
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class Storage:
     """One storage record: ``nbytes`` bytes shared by every tensor that views them.
 
@@ -170,7 +169,13 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-@dataclass(frozen=True)
+_UNSET = -1  # a cache slot not filled yet
+
+
+# A checkpoint of 10^6 tensors holds 10^6 of each of these (and a source each), so they keep no
+# ``__dict__``: with ``__slots__`` a TensorRef is 136 bytes, where its dict made it 208, and 888 once its cached
+# properties were filled (issue #31, "Plain data that balloons").
+@dataclass(frozen=True, slots=True)
 class TensorRef:
     """A tensor that has not been read: a view into a :class:`Storage`.
 
@@ -202,6 +207,10 @@ class TensorRef:
     allow_overflow: bool = False
     conj: bool = False
     neg: bool = False
+    # Caches of the shape facts below, computed on first use (slots cannot hold a cached_property).
+    _numel: int = field(default=_UNSET, init=False, repr=False, compare=False)
+    _span: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
+    _contiguous: bool | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def checked(
@@ -260,9 +269,13 @@ class TensorRef:
 
     # -- shape facts -----------------------------------------------------------------
 
-    @functools.cached_property
+    @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        numel = self._numel
+        if numel == _UNSET:
+            numel = math.prod(self.shape)
+            object.__setattr__(self, "_numel", numel)
+        return numel
 
     @property
     def out_dtype(self) -> DType:
@@ -274,9 +287,16 @@ class TensorRef:
         """Bytes this tensor occupies once written contiguously in ``out_dtype``."""
         return self.numel * self.out_dtype.itemsize
 
-    @functools.cached_property
+    @property
     def is_contiguous(self) -> bool:
         """True when the elements are laid out row-major with no gaps."""
+        contiguous = self._contiguous
+        if contiguous is None:
+            contiguous = self._row_major()
+            object.__setattr__(self, "_contiguous", contiguous)
+        return contiguous
+
+    def _row_major(self) -> bool:
         expected = 1
         for size, step in zip(reversed(self.shape), reversed(self.stride)):
             if size == 1:
@@ -286,7 +306,7 @@ class TensorRef:
             expected *= size
         return True
 
-    @functools.cached_property
+    @property
     def byte_span(self) -> tuple[int, int]:
         """``(start, end)`` bytes of the storage this tensor touches; ``(0, 0)`` if it is empty.
 
@@ -294,6 +314,13 @@ class TensorRef:
         storage's end included, as torch allows (``torch.empty(0, 6).chunk(3, dim=1)``
         gives offsets 2 and 4 into a storage of no bytes).
         """
+        span = self._span
+        if span is None:
+            span = self._compute_span()
+            object.__setattr__(self, "_span", span)
+        return span
+
+    def _compute_span(self) -> tuple[int, int]:
         if self.numel == 0:
             return 0, 0
         itemsize = self.dtype.itemsize

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable
 
+from ckptconv._text import plural
 from ckptconv.errors import CastOverflowError
 from ckptconv.reading.formats._base import MetadataValue, split_aliases
 from ckptconv.values.tensor import Storage, TensorRef
@@ -29,6 +31,9 @@ class WriteReport:
         bytes: tensor bytes written.
         aliases: for safetensors, keys stored as references to another key's data.
         files: every file written (one, or the shards and the index).
+        kept: under ``overwrite``, the files of a folder output's names (an earlier output's shards, a
+            ``model.safetensors``) that the new output does not use and ckptconv left where they are,
+            since it did not write them (they carry no ckptconv provenance).
     """
 
     path: str
@@ -37,6 +42,23 @@ class WriteReport:
     bytes: int
     aliases: Mapping[str, str] = field(default_factory=dict)
     files: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What the user should know of the write: the files it kept, named."""
+        if not self.kept:
+            return ()
+        names = [os.path.basename(path) for path in self.kept[:_KEPT_NAMED]]
+        more = f" and {len(self.kept) - _KEPT_NAMED} more" if len(self.kept) > _KEPT_NAMED else ""
+        return (
+            f"kept {plural(len(self.kept), 'file')} in {self.path!r} that ckptconv did not write and the new output "
+            f"does not use: {', '.join(names)}{more}; remove them if they are not yours to keep",
+        )
+
+
+#: Files a note names; the rest it counts.
+_KEPT_NAMED = 8
 
 
 def save_file(

@@ -130,4 +130,5 @@ def save_folder(
             staging.named_finally(error)
         raise
     written_files = tuple(os.path.join(folder, name) for name in staged)
-    return WriteReport(folder, kind, len(entries), total, aliases, written_files)
+    kept = tuple(path for path in (os.path.join(folder, name) for name in stale) if path not in removed)
+    return WriteReport(folder, kind, len(entries), total, aliases, written_files, kept)

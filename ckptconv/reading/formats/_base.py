@@ -81,7 +81,7 @@ def is_utf8(text: str) -> bool:
     return True
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object's pairs as a dict, refusing a key named twice (Python's json keeps the last, other
     readers the first) and strings that are not Unicode: Python's json takes ``"\\ud800"`` (half a
     surrogate pair) as a string, where the safetensors library refuses it and no UTF-8 file can hold it.
@@ -102,13 +102,13 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def json_object(text: str) -> Any:
     """``json.loads`` as the safetensors library parses a header, for every JSON file of a checkpoint
-    (safetensors headers, their aliases, shard indexes): see :func:`_unique_pairs`.
+    (safetensors headers, their aliases, shard indexes): see :func:`unique_pairs`.
 
     Raises:
         ValueError: the text is not such JSON.
         RecursionError: it nests too deep.
     """
-    return json.loads(text, object_pairs_hook=_unique_pairs)
+    return json.loads(text, object_pairs_hook=unique_pairs)
 
 
 def json_bytes(value: Any, **options: Any) -> bytes:

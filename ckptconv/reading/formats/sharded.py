@@ -22,7 +22,7 @@ from typing import Any
 from ckptconv._text import short_repr
 from ckptconv.errors import MalformedCheckpointError
 from ckptconv.reading import read_policy
-from ckptconv.reading.formats._base import ReadResult, json_object
+from ckptconv.reading.formats._base import ReadResult, unique_pairs
 from ckptconv.suffixes import INDEX_SUFFIXES
 from ckptconv.values.tensor import TensorRef
 
@@ -57,7 +57,9 @@ def read_index(index_path: str, *, folder: str | None = None) -> tuple[dict[str,
     """
     raw = read_policy.read_limited(index_path, limit=MAX_INDEX_BYTES, folder=folder, what="shard index")
     try:
-        index = json_object(raw.decode("utf-8"))  # a key named twice maps it to two shards
+        text = raw.decode("utf-8")
+        del raw  # the bytes and the text are each the index's size: hold one of them while parsing
+        index = json.loads(text, object_pairs_hook=_SharedNames())  # a key named twice maps it to two shards
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise _damaged(index_path, f"it is not valid JSON ({error})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -68,6 +70,26 @@ def read_index(index_path: str, *, folder: str | None = None) -> tuple[dict[str,
             shard_path(index_path, name)  # says what is wrong with it, before a list is hashed
     metadata = index.get("metadata")
     return weight_map, metadata if isinstance(metadata, dict) else {}
+
+
+class _SharedNames:
+    """:func:`unique_pairs`, keeping one copy of each text value: a weight_map names a few shards
+    a million times, each a string of 80 bytes as ``json.loads`` makes them (issue #31)."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, str] = {}
+
+    def __call__(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result = unique_pairs(pairs)
+        names = self.names
+        for key, value in result.items():
+            if type(value) is str:
+                shared = names.get(value)
+                if shared is not None:
+                    result[key] = shared
+                elif len(names) < 4096:  # never a table as large as the index
+                    names[value] = value
+        return result
 
 
 def checkpoint_files(index_path: str) -> list[str]:
@@ -109,7 +131,9 @@ def read(index_path: str, *, max_items: int | None = None) -> ReadResult:
                 "the shards do not match the index",
                 path=index_path,
             )
-        tree[key] = tensor
+        # A safetensors shard names each storage after its key: keep that one copy of the name, not two.
+        stored = tensor.storage.name
+        tree[stored if stored == key and type(stored) is str else key] = tensor
     # Keys a shard restores beyond its weight_map entries (ckptconv's tied-tensor aliases).
     for weights in shards.values():
         for key, tensor in weights.items():
