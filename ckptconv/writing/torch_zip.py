@@ -513,7 +513,7 @@ def write_tensor(ref: TensorRef, file: BinaryIO, *, write_storage: Callable[[Pla
 
 def _write_archive(
     writer: _ZipWriter,
-    pickled: bytes,
+    pickled: bytes | bytearray,
     storages: Sequence[PlannedStorage],
     write_storage: Callable[[PlannedStorage, BinaryIO], int],
     metadata: Mapping[str, MetadataValue] | None,
