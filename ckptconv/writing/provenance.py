@@ -191,7 +191,7 @@ def file_sha256(path: str, stop: threading.Event | None = None) -> str:
     """
     digest = hashlib.sha256()
     with read_policy.open_file(path) as file:
-        chunks = _read_ahead(file.fileno(), stop) if _cores.spare() > 0 else _read_in_turn(file, stop)
+        chunks = _read_ahead(file.fileno(), stop) if _cores.usable() > 1 else _read_in_turn(file, stop)
         for chunk in chunks:
             digest.update(chunk)
         if stop is not None and stop.is_set():
