@@ -130,14 +130,15 @@ def main() -> None:
     print(f"seed {seed}")
     root = Path(args.root) / f"{args.gib:g}gib"
     fp8, plain = build(root, args.gib)
-    out = root / "out"
+    # One folder per approach: the check below reads the dequantized output, whichever ran last.
+    out, cast_out = root / "out", root / "cast_out"
     approaches = {
         "ckptconv dequant": (
             ["convert", str(fp8), str(out) + "/", "--dtype", "bf16", "--no-fsync", "--overwrite", "-q"],
             None,
         ),
         "ckptconv plain cast": (
-            ["convert", str(plain), str(out) + "/", "--dtype", "bf16", "--no-fsync", "--overwrite", "-q"],
+            ["convert", str(plain), str(cast_out) + "/", "--dtype", "bf16", "--no-fsync", "--overwrite", "-q"],
             None,
         ),
     }
