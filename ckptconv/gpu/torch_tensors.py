@@ -131,7 +131,7 @@ def _reserve(sizes: list[tuple[int, torch.device]]) -> dict[torch.device, tuple[
             block = torch.empty(total, dtype=torch.uint8, device=where)
         except torch.cuda.OutOfMemoryError:  # the destinations one by one may still fit the cache
             continue
-        reserved[where] = (block.data_ptr(), total)
+        reserved[block.device] = (block.data_ptr(), total)  # "cuda" named with its index, as tensors give it
         del block
     return reserved
 
