@@ -286,6 +286,21 @@ def test_folders_are_created_only_below_what_exists(tmp_path: Path, monkeypatch:
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a.pt", "dangling"]
 
 
+def test_a_link_to_a_file_in_dsts_chain_is_said_to_lead_to_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A link that leads to a file is no link that leads nowhere: the error says where it leads."""
+    _small(tmp_path / "a.pt")
+    (tmp_path / "to_file").symlink_to(tmp_path / "a.pt")
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("convert", "a.pt", "to_file/sub/out.pt") == (
+        1,
+        "",
+        "ckptconv: error: cannot create 'to_file/sub': 'to_file' is a link to a file, not a folder\n",
+    )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.pt", "to_file"]
+
+
 def test_batch_creates_dst_below_what_exists_and_no_further(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from safetensors.torch import load_file
 

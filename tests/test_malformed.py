@@ -111,6 +111,11 @@ BAD_SAFETENSORS = {
     "dtype not a string": ({"a": {"dtype": 7, "shape": [2], "data_offsets": [0, 8]}}, "unknown dtype 7"),
     "missing field": ({"a": {"dtype": "F32", "data_offsets": [0, 8]}}, "is not a tensor description"),
     "entry not an object": ({"a": [1, 2]}, "is not a tensor description"),
+    # A header that is itself shaped like one tensor's description is still a header: its entries are named.
+    "header shaped like a tensor description": (
+        {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "entry 'dtype' is not a tensor description",
+    ),
     "metadata value not a string": ({"__metadata__": {"format": 1}}, "is not a map of strings to strings"),
     "metadata not an object": ({"__metadata__": ["pt"]}, "is not a map of strings to strings"),
     "aliases not JSON": (

@@ -212,6 +212,39 @@ def test_gpu_loads_stage_in_one_registered_area_kept_for_the_next_load(
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_an_interrupted_gpu_load_keeps_no_staging_area_its_readers_still_use(
+    tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during a load (a notebook's interrupt) leaves its reader threads at work in their buffers: the area
+    they stage in must not be kept for the next load, whose readers would stage in the same memory."""
+    import _thread
+    import threading
+
+    from ckptconv.gpu import host_staging
+
+    monkeypatch.setattr(host_staging, "_idle", [])
+    reading, release = threading.Event(), threading.Event()
+    real_run = _transfer._Worker.run
+
+    def held(worker: Any, task: Any) -> None:  # a reader that is still at its piece when the interrupt comes
+        reading.set()
+        release.wait(30)
+        real_run(worker, task)
+
+    monkeypatch.setattr(_transfer._Worker, "run", held)
+    path, _ = saved_big_state(tmp_path, ".safetensors")
+    interrupter = threading.Thread(target=lambda: reading.wait(30) and _thread.interrupt_main(), daemon=True)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ckptconv.load(path, device="cuda:0")
+        assert host_staging._idle == []
+    finally:
+        release.set()
+        interrupter.join()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("reserve", [True, False])
 def test_gpu_destinations_come_out_of_one_reservation(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reserve: bool

@@ -305,12 +305,13 @@ class _Pinned:
             return self.ready.get_nowait()
         return None
 
-    def close(self) -> None:
-        """Called once every reader is done with its buffers."""
+    def close(self, *, reusable: bool = True) -> None:
+        """Called once every reader is done with its buffers; ``reusable=False`` when some may not be
+        (an interrupted load): the area is then left to them, not kept for the next load."""
         self.done.set()
         if self.thread is not None:
             self.thread.join()
-        if self.area is not None:
+        if self.area is not None and reusable:
             _host_staging.give_back(self.area)
 
 
@@ -549,8 +550,12 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
         for thread in pool:
             thread.join()
     finally:
+        # Interrupted (Ctrl-C in a join): readers still at work stop at their next piece; their area is not kept.
+        at_work = any(thread.is_alive() for thread in pool)
+        if at_work:
+            failed.set()
         if shared.pinned is not None:
-            shared.pinned.close()
+            shared.pinned.close(reusable=not at_work)
         shared.files.close()
     if errors:
         raise errors[0]

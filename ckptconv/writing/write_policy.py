@@ -203,7 +203,10 @@ def _below_what_exists(folder: str) -> tuple[str, list[str]]:
             path=folder,
         )
     if not os.path.isdir(existing):
-        reason = "a link that leads nowhere" if os.path.islink(existing) else "a file, not a folder"
+        if not os.path.islink(existing):
+            reason = "a file, not a folder"
+        else:  # a link to a file leads somewhere: say where
+            reason = "a link to a file, not a folder" if os.path.exists(existing) else "a link that leads nowhere"
         raise WriteError(f"cannot create {folder!r}: {existing!r} is {reason}{tilde_note(folder)}", path=folder)
     return os.path.abspath(existing), names
 

@@ -89,6 +89,8 @@ def read_header(path: str) -> tuple[dict[str, Any], int, int]:
         header = json.loads(text, object_pairs_hook=_EntryParser())
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise _damaged(path, f"its header is not valid JSON ({error})") from None
+    if isinstance(header, _Entry):  # the header itself has a tensor description's three fields: still a header
+        header = {"dtype": header[0], "shape": list(header[1]), "data_offsets": header[2]}
     if not isinstance(header, dict):
         raise _damaged(path, "its header is not a JSON object")
     return header, 8 + header_length, size
