@@ -216,13 +216,16 @@ def test_an_interrupted_gpu_load_keeps_no_staging_area_its_readers_still_use(
     tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C during a load (a notebook's interrupt) leaves its reader threads at work in their buffers: the area
-    they stage in must not be kept for the next load, whose readers would stage in the same memory."""
-    import _thread
+    they stage in must not be kept for the next load, whose readers would stage in the same memory. One reader,
+    so the one whose join is interrupted: CPython then calls it stopped while it runs (is_alive() is False).
+    SIGINT is sent to the main thread itself: _thread.interrupt_main() would wake no join."""
+    import signal
     import threading
 
     from ckptconv.gpu import host_staging
 
     monkeypatch.setattr(host_staging, "_idle", [])
+    monkeypatch.setattr(_transfer, "reader_threads", lambda gpu=False: 1)
     reading, release = threading.Event(), threading.Event()
     real_run = _transfer._Worker.run
 
@@ -233,7 +236,11 @@ def test_an_interrupted_gpu_load_keeps_no_staging_area_its_readers_still_use(
 
     monkeypatch.setattr(_transfer._Worker, "run", held)
     path, _ = saved_big_state(tmp_path, ".safetensors")
-    interrupter = threading.Thread(target=lambda: reading.wait(30) and _thread.interrupt_main(), daemon=True)
+    main = threading.main_thread().ident
+    assert main is not None
+    interrupter = threading.Thread(
+        target=lambda: reading.wait(30) and signal.pthread_kill(main, signal.SIGINT), daemon=True
+    )
     interrupter.start()
     try:
         with pytest.raises(KeyboardInterrupt):

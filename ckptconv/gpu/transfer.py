@@ -306,8 +306,7 @@ class _Pinned:
         return None
 
     def close(self, *, reusable: bool = True) -> None:
-        """Called once every reader is done with its buffers; ``reusable=False`` when some may not be
-        (an interrupted load): the area is then left to them, not kept for the next load."""
+        """Once every reader is done with its buffers; not ``reusable`` where some may not be (interrupted)."""
         self.done.set()
         if self.thread is not None:
             self.thread.join()
@@ -525,6 +524,7 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
     shared = _Shared(_Files(direct_io), callers, _Pinned(threads * DEPTH) if callers else None, {})
     errors: list[BaseException] = []
     failed = threading.Event()
+    finished: list[int] = []  # readers done with their buffers (is_alive() lies after an interrupted join)
 
     def work(index: int) -> None:
         worker = _Worker(shared, index)
@@ -540,6 +540,7 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
         finally:
             with contextlib.suppress(BaseException):
                 worker.finish()
+            finished.append(index)
 
     for _ in range(threads):
         tasks.put(None)
@@ -551,7 +552,7 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
             thread.join()
     finally:
         # Interrupted (Ctrl-C in a join): readers still at work stop at their next piece; their area is not kept.
-        at_work = any(thread.is_alive() for thread in pool)
+        at_work = len(finished) < len(pool)
         if at_work:
             failed.set()
         if shared.pinned is not None:
@@ -580,8 +581,7 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
 
 
 def _gpu_checked(spans: Sequence[Span]) -> dict[int, list[int]]:
-    """The spans whose CRC-32 the GPU takes (whole records with one, on a CUDA device where the
-    kernel is not known to fail), numbered, by device index."""
+    """The spans whose CRC-32 the GPU takes (whole records, where its kernel works), numbered, by device."""
     found: dict[int, list[int]] = {}
     if not gpu_crc:
         return found
