@@ -211,6 +211,45 @@ def test_gpu_loads_stage_in_one_registered_area_kept_for_the_next_load(
     assert len(host_staging._idle) == 1
 
 
+def test_an_interrupted_load_tells_its_readers_to_stop_at_their_next_piece(
+    tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while the readers are joined: the reader at work finishes its piece and takes no other (it reads
+    into buffers, and from descriptors, that the interrupted load no longer owns)."""
+    import signal
+    import threading
+
+    monkeypatch.setattr(_transfer, "reader_threads", lambda gpu=False: 1)
+    reading, release = threading.Event(), threading.Event()
+    real_run = _transfer._Worker.run
+    pieces: list[int] = []
+
+    def held(worker: Any, task: Any) -> None:
+        pieces.append(task.position)
+        reading.set()
+        release.wait(30)
+        real_run(worker, task)
+
+    monkeypatch.setattr(_transfer._Worker, "run", held)
+    path, _ = saved_big_state(tmp_path, ".safetensors")
+    main = threading.main_thread().ident
+    assert main is not None
+    interrupter = threading.Thread(
+        target=lambda: reading.wait(30) and signal.pthread_kill(main, signal.SIGINT), daemon=True
+    )
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ckptconv.load(path)
+    finally:
+        release.set()
+        interrupter.join()
+        for thread in threading.enumerate():
+            if thread.name.startswith("ckptconv-reader-"):
+                thread.join(30)
+    assert len(pieces) == 1  # of the file's many pieces (small_pieces), only the one it held
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_an_interrupted_gpu_load_keeps_no_staging_area_its_readers_still_use(
     tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
