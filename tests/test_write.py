@@ -434,7 +434,7 @@ def test_the_output_is_written_back_while_it_is_written(
         assert output.read_bytes() == b"x" * 4096 * 20
 
 
-@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt", "_dcp/"])
 def test_records_copied_whole_are_checked_from_the_copy_not_read_again(
     suffix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -455,10 +455,16 @@ def test_records_copied_whole_are_checked_from_the_copy_not_read_again(
 
     monkeypatch.setattr(Storage, "reader", counting_reader)
     output = tmp_path / f"out{suffix}"
-    ckptconv.convert(source, output, source_hash=False)
+    ckptconv.convert(source, output, source_hash=False, to="dcp" if suffix == "_dcp/" else None)
     assert opened == []  # the check read no record of its own
     monkeypatch.undo()
-    loaded = torch.load(output, weights_only=True) if suffix == ".pt" else load_file(output)
+    if suffix == "_dcp/":
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(output, tmp_path / "from_dcp.pt")
+        loaded = torch.load(tmp_path / "from_dcp.pt", weights_only=True)
+    else:
+        loaded = torch.load(output, weights_only=True) if suffix == ".pt" else load_file(output)
     assert_same_state(loaded, torch.load(source, weights_only=True), ordered=False)
 
 

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Callable
 from ckptconv.dtypes import DType
 from ckptconv.errors import CastOverflowError
 from ckptconv.reading.formats.dcp import DATA_FILE, METADATA_FILE
-from ckptconv.values.tensor import TensorRef
+from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing import copying
 from ckptconv.writing import torch_zip as zip_writer
 from ckptconv.writing.copying import overflow_named
@@ -58,6 +58,7 @@ def write(
     *,
     open_output: Callable[[str], Any],
     on_bytes: Callable[[int], None],
+    record_crcs: dict[Storage, int] | None = None,
 ) -> int:
     """Write ``entries`` as a DCP folder that ``torch.distributed.checkpoint.load`` reads on any number of ranks.
 
@@ -69,6 +70,8 @@ def write(
         folder: the destination folder.
         open_output: opens a file of the folder for writing atomically (a context manager).
         on_bytes: called with byte counts as they are written, for progress.
+        record_crcs: receives the CRC-32 of every zip record of the source read whole on the way, as the
+            other writers do (:func:`ckptconv.writing.copying.write_planned_storage`).
 
     Returns:
         The number of tensor bytes written.
@@ -78,7 +81,7 @@ def write(
     """
 
     def write_storage(storage: PlannedStorage, out: BinaryIO) -> int:
-        return copying.write_planned_storage(storage, out, on_bytes)
+        return copying.write_planned_storage(storage, out, on_bytes, record_crcs)
 
     records: list[_Record] = []
     total = 0

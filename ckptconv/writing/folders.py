@@ -89,7 +89,9 @@ def save_folder(
                 staged.append(name)
                 return atomic_output(staging.file(name), overwrite=True, fsync=fsync, inputs=inputs)
 
-            total = dcp_writer.write(entries, staging.path, open_output=open_output, on_bytes=update)
+            total = dcp_writer.write(
+                entries, staging.path, open_output=open_output, on_bytes=update, record_crcs=record_crcs
+            )
         else:
             total = 0
             weight_map: dict[str, str] = {}

@@ -66,12 +66,6 @@ def _progress_callback(progress: Progress, total: int, path: str) -> tuple[Calla
     return update, bar.close
 
 
-def fills_record_crcs(kind: str) -> bool:
-    """Whether :func:`save` of ``kind`` puts the CRC-32s of the zip records it reads whole into
-    ``record_crcs``; DCP folders are written by torch.save, which takes none."""
-    return kind != "dcp"
-
-
 def save(
     state: Mapping[str, Any],
     path: PathLike,
