@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
-from typing import BinaryIO, Callable
+from typing import Any, BinaryIO, Callable
 
 from ckptconv._paths import PathLike, as_path, tilde_note
 from ckptconv.errors import OutputExistsError, WriteError
@@ -253,14 +253,20 @@ def _reserve(fd: int, length: int) -> None:
 _TMPFS_MAGIC = 0x01021994
 
 
+@functools.cache
+def _fstatfs() -> Any:
+    """The C library's ``fstatfs``, or None."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).fstatfs
+    except (OSError, AttributeError):
+        return None
+
+
 def _in_memory(fd: int) -> bool:
     """True when ``fd`` is a file of tmpfs (Linux; False where that cannot be told)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        buffer = ctypes.create_string_buffer(256)  # struct statfs, whose first field is f_type (a long)
-        if libc.fstatfs(ctypes.c_int(fd), buffer) != 0:
-            return False
-    except (OSError, AttributeError):
+    fstatfs = _fstatfs()
+    buffer = ctypes.create_string_buffer(256)  # struct statfs, whose first field is f_type (a long)
+    if fstatfs is None or fstatfs(ctypes.c_int(fd), buffer) != 0:
         return False
     return int(struct.unpack_from("l", buffer.raw)[0]) == _TMPFS_MAGIC
 
