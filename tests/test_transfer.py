@@ -11,7 +11,7 @@ import mmap
 import os
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -211,11 +211,13 @@ def test_gpu_loads_stage_in_one_registered_area_kept_for_the_next_load(
     assert len(host_staging._idle) == 1
 
 
-def test_an_interrupted_load_tells_its_readers_to_stop_at_their_next_piece(
-    tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Ctrl-C while the readers are joined: the reader at work finishes its piece and takes no other (it reads
-    into buffers, and from descriptors, that the interrupted load no longer owns)."""
+def _load_interrupted_at_a_piece(
+    path: Path, device: str | None, monkeypatch: pytest.MonkeyPatch, after: Callable[[], None] = lambda: None
+) -> list[int]:
+    """``ckptconv.load(path, device=device)`` with one reader, interrupted by SIGINT to the main thread (as
+    Ctrl-C sends it; ``_thread.interrupt_main()`` would wake no join) while the reader is held at its first
+    piece; ``after`` runs once KeyboardInterrupt came, the reader still held. Returns the pieces the reader
+    took, once it is done."""
     import signal
     import threading
 
@@ -231,7 +233,6 @@ def test_an_interrupted_load_tells_its_readers_to_stop_at_their_next_piece(
         real_run(worker, task)
 
     monkeypatch.setattr(_transfer._Worker, "run", held)
-    path, _ = saved_big_state(tmp_path, ".safetensors")
     main = threading.main_thread().ident
     assert main is not None
     interrupter = threading.Thread(
@@ -240,13 +241,24 @@ def test_an_interrupted_load_tells_its_readers_to_stop_at_their_next_piece(
     interrupter.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            ckptconv.load(path)
+            ckptconv.load(path, device=device)
+        after()
     finally:
         release.set()
         interrupter.join()
         for thread in threading.enumerate():
             if thread.name.startswith("ckptconv-reader-"):
                 thread.join(30)
+    return pieces
+
+
+def test_an_interrupted_load_tells_its_readers_to_stop_at_their_next_piece(
+    tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while the readers are joined: the reader at work finishes its piece and takes no other (it reads
+    into buffers, and from descriptors, that the interrupted load no longer owns)."""
+    path, _ = saved_big_state(tmp_path, ".safetensors")
+    pieces = _load_interrupted_at_a_piece(path, None, monkeypatch)
     assert len(pieces) == 1  # of the file's many pieces (small_pieces), only the one it held
 
 
@@ -255,39 +267,17 @@ def test_an_interrupted_gpu_load_keeps_no_staging_area_its_readers_still_use(
     tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C during a load (a notebook's interrupt) leaves its reader threads at work in their buffers: the area
-    they stage in must not be kept for the next load, whose readers would stage in the same memory. One reader,
-    so the one whose join is interrupted: CPython then calls it stopped while it runs (is_alive() is False).
-    SIGINT is sent to the main thread itself: _thread.interrupt_main() would wake no join."""
-    import signal
-    import threading
-
+    they stage in must not be kept for the next load, whose readers would stage in the same memory. The reader
+    is the one whose join is interrupted: CPython then calls it stopped while it runs (is_alive() is False)."""
     from ckptconv.gpu import host_staging
 
     monkeypatch.setattr(host_staging, "_idle", [])
-    monkeypatch.setattr(_transfer, "reader_threads", lambda gpu=False: 1)
-    reading, release = threading.Event(), threading.Event()
-    real_run = _transfer._Worker.run
-
-    def held(worker: Any, task: Any) -> None:  # a reader that is still at its piece when the interrupt comes
-        reading.set()
-        release.wait(30)
-        real_run(worker, task)
-
-    monkeypatch.setattr(_transfer._Worker, "run", held)
     path, _ = saved_big_state(tmp_path, ".safetensors")
-    main = threading.main_thread().ident
-    assert main is not None
-    interrupter = threading.Thread(
-        target=lambda: reading.wait(30) and signal.pthread_kill(main, signal.SIGINT), daemon=True
-    )
-    interrupter.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            ckptconv.load(path, device="cuda:0")
+
+    def no_area_kept() -> None:
         assert host_staging._idle == []
-    finally:
-        release.set()
-        interrupter.join()
+
+    _load_interrupted_at_a_piece(path, "cuda:0", monkeypatch, after=no_area_kept)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
