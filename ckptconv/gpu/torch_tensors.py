@@ -116,13 +116,13 @@ def _reserve(sizes: list[tuple[int, torch.device]]) -> dict[torch.device, tuple[
     """
     import torch
 
+    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    if not reserve_destinations or settings or torch.version.hip:
+        return {}
     totals: dict[torch.device, int] = {}
     for nbytes, where in sizes:
         if where.type == "cuda" and nbytes > _SMALL_POOL_BYTES:
             totals[where] = totals.get(where, 0) + _rounded(nbytes)
-    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
-    if not reserve_destinations or settings or torch.version.hip:
-        return {}
     reserved: dict[torch.device, tuple[int, int]] = {}
     for where, total in totals.items():
         if total < _MIN_RESERVE_BYTES:
