@@ -23,7 +23,7 @@ Exit codes:
     3  finished with a negative result (verify/diff found differences,
        fit found no plan, batch items failed, scan found files that are
        not safe: foreign, damaged, not a checkpoint)
-    4  scan found at least one unsafe file
+    4  scan found at least one unsafe file, or batch an unsafe item
   130  interrupted (Ctrl-C); partial outputs are removed
   143  terminated (SIGTERM); partial outputs are removed"""
 
