@@ -240,7 +240,7 @@ def test_an_existing_config_is_refused_before_any_weight_is_written(tmp_path: Pa
     out.mkdir()
     (out / "config.json").write_text("{}")
     code, _, stderr = run_cli("convert", str(folder), f"{out}/")
-    assert code == 1
+    assert code == 2  # an output that exists: a usage error
     assert stderr == f"ckptconv: error: {str(out)!r} already holds config.json; pass --overwrite to replace them\n"
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
     assert run_cli("convert", str(folder), f"{out}/", "--overwrite")[0] == 0

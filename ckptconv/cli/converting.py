@@ -175,8 +175,9 @@ def add_module(src: str, dst: str, **options: Any) -> None:
                 help="What the keys must match: a model folder (whose config and tokenizer files are carried, whose "
                 "dtypes are taken unless --dtype, and whose sharding is followed), another checkpoint, a text file of "
                 "key names, or "
-                "'package.module:factory' that builds your nn.Module (this imports your code, found as python -m "
-                "would: the current folder first, then installed packages).",
+                "'package.module:factory' that builds your nn.Module, or 'package.module:factory(key=value, ...)' "
+                "with literal values (this imports your code, found as python -m "
+                "would: the current folder first, then installed packages; it needs torch).",
             )
         ]
     },
