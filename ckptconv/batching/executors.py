@@ -56,7 +56,7 @@ from ckptconv.reading.discovery import FILE, Item, folder_above, member_paths, r
 from ckptconv.runtime import cores as _cores
 from ckptconv.writing import write_policy
 
-__all__ = ["SCHEDULER_TIMEOUT_S", "Job", "check_sendable", "run_dask", "run_job", "run_local"]
+__all__ = ["SCHEDULER_TIMEOUT_S", "Job", "check_scheduler", "check_sendable", "run_dask", "run_job", "run_local"]
 
 Stop = Callable[[], bool]
 
@@ -467,6 +467,44 @@ def _main_module_hidden() -> Iterator[None]:
         main.__dict__.update(saved)
 
 
+def _distributed() -> Any:
+    try:
+        # Typed as Any: distributed is an optional extra without complete annotations.
+        return importlib.import_module("distributed")
+    except ImportError:
+        raise CkptconvError(
+            "the dask executor needs the 'distributed' package; install it with: pip install 'ckptconv[dask]'"
+        ) from None
+
+
+def _client(distributed: Any, address: str, timeout: float) -> Any:
+    """A client of the scheduler at ``address`` once a worker has joined it, within ``timeout`` seconds each:
+    a scheduler without workers would hold the tasks forever, printing nothing."""
+    try:
+        client = distributed.Client(address, set_as_default=False, timeout=f"{timeout}s")
+    except (OSError, TimeoutError) as error:
+        raise CkptconvError(f"cannot reach the Dask scheduler at {address!r} ({error}); check --scheduler") from None
+    try:
+        client.wait_for_workers(1, timeout=timeout)
+    except (OSError, TimeoutError):
+        client.close()
+        raise CkptconvError(
+            f"no Dask worker joined the scheduler at {address!r} within {timeout:g} s; start workers "
+            f"(dask worker {address}) or pass a longer --scheduler-timeout"
+        ) from None
+    return client
+
+
+def check_scheduler(scheduler: str, *, timeout: float = SCHEDULER_TIMEOUT_S) -> None:
+    """Refuse, before anything is written, a scheduler that cannot be reached or that no worker joins within
+    ``timeout`` seconds (:func:`run_dask` asks again when it starts: a worker may leave meanwhile).
+
+    Raises:
+        CkptconvError: ``distributed`` is not installed, the scheduler cannot be reached, or has no worker.
+    """
+    _client(_distributed(), scheduler, timeout).close()
+
+
 def run_dask(
     jobs: Sequence[Job],
     *,
@@ -491,13 +529,7 @@ def run_dask(
         CkptconvError: ``distributed`` is not installed, the scheduler cannot be reached, or no worker
             joined it within ``timeout`` seconds.
     """
-    try:
-        # Typed as Any: distributed is an optional extra without complete annotations.
-        distributed: Any = importlib.import_module("distributed")
-    except ImportError:
-        raise CkptconvError(
-            "the dask executor needs the 'distributed' package; install it with: pip install 'ckptconv[dask]'"
-        ) from None
+    distributed = _distributed()
     cluster: Any = None
     if scheduler is None:
         with _main_module_hidden():
@@ -512,21 +544,11 @@ def run_dask(
     else:
         address = scheduler
     try:
-        client = distributed.Client(address, set_as_default=False, timeout=f"{timeout}s")
-    except (OSError, TimeoutError) as error:
+        client = _client(distributed, address, timeout)
+    except CkptconvError:
         if cluster is not None:
             cluster.close()
-        raise CkptconvError(f"cannot reach the Dask scheduler at {address!r} ({error}); check --scheduler") from None
-    try:
-        client.wait_for_workers(1, timeout=timeout)
-    except (OSError, TimeoutError):
-        client.close()
-        if cluster is not None:
-            cluster.close()
-        raise CkptconvError(
-            f"no Dask worker joined the scheduler at {address!r} within {timeout:g} s; start workers "
-            f"(dask worker {address}) or pass a longer --scheduler-timeout"
-        ) from None
+        raise
     token = uuid.uuid4().hex[:8]
     try:
         futures = {

@@ -27,7 +27,14 @@ from typing import Any, Callable, Union
 from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
 from ckptconv._version import __version__
-from ckptconv.batching.executors import SCHEDULER_TIMEOUT_S, Job, check_sendable, run_dask, run_local
+from ckptconv.batching.executors import (
+    SCHEDULER_TIMEOUT_S,
+    Job,
+    check_scheduler,
+    check_sendable,
+    run_dask,
+    run_local,
+)
 from ckptconv.batching.manifest import MANIFEST_NAME, Manifest, latest_conversions, now, read_records
 from ckptconv.batching.outputs import Planned, folds_case, plan_outputs
 from ckptconv.batching.report import CANCELLED, FAILED, PLANNED, SKIPPED, UNSAFE, BatchReport, ItemResult
@@ -332,6 +339,8 @@ def batch(
         return _report(source, output, "", planned, results, started, notes=notes, dry_run=dry_run)
     if executor == "local" and jobs > 1 and len(todo) > 1:
         check_sendable(options)  # before the output folder and the manifest exist
+    if executor == "dask" and scheduler is not None and todo:
+        check_scheduler(scheduler, timeout=scheduler_timeout)  # likewise: a scheduler without workers
 
     created = _make_output_folder(output_dir)
     run = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + os.urandom(3).hex()
