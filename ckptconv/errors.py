@@ -18,7 +18,9 @@ a caller would handle it differently::
     ├── WriteError (OSError)            the output could not be written
     │   ├── OutputExistsError (FileExistsError)
     │   └── DestinationError (ValueError)   the destination contradicts the options (a usage error)
-    └── VerifyError                     the output does not match its source
+    ├── VerifyError                     the output does not match its source
+    ├── DeviceError (ValueError)        a device ckptconv cannot load onto ("best", "cuda" without a GPU)
+    └── MissingDependencyError (ImportError)  an optional extra is not installed (torch: ckptconv[torch])
 
 ``str(error)`` is one sentence that says what failed and what to do next; the
 details ride on attributes (``path``, ``key``, ``globals`` ...), so the CLI can
@@ -35,10 +37,12 @@ __all__ = [
     "CastOverflowError",
     "CkptconvError",
     "DestinationError",
+    "DeviceError",
     "FitError",
     "KeyCollisionError",
     "LoadError",
     "MalformedCheckpointError",
+    "MissingDependencyError",
     "OutputExistsError",
     "SelectionError",
     "TrainingStateError",
@@ -188,6 +192,20 @@ class DestinationError(WriteError, ValueError):
 
 class VerifyError(CkptconvError):
     """The output does not hold what its source and transforms promise."""
+
+
+class DeviceError(CkptconvError, ValueError):
+    """A device that tensors cannot be loaded onto: a spelling ckptconv does not take (``"best"``), or a GPU
+    this process does not have. The message lists the spellings it takes."""
+
+
+class MissingDependencyError(CkptconvError, ImportError):
+    """An optional dependency is not installed: torch, for torch tensors (``load``, GPU loads, ``--like
+    module:factory``, ``--verify=torch``, ``--trust``); ``extra`` names the extra that installs it."""
+
+    def __init__(self, message: str, *, extra: str) -> None:
+        super().__init__(message)
+        self.extra = extra
 
 
 def interruption(error: BaseException) -> KeyboardInterrupt | None:

@@ -15,6 +15,7 @@ is the only place ckptconv imports user code, and only because the user named it
 
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 import sys
@@ -123,7 +124,9 @@ def reference_from(reference: Any) -> Reference:
     Accepts a :class:`Reference`, an ``nn.Module`` (its ``state_dict()``), a state
     dict, an iterable of key names, a path to a checkpoint (any format ckptconv
     reads) or to a text file with one key per line, or ``"package.module:factory"``,
-    which imports that module and calls ``factory()`` to build the model.
+    which imports that module and calls ``factory()`` to build the model; literal
+    arguments may follow, ``"timm:create_model(model_name='resnet18', num_classes=10)"``
+    (read with :func:`ast.literal_eval`, never evaluated).
 
     Raises:
         LoadError: the path cannot be read as a checkpoint or a key list, or the
@@ -202,13 +205,67 @@ def _import_from_current_folder(module_name: str) -> Any:
         sys.path.remove(folder)  # the first occurrence: the one inserted above
 
 
+def factory_call(spec: str) -> tuple[str, tuple[str, ...], tuple[Any, ...], dict[str, Any]]:
+    """``"pkg.mod:factory(key=value, ...)"`` taken apart: the module, the attribute path, and the arguments.
+
+    The arguments must be literals (numbers, strings, bytes, True/False/None, and tuples, lists, sets and
+    dicts of them): each is read with :func:`ast.literal_eval`, so nothing in them is evaluated.
+
+    Raises:
+        LoadError: the text after ``:`` is not a dotted name, optionally called with literal arguments.
+
+    Example:
+        >>> factory_call("timm:create_model(model_name='resnet18', num_classes=10)")
+        ('timm', ('create_model',), (), {'model_name': 'resnet18', 'num_classes': 10})
+    """
+    module_name, _, call = spec.partition(":")
+    usage = "write 'package.module:factory' or 'package.module:factory(key=value, ...)' with literal values"
+    try:
+        tree = ast.parse(call.strip(), mode="eval").body
+    except SyntaxError:
+        raise LoadError(f"--like {spec!r}: {call!r} is not a factory's name or call; {usage}") from None
+    node = tree.func if isinstance(tree, ast.Call) else tree
+    names: list[str] = []
+    while isinstance(node, ast.Attribute):
+        names.insert(0, node.attr)
+        node = node.value
+    if not module_name.strip():
+        raise LoadError(f"--like {spec!r}: no module is named before ':'; {usage}")
+    if not isinstance(node, ast.Name):
+        raise LoadError(f"--like {spec!r}: {call!r} is not a factory's name or call; {usage}")
+    names.insert(0, node.id)
+    if not isinstance(tree, ast.Call):
+        return module_name, tuple(names), (), {}
+    keywords = tree.keywords
+    if any(isinstance(arg, ast.Starred) for arg in tree.args) or any(kw.arg is None for kw in keywords):
+        raise LoadError(f"--like {spec!r}: * and ** arguments are not taken; {usage}")
+    try:
+        args = tuple(ast.literal_eval(arg) for arg in tree.args)
+        kwargs = {str(kw.arg): ast.literal_eval(kw.value) for kw in keywords}
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        bad = next(ast.unparse(value) for value in (*tree.args, *(kw.value for kw in keywords)) if not _literal(value))
+        raise LoadError(f"--like {spec!r}: {bad[:80]!r} is not a literal value (nothing was run); {usage}") from None
+    return module_name, tuple(names), args, kwargs
+
+
+def _literal(node: ast.expr) -> bool:
+    try:
+        ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
+
+
 def _reference_from_factory(spec: str) -> Reference:
-    module_name, _, attribute = spec.partition(":")
+    from ckptconv.runtime.extras import require_torch
+
+    module_name, attributes, args, kwargs = factory_call(spec)  # refused before anything is imported
+    require_torch(f"--like {spec} (a model built by your code)")
     try:
         factory = _import_from_current_folder(module_name)
-        for part in attribute.split("."):
+        for part in attributes:
             factory = getattr(factory, part)
-        model = factory() if callable(factory) else factory
+        model = factory(*args, **kwargs) if callable(factory) else factory
     except Exception as error:  # the user's own code can raise anything
         where = f" (looked in the current folder {os.getcwd()!r} first)" if isinstance(error, ImportError) else ""
         raise LoadError(
@@ -387,13 +444,16 @@ def load_into(
 
     Raises:
         FitError: ``strict`` and the checkpoint does not fit ``model``.
+        DeviceError: ``device`` is not a spelling it takes, or a GPU this process does not have.
 
     Example:
         >>> ckptconv.load_into(model, "dp_model.pkl")  # doctest: +SKIP
     """
+    from ckptconv.gpu.devices import pick_device
     from ckptconv.gpu.torch_tensors import to_torch
     from ckptconv.loading import open as open_checkpoint
 
+    target = pick_device(device, model=True)  # a wrong device is said before the file is read
     weights = open_checkpoint(path, trust=trust).select(select).weights
     fitted, report = fit(weights, model, partial=not strict)
     if not report.ok:
@@ -401,13 +461,11 @@ def load_into(
             raise FitError(report.summary(), report=report)
         keys = set(model.state_dict())
         fitted = {key: value for key, value in fitted.items() if key in keys}
-    if device == "model":
+    if target == "model":
         targets = {key: str(value.device) for key, value in model.state_dict().items()}
         staged = to_torch(fitted, device=targets)
     else:
-        from ckptconv.gpu.devices import pick_device
-
-        staged = to_torch(fitted, device=pick_device(device))
+        staged = to_torch(fitted, device=target)
     model.load_state_dict(staged, strict=strict)
     return report
 

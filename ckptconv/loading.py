@@ -219,20 +219,28 @@ def load(
     Returns:
         A dict of names to tensors, ready for ``model.load_state_dict``.
 
+    Raises:
+        MissingDependencyError: torch is not installed (``pip install 'ckptconv[torch]'``).
+        DeviceError: ``device`` is not ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"auto"`` or None, or names a
+            GPU this process does not have.
+
     Example:
         >>> model.load_state_dict(ckptconv.load("dp_model.pkl"))  # doctest: +SKIP
     """
     from ckptconv.gpu.devices import pick_device
     from ckptconv.gpu.torch_tensors import to_torch
     from ckptconv.reading.integrity import check_record_crcs
+    from ckptconv.runtime.extras import require_torch
 
+    require_torch("ckptconv.load() (torch tensors)")  # before the file is read: one line, nothing done
+    target = pick_device(device)
     with collector_paused():  # an object or more per tensor: see ckptconv.runtime.collector
         weights = open(path, trust=trust).select(select).weights
         # The readers take each whole record's CRC-32 from the bytes as they pass (no second
         # read of the file); what they did not see (compressed records, partly read ones) is
         # read again and checked after.
         crcs: dict[Storage, int] | None = {} if check_crc else None
-        tensors = to_torch(weights, device=pick_device(device), crcs=crcs)
+        tensors = to_torch(weights, device=target, crcs=crcs)
         if crcs is not None:
             check_record_crcs(list(weights.items()), computed=crcs)
         return tensors
@@ -242,6 +250,9 @@ def _read_trusted(path: str, kind: str) -> ReadResult:
     """Unpickle with torch itself; for trusted files only."""
     if kind in ("safetensors", "sharded", "dcp", "deepspeed", "rank-shards", "megatron-torch-dist", "megatron-legacy"):
         return formats.READERS[kind](path)  # nothing in these runs code: trust changes nothing
+    from ckptconv.runtime.extras import require_torch
+
+    require_torch("--trust (torch.load)")
     import torch
 
     from ckptconv.gpu.torch_tensors import from_torch

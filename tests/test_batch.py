@@ -64,6 +64,9 @@ ZOO_FAILURES = {
     "broken/page.pth": "is an HTML/XML page",
     "broken/lfs.bin": "is a Git LFS pointer",
     "broken/gan.pt": "holds several sets of weights ('G', 'D'); pick one with --select",
+}
+# Items that must be refused as unsafe (counted apart, exit 4), and a phrase of their message.
+ZOO_UNSAFE = {
     "evil/evil.pt": "calls os.system (runs processes)",
     "evil/evil_legacy.pt": "calls posix.system (runs processes)",
 }
@@ -237,7 +240,10 @@ def test_zoo_converts_the_good_and_records_the_bad(zoo: Path, tmp_path: Path) ->
     for result in report.failed:
         assert ZOO_FAILURES[result.source] in result.error, result.error
         assert result.error_type and "\n" not in result.error and not result.traceback
-    assert report.exit_code == 3
+    assert {r.source: r.error for r in report.unsafe}.keys() == ZOO_UNSAFE.keys(), [r.error for r in report.unsafe]
+    for result in report.unsafe:
+        assert ZOO_UNSAFE[result.source] in result.error and result.error_type == "UnsafeCheckpointError"
+    assert report.exit_code == 4
     assert not report.skipped and not report.cancelled
     assert not _canaries(zoo), "a malicious pickle ran"
 
@@ -264,6 +270,7 @@ def test_zoo_converts_the_good_and_records_the_bad(zoo: Path, tmp_path: Path) ->
     assert [r["record"] for r in records] == ["run"] + ["item"] * len(names) + ["end"]
     assert sorted(r["source"] for r in records[1:-1]) == names
     assert records[-1]["failed"] == len(ZOO_FAILURES) and records[-1]["converted"] == len(report.converted)
+    assert records[-1]["unsafe"] == len(ZOO_UNSAFE)
     written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert written == sorted([MANIFEST_NAME, *(r.output for r in report.converted)])
 
@@ -478,7 +485,7 @@ def test_cli_batch_casts_and_mirrors_the_tree(small_zoo: Path, tmp_path: Path) -
         "batch", str(small_zoo), str(out), "--dtype", "bf16", "--strip-prefix", "module", "--jobs", "2"
     )
     assert (code, stdout) == (0, ""), stderr
-    assert stderr.startswith("converted 3, skipped 0, failed 0 of 3 items (")
+    assert stderr.startswith("converted 3 of 3 items (")
     assert stderr.endswith(f"; manifest: {out / MANIFEST_NAME}\n")
     for source, output in [
         ("a/b/model.pth", "a/b/model.safetensors"),
@@ -500,7 +507,9 @@ def test_cli_batch_lists_failures_and_exits_3(small_zoo: Path, tmp_path: Path) -
     lines = stderr.splitlines()
     empty = str(small_zoo / "a" / "empty.pt")
     assert lines[0] == f"failed: a/empty.pt: {empty!r} is empty (0 bytes); the download or save did not finish"
-    assert lines[1].startswith("converted 3, skipped 0, failed 1 of 4 items")
+    assert lines[1].startswith("converted 3 of 4 items (") and lines[1].endswith(
+        "); 1 failed; manifest: " + str(out / MANIFEST_NAME)
+    )
     assert len(lines) == 2
     assert_same_state(
         torch.load(out / "a" / "b" / "model.pt", weights_only=True),
@@ -517,7 +526,7 @@ def test_cli_dry_run_writes_nothing(small_zoo: Path, tmp_path: Path) -> None:
         "a/train.pt -> a/train.safetensors",
         "c.safetensors -> c.safetensors",
     ]
-    assert stderr == "would convert 3, skipped 0, failed 0 of 3 items; nothing was written\n"
+    assert stderr == "would convert 3 of 3 items; nothing was written\n"
     assert not (tmp_path / "out").exists()
 
 
@@ -710,7 +719,7 @@ def test_resume_trusts_only_outputs_inside_dst_with_their_recorded_size_and_dige
     (out / MANIFEST_NAME).write_text("".join(json.dumps(r) + "\n" for r in records))
     code, _, stderr = run("batch", str(small_zoo), str(out), "--glob", "c.safetensors", "--resume")
     assert code == 0
-    assert stderr.splitlines()[-1].startswith("converted 1, skipped 0, failed 0 of 1 item (")
+    assert stderr.splitlines()[-1].startswith("converted 1 of 1 item (")
     assert not real.is_symlink()
     assert_output_matches(small_zoo / "c.safetensors", real)
     assert decoy.read_bytes() == (out / "c.safetensors").read_bytes() or forged == "other-bytes"
@@ -859,7 +868,7 @@ def test_the_library_api(small_zoo: Path, tmp_path: Path) -> None:
     report = ckptconv.batch(small_zoo, tmp_path / "out", checksums=False, fsync=False)
     assert isinstance(report, ckptconv.BatchReport) and isinstance(report.results[0], ckptconv.ItemResult)
     assert report.results[0].source_sha256 is None and report.results[0].outputs[0].sha256 is None
-    assert report.summary().startswith("converted 3, skipped 0, failed 0 of 3 items (")
+    assert report.summary().startswith("converted 3 of 3 items (")
 
 
 def test_progress_bar_goes_to_stderr(small_zoo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -892,9 +901,9 @@ def test_dask_local_cluster_runs_the_batch(small_zoo: Path, tmp_path: Path) -> N
             "--strip-prefix",
             "module",
         )
-    assert code == 3, stderr
-    assert "failed: bad.pt:" in stderr and "calls os.system (runs processes)" in stderr
-    assert "converted 3, skipped 0, failed 1 of 4 items" in stderr
+    assert code == 4, stderr  # an unsafe item: as scan exits
+    assert "unsafe: bad.pt:" in stderr and "calls os.system (runs processes)" in stderr
+    assert "converted 3 of 4 items (" in stderr and "; 1 unsafe (not converted); manifest: " in stderr
     for source, output in [
         ("a/b/model.pth", "a/b/model.safetensors"),
         ("a/train.pt", "a/train.safetensors"),
@@ -989,7 +998,9 @@ def test_sigkill_then_resume_converts_every_item_exactly_once(tmp_path: Path) ->
 
     resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, cwd=ROOT, check=False)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"converted {24 - done_before}, skipped {done_before}, failed 0 of 24 items" in resumed.stderr
+    assert (
+        f"converted {24 - done_before} of 24 items" in resumed.stderr and f"; {done_before} skipped" in resumed.stderr
+    )
 
     records = items_of(manifest)
     assert sorted(r["source"] for r in records) == sorted(f"run{i % 4}/ckpt_{i}.pt" for i in range(24))

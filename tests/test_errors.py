@@ -174,7 +174,7 @@ def test_existing_output_is_refused_without_overwrite(good_checkpoint: Path, tmp
     output = tmp_path / "exists.pt"
     output.write_bytes(b"precious")
     code, _, stderr = _run("convert", str(good_checkpoint), str(output))
-    assert code == 1
+    assert code == 2  # a usage error, as the README's table says (it exited 1)
     assert stderr == f"ckptconv: error: {str(output)!r} already exists; pass --overwrite to replace it\n"
     assert output.read_bytes() == b"precious"
     assert _run("convert", str(good_checkpoint), str(output), "--overwrite", "-q") == (0, "", "")

@@ -482,14 +482,14 @@ def test_batch_with_names_that_are_not_utf8_or_hold_newlines(tmp_path: Path) -> 
         "failed: forged\\nfailed: y.pt: fake.pt: " + lines[1].split(".pt: ", 2)[2],
     ]
     assert "\x1b" not in result.stderr and "\x07" not in result.stderr
-    assert lines[-1].startswith("converted 3, skipped 0, failed 2 of 5 items")
+    assert lines[-1].startswith("converted 3 of 5 items (") and "); 2 failed; manifest: " in lines[-1]
     assert (out / f"{NOT_UTF8}.safetensors").exists()
     records = [json.loads(line) for line in (out / "ckptconv-manifest.jsonl").read_bytes().splitlines()]
     sources = sorted(r["source"] for r in records if r["record"] == "item")
     assert f"{NOT_UTF8}.pt" in sources and "forged\nfailed: y.pt: fake.pt" in sources  # exact, not escaped
     # --resume reads the same names back and skips what is done.
     result = _cli("batch", str(zoo), str(out), "--resume")
-    assert result.stderr.splitlines()[-1].startswith("converted 0, skipped 3, failed 2 of 5 items")
+    assert result.stderr.splitlines()[-1].startswith("converted 0 of 5 items; 3 skipped, 2 failed")
 
 
 SURROGATE = "w\ud800"  # a lone surrogate: torch.save and torch.load(weights_only=True) accept it

@@ -211,8 +211,12 @@ def test_the_set_up_block_is_what_ci_runs() -> None:
 
 def test_the_install_block_installs_this_checkout_with_its_command() -> None:
     (text,) = [text for heading, _, text in blocks() if heading == "Install"]
-    assert [shlex.split(line, comments=True) for line in text.splitlines() if line.strip()] == [["pip", "install", "."]]
-    assert 'ckptconv = "ckptconv.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert [shlex.split(line, comments=True) for line in text.splitlines() if line.strip()] == [
+        ["pip", "install", "."],
+        ["pip", "install", ".[torch]"],  # the extra the test below checks pyproject for
+    ]
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'ckptconv = "ckptconv.cli:main"' in pyproject and '\ntorch = ["torch>=2.4"]' in pyproject
 
 
 def _kind(document: str, heading: str, language: str, text: str) -> str:

@@ -41,15 +41,22 @@ from queue import Queue
 from typing import IO, Any, Callable
 
 from ckptconv.batching.frames import read_frame, write_frame
-from ckptconv.batching.report import CONVERTED, FAILED, SKIPPED, ItemResult, OutputFile
-from ckptconv.errors import CkptconvError, LoadError, TrainingStateError, TransformError, interruption
+from ckptconv.batching.report import CONVERTED, FAILED, SCHEDULER_TIMEOUT_S, SKIPPED, UNSAFE, ItemResult, OutputFile
+from ckptconv.errors import (
+    CkptconvError,
+    LoadError,
+    TrainingStateError,
+    TransformError,
+    UnsafeCheckpointError,
+    interruption,
+)
 from ckptconv.options import ConversionOptions
 from ckptconv.reading import read_policy
 from ckptconv.reading.discovery import FILE, Item, folder_above, member_paths, refusal
 from ckptconv.runtime import cores as _cores
 from ckptconv.writing import write_policy
 
-__all__ = ["Job", "check_sendable", "run_dask", "run_job", "run_local"]
+__all__ = ["SCHEDULER_TIMEOUT_S", "Job", "check_scheduler", "check_sendable", "run_dask", "run_job", "run_local"]
 
 Stop = Callable[[], bool]
 
@@ -81,20 +88,42 @@ class Job:
 # ---------------------------------------------------------------------------------------
 
 
-def _failed(job: Job, error_type: str, message: str, trace: str = "") -> ItemResult:
+def _failed(job: Job, error_type: str, message: str, trace: str = "", status: str = FAILED) -> ItemResult:
     item = job.item
     return ItemResult(
         source=item.name,
-        status=FAILED,
+        status=status,
         kind=item.kind,
         output=job.output_name,
         source_size=item.size,
         source_mtime_ns=item.mtime_ns,
+        source_sha256=_source_digest(job),
         format=job.options.to or "",
         error=message,
         error_type=error_type,
         traceback=trace,
     )
+
+
+def _source_digest(job: Job) -> str | None:
+    """The sha256 of an item that was not converted, as a converted one records it, so a manifest says which
+    bytes failed (or were unsafe); None with checksums off, or where its files cannot be read. Hashing reads
+    bytes and runs nothing; it is held to the source folder as the conversion is (no link out is followed)."""
+    if not job.options.checksums:
+        return None
+    from ckptconv.writing.provenance import file_sha256, source_sha256
+
+    try:
+        with read_policy.confined(
+            folder_above(job.item.path, job.item.name), output=folder_above(job.output, job.output_name)
+        ):
+            _check_still_readable(job)
+            # A file's digest is its bytes', as a converted file's is (source_sha256 also asks what the file
+            # is, which a broken one cannot say); a folder's needs its files named.
+            digest = file_sha256(job.item.path) if job.item.kind == FILE else source_sha256(job.item.path)
+            return digest or None
+    except (CkptconvError, OSError, ValueError):
+        return None
 
 
 def _qualified(error: BaseException) -> str:
@@ -120,6 +149,9 @@ def run_job(job: Job) -> ItemResult:
         if isinstance(error, TrainingStateError):
             # An optimizer.pt beside the model of a training run: nothing to convert, nothing wrong.
             result = dataclasses.replace(_failed(job, type(error).__name__, str(error)), status=SKIPPED)
+        elif isinstance(error, UnsafeCheckpointError):
+            # What scan calls unsafe: counted apart from failures, and the batch exits 4 as scan does.
+            result = _failed(job, type(error).__name__, str(error), status=UNSAFE)
         elif isinstance(error, CkptconvError):
             result = _failed(job, type(error).__name__, str(error))
         else:  # a bug, or a hostile file finding one: record it, keep going
@@ -435,12 +467,51 @@ def _main_module_hidden() -> Iterator[None]:
         main.__dict__.update(saved)
 
 
+def _distributed() -> Any:
+    try:
+        # Typed as Any: distributed is an optional extra without complete annotations.
+        return importlib.import_module("distributed")
+    except ImportError:
+        raise CkptconvError(
+            "the dask executor needs the 'distributed' package; install it with: pip install 'ckptconv[dask]'"
+        ) from None
+
+
+def _client(distributed: Any, address: str, timeout: float) -> Any:
+    """A client of the scheduler at ``address`` once a worker has joined it, within ``timeout`` seconds each:
+    a scheduler without workers would hold the tasks forever, printing nothing."""
+    try:
+        client = distributed.Client(address, set_as_default=False, timeout=f"{timeout}s")
+    except (OSError, TimeoutError) as error:
+        raise CkptconvError(f"cannot reach the Dask scheduler at {address!r} ({error}); check --scheduler") from None
+    try:
+        client.wait_for_workers(1, timeout=timeout)
+    except (OSError, TimeoutError):
+        client.close()
+        raise CkptconvError(
+            f"no Dask worker joined the scheduler at {address!r} within {timeout:g} s; start workers "
+            f"(dask worker {address}) or pass a longer --scheduler-timeout"
+        ) from None
+    return client
+
+
+def check_scheduler(scheduler: str, *, timeout: float = SCHEDULER_TIMEOUT_S) -> None:
+    """Refuse, before anything is written, a scheduler that cannot be reached or that no worker joins within
+    ``timeout`` seconds (:func:`run_dask` asks again when it starts: a worker may leave meanwhile).
+
+    Raises:
+        CkptconvError: ``distributed`` is not installed, the scheduler cannot be reached, or has no worker.
+    """
+    _client(_distributed(), scheduler, timeout).close()
+
+
 def run_dask(
     jobs: Sequence[Job],
     *,
     scheduler: str | None = None,
     workers: int = 1,
     stop: Stop = lambda: False,
+    timeout: float = SCHEDULER_TIMEOUT_S,
 ) -> Iterator[ItemResult]:
     """Convert jobs on a Dask ``distributed`` cluster.
 
@@ -451,17 +522,14 @@ def run_dask(
             ``LocalCluster`` of ``workers`` processes on this machine.
         workers: processes of the local cluster (ignored with ``scheduler``).
         stop: once true, the remaining tasks are cancelled.
+        timeout: seconds to wait for the scheduler to answer and for its first worker to join: a
+            scheduler without workers would otherwise hold the tasks forever.
 
     Raises:
-        CkptconvError: ``distributed`` is not installed, or the scheduler cannot be reached.
+        CkptconvError: ``distributed`` is not installed, the scheduler cannot be reached, or no worker
+            joined it within ``timeout`` seconds.
     """
-    try:
-        # Typed as Any: distributed is an optional extra without complete annotations.
-        distributed: Any = importlib.import_module("distributed")
-    except ImportError:
-        raise CkptconvError(
-            "the dask executor needs the 'distributed' package; install it with: pip install 'ckptconv[dask]'"
-        ) from None
+    distributed = _distributed()
     cluster: Any = None
     if scheduler is None:
         with _main_module_hidden():
@@ -476,11 +544,11 @@ def run_dask(
     else:
         address = scheduler
     try:
-        client = distributed.Client(address, set_as_default=False)
-    except (OSError, TimeoutError) as error:
+        client = _client(distributed, address, timeout)
+    except CkptconvError:
         if cluster is not None:
             cluster.close()
-        raise CkptconvError(f"cannot reach the Dask scheduler at {address!r} ({error}); check --scheduler") from None
+        raise
     token = uuid.uuid4().hex[:8]
     try:
         futures = {

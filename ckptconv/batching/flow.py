@@ -27,10 +27,17 @@ from typing import Any, Callable, Union
 from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
 from ckptconv._version import __version__
-from ckptconv.batching.executors import Job, check_sendable, run_dask, run_local
+from ckptconv.batching.executors import (
+    SCHEDULER_TIMEOUT_S,
+    Job,
+    check_scheduler,
+    check_sendable,
+    run_dask,
+    run_local,
+)
 from ckptconv.batching.manifest import MANIFEST_NAME, Manifest, latest_conversions, now, read_records
 from ckptconv.batching.outputs import Planned, folds_case, plan_outputs
-from ckptconv.batching.report import CANCELLED, FAILED, PLANNED, SKIPPED, BatchReport, ItemResult
+from ckptconv.batching.report import CANCELLED, FAILED, PLANNED, SKIPPED, UNSAFE, BatchReport, ItemResult
 from ckptconv.errors import DestinationError, LoadError, WriteError
 from ckptconv.options import ConversionOptions, fingerprint_defaults, fingerprint_flags
 from ckptconv.reading.discovery import FILE, Item, discover
@@ -200,6 +207,7 @@ def batch(
     jobs: int = 1,
     executor: str = "local",
     scheduler: str | None = None,
+    scheduler_timeout: float = SCHEDULER_TIMEOUT_S,
     resume: bool = False,
     fail_fast: bool = False,
     dry_run: bool = False,
@@ -229,6 +237,8 @@ def batch(
         executor: ``"local"`` or ``"dask"`` (needs ``pip install 'ckptconv[dask]'``).
         scheduler: with ``executor="dask"``, the scheduler's address
             (``"tcp://host:8786"``); None starts a local cluster.
+        scheduler_timeout: with ``executor="dask"``, seconds to wait for the scheduler to answer and
+            for a worker to join it, before giving up with a :class:`~ckptconv.errors.CkptconvError`.
         resume: skip items whose latest manifest record says they were converted
             with the same options from a source of the same size and mtime (or,
             if the mtime changed, the same sha256) into an output that still
@@ -245,13 +255,14 @@ def batch(
 
     Returns:
         A :class:`BatchReport`; its ``exit_code`` is 0 when every item was
-        converted (now or before) and 3 when any failed.
+        converted (now or before), 4 when any is unsafe (as ``scan``), else 3 when any failed.
 
     Raises:
         LoadError: ``source_dir`` is missing or not a folder.
         WriteError: ``output_dir`` cannot be created, is ``source_dir``, or is in
             use by another batch; the manifest cannot be written.
-        CkptconvError: the dask executor is asked for but not installed or reachable.
+        CkptconvError: the dask executor is asked for but not installed or reachable, or no worker
+            joined its scheduler within ``scheduler_timeout`` seconds.
         ValueError: invalid ``jobs``, ``executor`` or ``scheduler``; a folder layout or ``fit_to``.
         TypeError: a keyword that is not an options field.
 
@@ -267,6 +278,8 @@ def batch(
         raise ValueError("a scheduler address needs executor='dask'")
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, not {jobs}")
+    if not scheduler_timeout > 0:
+        raise ValueError(f"scheduler_timeout must be more than 0 seconds, not {scheduler_timeout}")
     options = (options or ConversionOptions()).with_changes("batch", **changes)
     if (options.to or "").lower() == "dcp" or options.max_shard_size is not None:
         raise ValueError("batch writes one file per item; convert DCP outputs one by one with ckptconv convert")
@@ -326,6 +339,8 @@ def batch(
         return _report(source, output, "", planned, results, started, notes=notes, dry_run=dry_run)
     if executor == "local" and jobs > 1 and len(todo) > 1:
         check_sendable(options)  # before the output folder and the manifest exist
+    if executor == "dask" and scheduler is not None and todo:
+        check_scheduler(scheduler, timeout=scheduler_timeout)  # likewise: a scheduler without workers
 
     created = _make_output_folder(output_dir)
     run = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + os.urandom(3).hex()
@@ -372,11 +387,13 @@ def batch(
         update, close = _progress(progress, sum(job.item.size for job in todo), len(todo))
         made = _make_item_folders(todo, output)
         try:
-            for result in _execute(todo, executor=executor, scheduler=scheduler, jobs=jobs, stop=stopping.is_set):
+            for result in _execute(
+                todo, executor=executor, scheduler=scheduler, timeout=scheduler_timeout, jobs=jobs, stop=stopping.is_set
+            ):
                 manifest.item(result)
                 results[result.source] = result
                 update(result)
-                if fail_fast and result.status == FAILED:
+                if fail_fast and result.status in (FAILED, UNSAFE):
                     stopping.set()
         finally:
             close()
@@ -393,6 +410,7 @@ def batch(
                 "converted": len(report.converted),
                 "skipped": len(report.skipped),
                 "failed": len(report.failed),
+                "unsafe": len(report.unsafe),
                 "cancelled": len(report.cancelled),
                 "duration_s": round(report.duration_s, 3),
             },
@@ -423,12 +441,12 @@ def _make_output_folder(output: str) -> list[str]:
 
 
 def _execute(
-    todo: Sequence[Job], *, executor: str, scheduler: str | None, jobs: int, stop: Callable[[], bool]
+    todo: Sequence[Job], *, executor: str, scheduler: str | None, timeout: float, jobs: int, stop: Callable[[], bool]
 ) -> Iterator[ItemResult]:
     if not todo:
         return iter(())
     if executor == "dask":
-        return run_dask(todo, scheduler=scheduler, workers=jobs, stop=stop)
+        return run_dask(todo, scheduler=scheduler, workers=jobs, stop=stop, timeout=timeout)
     return run_local(todo, workers=jobs, stop=stop)
 
 

@@ -18,10 +18,11 @@ __all__ = ["BatchReport", "ItemResult", "OutputFile"]
 
 CONVERTED = "converted"
 FAILED = "failed"
+UNSAFE = "unsafe"  # refused as scan would call it unsafe: it names code-running callables; never read
 SKIPPED = "skipped"
 CANCELLED = "cancelled"
 PLANNED = "planned"
-STATUSES = (CONVERTED, FAILED, SKIPPED, CANCELLED, PLANNED)
+STATUSES = (CONVERTED, FAILED, UNSAFE, SKIPPED, CANCELLED, PLANNED)
 
 # The exit codes of every command (the CLI's --help and the README list them).
 EXIT_OK = 0  # success
@@ -31,6 +32,10 @@ EXIT_NEGATIVE = 3  # finished with a negative result: differences, no fit, faile
 EXIT_UNSAFE = 4  # scan found an unsafe file
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, as shells report it); partial outputs removed
 EXIT_TERMINATED = 143  # SIGTERM (128 + SIGTERM); partial outputs removed
+
+# How long a Dask batch waits for its scheduler to answer and for a worker to join it: batch()'s default and
+# --scheduler-timeout's (here, beside the exit codes, so the command line needs not import the executors).
+SCHEDULER_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,8 @@ class ItemResult:
 
     Attributes:
         source: the item's path relative to the source folder (``/``-separated).
-        status: ``"converted"``; ``"failed"`` (see ``error``); ``"skipped"``
+        status: ``"converted"``; ``"failed"`` (see ``error``); ``"unsafe"`` (the file names callables that
+            exist to run code, an ``UnsafeCheckpointError``: not converted, and the batch exits 4); ``"skipped"``
             (``resume`` found it converted already, or it holds training state, not weights: ``error`` says
             which); ``"cancelled"`` (never
             started, because ``fail_fast`` stopped the batch); ``"planned"``
@@ -63,7 +69,8 @@ class ItemResult:
         output: where the output goes, relative to the output folder.
         source_size: bytes of the input (all its files).
         source_mtime_ns: the input's modification time when it was read.
-        source_sha256: the input's hex digest, or None.
+        source_sha256: the input's hex digest (failed and unsafe items' too, where their files could be
+            read), or None (checksums turned off, or the files could not be read).
         source_format: ``"torch-zip"``, ``"torch-legacy"``, ``"safetensors"``, ``"pickle"``.
         format: the output format.
         outputs: the files written, with their sizes and digests.
@@ -97,7 +104,7 @@ class ItemResult:
 
     @property
     def ok(self) -> bool:
-        """True unless the item failed or was cancelled."""
+        """True unless the item failed, was unsafe or was cancelled."""
         return self.status in (CONVERTED, SKIPPED, PLANNED)
 
     def to_record(self) -> dict[str, Any]:
@@ -185,6 +192,11 @@ class BatchReport:
         return self._with(FAILED)
 
     @property
+    def unsafe(self) -> tuple[ItemResult, ...]:
+        """Items refused because they name code-running callables (what ``scan`` calls unsafe)."""
+        return self._with(UNSAFE)
+
+    @property
     def skipped(self) -> tuple[ItemResult, ...]:
         return self._with(SKIPPED)
 
@@ -199,18 +211,56 @@ class BatchReport:
 
     @property
     def exit_code(self) -> int:
-        """0 when every item is converted (now or before), 3 when any failed or was cancelled."""
+        """0 when every item is converted (now or before); 4 when any is unsafe (as ``scan`` exits); else 3
+        when any failed or was cancelled."""
+        if self.unsafe:
+            return EXIT_UNSAFE
         return EXIT_NEGATIVE if self.failed or self.cancelled else EXIT_OK
 
+    def counts(self) -> dict[str, int]:
+        """How many items ended in each status (every status, zeros included), and ``"items"`` in all."""
+        return {"items": len(self.results), **{status: len(self._with(status)) for status in STATUSES}}
+
     def summary(self) -> str:
-        """One sentence: ``"converted 47, skipped 2, failed 1 (1.2 GiB in 8.1 s)"``."""
-        done = f"would convert {len(self._with(PLANNED))}" if self.dry_run else f"converted {len(self.converted)}"
-        parts = [done]
-        parts += [f"skipped {len(self.skipped)}", f"failed {len(self.failed)}"]
-        if self.cancelled:
-            parts.append(f"cancelled {len(self.cancelled)}")
-        text = ", ".join(parts) + f" of {plural(len(self.results), 'item')}"
+        """One sentence: ``"converted 9 of 11 items (1.2 GiB in 8.1 s, 150 MiB/s); 1 unsafe (not converted),
+        1 failed"``; the counts after the semicolon appear only when not zero."""
+        done = len(self._with(PLANNED)) if self.dry_run else len(self.converted)
+        text = f"{'would convert' if self.dry_run else 'converted'} {done} of {plural(len(self.results), 'item')}"
         if not self.dry_run and self.converted:
             rate = self.bytes_read / self.duration_s if self.duration_s > 0 else 0.0
             text += f" ({human_bytes(self.bytes_read)} in {self.duration_s:.1f} s, {human_bytes(rate)}/s)"
-        return text
+        rest = [
+            f"{count} {what}"
+            for count, what in (
+                (len(self.skipped), "skipped"),
+                (len(self.unsafe), "unsafe (not converted)"),
+                (len(self.failed), "failed"),
+                (len(self.cancelled), "cancelled"),
+            )
+            if count
+        ]
+        return text + ("; " + ", ".join(rest) if rest else "")
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as ``ckptconv batch --json`` prints it (docs/batch.md describes every field)::
+
+        {"schema": 1, "source_dir": "/data/zoo", "output_dir": "/data/out",
+         "manifest": "/data/out/ckptconv-manifest.jsonl", "dry_run": false, "exit_code": 4,
+         "duration_s": 8.1, "bytes_read": 1288490188,
+         "counts": {"items": 11, "converted": 9, "failed": 1, "unsafe": 1, "skipped": 0, "cancelled": 0,
+                    "planned": 0},
+         "notes": [], "items": [<one manifest item record each>]}
+        """
+        return {
+            "schema": 1,
+            "source_dir": self.source_dir,
+            "output_dir": self.output_dir,
+            "manifest": self.manifest or None,
+            "dry_run": self.dry_run,
+            "exit_code": self.exit_code,
+            "duration_s": round(self.duration_s, 6),
+            "bytes_read": self.bytes_read,
+            "counts": self.counts(),
+            "notes": list(self.notes),
+            "items": [result.to_record() for result in self.results],
+        }

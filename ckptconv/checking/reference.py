@@ -67,7 +67,13 @@ def reference_weights(checkpoint: Checkpoint, selection: Selection) -> Reference
 
     Returns:
         A :class:`ReferenceWeights`; its ``reader`` says which reader was used.
+
+    Raises:
+        MissingDependencyError: torch is not installed (both readers give torch tensors).
     """
+    from ckptconv.runtime.extras import require_torch
+
+    require_torch("--verify=torch (torch's and the safetensors library's readers)")
     if checkpoint.format == "safetensors":
         from ckptconv.reading.torch_views import torch_lacks
 

@@ -211,7 +211,12 @@ def scan(path: PathLike) -> ScanReport:
         names = ", ".join(list(foreign)[:_SHOWN]) + (
             f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else ""
         )
-        reason = f"names code that is not here ({names}); torch.load(weights_only=False) would import and call it"
+        modules = sorted({name.rpartition(".")[0] or name for name in foreign})
+        shown = ", ".join(modules[:_SHOWN]) + (f" and {len(modules) - _SHOWN} more" if len(modules) > _SHOWN else "")
+        reason = (
+            f"names code that is not here ({names}); torch.load(weights_only=False) would import {shown} and call "
+            "it; ckptconv reads the file without importing it (convert it, or ckptconv.load() it)"
+        )
         return ScanReport(path, FOREIGN, reason, checkpoint.format, (), foreign)
     return ScanReport(path, SAFE, "holds only tensors, containers and plain data", checkpoint.format)
 

@@ -175,8 +175,9 @@ def add_module(src: str, dst: str, **options: Any) -> None:
                 help="What the keys must match: a model folder (whose config and tokenizer files are carried, whose "
                 "dtypes are taken unless --dtype, and whose sharding is followed), another checkpoint, a text file of "
                 "key names, or "
-                "'package.module:factory' that builds your nn.Module (this imports your code, found as python -m "
-                "would: the current folder first, then installed packages).",
+                "'package.module:factory' that builds your nn.Module, or 'package.module:factory(key=value, ...)' "
+                "with literal values (this imports your code, found as python -m "
+                "would: the current folder first, then installed packages; it needs torch).",
             )
         ]
     },
@@ -225,7 +226,9 @@ def batch(src: str, dst: str, **options: Any) -> None:
     inputs would share an output (x.pt and x.pth), both keep their full name
     (x.pt.safetensors, x.pth.safetensors). The transform options work as for
     convert. Failed items never stop the batch (unless --fail-fast); they are
-    listed at the end, and the exit code is 3. Every finished item is recorded
+    listed at the end, and the exit code is 3, or 4 when an item is unsafe (it
+    names code-running callables, as scan says: never converted). --json prints
+    the report on stdout. Every finished item is recorded
     at once in DST/ckptconv-manifest.jsonl, so --resume can carry on after an
     interruption.
 
@@ -240,6 +243,12 @@ def batch(src: str, dst: str, **options: Any) -> None:
     quiet = options["quiet"]
     if options["scheduler"] and options["executor"] != "dask":
         raise click.UsageError("--scheduler needs --executor dask")
+    if options["scheduler"] and not options["dry_run"]:
+        say(
+            quiet,
+            f"connecting to the Dask scheduler at {options['scheduler']} (waiting up to "
+            f"{options['scheduler_timeout']:g} s for a worker; --scheduler-timeout)",
+        )
     try:
         report = run_batch(
             src,
@@ -249,6 +258,7 @@ def batch(src: str, dst: str, **options: Any) -> None:
             jobs=options["jobs"],
             executor=options["executor"],
             scheduler=options["scheduler"],
+            scheduler_timeout=options["scheduler_timeout"],
             resume=options["resume"],
             fail_fast=options["fail_fast"],
             dry_run=options["dry_run"],
@@ -264,12 +274,16 @@ def batch(src: str, dst: str, **options: Any) -> None:
             err=True,
         )
         click.get_current_context().exit(interrupted_code(interrupt))
+    if options["as_json"]:  # data on stdout; the messages below stay on stderr
+        import json
+
+        click.echo(json.dumps(report.to_json(), indent=2))
     for note in report.notes:
         say(quiet, f"note: {note}")
     if not report.results:
         say(quiet, f"found no checkpoints under {src!r}" + (" matching --glob" if options["globs"] else ""))
         return
-    if report.dry_run:
+    if report.dry_run and not options["as_json"]:
         for result in report.results:
             if result.status == "planned":
                 echo(f"{result.source} -> {result.output}")
@@ -282,7 +296,9 @@ def batch(src: str, dst: str, **options: Any) -> None:
         more = len(training_state) - 6
         shown_files = ", ".join(training_state[:6]) + (f" and {more} more" if more > 0 else "")
         say(quiet, f"skipped {plural(len(training_state), 'file')} of training state, not model weights: {shown_files}")
-    for result in report.failed:  # errors: shown even with -q
+    for result in report.unsafe:  # errors: shown even with -q
+        echo(f"unsafe: {result.source}: {shortened(result.error)}", err=True)
+    for result in report.failed:
         echo(f"failed: {result.source}: {shortened(result.error)}", err=True)
     if report.cancelled:
         not_started = f"{plural(len(report.cancelled), 'item')} {'was' if len(report.cancelled) == 1 else 'were'}"

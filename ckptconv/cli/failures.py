@@ -1,7 +1,8 @@
 """Error mapping: the one place library errors and interruptions meet the terminal.
 
 Library errors become a one-line message and exit code 1 (:class:`Group`); usage errors one line too,
-and exit 2; Ctrl-C and SIGTERM exit 130 and 143. Set ``CKPTCONV_DEBUG=1`` to see tracebacks.
+and exit 2, as do an output that exists (``OutputExistsError``) and a destination that contradicts the
+options (``DestinationError``); Ctrl-C and SIGTERM exit 130 and 143. Set ``CKPTCONV_DEBUG=1`` to see tracebacks.
 """
 
 from __future__ import annotations
@@ -12,18 +13,19 @@ from typing import Any, NoReturn
 import click
 import cloup
 
-from ckptconv.batching.report import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NEGATIVE, EXIT_TERMINATED
+from ckptconv.batching.report import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NEGATIVE, EXIT_TERMINATED, EXIT_USAGE
 from ckptconv.cli.terminal import echo, shortened
 
 EXIT_CODES_HELP = """\b
 Exit codes:
     0  success
     1  the operation failed (bad input, unsafe file, cannot write, ...)
-    2  usage error (unknown option, invalid regular expression, ...)
+    2  usage error (unknown option, invalid regular expression, an output
+       that exists without --overwrite, ...)
     3  finished with a negative result (verify/diff found differences,
        fit found no plan, batch items failed, scan found files that are
        not safe: foreign, damaged, not a checkpoint)
-    4  scan found at least one unsafe file
+    4  scan found at least one unsafe file, or batch an unsafe item
   130  interrupted (Ctrl-C); partial outputs are removed
   143  terminated (SIGTERM); partial outputs are removed"""
 
@@ -102,7 +104,7 @@ class Group(cloup.Group):
             raise _one_line(error) from None
 
     def invoke(self, ctx: click.Context) -> Any:
-        from ckptconv.errors import CkptconvError, DestinationError, FitError, interruption
+        from ckptconv.errors import CkptconvError, DestinationError, FitError, OutputExistsError, interruption
 
         try:
             return super().invoke(ctx)
@@ -129,7 +131,8 @@ class Group(cloup.Group):
                 for line in error.report.details():
                     echo(f"  {line}", err=True)
                 ctx.exit(EXIT_NEGATIVE)
-            ctx.exit(EXIT_FAILED)
+            # An output that exists without --overwrite: a usage error (the README's table), its line as it is.
+            ctx.exit(EXIT_USAGE if isinstance(error, OutputExistsError) else EXIT_FAILED)
         except KeyboardInterrupt as interrupt:
             if os.environ.get("CKPTCONV_DEBUG"):
                 raise

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import click
 
+from ckptconv.batching.report import SCHEDULER_TIMEOUT_S
 from ckptconv.cli.params import CastTarget, Prefix, Regex, RenameRule, Size
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -220,10 +221,31 @@ _BATCH_OPTIONS = (
         "tcp://host:8786 (the workers must see SRC and DST at the same paths). Without it, a "
         "local cluster of --jobs processes is started.",
     ),
+    _named(
+        "--scheduler-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=SCHEDULER_TIMEOUT_S,
+        show_default=True,
+        metavar="SECONDS",
+        help="With --executor dask: how long to wait for the scheduler to answer and for a worker to join "
+        "it before giving up.",
+    ),
+    _named(
+        "--json",
+        "as_json",
+        is_flag=True,
+        help="Print the report on stdout as one JSON object (counts, exit code, one manifest record per item).",
+    ),
 )
 
 
-_BATCH_SECTIONS = {"--glob": SELECTION, "-j": SPEED, "--executor": SPEED, "--scheduler": SPEED}
+_BATCH_SECTIONS = {
+    "--glob": SELECTION,
+    "-j": SPEED,
+    "--executor": SPEED,
+    "--scheduler": SPEED,
+    "--scheduler-timeout": SPEED,
+}
 
 
 def _batch_options(section: str) -> list[Decorator]:

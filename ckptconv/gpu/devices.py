@@ -14,7 +14,19 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DeviceInfo", "pick_device", "visible_devices"]
+from ckptconv.errors import DeviceError
+from ckptconv.runtime.extras import require_torch
+
+__all__ = ["DEVICE_SPELLINGS", "DeviceInfo", "pick_device", "visible_devices"]
+
+# What ckptconv.load(device=...) takes, as its errors list them; load_into also takes "model".
+DEVICE_SPELLINGS = (
+    '"cpu" (or None)',
+    '"cuda" (the current GPU)',
+    '"cuda:N" (GPU N)',
+    '"auto" (the GPU with the most free memory, else the CPU)',
+)
+MODEL_SPELLING = '"model" (each tensor onto the device of the parameter or buffer it fills)'
 
 
 @dataclass(frozen=True)
@@ -40,7 +52,12 @@ class DeviceInfo:
 
 
 def visible_devices() -> list[DeviceInfo]:
-    """The GPUs this process can use, with their free memory; empty without CUDA."""
+    """The GPUs this process can use, with their free memory; empty without CUDA.
+
+    Raises:
+        MissingDependencyError: torch is not installed.
+    """
+    require_torch("listing GPUs")
     import torch
 
     if not torch.cuda.is_available():
@@ -65,14 +82,24 @@ class DeviceFallbackWarning(UserWarning):
     """``device="auto"`` found no usable GPU and loads on the CPU."""
 
 
-def pick_device(device: Any) -> Any:
-    """Resolve ``"auto"`` to the visible GPU with the most free memory, or the CPU.
+def pick_device(device: Any, *, model: bool = False) -> Any:
+    """Resolve ``"auto"`` to the visible GPU with the most free memory, or the CPU; check any other device.
 
-    Anything else is returned unchanged. Falling back to the CPU emits a
-    :class:`DeviceFallbackWarning` so the choice is never silent.
+    Falling back to the CPU emits a :class:`DeviceFallbackWarning` so the choice is never silent.
+    Other devices are returned unchanged once torch parses them and, for a GPU, sees it.
+
+    Args:
+        device: see :data:`DEVICE_SPELLINGS` (a ``torch.device`` too).
+        model: ``"model"`` is taken too (:func:`ckptconv.load_into`); it is returned unchanged.
+
+    Raises:
+        DeviceError: a spelling ckptconv does not take (``"best"``, ``"gpu"``, ``"meta"``), or a GPU this
+            process does not have; the message lists the spellings.
     """
-    if device != "auto":
+    if device is None or (model and device == "model"):
         return device
+    if device != "auto":
+        return _checked(device, model=model)
     try:
         devices = visible_devices()
     except Exception as error:  # a broken driver must not stop a CPU load
@@ -82,3 +109,36 @@ def pick_device(device: Any) -> Any:
         warnings.warn("no usable GPU; loading on the CPU", DeviceFallbackWarning, stacklevel=3)
         return "cpu"
     return max(devices, key=lambda info: info.free_bytes).name
+
+
+def _spellings(model: bool) -> str:
+    spellings = [*DEVICE_SPELLINGS, MODEL_SPELLING] if model else list(DEVICE_SPELLINGS)
+    return ", ".join(spellings[:-1]) + " or " + spellings[-1]
+
+
+def _checked(device: Any, *, model: bool) -> Any:
+    """``device`` itself, if torch parses it as the CPU or a GPU it sees; else a DeviceError."""
+    require_torch("loading onto a device")
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise DeviceError(f"ckptconv cannot load onto device {device!r}; pass {_spellings(model)}")
+    if parsed.type == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise DeviceError(
+            f'device {device!r} needs a GPU, and this process has none ({build}); pass "cpu", '
+            f'or "auto" to use a GPU only where there is one'
+        )
+    count = torch.cuda.device_count()
+    if parsed.index is not None and parsed.index >= count:
+        raise DeviceError(
+            f"device {device!r} does not exist: this process sees {count} GPU{'s' if count != 1 else ''} "
+            f'(cuda:0 to cuda:{count - 1}); pass one of them, or "auto"'
+        )
+    return device

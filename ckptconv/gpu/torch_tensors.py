@@ -46,6 +46,9 @@ def to_torch(
         crcs: when given, receives the CRC-32 of the whole zip records read,
             taken as they were read (see :func:`ckptconv.gpu.transfer.read_spans`).
     """
+    from ckptconv.runtime.extras import require_torch
+
+    require_torch("torch tensors")
     import torch
 
     def device_of(key: str) -> torch.device:

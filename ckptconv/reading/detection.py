@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Callable
 
 from ckptconv._paths import PathLike, as_path
-from ckptconv.errors import LoadError, UnsupportedFormatError
+from ckptconv.errors import LoadError, UnsafeCheckpointError, UnsupportedFormatError
 from ckptconv.reading import read_policy
 from ckptconv.reading.formats import safetensors
 from ckptconv.reading.formats._base import ReadResult
@@ -23,7 +23,16 @@ from ckptconv.reading.formats._other_files import TEXT_PROBE_BYTES, not_a_checkp
 from ckptconv.selection.training_state import training_state
 from ckptconv.suffixes import CHECKPOINT_SUFFIXES, INDEX_SUFFIXES
 
-__all__ = ["READERS", "ReadResult", "checkpoint_files", "detect", "is_checkpoint_file", "resolve", "training_state_of"]
+__all__ = [
+    "READERS",
+    "ReadResult",
+    "checkpoint_files",
+    "detect",
+    "is_checkpoint_file",
+    "is_unsafe",
+    "resolve",
+    "training_state_of",
+]
 
 # Each format's module (its FORMAT), imported when first needed: a safetensors load never imports the
 # pickle machinery nor the training-run formats, a third of ckptconv's import time in a fresh process
@@ -94,8 +103,13 @@ def resolve(path: PathLike) -> tuple[str, str]:
             and is_checkpoint_file(os.path.join(path, name))
         )
         if len(candidates) > 1:
-            # A training run's folder: the model beside optimizer.pt, scheduler.pt, rng_state.pth ...
-            weights = [name for name in candidates if training_state_of(os.path.join(path, name)) is None]
+            # A training run's folder: the model beside optimizer.pt, scheduler.pt, rng_state.pth ... An unsafe
+            # file is never the weights (its conversion is refused): the model beside it is, and a note names it.
+            weights = [
+                name
+                for name in candidates
+                if training_state_of(os.path.join(path, name)) is None and not is_unsafe(os.path.join(path, name))
+            ]
             candidates = weights if weights else candidates
         if len(candidates) == 1:
             single = os.path.join(path, candidates[0])
@@ -122,6 +136,22 @@ def training_state_of(path: str) -> str | None:
         return training_state(READERS[kind](path).tree)
     except (LoadError, OSError, ValueError):
         return None
+
+
+def is_unsafe(path: str) -> bool:
+    """True when reading the file at ``path`` is refused as unsafe (its pickle names code-running callables,
+    an :class:`~ckptconv.errors.UnsafeCheckpointError`): a file beside a model that must never be offered as
+    weights to convert. Its structure is read by ckptconv's own readers, which run nothing."""
+    try:
+        kind = detect(path)
+        if kind in (safetensors.FORMAT, "sharded"):
+            return False
+        READERS[kind](path)
+    except UnsafeCheckpointError:
+        return True
+    except (LoadError, OSError, ValueError):
+        return False
+    return False
 
 
 def is_checkpoint_file(path: str) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 from ckptconv._text import short_repr
 from ckptconv.errors import MalformedCheckpointError
 from ckptconv.reading import read_policy
-from ckptconv.reading.detection import is_checkpoint_file, training_state_of
+from ckptconv.reading.detection import is_checkpoint_file, is_unsafe, training_state_of
 from ckptconv.reading.formats._base import json_object
 from ckptconv.suffixes import INDEX_SUFFIXES
 
@@ -93,6 +93,7 @@ class Inventory:
         other_weights: weights in other formats, or other checkpoints (in subfolders too), left out.
         too_large: files over :data:`MAX_CARRIED_BYTES`, left out.
         other_folders: subfolders that hold weights and are no component (``checkpoint-500/``), left out whole.
+        unsafe: checkpoints refused as unsafe (they name code-running callables), left out and never converted.
     """
 
     folder: str
@@ -102,6 +103,7 @@ class Inventory:
     other_weights: tuple[str, ...] = ()
     too_large: tuple[str, ...] = ()
     other_folders: tuple[str, ...] = ()
+    unsafe: tuple[str, ...] = ()
 
     def path(self, name: str) -> str:
         """The file ``name`` (one of :attr:`carried`) names, checked by the read policy (inside the folder)."""
@@ -193,6 +195,7 @@ def inventory(folder: str, weights: Iterable[str], parts: Iterable[str] = ()) ->
     unknown: list[str] = []
     training: list[tuple[str, str]] = []
     other: list[str] = []
+    unsafe: list[str] = []
     large: list[str] = []
     skip = {f"{part}/" for part in parts}
     for name in _walk(folder):
@@ -208,7 +211,10 @@ def inventory(folder: str, weights: Iterable[str], parts: Iterable[str] = ()) ->
             continue
         if is_checkpoint_file(path):
             what = training_state_of(path)
-            (training.append((name, what)) if what is not None else other.append(name))
+            if what is not None:
+                training.append((name, what))
+            else:  # weights, unless the file is unsafe: that is never offered as weights to convert
+                (unsafe if is_unsafe(path) else other).append(name)
             continue
         if os.stat(path).st_size > MAX_CARRIED_BYTES:
             large.append(name)
@@ -224,7 +230,9 @@ def inventory(folder: str, weights: Iterable[str], parts: Iterable[str] = ()) ->
         return tuple(name for name in names if not any(name.startswith(folder) for folder in others))
 
     training_kept = tuple(item for item in training if not any(item[0].startswith(f) for f in others))
-    return Inventory(folder, kept(carried), kept(unknown), training_kept, kept(other), kept(large), tuple(others))
+    return Inventory(
+        folder, kept(carried), kept(unknown), training_kept, kept(other), kept(large), tuple(others), tuple(unsafe)
+    )
 
 
 def model_folder(source: str) -> str | None:

@@ -84,6 +84,9 @@ def view_of(buffer: torch.Tensor, start: int, ref: TensorRef) -> torch.Tensor:
 def cpu_tensor(ref: TensorRef) -> torch.Tensor:
     """One lazy tensor read into a CPU torch tensor, on this thread (:func:`ckptconv.gpu.torch_tensors.to_torch`
     reads many, in parallel, to any device)."""
+    from ckptconv.runtime.extras import require_torch
+
+    require_torch("TensorRef.torch()")
     import torch
 
     if not shares_bytes(ref):

@@ -246,6 +246,13 @@ def left_out(inventory: Inventory, *, carried: bool = True) -> list[str]:
     if inventory.training_state:
         held = [f"{name} ({what})" for name, what in inventory.training_state]
         notes.append(f"left out the training state beside the model, which is not weights: {_listed(held)}")
+    if inventory.unsafe:
+        one = len(inventory.unsafe) == 1
+        notes.append(
+            f"left out {_listed(list(inventory.unsafe))}, which {'is' if one else 'are'} unsafe: "
+            f"{'it names' if one else 'they name'} code-running callables (ckptconv scan says which); not converted, "
+            "and never to be opened with torch.load(weights_only=False)"
+        )
     if inventory.other_weights:
         notes.append(
             f"left out weights ckptconv did not convert ({_listed(list(inventory.other_weights))}); convert them on "
