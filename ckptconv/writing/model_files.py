@@ -30,6 +30,7 @@ from typing import Any
 
 from ckptconv._text import plural
 from ckptconv.errors import OutputExistsError
+from ckptconv.quantization import output_check
 from ckptconv.reading import read_policy
 from ckptconv.reading.model_folder import CONFIG_NAME, Inventory, inventory, read_config
 from ckptconv.values.tensor import TensorRef
@@ -193,6 +194,7 @@ def rewritten_config(
         method = quantization_config.get("quant_method")
         changes.append(f"quantization_config set ({method}: the weights were quantized)")
     _tie(result, state, source_keys, changes)
+    output_check.check_config(result, state)  # quantization_config there exactly when quantized tensors are
     return result, changes
 
 
