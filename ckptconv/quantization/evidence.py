@@ -84,12 +84,13 @@ def check_declared(method: str, tensors: Mapping[str, TensorRef]) -> None:
     """Refuse a declared ``method`` that the tensors contradict (another scheme's companions beside a weight).
 
     Raises:
-        UnsupportedQuantizationError: one line naming the first tensor of another scheme.
+        UnsupportedQuantizationError: one line naming the first tensor (by name) of another scheme.
     """
-    for key in tensors:
-        found = _companion(key, tensors)
-        if found is not None and found.method != method:
-            raise UnsupportedQuantizationError(
+    conflicts = [found for key in tensors if (found := _companion(key, tensors)) and found.method != method]
+    if conflicts:
+        found = min(conflicts, key=lambda companion: companion.key)
+        key = found.key
+        raise UnsupportedQuantizationError(
                 f"tensor {key!r} is {found.what}, but the quantization_config declares {method}; the config and "
                 "the tensors disagree, so ckptconv cannot tell how to dequantize it: fix the quantization_config",
                 scheme=method,
