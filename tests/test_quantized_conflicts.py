@@ -105,6 +105,14 @@ def test_compressed_tensors_ignore_naming_a_quantized_module_is_dequantized_by_i
         _same(written[module + ".weight"], compressor.decompress(tensors, scheme)["weight"].to(torch.bfloat16))
 
 
+def test_an_older_compression_config_is_removed_with_the_dequantization(tmp_path: Path) -> None:
+    """Before: config.json kept its compression_config over the dequantized weights."""
+    state, _, _, config = _ct_state()
+    folder = model_folder(tmp_path / "q", state, {"compression_config": config["quantization_config"]})
+    assert _convert(folder, tmp_path / "out")[0] == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == {}
+
+
 def test_compressed_tensors_ignored_quantized_module_no_group_targets_is_refused(tmp_path: Path) -> None:
     state, _, _, config = _ct_state()
     config["quantization_config"]["config_groups"]["group_0"]["targets"] = ["re:model\\.layers\\..*"]
@@ -355,7 +363,8 @@ _GROUP = {"targets": ["Linear"], "weights": CT_FP8}
 
 
 def _ct(**changes: Any) -> dict[str, Any]:
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": _GROUP}, **changes}
+    groups = {"g": _GROUP}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": groups, **changes}
 
 
 def _weights(**changes: Any) -> dict[str, Any]:
@@ -456,6 +465,7 @@ def test_a_backtracking_regex_does_not_hang_convert(tmp_path: Path, where: str) 
         capture_output=True,
         text=True,
         timeout=60,
+        check=False,
     )
     assert run.returncode == 0, run.stderr
     assert list(load_file(str(out / "model.safetensors"))) == ["a" * 40 + "b.weight"]

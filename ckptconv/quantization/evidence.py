@@ -91,11 +91,11 @@ def check_declared(method: str, tensors: Mapping[str, TensorRef]) -> None:
         found = min(conflicts, key=lambda companion: companion.key)
         key = found.key
         raise UnsupportedQuantizationError(
-                f"tensor {key!r} is {found.what}, but the quantization_config declares {method}; the config and "
-                "the tensors disagree, so ckptconv cannot tell how to dequantize it: fix the quantization_config",
-                scheme=method,
-                key=key,
-            )
+            f"tensor {key!r} is {found.what}, but the quantization_config declares {method}; the config and "
+            "the tensors disagree, so ckptconv cannot tell how to dequantize it: fix the quantization_config",
+            scheme=method,
+            key=key,
+        )
 
 
 # The tensor each companion leaf needs beside it (any one of them).

@@ -186,9 +186,10 @@ def rewritten_config(
     dtype = _float_dtype(state)
     if dtype is not None:
         _rewrite_dtype(result, dtype, changes)
-    if dequantized and "quantization_config" in result:
-        del result["quantization_config"]
-        changes.append("quantization_config removed (the weights were dequantized)")
+    for declaration in ("quantization_config", "compression_config") if dequantized else ():
+        if declaration in result:
+            del result[declaration]
+            changes.append(f"{declaration} removed (the weights were dequantized)")
     if quantization_config is not None:
         result["quantization_config"] = dict(quantization_config)
         method = quantization_config.get("quant_method")
