@@ -268,8 +268,9 @@ def test_quanto_qint4_is_refused_in_one_line(tmp_path: Path) -> None:
     code, err = _convert(model_folder(tmp_path / "q", state, {"model_type": "llama"}), tmp_path / "out")
     assert code == 1
     assert err == (
-        "ckptconv: error: optimum-quanto tensor 'model.0.weight._data._data' is a packed qint4/qint2 tensor, which "
-        "ckptconv does not dequantize\n"
+        "ckptconv: error: optimum-quanto tensor 'model.0.weight._data._data' is a packed qint4/qint2 tensor, whose "
+        "weight shape the checkpoint does not hold (quanto keeps it in the module); load it with optimum-quanto and "
+        "save it dequantized first\n"
     )
     assert not (tmp_path / "out").exists()
 

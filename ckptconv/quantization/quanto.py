@@ -13,8 +13,9 @@ Order of operations, as optimum-quanto 0.2's ``QBytesDequantizer.forward`` (what
 2. one product, rounded to ``S`` (bfloat16 / float16 products are one float32 product rounded once);
 3. ``.to(target)``: one more rounding.
 
-qint4 / qint2 (``X.weight._data._data`` packed uint8, with ``X.weight._shift``) are refused: their
-group layout is not read here.
+qint4 / qint2 (``X.weight._data._data`` packed uint8, with ``X.weight._shift``) are refused: quanto
+groups them as ``(rows * cols / group_size, group_size)`` and keeps the weight's own shape in the module,
+not in the state dict, so the tensors alone do not say how the groups go back into a matrix.
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ def plan(tensors: Mapping[str, TensorRef], scheme: Scheme, target: DType) -> dic
     for key, ref in tensors.items():
         base, _, leaf = key.rpartition(".")
         if key.endswith("._data._data") or leaf == "_shift":
-            raise refuse(_SCHEME, key, "is a packed qint4/qint2 tensor, which ckptconv does not dequantize")
+            raise refuse(
+                _SCHEME, key, "is a packed qint4/qint2 tensor, whose weight shape the checkpoint does not hold "
+                "(quanto keeps it in the module); load it with optimum-quanto and save it dequantized first",
+            )  # fmt: skip
         if leaf == "_data" and base in weights:
             if base in tensors:
                 raise refuse(_SCHEME, key, f"and {base!r} both exist; the dequantized weight would replace it")
