@@ -83,6 +83,22 @@ def test_fp8_modules_to_not_convert_control_a_wrong_scale_grid_stays_refused(tmp
     assert not (tmp_path / "out").exists()
 
 
+def test_mxfp4_modules_to_not_convert_naming_quantized_experts_is_dequantized_by_their_scales(tmp_path: Path) -> None:
+    """Before: the experts' _blocks/_scales kept under a dropped config (a loader leaves them at random init)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    torch.manual_seed(16)
+    experts = "model.layers.0.mlp.experts."
+    blocks = torch.randint(0, 256, (2, 24, 3, 16), dtype=torch.uint8)
+    scales = torch.randint(118, 136, (2, 24, 3), dtype=torch.uint8)
+    state = {experts + "gate_up_proj_blocks": blocks, experts + "gate_up_proj_scales": scales}
+    config = {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.0.mlp"]}}
+    assert _convert(model_folder(tmp_path / "q", state, config), tmp_path / "out")[0] == 0
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert list(written) == [experts + "gate_up_proj"]
+    _same(written[experts + "gate_up_proj"], convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16))
+
+
 def _ct_state(ignored_head: bool = True) -> tuple[dict[str, torch.Tensor], Any, Any, dict[str, Any]]:
     torch.manual_seed(12)
     layer, scheme, compressor = _ct_module("float-quantized", CT_FP8, torch.randn(64, 96, dtype=torch.bfloat16))
