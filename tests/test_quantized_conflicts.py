@@ -350,6 +350,9 @@ def test_the_config_check_refuses_a_declaration_over_no_quantized_tensor() -> No
         "--dtype to dequantize them"
     )
     assert rewritten_config({"model_type": "llama"}, refs)[0] == {"model_type": "llama"}
+    kv_only = {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}
+    kv_refs = {**refs, "a.k_scale": refs["a.weight"]}  # a config that quantizes only the kv cache: kept
+    assert rewritten_config({"quantization_config": kv_only}, kv_refs)[0] == {"quantization_config": kv_only}
 
 
 _PLAIN: list[Path] = []
@@ -418,6 +421,10 @@ HOSTILE = [
      "2147483648"),
     ({**FP8, "weight_block_size": "128"}, "weight_block_size is '128', not two positive integers"),
     ({**FP8, "modules_to_not_convert": "lm_head"}, "modules_to_not_convert is 'lm_head', not a list of module names"),
+    (_weights(strategy=["group"]), "config_groups.g.weights.strategy is ['group'], not one of block, channel, group, "
+     "tensor, tensor_group"),
+    ({"quant_method": "quanto", "weights": {}}, "weights is {}, not one of float8, float8_e4m3fn, float8_e5m2, int2, "
+     "int4, int8"),
     ({"quant_method": "quanto", "weights": "int3"}, "weights is 'int3', not one of float8, float8_e4m3fn, "
      "float8_e5m2, int2, int4, int8"),
 ]  # fmt: skip

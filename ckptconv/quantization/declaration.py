@@ -141,10 +141,10 @@ def _weight_args(name: str, group: Mapping[str, Any], default_format: Any) -> We
     if fmt not in CT_FORMATS:
         raise _refuse(method, f"{where}.format", fmt, "a format ckptconv cannot dequantize exactly")
     strategy = weights.get("strategy") or "tensor"
-    if strategy not in _STRATEGIES:
+    if not isinstance(strategy, str) or strategy not in _STRATEGIES:
         raise _refuse(method, f"{where}.weights.strategy", strategy, f"not one of {', '.join(sorted(_STRATEGIES))}")
     kind = weights.get("type", "int")
-    if kind not in ("int", "float"):
+    if not isinstance(kind, str) or kind not in ("int", "float"):
         raise _refuse(method, f"{where}.weights.type", kind, "not 'int' or 'float'")
     num_bits = _size(method, f"{where}.weights.num_bits", weights.get("num_bits", 8), high=8)
     if weights.get("actorder") == "group":
@@ -212,7 +212,7 @@ def parse(method: str, config: Mapping[str, Any]) -> Declaration:
         return _compressed_tensors(config)
     if method == "quanto":
         weights = config.get("weights")
-        if weights is not None and weights not in _QUANTO_WEIGHTS:
+        if weights is not None and (not isinstance(weights, str) or weights not in _QUANTO_WEIGHTS):
             raise _refuse(method, "weights", weights, f"not one of {', '.join(sorted(_QUANTO_WEIGHTS))}")
         return Declaration(method, not_converted=not_converted, weights=weights)
     return Declaration(method, not_converted=not_converted)

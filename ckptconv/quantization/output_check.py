@@ -10,7 +10,8 @@ Two calls, where every writer passes: :func:`check_state` from :func:`ckptconv.w
   scale: a loader would leave the layer at its random initialisation, or read the codes as values;
 * a ``config.json`` whose ``quantization_config`` does not say what the tensors are: quantized tensors
   (a weight with its companions) written under a config that declares none (a loader reads float8 codes
-  or packed integers as plain weights), or a declaration kept over tensors of which none is quantized.
+  or packed integers as plain weights), or a declaration kept over tensors of which none is quantized
+  (an activation or kv-cache scale counts: a config may quantize only those).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from ckptconv.values.tensor import TensorRef
 __all__ = ["check_config", "check_state"]
 
 _DECLARING = ("quantization_config", "compression_config")
+# Activation and kv-cache scales: a declaration that quantizes only activations or the kv cache has these alone.
+_ACTIVATION_SCALES = frozenset(
+    {"input_scale", "output_scale", "activation_scale", "k_scale", "v_scale", "input_global_scale", "input_zero_point"}
+)
 
 
 def check_state(state: Mapping[str, TensorRef]) -> None:
@@ -63,7 +68,7 @@ def check_config(config: Mapping[str, Any], state: Mapping[str, TensorRef]) -> N
             scheme=first.method,
             key=first.key,
         )
-    if declared is not None and not found:
+    if declared is not None and not found and not any(key.rpartition(".")[2] in _ACTIVATION_SCALES for key in state):
         raise UnsupportedQuantizationError(
             f"the output's config.json would keep its {declared}, but no quantized tensor remains (no scale, "
             "packed weight or zero point); a loader would expect quantized layers: convert the quantized "
