@@ -177,12 +177,21 @@ def test_a_declared_scheme_the_tensors_contradict_is_refused(
     state = tensors()
     code, err = _convert(model_folder(tmp_path / "q", state, {"quantization_config": declared}), tmp_path / "out")
     method = declared["quant_method"]
-    assert code == 1
-    assert err == (
-        f"ckptconv: error: tensor {key!r} is {what}, but the quantization_config declares {method}; the "
-        "config and the tensors disagree, so ckptconv cannot tell how to dequantize it: fix the quantization_config\n"
+    message = (
+        f"tensor {key!r} is {what}, but the quantization_config declares {method}; the config and the tensors "
+        "disagree, so ckptconv cannot tell how to dequantize it: fix the quantization_config"
     )
+    assert (code, err) == (1, f"ckptconv: error: {message}\n")
     assert not (tmp_path / "out").exists()
+    assert ckptconv.inspect(tmp_path / "q").quantization == f"refused: {message}"
+    alone = tmp_path / "alone.safetensors"  # declared in the safetensors metadata instead: checked the same way
+    save_file(
+        {k: v.contiguous() for k, v in state.items()},
+        str(alone),
+        metadata={"quantization_config": json.dumps(declared)},
+    )
+    code, _, err = run_cli("convert", str(alone), str(tmp_path / "alone-out.safetensors"), "--dtype", "bf16")
+    assert (code, err) == (1, f"ckptconv: error: {message}\n")
 
 
 def test_a_compressed_tensors_group_whose_format_is_not_the_tensors_is_refused(tmp_path: Path) -> None:
