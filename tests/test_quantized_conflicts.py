@@ -347,10 +347,11 @@ def test_the_last_check_catches_a_path_that_dropped_the_dequantization(
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_the_config_check_refuses_a_declaration_over_no_quantized_tensor() -> None:
+def test_the_config_check_refuses_a_declaration_over_no_quantized_tensor(tmp_path: Path) -> None:
     from ckptconv.writing.model_files import rewritten_config
 
-    refs = dict(ckptconv.open(_plain_file()).tensors())
+    save_file({"a.weight": torch.ones(2, 2)}, str(tmp_path / "plain.safetensors"))
+    refs = dict(ckptconv.open(tmp_path / "plain.safetensors").tensors())
     with pytest.raises(UnsupportedQuantizationError) as caught:
         rewritten_config({"quantization_config": FP8}, refs)
     assert str(caught.value) == (
@@ -362,19 +363,6 @@ def test_the_config_check_refuses_a_declaration_over_no_quantized_tensor() -> No
     kv_only = {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}
     kv_refs = {**refs, "a.k_scale": refs["a.weight"]}  # a config that quantizes only the kv cache: kept
     assert rewritten_config({"quantization_config": kv_only}, kv_refs)[0] == {"quantization_config": kv_only}
-
-
-_PLAIN: list[Path] = []
-
-
-def _plain_file() -> Path:
-    if not _PLAIN:
-        import tempfile
-
-        path = Path(tempfile.mkdtemp()) / "plain.safetensors"
-        save_file({"a.weight": torch.ones(2, 2)}, str(path))
-        _PLAIN.append(path)
-    return _PLAIN[0]
 
 
 def test_a_kept_quantized_folder_keeps_its_config(tmp_path: Path) -> None:
