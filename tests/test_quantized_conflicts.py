@@ -499,7 +499,9 @@ def test_a_backtracking_regex_does_not_hang_convert(tmp_path: Path, where: str) 
          "patterns it can match in linear time"),
         ("re:(a+)+", "repeats a group or has many repeats (google-re2 is not installed); ckptconv runs only patterns "
          "it can match in linear time"),
-        ("re:a*a*a*a*$", "repeats a group or has many repeats (google-re2 is not installed); ckptconv runs only "
+        ("re:a*a*a*$", "repeats a group or has many repeats (google-re2 is not installed); ckptconv runs only "
+         "patterns it can match in linear time"),
+        ("re:(a|a){30}", "repeats a group or has many repeats (google-re2 is not installed); ckptconv runs only "
          "patterns it can match in linear time"),
         ("re:(a)\\1", "has a back-reference or look-around (google-re2 is not installed); ckptconv runs only "
          "patterns it can match in linear time"),
@@ -526,6 +528,27 @@ def test_without_re2_a_plain_pattern_still_runs(tmp_path: Path, monkeypatch: pyt
     patterns._compiled.cache_clear()
     folder = _redos_folder(tmp_path, "re:a+b$", "targets")
     assert _convert(folder, tmp_path / "out")[0] == 0
+
+
+def test_without_re2_the_work_of_all_matches_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptconv.quantization import patterns
+
+    monkeypatch.setattr(patterns, "_re2", None)
+    monkeypatch.setattr(patterns, "MAX_WORK", 1_000)  # 41 characters: 42 ** 2 + 42 ** 1 steps for the two targets
+    folder = _redos_folder(tmp_path, "re:a*a*b$", "targets")
+    code, err = _convert(folder, tmp_path / "out")
+    assert (code, err) == (
+        1,
+        "ckptconv: error: the quantization_config's patterns take too long to match without google-re2 (over 1,000 "
+        "steps); install google-re2, which matches them in linear time\n",
+    )
+    monkeypatch.setattr(patterns, "MAX_NAME", 40)
+    code, err = _convert(folder, tmp_path / "out")
+    assert (code, err) == (
+        1,
+        f"ckptconv: error: module name {'a' * 40 + 'b'!r} is longer than 40 characters; install google-re2 to "
+        "match it against the quantization_config's patterns\n",
+    )
 
 
 def test_with_re2_a_pattern_re2_cannot_run_is_refused(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from ckptconv._text import short_repr
 from ckptconv.errors import UnsupportedQuantizationError
-from ckptconv.quantization.patterns import compile_pattern, search_from_start
+from ckptconv.quantization.patterns import Patterns
 
 __all__ = ["CT_FORMATS", "MAX_SIZE", "Declaration", "Names", "WeightArgs", "parse"]
 
@@ -42,11 +42,11 @@ class Names:
     def __init__(self, entries: tuple[str, ...], where: str) -> None:
         self.entries = entries
         self._exact = frozenset(entry for entry in entries if not entry.startswith("re:"))
-        self._regexes = tuple(compile_pattern(entry[3:], where) for entry in entries if entry.startswith("re:"))
+        self._regexes = Patterns(tuple(entry[3:] for entry in entries if entry.startswith("re:")), where)
 
     def match(self, name: str) -> bool:
         """compressed-tensors' ``match_name``: the exact name, or a ``re:`` regex matching from the start."""
-        return name in self._exact or any(search_from_start(regex, name) for regex in self._regexes)
+        return name in self._exact or self._regexes.match(name)
 
     def __bool__(self) -> bool:
         return bool(self.entries)
