@@ -448,6 +448,7 @@ def test_hostile_quantization_configs_raise_one_line_errors(
     assert ckptconv.inspect(folder).quantization == f"refused: {message}"
     assert set(ckptconv.open(folder).select().weights) == {"model.layers.0.mlp.up_proj.weight"}  # names only
     assert set(ckptconv.load(folder)) == {"model.layers.0.mlp.up_proj.weight"}
+    assert ckptconv.fit(ckptconv.load(folder), folder)[1].ok  # fit reads the reference's names, not its scheme
     code, out, err = run_cli("convert", str(folder), str(tmp_path / "cli.safetensors"), "--dtype", "bf16")
     assert (code, out, err) == (1, "", f"ckptconv: error: {message}\n")
     code, out, err = run_cli("inspect", str(folder))
