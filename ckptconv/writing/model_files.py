@@ -30,6 +30,7 @@ from typing import Any
 
 from ckptconv._text import plural
 from ckptconv.errors import OutputExistsError
+from ckptconv.quantization import output_check
 from ckptconv.reading import read_policy
 from ckptconv.reading.model_folder import CONFIG_NAME, Inventory, inventory, read_config
 from ckptconv.values.tensor import TensorRef
@@ -185,14 +186,16 @@ def rewritten_config(
     dtype = _float_dtype(state)
     if dtype is not None:
         _rewrite_dtype(result, dtype, changes)
-    if dequantized and "quantization_config" in result:
-        del result["quantization_config"]
-        changes.append("quantization_config removed (the weights were dequantized)")
+    for declaration in ("quantization_config", "compression_config") if dequantized else ():
+        if declaration in result:
+            del result[declaration]
+            changes.append(f"{declaration} removed (the weights were dequantized)")
     if quantization_config is not None:
         result["quantization_config"] = dict(quantization_config)
         method = quantization_config.get("quant_method")
         changes.append(f"quantization_config set ({method}: the weights were quantized)")
     _tie(result, state, source_keys, changes)
+    output_check.check_config(result, state)  # quantization_config there exactly when quantized tensors are
     return result, changes
 
 

@@ -19,6 +19,7 @@ from ckptconv._paths import PathLike, as_path
 from ckptconv._text import shown
 from ckptconv.errors import CkptconvError, WriteError
 from ckptconv.options import TIED
+from ckptconv.quantization import output_check
 from ckptconv.reading.formats._base import MetadataValue
 from ckptconv.reading.read_policy import keeping_open
 from ckptconv.reading.streaming import keeping_workers
@@ -188,6 +189,7 @@ def write_state(
         raise ValueError(f"tied must be one of {', '.join(TIED)}, not {tied!r}")
     path = as_path(path)
     entries = _entries(state)
+    output_check.check_state(dict(entries))  # the last check: no orphan scale, whatever wrote the state
     target = os.path.abspath(path)
     protected = write_policy.Inputs([*_source_paths(entries), *inputs])
     folder_output = is_folder_destination(path, to, max_shard_size)
