@@ -180,7 +180,7 @@ def rewritten_config(
     quantization_config: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """``config`` as the weights written need it, and the changes made (``"dtype float32 -> bfloat16"``)."""
-    result: dict[str, Any] = json.loads(json.dumps(config))  # a deep copy of plain JSON
+    result: dict[str, Any] = json.loads(json.dumps(dict(config)))  # a deep copy of plain JSON
     changes: list[str] = []
     dtype = _float_dtype(state)
     if dtype is not None:
