@@ -116,3 +116,133 @@ def test_a_head_written_as_the_embedding_stays_tied(name: str, options: list[str
     with torch.no_grad():
         got = loaded.float()(IDS).logits
     assert torch.equal(got, _logits_of(model, written, tied=True))
+
+
+# --- Megatron-LM's nested legacy layout --------------------------------------------------------------------------
+
+
+def _legacy_model(seed: int, layers: int, gated: bool) -> dict[str, Any]:
+    """A full (unsplit) model as Megatron-LM's legacy GPTModel names it: ``language_model.{embedding, encoder,
+    output_layer}`` (legacy/model/language_model.py), the encoder's names flat (ParallelTransformer.state_dict)."""
+    torch.manual_seed(seed)
+    h, f, v = 8, 16, 24
+    model: dict[str, Any] = {
+        "language_model.embedding.word_embeddings.weight": torch.randn(v, h),
+        "language_model.embedding.position_embeddings.weight": torch.randn(32, h),
+    }
+    for i in range(layers):
+        p = f"language_model.encoder.layers.{i}."
+        model |= {
+            p + "input_layernorm.weight": torch.randn(h),
+            p + "input_layernorm.bias": torch.randn(h),
+            p + "self_attention.query_key_value.weight": torch.randn(3 * h, h),
+            p + "self_attention.query_key_value.bias": torch.randn(3 * h),
+            p + "self_attention.dense.weight": torch.randn(h, h),
+            p + "self_attention.dense.bias": torch.randn(h),
+            p + "post_attention_layernorm.weight": torch.randn(h),
+            p + "mlp.dense_h_to_4h.weight": torch.randn((2 if gated else 1) * f, h),
+            p + "mlp.dense_4h_to_h.weight": torch.randn(h, f),
+            p + "mlp.dense_4h_to_h.bias": torch.randn(h),
+        }
+    model["language_model.encoder.final_layernorm.weight"] = torch.randn(h)
+    model["language_model.output_layer.weight"] = torch.randn(v, h)
+    return model
+
+
+def _rank_piece(name: str, tensor: Any, rank: int, ranks: int, gated: bool) -> Any:
+    """What Megatron's tensor-parallel layers hold on ``rank`` (ColumnParallelLinear: rows; RowParallelLinear:
+    columns; VocabParallelEmbedding: rows; a SwiGLU fc1: [gate_r; up_r])."""
+    if name.endswith(
+        ("query_key_value.weight", "query_key_value.bias", "word_embeddings.weight", "output_layer.weight")
+    ):
+        return tensor.chunk(ranks)[rank].clone()
+    if name.endswith("dense_h_to_4h.weight"):
+        if gated:
+            gate, up = tensor.chunk(2)
+            return torch.cat([gate.chunk(ranks)[rank], up.chunk(ranks)[rank]]).clone()
+        return tensor.chunk(ranks)[rank].clone()
+    if name.endswith(("self_attention.dense.weight", "dense_4h_to_h.weight")):
+        return tensor.chunk(ranks, dim=1)[rank].clone()
+    return tensor.clone()
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """The nesting of GPTModel.state_dict_for_save_checkpoint: ``{"language_model": {"embedding":
+    {"word_embeddings": {"weight": t}, ...}, "encoder": {"layers.0.…": t}, "output_layer": {"weight": t}}}``."""
+    from collections import OrderedDict
+
+    lm: dict[str, Any] = {}
+    for name, tensor in flat.items():
+        part, rest = name.removeprefix("language_model.").split(".", 1)
+        if part == "embedding":
+            table, leaf = rest.split(".")
+            lm.setdefault("embedding", {}).setdefault(table, OrderedDict())[leaf] = tensor
+        elif part == "encoder":
+            lm.setdefault("encoder", OrderedDict())[rest] = tensor
+        else:
+            lm.setdefault(part, OrderedDict())[rest] = tensor
+    return {"language_model": lm}
+
+
+def _save_legacy_run(root: Path, model: dict[str, Any], tp: int, gated: bool) -> Path:
+    import argparse
+
+    args = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, num_layers=2)
+    (root / "latest_checkpointed_iteration.txt").parent.mkdir(parents=True, exist_ok=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("5")
+    for rank in range(tp):
+        folder = root / "iter_0000005" / f"mp_rank_{rank:02d}"
+        folder.mkdir(parents=True)
+        pieces = {name: _rank_piece(name, tensor, rank, tp, gated) for name, tensor in model.items()}
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": 5, "model": _nest(pieces)}
+        torch.save(state, folder / "model_optim_rng.pt")
+    return root
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
+def test_the_nested_legacy_layout_reads_as_its_full_state_dict(tp: int, gated: bool, tmp_path: Path) -> None:
+    model = _legacy_model(0, layers=2, gated=gated)
+    run = _save_legacy_run(tmp_path / "run", model, tp, gated)
+    info = ckptconv.inspect(run)
+    assert info.format == "megatron-legacy" and len(info.tensors) == len(model)  # was 0 entries
+    loaded = ckptconv.load(run)
+    assert list(loaded) == list(model)
+    for name, tensor in model.items():
+        assert torch.equal(loaded[name], tensor), name
+    ckptconv.convert(run, tmp_path / "out.safetensors")
+    written = load_file(tmp_path / "out.safetensors")
+    assert set(written) == set(model) and all(torch.equal(written[k], v) for k, v in model.items())
+
+
+def test_one_nested_legacy_file_given_alone_is_refused_rather_than_cut_to_its_encoder(tmp_path: Path) -> None:
+    model = _legacy_model(1, layers=1, gated=False)
+    run = _save_legacy_run(tmp_path / "run", model, 1, False)
+    file = run / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"
+    code, _, err = run_cli("convert", str(file), str(tmp_path / "out.safetensors"))
+    assert code == 1 and not (tmp_path / "out.safetensors").exists()
+    assert err.strip().splitlines() == [
+        f"ckptconv: error: {str(file)!r} is a Megatron-LM file in the nested legacy layout (model.language_model."
+        "embedding, .encoder, .output_layer); convert the run's folder (the iter_N folder, or the one holding "
+        "latest_checkpointed_iteration.txt), which reads every tensor of it under its full name"
+    ]
+
+
+def test_a_nested_name_no_partition_rule_covers_is_still_refused(tmp_path: Path) -> None:
+    model = _legacy_model(2, layers=1, gated=False)
+    model["language_model.encoder.layers.0.self_attention.mystery.weight"] = torch.randn(4, 4)
+    run = _save_legacy_run(tmp_path / "run", model, 2, False)
+    with pytest.raises(ckptconv.UnsupportedFormatError, match="no partition rule says how the ranks split 1 name"):
+        ckptconv.load(run)
+
+
+def test_a_name_held_both_flat_and_nested_is_refused_as_damaged(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    folder = run / "iter_0000001" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    (run / "latest_checkpointed_iteration.txt").write_text("1")
+    t = torch.ones(2)
+    tree = {"language_model.output_layer.weight": t, "language_model": {"output_layer": {"weight": t * 2}}}
+    torch.save({"checkpoint_version": 3.0, "model": tree}, folder / "model_optim_rng.pt")
+    with pytest.raises(ckptconv.MalformedCheckpointError, match=r"names 'language_model\.output_layer\.weight' twice"):
+        ckptconv.load(run)

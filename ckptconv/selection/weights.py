@@ -456,6 +456,12 @@ def _refuse_model_parallel_rank(tree: Any, source: str) -> None:
     if not items:
         return
     entries = dict(items)
+    if "checkpoint_version" in entries and "language_model" in dict(mapping_items(entries.get("model")) or ()):
+        raise SelectionError(  # a search would pick one of its nested dicts (the encoder) and leave the rest
+            f"{source} is a Megatron-LM file in the nested legacy layout (model.language_model.embedding, "
+            ".encoder, .output_layer); convert the run's folder (the iter_N folder, or the one holding "
+            "latest_checkpointed_iteration.txt), which reads every tensor of it under its full name"
+        )
     args = entries.get("args")
     if "checkpoint_version" not in entries or not isinstance(args, ForeignObject):
         return
