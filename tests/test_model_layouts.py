@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -246,3 +247,125 @@ def test_a_name_held_both_flat_and_nested_is_refused_as_damaged(tmp_path: Path) 
     torch.save({"checkpoint_version": 3.0, "model": tree}, folder / "model_optim_rng.pt")
     with pytest.raises(ckptconv.MalformedCheckpointError, match=r"names 'language_model\.output_layer\.weight' twice"):
         ckptconv.load(run)
+
+
+# --- Hub folders holding the model in both formats ----------------------------------------------------------------
+
+
+def _hub_folder(tmp_path: Path, bin_layout: str, safetensors_layout: str) -> Path:
+    """A folder as the Hub serves many repos: the model as safetensors and as pickled .bin. The .bin holds other
+    values (another seed), so which one was converted shows."""
+    torch.manual_seed(0)
+    folder = tmp_path / "hub"
+    model = _llama(False)
+    shard = "20KB" if safetensors_layout == "sharded" else "1GB"
+    model.save_pretrained(folder, max_shard_size=shard)
+    torch.manual_seed(1)
+    other = {key: value.clone() for key, value in _llama(False).state_dict().items()}
+    if bin_layout == "single":
+        torch.save(other, folder / "pytorch_model.bin")
+    else:
+        keys = list(other)
+        halves = {"pytorch_model-00001-of-00002.bin": keys[::2], "pytorch_model-00002-of-00002.bin": keys[1::2]}
+        for name, part in halves.items():
+            torch.save({key: other[key] for key in part}, folder / name)
+        weight_map = {key: name for name, part in halves.items() for key in part}
+        (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("bin_layout", "safetensors_layout"),
+    [("single", "single"), ("sharded", "single"), ("sharded", "sharded"), ("single", "sharded")],
+)
+def test_a_hub_folder_in_both_formats_converts_the_safetensors_as_transformers_loads_them(
+    bin_layout: str, safetensors_layout: str, tmp_path: Path
+) -> None:
+    folder = _hub_folder(tmp_path, bin_layout, safetensors_layout)
+    out = tmp_path / "out"
+    code, _, err = run_cli("convert", str(folder), f"{out}/")
+    assert code == 0, err
+    bins = sorted(p.name for p in folder.iterdir() if p.name.startswith("pytorch_model"))
+    assert f"note: left out weights ckptconv did not convert ({', '.join(bins)}); convert them on their own" in err
+    expected = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()  # transformers' own choice
+    loaded = _loads_cleanly(out)
+    assert loaded.state_dict().keys() == expected.state_dict().keys()
+    for key, value in expected.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    info = ckptconv.inspect(folder)
+    assert info.format == ("safetensors" if safetensors_layout == "single" else "sharded")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    ["other.safetensors", "extra.pt", "model.safetensors.index.json"],
+)
+def test_a_folder_with_another_checkpoint_beside_them_stays_ambiguous(extra: str, tmp_path: Path) -> None:
+    """The negative control: only the Hub's pickled twin of model.safetensors is left out."""
+    folder = _hub_folder(tmp_path, "single", "single")
+    state = {"x": torch.ones(2)}
+    if extra.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(state, folder / extra)
+    elif extra.endswith(".pt"):
+        torch.save(state, folder / extra)
+    else:
+        (folder / extra).write_text(json.dumps({"metadata": {}, "weight_map": {"x": "model.safetensors"}}))
+    with pytest.raises(ckptconv.LoadError):
+        ckptconv.open(folder)
+    code, _, err = run_cli("convert", str(folder), str(tmp_path / "out.safetensors"))
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+# --- torch.ao quantized state dicts -------------------------------------------------------------------------------
+
+
+def _dynamic_quantized_state(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    float_model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with warnings.catch_warnings():  # torch.ao.quantization is deprecated
+        warnings.simplefilter("ignore")
+        quantized = torch.ao.quantization.quantize_dynamic(float_model, {torch.nn.Linear}, dtype=torch.qint8)
+    path = tmp_path / "ao.pt"
+    torch.save(quantized.state_dict(), path)
+    return path
+
+
+def test_a_torch_ao_packed_state_dict_is_refused_naming_the_packed_params(tmp_path: Path) -> None:
+    path = _dynamic_quantized_state(tmp_path)
+    reloaded = torch.load(path, weights_only=True)  # what torch itself finds in the file
+    packed = [key for key, value in reloaded.items() if key.endswith("_packed_params._packed_params")]
+    assert packed == ["0._packed_params._packed_params", "2._packed_params._packed_params"]
+    assert all(reloaded[key][0].is_quantized and isinstance(reloaded[key], tuple) for key in packed)
+    expected = (
+        f"{str(path)!r} holds a torch.ao quantized model's state dict: 2 packed Linears "
+        "('0._packed_params._packed_params', '2._packed_params._packed_params'), each a (weight, bias) pair torch.ao "
+        "packs, not tensors under their own names; load it into its quantized model with torch, save each Linear's "
+        "weight().dequantize() and bias() under the float model's names, and convert that"
+    )
+    with pytest.raises(ckptconv.SelectionError) as raised:
+        ckptconv.convert(path, tmp_path / "out.safetensors")
+    assert str(raised.value) == expected
+    code, _, err = run_cli("convert", str(path), str(tmp_path / "out.safetensors"))
+    assert code == 1 and err.strip().splitlines() == [f"ckptconv: error: {expected}"]
+    assert not (tmp_path / "out.safetensors").exists()
+    assert ckptconv.inspect(path).selection_error == expected  # inspect still lists the entries
+
+
+def test_torch_ao_quantized_tensors_under_their_own_names_still_convert_as_dequantize_gives_them(
+    tmp_path: Path,
+) -> None:
+    """The negative control: quantized tensors that are not packed convert, each as its dequantize()."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():  # quantized tensors are deprecated
+        warnings.simplefilter("ignore")
+        state = {
+            "conv.weight": torch.quantize_per_tensor(torch.randn(4, 3), 0.05, 3, torch.qint8),
+            "conv.bias": torch.randn(4),
+        }
+    torch.save(state, tmp_path / "q.pt")
+    ckptconv.convert(tmp_path / "q.pt", tmp_path / "q.safetensors")
+    written = load_file(tmp_path / "q.safetensors")
+    assert torch.equal(written["conv.weight"], state["conv.weight"].dequantize())
+    assert torch.equal(written["conv.bias"], state["conv.bias"])
