@@ -146,6 +146,8 @@ def test_a_model_folder_with_a_hostile_config_is_refused_in_one_line(
         ckptconv.convert(base, tmp_path / "like" / "", fit_to=folder)
     _one_line(raised.value, folder, message)
     _cli_refuses(folder, message, "convert", str(base), str(tmp_path / "like") + "/", "--like", str(folder))
+    _cli_refuses(folder, message, "fit", str(base), str(tmp_path / "fit") + "/", "--like", str(folder))
+    assert not (tmp_path / "like").exists() and not (tmp_path / "fit").exists()
 
 
 @pytest.mark.parametrize(("change", "message"), HOSTILE)
