@@ -128,18 +128,16 @@ def _hub_safetensors(folder: str) -> str | None:
     out, and named in the note on weights not converted (:func:`ckptconv.reading.model_folder.inventory`). Any
     other second checkpoint (``other.safetensors``, a safetensors index) leaves the folder ambiguous."""
     chosen = os.path.join(folder, _HUB_SAFETENSORS)
-    if not os.path.isfile(chosen):
+    names = os.listdir(folder)
+    if not os.path.isfile(chosen) or not any(_HUB_BIN.match(name) for name in names):
         return None
-    pickled = False
-    for name in os.listdir(folder):
+    for name in names:  # any other checkpoint beside them leaves the folder ambiguous (pickles opened only now)
         path = os.path.join(folder, name)
-        if name == _HUB_SAFETENSORS or name.startswith(".") or not os.path.isfile(path):
+        if name == _HUB_SAFETENSORS or _HUB_BIN.match(name) or name.startswith(".") or not os.path.isfile(path):
             continue
-        if _HUB_BIN.match(name):
-            pickled = True
-        elif name.endswith(INDEX_SUFFIXES) or (is_checkpoint_file(path) and training_state_of(path) is None):
+        if name.endswith(INDEX_SUFFIXES) or (is_checkpoint_file(path) and training_state_of(path) is None):
             return None
-    return chosen if pickled else None
+    return chosen
 
 
 def training_state_of(path: str) -> str | None:
