@@ -369,3 +369,60 @@ def test_torch_ao_quantized_tensors_under_their_own_names_still_convert_as_dequa
     written = load_file(tmp_path / "q.safetensors")
     assert torch.equal(written["conv.weight"], state["conv.weight"].dequantize())
     assert torch.equal(written["conv.bias"], state["conv.bias"])
+
+
+_LEGACY_NAMES = (  # Megatron-Core's name -> the legacy layout's (legacy/model/transformer.py, language_model.py)
+    ("embedding.word_embeddings.weight", "language_model.embedding.word_embeddings.weight"),
+    ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+    ("self_attention.linear_qkv.weight", "self_attention.query_key_value.weight"),
+    ("self_attention.linear_proj.weight", "self_attention.dense.weight"),
+    ("mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight"),
+    ("mlp.linear_fc1.weight", "mlp.dense_h_to_4h.weight"),
+    ("mlp.linear_fc2.weight", "mlp.dense_4h_to_h.weight"),
+    ("decoder.final_layernorm.weight", "language_model.encoder.final_layernorm.weight"),
+    ("output_layer.weight", "language_model.output_layer.weight"),
+)
+
+
+def _as_legacy(name: str) -> str:
+    for core, legacy in _LEGACY_NAMES:
+        if name == core:
+            return legacy
+        if name.startswith("decoder.layers.") and name.endswith(core):
+            layer = name.split(".")[2]
+            return f"language_model.encoder.layers.{layer}.{legacy}"
+    raise AssertionError(name)
+
+
+def test_a_nested_legacy_llama_converts_like_a_base_folder_to_megatrons_logits(tmp_path: Path) -> None:
+    """The Megatron-Core fixture (with Megatron's own logits) saved as the legacy layout saves the same model
+    (checkpoint_version 3: the same fused QKV rows), tensor-parallel 2 with SwiGLU: ``convert run/ out/ --like
+    base/`` loads with from_pretrained, nothing missing or unexpected, and gives Megatron's logits."""
+    runs = Path(__file__).resolve().parent.parent / "fixtures" / "runs" / "megatron_llama"
+    config = json.loads((runs / "config.json").read_text())
+    golden = torch.load(runs / "golden_logits.pt", map_location="cpu", weights_only=True)
+    core = ckptconv.load(runs)
+    model = {_as_legacy(name): tensor for name, tensor in core.items()}
+    run = _save_legacy_run(tmp_path / "run", model, 2, gated=True)
+    fields = {k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"}
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**fields)).save_pretrained(
+        tmp_path / "base"
+    )
+    code, _, err = run_cli("convert", str(run), f"{tmp_path / 'out'}/", "--like", str(tmp_path / "base"))
+    assert code == 0, err
+    loaded = _loads_cleanly(tmp_path / "out")
+    with torch.no_grad():
+        logits = loaded(golden["input_ids"]).logits
+    assert float((logits - golden["logits"][..., : config["vocab_size"]]).abs().max()) < 1e-5
+
+
+def test_a_legacy_run_before_checkpoint_version_2_is_refused(tmp_path: Path) -> None:
+    """Megatron-LM reordered the fused QKV rows at checkpoint_version 2.0; older files are refused, not misread."""
+    model = _legacy_model(3, layers=1, gated=False)
+    run = _save_legacy_run(tmp_path / "run", model, 2, False)
+    for file in run.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(file, weights_only=False)
+        state["checkpoint_version"] = 1.0
+        torch.save(state, file)
+    with pytest.raises(ckptconv.UnsupportedFormatError, match=r"checkpoint_version 1\.0 file, whose fused"):
+        ckptconv.load(run)

@@ -42,6 +42,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ckptconv._text import short_repr
 from ckptconv.errors import MalformedCheckpointError, UnsupportedFormatError
 from ckptconv.reading import read_policy
 from ckptconv.reading.formats import torch_zip
@@ -82,6 +83,8 @@ PARTITIONS: tuple[tuple[str, str], ...] = (
     (r"\.dense_4h_to_h\.weight$", "row"),
     (r"\.((self_)?attention\.dense|dense_4h_to_h)\.bias$", "replicated"),
 )
+# Before checkpoint_version 2.0, Megatron-LM ordered these rows otherwise (its fix_query_key_value_ordering).
+_OLD_QKV = ("query_key_value.weight", "query_key_value.bias")
 #: The deepest nesting of the model's dicts that is flattened (the legacy layout nests four deep).
 MAX_NESTING = 16
 _RULES = ("column", "row", "replicated")
@@ -290,6 +293,14 @@ def read(path: str, *, partitions: Sequence[tuple[str, str]] = PARTITIONS, max_i
             path=folder,
         )
     first = trees[(0, 0)]
+    version = first.get("checkpoint_version", 0)  # Megatron-LM's get_checkpoint_version: 0 when not saved
+    if any(name.endswith(_OLD_QKV) for name in weights) and not (type(version) in (int, float) and version >= 2.0):
+        raise UnsupportedFormatError(
+            f"{folder!r} is a Megatron-LM checkpoint_version {short_repr(version)} file, whose fused query_key_value "
+            "rows are in the order Megatron-LM used before version 2.0; ckptconv does not reorder them: load it "
+            "with Megatron-LM (which does) and save it again",
+            path=folder,
+        )
     out: dict[str, Any] = {"model": weights}
     out.update({k: v for k, v in first.items() if isinstance(k, str) and k not in _NOT_MODEL})
     metadata = {
