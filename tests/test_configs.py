@@ -75,6 +75,7 @@ BROKEN_FIELDS: list[tuple[str, dict[str, Any], str]] = [
 UNBOUNDED: list[tuple[str, dict[str, Any], str]] = [
     ("intermediate-missing", {"intermediate_size": None}, "intermediate_size is missing"),
     ("heads-missing", {"num_attention_heads": None}, "num_attention_heads is missing"),
+    ("intermediate-per-layer", {"intermediate_size": [96, 96]}, "intermediate_size is a list (one per layer)"),
     ("layers-billion", {"num_hidden_layers": 10**9}, "num_hidden_layers is 1000000000, more than the 1472 rows"),
     ("vocab-trillion", {"vocab_size": 10**12}, "vocab_size is 1000000000000, larger than any dimension of the"),
     (
@@ -277,6 +278,7 @@ def test_the_schema_keeps_what_real_configs_hold() -> None:
         transformers.Qwen3MoeConfig().to_dict(),
         transformers.GPT2Config().to_dict(),
         transformers.BertConfig().to_dict(),
+        transformers.Gemma3nTextConfig().to_dict(),  # intermediate_size per layer
         CONFIG,
     ):
         parsed = parse_model_config(json.loads(json.dumps(config)))

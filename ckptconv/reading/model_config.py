@@ -13,7 +13,8 @@ The rules:
 - the file: UTF-8 JSON of at most :data:`MAX_CONFIG_BYTES`, an object, no key named twice, no ``NaN`` or
   ``Infinity`` (not JSON; Python's ``json`` reads them), nested at most :data:`MAX_DEPTH` deep;
 - counts and sizes: JSON integers (not ``true``, not ``8.0``, not ``"8"``), within their range
-  (:data:`_INTEGERS`); ``null`` is taken as absent, as transformers takes it;
+  (:data:`_INTEGERS`); ``null`` is taken as absent, as transformers takes it; a few sizes may be lists of such
+  integers, one per layer (Gemma 3n's ``intermediate_size``), which a caller that needs one number refuses;
 - flags (``tie_word_embeddings``, ``attention_bias``, ``mlp_bias``): ``true`` or ``false``;
 - names (``model_type``, ``torch_dtype``/``dtype``): strings; ``architectures``: a list of strings.
 
@@ -57,6 +58,8 @@ _INTEGERS: Mapping[str, int] = {
     "num_experts": 0,
     "decoder_sparse_step": 1,
 }
+# Sizes some families give per layer, as a list of integers (Gemma 3n's intermediate_size).
+_PER_LAYER = frozenset({"num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"})
 _FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
 _NAMES = ("model_type", "torch_dtype", "dtype")
 # Counts: how many of something the tensors hold; sizes: a dimension of a tensor.
@@ -177,7 +180,7 @@ class ModelConfig(Mapping[str, Any]):
         """The checked fields the config holds, by their JSON names: what the architecture tables read."""
         checked: dict[str, Any] = {}
         for name in (*_INTEGERS, *_FLAGS, "model_type"):
-            if self.document.get(name) is not None:
+            if self.document.get(name) is not None and not isinstance(self.document[name], list):
                 checked[name] = self.document[name]
         if self.mlp_only_layers:
             checked["mlp_only_layers"] = list(self.mlp_only_layers)
@@ -192,6 +195,8 @@ class ModelConfig(Mapping[str, Any]):
         for name in names:
             if self.document.get(name) is None:
                 raise _refuse(self.path, name, "is missing")
+            if isinstance(self.document[name], list):
+                raise _refuse(self.path, name, "is a list (one per layer); this conversion needs one number")
 
     def check_against(self, shapes: Iterable[tuple[int, ...]]) -> None:
         """Refuse counts and sizes that the tensors present cannot hold, before anything is sized by them: no
@@ -224,10 +229,16 @@ class ModelConfig(Mapping[str, Any]):
             )
 
 
+def _whole(value: Any, least: int) -> bool:
+    return type(value) is int and value >= least
+
+
 def _integer(document: Mapping[str, Any], path: str, name: str, least: int) -> int | None:
     value = document.get(name)
     if value is None:
         return None
+    if name in _PER_LAYER and isinstance(value, list) and value and all(_whole(item, least) for item in value):
+        return None  # one per layer (Gemma 3n's intermediate_size): valid, but no one number; require() says so
     if isinstance(value, bool) or not isinstance(value, int):
         shown = _shown(value)
         if isinstance(value, float) and math.isfinite(value) and value == int(value):
