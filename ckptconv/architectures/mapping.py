@@ -9,6 +9,7 @@ from ckptconv._text import shown
 from ckptconv.architectures import families
 from ckptconv.architectures.operations import Operation, compile_pattern
 from ckptconv.errors import TransformError
+from ckptconv.reading.model_config import parse_model_config
 from ckptconv.values.tensor import TensorRef
 
 __all__ = ["expert_layout", "run_table", "to_hugging_face"]
@@ -65,6 +66,21 @@ def expert_layout(reference_names: Collection[str] | None, config: Mapping[str, 
     return "per_expert"
 
 
+def _checked(config: Mapping[str, Any], weights: Mapping[str, TensorRef]) -> dict[str, Any]:
+    """The config's checked fields (:mod:`ckptconv.reading.model_config`): those the tables need present, every
+    size and count bounded by the tensors before a table is sized by them."""
+    parsed = parse_model_config(config)
+    family = families.FAMILIES.get(str(parsed.model_type))
+    if family is not None:
+        parsed.require("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
+        if family[0] == "moe":
+            parsed.require("num_local_experts" if parsed.num_experts is None else "model_type")
+        if family[0] == "moe" and parsed.model_type != "mixtral":
+            parsed.require("moe_intermediate_size")
+    parsed.check_against(ref.shape for ref in weights.values())
+    return parsed.fields()
+
+
 def to_hugging_face(
     weights: Mapping[str, TensorRef],
     config: Mapping[str, Any],
@@ -90,9 +106,12 @@ def to_hugging_face(
         split and the stacked experts are computed when a writer reads them.
 
     Raises:
+        InvalidConfigError: in one line, for a field the table needs that is missing, of the wrong type, out of
+            range, or larger than the tensors present could hold.
         TransformError: in one line, for an unknown ``model_type``, a name no rule maps, a size that
             disagrees with the config, or a name the config's model has that the checkpoint lacks.
     """
+    config = _checked(config, weights)
     model_type = config.get("model_type")
     if model_type not in families.FAMILIES:
         raise TransformError(

@@ -16,7 +16,7 @@ from typing import Any
 from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
 from ckptconv.dtypes import dtype_by_name
-from ckptconv.errors import SelectionError, UnsupportedQuantizationError
+from ckptconv.errors import InvalidConfigError, SelectionError, UnsupportedQuantizationError
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.quantization import dequantize
@@ -253,6 +253,8 @@ def _quantization(path: PathLike, checkpoint: Checkpoint, weights: Mapping[str, 
         plan = dequantize(weights, scheme, bfloat16) if bfloat16 is not None else dict(weights)
     except UnsupportedQuantizationError as error:
         return f"refused: {error}"
+    except InvalidConfigError as error:  # the weights are still described; the config is named as invalid
+        return f"unknown, the config is invalid: {error}"
     changed = sum(1 for key, ref in plan.items() if weights.get(key) is not ref)
     left_out = len(weights) - len(plan)
     return (

@@ -25,15 +25,15 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ckptconv._text import short_repr
-from ckptconv.errors import MalformedCheckpointError
+from ckptconv.errors import InvalidConfigError, MalformedCheckpointError
 from ckptconv.reading import read_policy
 from ckptconv.reading.detection import is_checkpoint_file, is_unsafe, training_state_of
-from ckptconv.reading.formats._base import json_object
+from ckptconv.reading.model_config import MAX_CONFIG_BYTES, ModelConfig, parse_config_text, parse_model_config
 from ckptconv.suffixes import INDEX_SUFFIXES
 
 __all__ = [
@@ -54,8 +54,6 @@ MODULES_NAME = "modules.json"
 MODEL_INDEX_NAME = "model_index.json"
 # A module folder's name: one plain component, inside the folder that declares it.
 _PLAIN_NAME = re.compile(r"^(?!\.\.?$)[^/\\\x00]+$")
-#: A model's config.json is kilobytes; a hundred times the largest real one is still refused past this.
-MAX_CONFIG_BYTES = 16 << 20
 #: The largest file carried beside the weights: a tokenizer.json is tens of megabytes. A larger one is left out,
 #: with a note naming it.
 MAX_CARRIED_BYTES = 1 << 30
@@ -245,25 +243,22 @@ def model_folder(source: str) -> str | None:
     return None
 
 
-def read_config(folder: str) -> Mapping[str, Any] | None:
-    """``folder``'s ``config.json`` as a JSON object, or None when the folder has none.
+def read_config(folder: str) -> ModelConfig | None:
+    """``folder``'s ``config.json`` parsed through the config schema (:mod:`ckptconv.reading.model_config`), or
+    None when the folder has none.
 
     Raises:
         LoadError: the file is a link out of the folder, not a regular file, or unreadable.
-        MalformedCheckpointError: it is not a JSON object, or is larger than :data:`MAX_CONFIG_BYTES`.
+        InvalidConfigError: it is not a JSON object, is larger than :data:`MAX_CONFIG_BYTES`, or a field ckptconv
+            reads has the wrong type or is out of range.
     """
     path = os.path.join(folder, CONFIG_NAME)
     if not os.path.lexists(path):
         return None
-    data = read_policy.read_limited(path, limit=MAX_CONFIG_BYTES, folder=folder, what="model config")
     try:
-        config = json_object(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise MalformedCheckpointError(
-            f"{path!r} is not a model config: it is not JSON ({type(error).__name__}); fix or remove it", path=path
+        data = read_policy.read_limited(path, limit=MAX_CONFIG_BYTES, folder=folder, what="model config")
+    except MalformedCheckpointError:  # over the size cap: the config is what is wrong
+        raise InvalidConfigError(
+            f"{path!r} is not a model config: it is larger than {MAX_CONFIG_BYTES:,} bytes; fix or remove it", path=path
         ) from None
-    if not isinstance(config, dict):
-        raise MalformedCheckpointError(
-            f"{path!r} is not a model config: it holds {short_repr(config)}, not a JSON object", path=path
-        )
-    return config
+    return parse_model_config(parse_config_text(data, path), path=path)

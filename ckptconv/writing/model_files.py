@@ -8,8 +8,9 @@ conversion changed, which is rewritten in ``config.json``:
 * ``dtype`` / ``torch_dtype`` (whichever the config has, in its sub-configs too) name the floating-point dtype
   of the weights written, when they share one (after ``--dtype``, or ``--like``);
 * ``quantization_config`` is removed when the weights were dequantized;
-* ``tie_word_embeddings`` says what the tensors written hold: True when the head (``lm_head.weight``) shares
-  the embeddings' data or was left out by the conversion, False when it is a tensor of its own.
+* ``tie_word_embeddings`` says what the tensors written hold: True when the head (``lm_head.weight``) is the
+  embeddings' tensor as written (the same data and the same cast) or was left out by the conversion, False when
+  it is a tensor of its own (set so where the config left it to the model class's default).
 
 :func:`plan` decides (planning, no I/O but the config already read); :func:`check` refuses existing files
 before any weight is written; :func:`write` copies through the read policy into atomic outputs the write
@@ -137,11 +138,11 @@ def _float_dtype(state: Mapping[str, TensorRef]) -> str | None:
 
 
 def _shares_data(state: Mapping[str, TensorRef], key: str) -> bool:
+    """True when another key holds the same tensor as ``key`` as written: the same view of the same storage and
+    the same pending cast (the test the writer stores tied tensors once by). A head kept in float32 by
+    ``--keep-dtype`` beside an embedding cast to bfloat16 views the same bytes but holds other values."""
     ref = state[key]
-    mine = (ref.storage, ref.offset, ref.shape, ref.stride)
-    return any(
-        (other.storage, other.offset, other.shape, other.stride) == mine for name, other in state.items() if name != key
-    )
+    return any(other == ref for name, other in state.items() if name != key)
 
 
 def _rewrite_dtype(config: dict[str, Any], dtype: str, changes: list[str], where: str = "") -> None:
@@ -158,7 +159,7 @@ def _tie(
     config: dict[str, Any], state: Mapping[str, TensorRef], source_keys: Iterable[str], changes: list[str]
 ) -> None:
     tied = config.get("tie_word_embeddings")
-    if not isinstance(tied, bool):
+    if tied is not None and not isinstance(tied, bool):
         return
     heads = [key for key in state if key.endswith(_HEAD)]
     if heads:
@@ -167,7 +168,10 @@ def _tie(
         consistent = True  # the conversion left the head out: only a tied head loads
     else:
         return
-    if consistent != tied:
+    if tied is None and not consistent:  # a head of its own, where the model class may tie by default (GPT-2)
+        changes.append("tie_word_embeddings set to false (the head written is a tensor of its own)")
+        config["tie_word_embeddings"] = False
+    elif tied is not None and consistent != tied:
         changes.append(f"tie_word_embeddings {str(tied).lower()} -> {str(consistent).lower()}")
         config["tie_word_embeddings"] = consistent
 
@@ -181,7 +185,7 @@ def rewritten_config(
     quantization_config: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """``config`` as the weights written need it, and the changes made (``"dtype float32 -> bfloat16"``)."""
-    result: dict[str, Any] = json.loads(json.dumps(config))  # a deep copy of plain JSON
+    result: dict[str, Any] = json.loads(json.dumps(dict(config)))  # a deep copy of plain JSON
     changes: list[str] = []
     dtype = _float_dtype(state)
     if dtype is not None:
