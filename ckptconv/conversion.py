@@ -36,6 +36,7 @@ from ckptconv.reading.unpickling.rebuild import DEQUANTIZED_ORIGIN
 from ckptconv.runtime import cores as _cores
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.weights import Selection
+from ckptconv.transforms import keys as key_transforms
 from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix, Transform, cast_step, compile_pattern
 from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing import model_files, write_policy
@@ -44,19 +45,6 @@ from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, sou
 from ckptconv.writing.writer import Progress, tied_note, write_state
 
 __all__ = ["ConversionReport", "convert"]
-
-
-# Wrapper prefixes users meet, for hints when the one they asked for is absent.
-_KNOWN_WRAPPERS = (
-    "module.",
-    "_orig_mod.",
-    "_forward_module.",
-    "model.",
-    "_fsdp_wrapped_module.",
-    "_checkpoint_wrapped_module.",
-    "backbone.",
-    "net.",
-)
 
 
 @dataclass(frozen=True)
@@ -125,7 +113,7 @@ def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> l
         return []
     prefix = step.component
     if report.changed == 0:
-        starts = sorted({wrapper for wrapper in _KNOWN_WRAPPERS for key in keys if key.startswith(wrapper)})
+        starts = sorted({start for start in key_transforms.HINTED_PREFIXES for key in keys if key.startswith(start)})
         hint = f"; keys start with {', '.join(repr(s) for s in starts)}" if starts else ""
         return [f"no key starts with {prefix!r}, so none was renamed{hint}"]
     total = report.changed + report.unchanged
@@ -381,6 +369,10 @@ def _transform(selection: Selection, options: ConversionOptions) -> _Transformed
         reports.append(report)
         notes.extend([*_prefix_notes(step, report, keys), *report.notes])  # the report's notes are all the notes
 
+    if fit_to is None and not any("--canonical" in note for note in notes):  # fit puts wrappers right itself
+        notes.extend(
+            filter(None, [key_transforms.wrapper_note(state)])
+        )  # a wrapper left on every key, and the flag that removes it
     origins = _origins(list(selection.weights), pipeline.steps)
     fit_report = None
     if fit_to is not None:

@@ -252,12 +252,23 @@ def test_zoo_converts_the_good_and_records_the_bad(zoo: Path, tmp_path: Path) ->
     }
 
     for result in report.converted:
-        output = out / result.output
-        assert output.suffix == ".safetensors" and result.output == result.outputs[0].path
-        assert_output_matches(zoo / result.source, output, strip="module.")
-        assert result.source_sha256 == source_digest(zoo / result.source)
+        output = out / result.outputs[0].path
+        source = zoo / result.source
+        if result.kind == "model":  # a Hugging Face folder (an index beside config.json): a model folder out
+            assert result.output.endswith("/") and result.outputs[0].path == result.output + "model.safetensors"
+            assert (out / result.output / "config.json").read_bytes() == (source / "config.json").read_bytes()
+            source = next(source.glob("*.index.json"))
+        else:
+            assert result.output == result.outputs[0].path
+        assert output.suffix == ".safetensors"
+        assert_output_matches(source, output, strip="module.")
+        assert result.source_sha256 == source_digest(source)
         assert result.outputs[0].sha256 == sha256(output) and result.outputs[0].size == output.stat().st_size
         assert result.tensors == len(ckptconv.load(output))
+    assert {r.source for r in report.converted if r.kind == "model"} == {
+        "gpu/hf_sharded_bin",
+        "gpu/hf_sharded_safetensors",
+    }
 
     # The manifest: a run record, one item record per item, an end record; the outputs and nothing else.
     records = list(read_records(str(out / MANIFEST_NAME)))
@@ -265,7 +276,7 @@ def test_zoo_converts_the_good_and_records_the_bad(zoo: Path, tmp_path: Path) ->
     assert sorted(r["source"] for r in records[1:-1]) == names
     assert records[-1]["failed"] == len(ZOO_FAILURES) and records[-1]["converted"] == len(report.converted)
     written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-    assert written == sorted([MANIFEST_NAME, *(r.output for r in report.converted)])
+    assert written == sorted([MANIFEST_NAME, *(o.path for r in report.converted for o in r.outputs)])
 
 
 def test_sharded_and_dcp_folders_are_one_item_each(zoo: Path) -> None:

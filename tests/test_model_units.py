@@ -1,0 +1,200 @@
+"""The model is the unit everywhere (issue 40): ``batch`` converts a model folder as ``convert`` does, ``inspect``
+says what the model is, ``fit``/``--like`` understand tied heads, and wrapper prefixes are named with their flag.
+
+Models are tiny ones built here with transformers' own classes; outputs are read back by ``from_pretrained`` (never
+ckptconv's readers), which must report no missing, unexpected or mismatched key and give ``torch.equal`` logits.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from .conftest import run_cli
+
+transformers.logging.set_verbosity_error()
+
+
+def _llama(*, tie: bool = False) -> Any:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        max_position_embeddings=16,
+        tie_word_embeddings=tie,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _hf_bin_folder(model: Any, folder: Path) -> Path:
+    """A Hugging Face folder as older transformers wrote it: pytorch_model.bin (torch.save of the state dict, tied
+    tensors sharing storage), config.json and tokenizer files."""
+    folder.mkdir(parents=True)
+    model.config.save_pretrained(folder)
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    (folder / "tokenizer_config.json").write_text('{"model_max_length": 16}')
+    (folder / "special_tokens_map.json").write_text('{"bos_token": "<s>"}')
+    return folder
+
+
+def _logits(model: Any) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=torch.arange(1, 9).reshape(1, 8)).logits
+
+
+def _loads_cleanly(out: Path) -> Any:
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert {key: list(value) for key, value in info.items()} == {
+        "missing_keys": [],
+        "unexpected_keys": [],
+        "mismatched_keys": [],
+        "error_msgs": [],
+    }
+    return loaded
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------------------
+# batch converts a model folder as convert does
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_batch_gives_a_model_folder_for_a_hugging_face_folder_as_convert_does(tmp_path: Path, jobs: str) -> None:
+    model = _llama()
+    zoo = tmp_path / "zoo"
+    _hf_bin_folder(model, zoo / "hf")
+    torch.save({"w": torch.arange(6.0)}, zoo / "plain.pt")
+    code, _, stderr = run_cli("batch", str(zoo), str(tmp_path / "out"), "--jobs", jobs)
+    assert code == 0, stderr
+    assert stderr.splitlines()[-1].startswith("converted 2, skipped 0, failed 0 of 2 items")
+    out = tmp_path / "out"
+    # Before: hf/pytorch_model.safetensors alone (no config.json: from_pretrained failed).
+    assert sorted(os.listdir(out / "hf")) == [
+        "config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer_config.json",
+    ]
+    code, _, stderr = run_cli("convert", str(zoo / "hf"), f"{tmp_path / 'converted'}/")
+    assert code == 0, stderr
+    assert _files(out / "hf") == _files(tmp_path / "converted")  # file by file, byte for byte
+    loaded = _loads_cleanly(out / "hf")
+    assert torch.equal(_logits(loaded), _logits(model))
+    assert torch.equal(load_file(out / "plain.safetensors")["w"], torch.arange(6.0))
+
+
+def test_batch_resumes_a_model_folder_it_converted(tmp_path: Path) -> None:
+    zoo = tmp_path / "zoo"
+    _hf_bin_folder(_llama(), zoo / "hf")
+    assert run_cli("batch", str(zoo), str(tmp_path / "out"))[0] == 0
+    code, _, stderr = run_cli("batch", str(zoo), str(tmp_path / "out"), "--resume")
+    assert code == 0, stderr
+    assert stderr.splitlines()[-1].startswith("converted 0, skipped 1, failed 0 of 1 item;")
+    (tmp_path / "out" / "hf" / "config.json").write_text("{}")  # an output no record vouches for: converted again
+    code, _, stderr = run_cli("batch", str(zoo), str(tmp_path / "out"), "--resume")
+    assert stderr.splitlines()[-1].startswith("converted 1, skipped 0, failed 0 of 1 item")
+    _loads_cleanly(tmp_path / "out" / "hf")
+
+
+def test_batch_gives_a_sharded_model_folder_its_model_folder(tmp_path: Path) -> None:
+    model = _llama()
+    model.save_pretrained(tmp_path / "zoo" / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "zoo" / "sharded" / "model.safetensors.index.json").exists()
+    code, _, stderr = run_cli("batch", str(tmp_path / "zoo"), str(tmp_path / "out"), "--dtype", "bf16")
+    assert code == 0, stderr
+    loaded = _loads_cleanly(tmp_path / "out" / "sharded")
+    assert loaded.dtype == torch.bfloat16
+    assert torch.equal(_logits(loaded), _logits(model.to(torch.bfloat16)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Wrappers: named, with the flag that removes them
+# ------------------------------------------------------------------------------------------------
+
+WRAPPED = {
+    "module": "every key starts with 'module.' (DataParallel/DDP); pass --strip-prefix module or --canonical to "
+    "remove it",
+    "_orig_mod": "every key starts with '_orig_mod.' (torch.compile); pass --strip-prefix _orig_mod or --canonical "
+    "to remove it",
+    "_forward_module": "every key starts with '_forward_module.' (Lightning); pass --strip-prefix _forward_module or "
+    "--canonical to remove it",
+    "_fsdp_wrapped_module": "every key starts with '_fsdp_wrapped_module.' (FSDP); pass --strip-prefix "
+    "_fsdp_wrapped_module or --canonical to remove it",
+}
+
+
+def _wrapped(path: Path, wrapper: str) -> Path:
+    torch.save({f"{wrapper}.fc.weight": torch.ones(2, 3), f"{wrapper}.fc.bias": torch.zeros(2)}, path)
+    return path
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPED))
+def test_convert_names_a_wrapper_on_every_key_and_its_flag(wrapper: str, tmp_path: Path) -> None:
+    source = _wrapped(tmp_path / "model_best.pth.tar", wrapper)
+    code, _, stderr = run_cli("convert", str(source), str(tmp_path / "out.safetensors"), "--dtype", "bf16")
+    assert code == 0, stderr
+    assert f"note: {WRAPPED[wrapper]}\n" in stderr
+    # The flag it names removes it, and then nothing is said.
+    flag = ["--strip-prefix", wrapper]
+    code, _, stderr = run_cli("convert", str(source), str(tmp_path / "b.safetensors"), *flag)
+    assert code == 0 and "every key starts with" not in stderr
+    assert set(load_file(tmp_path / "b.safetensors")) == {"fc.weight", "fc.bias"}
+
+
+def test_no_wrapper_note_for_a_prefix_of_the_model_itself(tmp_path: Path) -> None:
+    # A Hugging Face base model's keys all start with 'model.': no wrapper, nothing to strip.
+    torch.save({"model.fc.weight": torch.ones(2), "model.fc.bias": torch.ones(1)}, tmp_path / "m.pt")
+    code, _, stderr = run_cli("convert", str(tmp_path / "m.pt"), str(tmp_path / "m.safetensors"))
+    assert code == 0 and "note:" not in stderr, stderr
+
+
+def test_inspect_names_a_wrapper_on_every_key(tmp_path: Path) -> None:
+    source = _wrapped(tmp_path / "dp.pt", "module")
+    code, stdout, _ = run_cli("inspect", str(source))
+    assert code == 0
+    assert f"note: {WRAPPED['module']}\n" in stdout
+    code, stdout, _ = run_cli("inspect", str(source), "--json")
+    import json
+
+    assert json.loads(stdout)["notes"] == [WRAPPED["module"]]
+
+
+def test_batch_names_a_wrapper_on_every_key_of_an_item(tmp_path: Path) -> None:
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    _wrapped(zoo / "dp.pt", "module")
+    torch.save({"fc.weight": torch.ones(2)}, zoo / "plain.pt")
+    code, _, stderr = run_cli("batch", str(zoo), str(tmp_path / "out"))
+    assert code == 0, stderr
+    assert stderr.splitlines()[0] == f"note: dp.pt: {WRAPPED['module']}"
+    assert stderr.splitlines()[1].startswith("converted 2, skipped 0, failed 0 of 2 items")
+
+
+@pytest.mark.parametrize("order", ["_orig_mod.module", "_forward_module.module", "module._orig_mod"])
+def test_strip_module_strips_module_under_another_wrapper_and_points_to_canonical(order: str, tmp_path: Path) -> None:
+    source = _wrapped(tmp_path / "compiled.pt", order)
+    out = tmp_path / "out.safetensors"
+    code, _, stderr = run_cli("strip-module", str(source), str(out))
+    assert code == 0, stderr
+    left = order.replace("module.", "").replace(".module", "")
+    assert set(load_file(out)) == {f"{left}.fc.weight", f"{left}.fc.bias"}  # before: an unchanged copy
+    wrapper = {"_orig_mod": "torch.compile", "_forward_module": "Lightning"}[left]
+    assert stderr.splitlines()[0] == (
+        f"note: every key still starts with '{left}.' ({wrapper}); pass --canonical to remove every wrapper prefix"
+    )
