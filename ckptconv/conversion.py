@@ -370,9 +370,7 @@ def _transform(selection: Selection, options: ConversionOptions) -> _Transformed
         notes.extend([*_prefix_notes(step, report, keys), *report.notes])  # the report's notes are all the notes
 
     if fit_to is None and not any("--canonical" in note for note in notes):  # fit puts wrappers right itself
-        notes.extend(
-            filter(None, [key_transforms.wrapper_note(state)])
-        )  # a wrapper left on every key, and the flag that removes it
+        notes.extend(filter(None, [key_transforms.wrapper_note(state)]))  # a wrapper on every key: its flag
     origins = _origins(list(selection.weights), pipeline.steps)
     fit_report = None
     if fit_to is not None:
@@ -380,6 +378,8 @@ def _transform(selection: Selection, options: ConversionOptions) -> _Transformed
 
         before = list(state)
         state, fit_report = fit(state, fit_to)
+        before = [key for key in before if key not in fit_report.dropped]  # a tied copy fit left out
+        notes.extend(fit_report.notes)
         if origins is not None and fit_report.ok:
             origins = {new: origins[old] for old, new in zip(before, state)}
         if not fit_report.ok:

@@ -198,3 +198,90 @@ def test_strip_module_strips_module_under_another_wrapper_and_points_to_canonica
     assert stderr.splitlines()[0] == (
         f"note: every key still starts with '{left}.' ({wrapper}); pass --canonical to remove every wrapper prefix"
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# Tied heads: a tied copy in the source fits a base that ties
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tied_base(tmp_path: Path) -> tuple[Any, Path]:
+    """A tied model and its save_pretrained folder: tie_word_embeddings true, no lm_head.weight stored."""
+    model = _llama(tie=True)
+    model.save_pretrained(tmp_path / "base")
+    assert "lm_head.weight" not in load_file(tmp_path / "base" / "model.safetensors")
+    return model, tmp_path / "base"
+
+
+def _lightning_ckpt(model: Any, path: Path) -> Path:
+    state = model.state_dict()  # lm_head.weight and model.embed_tokens.weight: one tensor
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    torch.save({"state_dict": {f"model.{k}": v for k, v in state.items()}, "epoch": 3}, path)
+    return path
+
+
+@pytest.mark.parametrize("command", ["convert", "fit"])
+def test_a_tied_head_sharing_storage_fits_a_base_that_ties(
+    tied_base: tuple[Any, Path], tmp_path: Path, command: str
+) -> None:
+    model, base = tied_base
+    source = _lightning_ckpt(model, tmp_path / "last.ckpt")
+    out = tmp_path / "out"
+    code, _, stderr = run_cli(command, str(source), f"{out}/", "--like", f"{base}/")
+    # Before: "no key transform makes the checkpoint fit ...: 1 unexpected (e.g. 'lm_head.weight')", exit 3.
+    assert code == 0, stderr
+    assert stderr.splitlines()[0] == (
+        "note: left out 'model.lm_head.weight' ('lm_head.weight'): it shares storage with "
+        f"'model.model.embed_tokens.weight', and the checkpoint '{base}/' ties them (it stores only "
+        "'model.embed_tokens.weight')"
+    )
+    assert "lm_head.weight" not in load_file(out / "model.safetensors")
+    loaded = _loads_cleanly(out)
+    assert torch.equal(_logits(loaded), _logits(model))
+
+
+def test_bit_identical_copies_of_a_tied_head_fit_a_base_that_ties(tied_base: tuple[Any, Path], tmp_path: Path) -> None:
+    # DCP (FSDP) stores the head and the embeddings as two records of equal bytes: no storage is shared.
+    import torch.distributed.checkpoint as dcp
+
+    from .conftest import dcp_one_process
+
+    model, base = tied_base
+    dcp.save(
+        {k: v.clone() for k, v in model.state_dict().items()}, checkpoint_id=str(tmp_path / "dcp"), **dcp_one_process()
+    )
+    out = tmp_path / "out"
+    code, _, stderr = run_cli("convert", str(tmp_path / "dcp"), f"{out}/", "--like", f"{base}/")
+    assert code == 0, stderr
+    assert stderr.splitlines()[0] == (
+        "note: left out 'lm_head.weight': it is a bit-identical copy of 'model.embed_tokens.weight', and the "
+        f"checkpoint '{base}/' ties them (it stores only 'model.embed_tokens.weight')"
+    )
+    assert torch.equal(_logits(_loads_cleanly(out)), _logits(model))
+
+
+def test_a_head_that_differs_from_the_embeddings_is_never_dropped(tied_base: tuple[Any, Path], tmp_path: Path) -> None:
+    model, base = tied_base
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"][0, 0] += 1  # trained untied: the head is data of its own
+    torch.save(state, tmp_path / "untied.pt")
+    code, _, stderr = run_cli("convert", str(tmp_path / "untied.pt"), f"{tmp_path / 'out'}/", "--like", f"{base}/")
+    assert code == 3
+    assert stderr.splitlines()[0].endswith("matches 20 keys, with 1 unexpected (e.g. 'lm_head.weight')")
+
+
+def test_a_tied_models_head_the_checkpoint_does_not_store_is_not_missing(tied_base: tuple[Any, Path]) -> None:
+    import ckptconv
+
+    model, base = tied_base
+    fresh = _llama(tie=True)
+    torch.nn.init.zeros_(fresh.model.embed_tokens.weight)
+    # Before: FitError "1 missing (e.g. 'lm_head.weight')".
+    report = ckptconv.load_into(fresh, base / "model.safetensors")
+    assert report.ok and report.tied == ("lm_head.weight",) and not report.missing
+    assert report.notes == (
+        "the checkpoint does not store 'lm_head.weight', which the LlamaForCausalLM model ties to "
+        "'model.embed_tokens.weight': not missing",
+    )
+    assert torch.equal(_logits(fresh), _logits(model))
