@@ -285,3 +285,130 @@ def test_a_tied_models_head_the_checkpoint_does_not_store_is_not_missing(tied_ba
         "'model.embed_tokens.weight': not missing",
     )
     assert torch.equal(_logits(fresh), _logits(model))
+
+
+# ------------------------------------------------------------------------------------------------
+# inspect says what the model is
+# ------------------------------------------------------------------------------------------------
+
+
+def _model_lines(stdout: str) -> list[str]:
+    lines = stdout.splitlines()
+    start = next(index for index, line in enumerate(lines) if line.startswith("model: "))
+    end = next(index for index in range(start + 1, len(lines)) if not lines[index].startswith("  "))
+    return lines[start:end]
+
+
+def test_inspect_says_a_tied_model_folder_is_tied(tied_base: tuple[Any, Path]) -> None:
+    code, stdout, _ = run_cli("inspect", str(tied_base[1]))
+    assert code == 0
+    assert _model_lines(stdout) == [  # before: the weights file alone
+        "model: model folder (LlamaForCausalLM)",
+        "  ties: tied (tie_word_embeddings: true, no lm_head.weight stored)",
+    ]
+
+
+def test_inspect_says_a_torch_save_shares_the_head_with_the_embeddings(tmp_path: Path) -> None:
+    _hf_bin_folder(_llama(tie=True), tmp_path / "hf")
+    code, stdout, _ = run_cli("inspect", str(tmp_path / "hf"))
+    assert code == 0
+    assert _model_lines(stdout)[1] == (
+        "  ties: tied (tie_word_embeddings: true, lm_head.weight shares storage with model.embed_tokens.weight)"
+    )
+
+
+def test_inspect_gives_a_mixture_of_experts_count_of_experts(tmp_path: Path) -> None:
+    config = transformers.MixtralConfig(
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
+    code, stdout, _ = run_cli("inspect", str(tmp_path / "moe"), "--json")
+    assert code == 0
+    import json
+
+    model = json.loads(stdout)["model"]
+    assert (model["kind"], model["architecture"], model["experts"]) == ("model folder", "MixtralForCausalLM", 4)
+    assert "  experts: 4 (as config.json says)" in _model_lines(run_cli("inspect", str(tmp_path / "moe"))[1])
+
+
+def test_inspect_says_a_training_run_holds_training_state_beside_the_model(tmp_path: Path) -> None:
+    model = _llama()
+    model.save_pretrained(tmp_path / "checkpoint-500")
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(input_ids=torch.arange(4).reshape(1, 4), labels=torch.arange(4).reshape(1, 4)).loss.backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    torch.save(optimizer.state_dict(), tmp_path / "checkpoint-500" / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp_path / "checkpoint-500" / "scheduler.pt")
+    code, stdout, _ = run_cli("inspect", str(tmp_path / "checkpoint-500"))
+    assert code == 0
+    assert _model_lines(stdout) == [
+        "model: training run (LlamaForCausalLM)",
+        "  ties: untied (tie_word_embeddings: false, lm_head.weight stored)",
+        "  training state beside it: optimizer.pt (optimizer state (Adam moments)), scheduler.pt (learning-rate "
+        "scheduler state)",
+    ]
+
+
+def test_inspect_gives_the_quantization_scheme_the_config_declares(tmp_path: Path) -> None:
+    from .test_quantized_cli import FP8_CONFIG, fp8_block_state, model_folder
+
+    folder = model_folder(tmp_path / "fp8", fp8_block_state(), {**FP8_CONFIG, "architectures": ["LlamaForCausalLM"]})
+    code, stdout, _ = run_cli("inspect", str(folder))
+    assert code == 0
+    assert _model_lines(stdout) == [
+        "model: model folder (LlamaForCausalLM)",
+        "  quantization: fp8 (as config.json says)",
+    ]
+
+
+def test_batch_fails_a_model_folder_holding_a_link_out_as_convert_does(tmp_path: Path) -> None:
+    zoo = tmp_path / "zoo"
+    _hf_bin_folder(_llama(), zoo / "hf")
+    (tmp_path / "private.json").write_text('{"secret": 1}')
+    (zoo / "hf" / "tokenizer.json").symlink_to(tmp_path / "private.json")
+    code, _, stderr = run_cli("batch", str(zoo), str(tmp_path / "out"))
+    assert code == 3
+    link = zoo / "hf" / "tokenizer.json"
+    assert stderr.splitlines()[0] == (
+        f"failed: hf: {str(link)!r} is a link that leads outside the checkpoint folder {str(zoo / 'hf')!r}; ckptconv "
+        "reads only files inside it (copy the file in instead of linking it)"
+    )
+    assert not (tmp_path / "out" / "hf").exists() or not any((tmp_path / "out" / "hf").iterdir())
+
+
+def test_batch_gives_an_adapter_and_a_folder_of_model_folders_their_folders(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    zoo = tmp_path / "zoo"
+    (zoo / "adapter").mkdir(parents=True)
+    (zoo / "st" / "1_Dense").mkdir(parents=True)
+    lora = {"base_model.model.q_proj.lora_A.weight": torch.arange(8.0).reshape(2, 4)}
+    save_file(lora, zoo / "adapter" / "adapter_model.safetensors")
+    (zoo / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+    save_file({"embeddings.weight": torch.ones(4, 2)}, zoo / "st" / "model.safetensors")
+    (zoo / "st" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (zoo / "st" / "modules.json").write_text(json.dumps([{"idx": 1, "path": "1_Dense", "type": "Dense"}]))
+    save_file({"linear.weight": torch.eye(2)}, zoo / "st" / "1_Dense" / "model.safetensors")
+    (zoo / "st" / "1_Dense" / "config.json").write_text("{}")
+    code, _, stderr = run_cli("batch", str(zoo), str(tmp_path / "out"), "--dtype", "bf16")
+    assert code == 0, stderr
+    assert stderr.splitlines()[-1].startswith("converted 2, skipped 0, failed 0 of 2 items")
+    out = tmp_path / "out"
+    assert sorted(os.listdir(out / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert torch.equal(
+        load_file(out / "adapter" / "adapter_model.safetensors")[next(iter(lora))], lora[next(iter(lora))].bfloat16()
+    )
+    assert torch.equal(
+        load_file(out / "st" / "1_Dense" / "model.safetensors")["linear.weight"], torch.eye(2).bfloat16()
+    )
+    assert sorted(os.listdir(out / "st")) == ["1_Dense", "config.json", "model.safetensors", "modules.json"]

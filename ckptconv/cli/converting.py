@@ -226,7 +226,10 @@ def batch(src: str, dst: str, **options: Any) -> None:
     Checkpoints are found by content and name, recursively; a sharded
     checkpoint (an index and its shards) or a DCP folder counts as one item.
     Outputs mirror the tree under DST with the suffix of --to (safetensors
-    unless --to pt): SRC/a/model.pth becomes DST/a/model.safetensors. When two
+    unless --to pt): SRC/a/model.pth becomes DST/a/model.safetensors. A model
+    folder (config.json beside the weights, a training run's checkpoint-N)
+    becomes a model folder, as convert makes it: SRC/hf/pytorch_model.bin
+    gives DST/hf/model.safetensors, its config and tokenizer files. When two
     inputs would share an output (x.pt and x.pth), both keep their full name
     (x.pt.safetensors, x.pth.safetensors). The transform options work as for
     convert. Failed items never stop the batch (unless --fail-fast); they are

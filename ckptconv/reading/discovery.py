@@ -162,6 +162,7 @@ def _run_members(folder: str) -> tuple[list[str], bool] | None:
 def _model_members(folder: str, names: Sequence[str]) -> tuple[list[str], tuple[str, ...]] | None:
     """The files of the model ``folder`` is (relative, ``/``-separated: its weights, then what it carries, then
     its parts' files), and its parts; None when it is no model folder (see the module docstring)."""
+    from ckptconv.errors import CkptconvError
     from ckptconv.reading.model_folder import ADAPTER_CONFIG_NAME, CONFIG_NAME, DECLARATIONS, resolve_model
 
     if not any(name in (CONFIG_NAME, ADAPTER_CONFIG_NAME, *DECLARATIONS) for name in names):
@@ -170,7 +171,10 @@ def _model_members(folder: str, names: Sequence[str]) -> tuple[list[str], tuple[
     if model is None:
         return None
     members = [os.path.relpath(path, folder).replace(os.sep, "/") for path in model.weights]
-    members += [name for name in model.inventory.carried if name not in members]
+    try:
+        members += [name for name in model.inventory.carried if name not in members]
+    except (CkptconvError, OSError):
+        pass  # a file beside the weights that must not be read (a link out): converting the item says so, and fails
     for part in model.parts:
         below = resolve_model(os.path.join(folder, part), strict=False)
         files = below.weights if below is not None else ()

@@ -313,10 +313,10 @@ class Model:
         return self.inventory.training_state
 
 
-def _kind(folder: str, parts: tuple[str, ...], config: Mapping[str, Any] | None, weights: tuple[str, ...]) -> str:
+def _kind(folder: str, parts: tuple[str, ...], adapter: bool, weights: tuple[str, ...]) -> str:
     if parts:
         return MODEL_FOLDERS
-    if config is None and os.path.isfile(os.path.join(folder, ADAPTER_CONFIG_NAME)):
+    if adapter:
         return ADAPTER
     names = [os.path.basename(name) for name in os.listdir(folder)]
     if any(name in _TRAINING_JSON for name in names):
@@ -364,7 +364,7 @@ def resolve_model(source: str, *, strict: bool = True) -> Model | None:
             if found in FRAMEWORK_FORMATS:
                 return None
             weights = tuple(os.path.abspath(name) for name in checkpoint_files(path))
-        return Model(_kind(folder, parts, config, weights), folder, found, weights, parts, config)
+        return Model(_kind(folder, parts, adapter, weights), folder, found, weights, parts, config)
     except (CkptconvError, OSError):
         if strict:
             raise
