@@ -45,6 +45,7 @@ also when they lie in a subfolder, and never items of their own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -171,10 +172,9 @@ def _model_members(folder: str, names: Sequence[str]) -> tuple[list[str], tuple[
     if model is None:
         return None
     members = [os.path.relpath(path, folder).replace(os.sep, "/") for path in model.weights]
-    try:
+    # A file beside the weights that must not be read (a link out): converting the item says so, and fails it.
+    with contextlib.suppress(CkptconvError, OSError):
         members += [name for name in model.inventory.carried if name not in members]
-    except (CkptconvError, OSError):
-        pass  # a file beside the weights that must not be read (a link out): converting the item says so, and fails
     for part in model.parts:
         below = resolve_model(os.path.join(folder, part), strict=False)
         files = below.weights if below is not None else ()
