@@ -356,14 +356,17 @@ def fit(state: Mapping[str, Any], reference: Any, *, partial: bool = False) -> t
 
     reference_keys = set(target_keys)
     dropped, notes = _tied_copies(state, final, target_reference)
-    tied = tuple(
-        key
-        for key in target_keys
-        if key not in fitted_keys and target_reference.tied.get(key) in fitted_keys and key not in dropped
-    )
+    # A tie goes both ways: a model tying lm_head to tok_emb loads either name from a file that kept the other
+    # (safetensors' save_model keeps one, whichever).
+    partners: dict[str, set[str]] = {}
+    for one, other in target_reference.tied.items():
+        partners.setdefault(one, set()).add(other)
+        partners.setdefault(other, set()).add(one)
+    stored = {key: sorted(partners.get(key, set()) & fitted_keys) for key in target_keys if key not in fitted_keys}
+    tied = tuple(key for key, found in stored.items() if found)
     notes += [
-        f"the checkpoint does not store {key!r}, which {target_reference.description} ties to "
-        f"{target_reference.tied[key]!r}: not missing"
+        f"the checkpoint does not store {key!r}, which {target_reference.description} ties to {stored[key][0]!r}: "
+        "not missing"
         for key in tied
     ]
     missing = tuple(key for key in target_keys if key not in fitted_keys and key not in tied)

@@ -412,3 +412,38 @@ def test_batch_gives_an_adapter_and_a_folder_of_model_folders_their_folders(tmp_
         load_file(out / "st" / "1_Dense" / "model.safetensors")["linear.weight"], torch.eye(2).bfloat16()
     )
     assert sorted(os.listdir(out / "st")) == ["1_Dense", "config.json", "model.safetensors", "modules.json"]
+
+
+class _TinyBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(16), torch.nn.LayerNorm(16)
+        self.qkv, self.proj = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+        self.fc1, self.fc2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+
+class _TinyLM(torch.nn.Module):
+    """The model fixtures/gpu/tied_lm_save_model.safetensors was saved from (its PROVENANCE): tok_emb and lm_head
+    tied, the file holding lm_head.weight alone (safetensors' save_model keeps one of the tied names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb = torch.nn.Embedding(64, 16), torch.nn.Embedding(16, 16)
+        self.block, self.ln_f = _TinyBlock(), torch.nn.LayerNorm(16)
+        self.lm_head = torch.nn.Linear(16, 64, bias=False)
+        self.lm_head.weight = self.tok_emb.weight
+        self.register_buffer("position_ids", torch.zeros(1, 16, dtype=torch.int64))
+
+
+def test_a_tied_model_loads_the_gpu_fixture_that_kept_only_one_of_its_tied_names() -> None:
+    import ckptconv
+
+    fixture = Path(__file__).parent.parent / "fixtures" / "gpu" / "tied_lm_save_model.safetensors"
+    model = _TinyLM()
+    # Before: FitError "1 missing (e.g. 'tok_emb.weight')".
+    report = ckptconv.load_into(model, fixture)
+    assert report.ok and report.tied == ("tok_emb.weight",)
+    stored = load_file(fixture)  # the safetensors library's own reader
+    assert torch.equal(model.tok_emb.weight, stored["lm_head.weight"])
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert all(torch.equal(model.state_dict()[key], value) for key, value in stored.items())
