@@ -27,7 +27,7 @@ from ckptconv._paths import PathLike, as_path
 from ckptconv.dtypes import DType
 from ckptconv.errors import CkptconvError, FitError, KeyCollisionError, LoadError, UnsupportedFormatError
 from ckptconv.reading import read_policy
-from ckptconv.reading.model_folder import ADAPTER, model_folder, read_config, resolve_model
+from ckptconv.reading.model_folder import ADAPTER, resolve_model
 from ckptconv.suffixes import INDEX_SUFFIXES
 from ckptconv.transforms.keys import AddPrefix, Canonicalize, StripPrefix, Transform, canonical_keys
 from ckptconv.transforms.ties import HEAD, input_embedding, same_data, shared_keys
@@ -508,10 +508,10 @@ def like_folder(reference: Any) -> LikeFolder | None:
     if not isinstance(reference, (str, os.PathLike)):
         return None
     path = as_path(reference)
-    folder = model_folder(path) if os.path.exists(path) else None
-    config = read_config(folder) if folder is not None else None
-    if folder is None or config is None:
-        return None
+    model = resolve_model(path) if os.path.exists(path) else None
+    if model is None or model.config is None or model.kind == ADAPTER:
+        return None  # a file, a training framework's folder, a folder without config.json: keys to fit, no more
+    folder, config = model.folder, model.config
     from ckptconv.loading import open as open_checkpoint
 
     checkpoint = open_checkpoint(path)
