@@ -190,11 +190,13 @@ def _convert_confined(job: Job) -> ItemResult:
         )
     outputs = tuple(
         OutputFile(
-            job.output_name + os.path.relpath(path, job.output).replace(os.sep, "/") if item.kind == MODEL else name,
+            job.output_name + os.path.relpath(path, job.output).replace(os.sep, "/")  # hf/ + model.safetensors
+            if item.kind == MODEL
+            else job.output_name,
             os.stat(path).st_size,
             file_sha256(path) if options.checksums else None,
         )
-        for path, name in zip(written, [job.output_name] * len(written))
+        for path in written
     )
     return ItemResult(
         source=item.name,
