@@ -447,3 +447,19 @@ def test_a_tied_model_loads_the_gpu_fixture_that_kept_only_one_of_its_tied_names
     assert torch.equal(model.tok_emb.weight, stored["lm_head.weight"])
     assert model.lm_head.weight is model.tok_emb.weight
     assert all(torch.equal(model.state_dict()[key], value) for key, value in stored.items())
+
+
+def test_inspect_shows_an_untrusted_config_escaped_and_bounded(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    (tmp_path / "m").mkdir()
+    save_file({"w": torch.ones(2)}, tmp_path / "m" / "model.safetensors")
+    config = {"architectures": ["\x1b]0;pwned\x07" + "A" * 500] * 9, "quantization_config": {"quant_method": 7}}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    code, stdout, _ = run_cli("inspect", str(tmp_path / "m"))
+    assert code == 0
+    (line,) = _model_lines(stdout)  # a quant_method that is no text is not shown
+    assert "\x1b" not in line and "\x07" not in line and len(line) < 600
+    assert line.startswith("model: model folder (\\x1b]0;pwned\\x07AAA") and line.endswith("... ...)")

@@ -95,8 +95,14 @@ class ModelInfo:
     parts: tuple[str, ...] = ()
 
 
+# A config is untrusted: what inspect shows of it is bounded (a 16 MiB "model_type" is one short line).
+_MAX_TEXT = 100
+
+
 def _text(value: Any) -> str:
-    return value if isinstance(value, str) else ""
+    if not isinstance(value, str):
+        return ""
+    return value if len(value) <= _MAX_TEXT else value[: _MAX_TEXT - 3] + "..."
 
 
 def _ties(config: Mapping[str, Any], weights: Mapping[str, TensorRef]) -> str:
@@ -130,9 +136,10 @@ def model_info(model: Model, weights: Mapping[str, TensorRef]) -> ModelInfo:
     """``model`` described for :func:`inspect` (``weights``: its selected weights, for the ties)."""
     config = model.config or {}
     architectures = config.get("architectures")
-    architecture = (
-        ", ".join(name for name in architectures if isinstance(name, str)) if isinstance(architectures, list) else ""
+    names = (
+        [_text(name) for name in architectures[:4] if isinstance(name, str)] if isinstance(architectures, list) else []
     )
+    architecture = ", ".join(names) + (" ..." if isinstance(architectures, list) and len(architectures) > 4 else "")
     quantization = config.get("quantization_config")
     return ModelInfo(
         kind=model.kind,
