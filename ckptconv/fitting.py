@@ -312,6 +312,11 @@ def fit(state: Mapping[str, Any], reference: Any, *, partial: bool = False) -> t
     ``_orig_mod.``, FSDP components) put back. The plan that matches the most
     keys wins, the shortest on a tie.
 
+    Tied names (:attr:`Reference.tied`): a checkpoint key the reference does not have but ties to one it
+    has (``lm_head.weight``, for a base folder with ``tie_word_embeddings: true``) is left out when it is that
+    key's data (the same storage, or a bit-identical copy), and a reference key the checkpoint does not store
+    is not missing when the checkpoint stores the key it is tied to; the report's notes say which.
+
     Args:
         state: names to tensors (lazy or torch); only names and shapes are used.
         reference: anything :func:`reference_from` accepts.

@@ -510,9 +510,13 @@ def test_cli_batch_lists_failures_and_exits_3(small_zoo: Path, tmp_path: Path) -
     assert code == 3 and stdout == ""
     lines = stderr.splitlines()
     empty = str(small_zoo / "a" / "empty.pt")
-    assert lines[0] == f"failed: a/empty.pt: {empty!r} is empty (0 bytes); the download or save did not finish"
-    assert lines[1].startswith("converted 3, skipped 0, failed 1 of 4 items")
-    assert len(lines) == 2
+    assert lines[0] == (  # a converted item's wrapper, named with its flag (issue 40)
+        "note: a/b/model.pth: every key starts with 'module.' (DataParallel/DDP); pass --strip-prefix module or "
+        "--canonical to remove it"
+    )
+    assert lines[1] == f"failed: a/empty.pt: {empty!r} is empty (0 bytes); the download or save did not finish"
+    assert lines[2].startswith("converted 3, skipped 0, failed 1 of 4 items")
+    assert len(lines) == 3
     assert_same_state(
         torch.load(out / "a" / "b" / "model.pt", weights_only=True),
         expected_weights(small_zoo / "a" / "b" / "model.pth"),
