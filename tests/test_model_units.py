@@ -463,3 +463,28 @@ def test_inspect_shows_an_untrusted_config_escaped_and_bounded(tmp_path: Path) -
     (line,) = _model_lines(stdout)  # a quant_method that is no text is not shown
     assert "\x1b" not in line and "\x07" not in line and len(line) < 600
     assert line.startswith("model: model folder (\\x1b]0;pwned\\x07AAA") and line.endswith("... ...)")
+
+
+@pytest.mark.parametrize(
+    "fixture, note",
+    [
+        (
+            "compiled_over_dataparallel.pt",
+            "every key starts with '_orig_mod.' (torch.compile), with 'module.' inside; pass --canonical to remove "
+            "every wrapper prefix",
+        ),
+        (
+            "fsdp1_ac_named_parameters.pt",
+            "every key starts with '_fsdp_wrapped_module.' (FSDP), with '_checkpoint_wrapped_module.' inside; pass "
+            "--canonical to remove every wrapper prefix",
+        ),
+    ],
+)
+def test_stacked_wrappers_on_every_key_point_to_canonical(fixture: str, note: str, tmp_path: Path) -> None:
+    source = Path(__file__).parent.parent / "fixtures" / "gpu" / fixture  # saved on GPUs by the frameworks
+    code, _, stderr = run_cli("convert", str(source), str(tmp_path / "out.safetensors"))
+    assert code == 0, stderr
+    assert f"note: {note}\n" in stderr
+    code, _, stderr = run_cli("convert", str(source), str(tmp_path / "c.safetensors"), "--canonical")
+    assert code == 0 and "every key starts with" not in stderr
+    assert not any(part.startswith("_") for key in load_file(tmp_path / "c.safetensors") for part in key.split("."))

@@ -236,9 +236,17 @@ def wrapper_note(keys: Iterable[str]) -> str:
         >>> wrapper_note(["module.conv.weight", "module.fc.bias"])
         "every key starts with 'module.' (DataParallel/DDP); pass --strip-prefix module or --canonical to remove it"
     """
+    keys = list(keys)
     wrapper = wrapper_on_every_key(keys)
     if wrapper is None:
         return ""
+    # Wrappers stacked under it (torch.compile over DataParallel, FSDP around checkpointing): one flag removes all.
+    others = [f"'{name}.'" for name in canonical_keys(keys)[1] if name != wrapper]
+    if others:
+        return (
+            f"{WRAPPER_NOTE}'{wrapper}.' ({_WRAPPER_OF[wrapper]}), with {', '.join(others)} inside; pass --canonical "
+            "to remove every wrapper prefix"
+        )
     return (
         f"{WRAPPER_NOTE}'{wrapper}.' ({_WRAPPER_OF[wrapper]}); pass --strip-prefix {wrapper} or --canonical to "
         "remove it"
