@@ -51,9 +51,10 @@ class Reference:
         keys: the names, in the reference's order.
         shapes: shapes by name, where the reference knows them (a key list does not).
         description: where the reference came from, for messages.
-        tied: the names the reference ties to another's data (``lm_head.weight`` -> ``model.embed_tokens.weight``):
-            a model's tensors that share storage, or the head of a model folder whose config says
-            ``tie_word_embeddings: true`` and which stores no head. :func:`fit` leaves out a checkpoint's copy of
+        tied: each name the reference fills from another's data (``lm_head.weight`` ->
+            ``model.embed_tokens.weight``): a model's tensors that share storage (both ways), or the head of a
+            model folder whose config says ``tie_word_embeddings: true`` (from the embeddings only: a model that
+            ties takes its head from its embeddings, never the reverse). :func:`fit` leaves out a checkpoint's copy of
             such a name when it is the other's data (the same storage, or a bit-identical copy), and does not
             call it missing when the checkpoint stores only the other.
     """
@@ -192,8 +193,8 @@ def _reference_from_file(path: str) -> Reference:
     model = resolve_model(path, strict=False)
     config = model.config if model is not None and model.kind != ADAPTER else None
     embedding = input_embedding(weights)
-    if config is not None and config.get("tie_word_embeddings") is True and HEAD not in weights and embedding:
-        tied[HEAD] = embedding  # save_pretrained of a tied model stores no head: the model takes the embeddings
+    if config is not None and config.get("tie_word_embeddings") is True and embedding:
+        tied[HEAD] = embedding  # the model takes its head from the embeddings (save_pretrained stores no head)
     shapes = {k: ref.shape for k, ref in weights.items()}
     return Reference(tuple(weights), shapes, f"the checkpoint {path!r}", tied)
 
@@ -361,17 +362,10 @@ def fit(state: Mapping[str, Any], reference: Any, *, partial: bool = False) -> t
 
     reference_keys = set(target_keys)
     dropped, notes = _tied_copies(state, final, target_reference)
-    # A tie goes both ways: a model tying lm_head to tok_emb loads either name from a file that kept the other
-    # (safetensors' save_model keeps one, whichever).
-    partners: dict[str, set[str]] = {}
-    for one, other in target_reference.tied.items():
-        partners.setdefault(one, set()).add(other)
-        partners.setdefault(other, set()).add(one)
-    stored = {key: sorted(partners.get(key, set()) & fitted_keys) for key in target_keys if key not in fitted_keys}
-    tied = tuple(key for key, found in stored.items() if found)
+    tied = tuple(key for key in target_keys if key not in fitted_keys and target_reference.tied.get(key) in fitted_keys)
     notes += [
-        f"the checkpoint does not store {key!r}, which {target_reference.description} ties to {stored[key][0]!r}: "
-        "not missing"
+        f"the checkpoint does not store {key!r}, which {target_reference.description} ties to "
+        f"{target_reference.tied[key]!r}: not missing"
         for key in tied
     ]
     missing = tuple(key for key in target_keys if key not in fitted_keys and key not in tied)

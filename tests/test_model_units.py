@@ -488,3 +488,41 @@ def test_stacked_wrappers_on_every_key_point_to_canonical(fixture: str, note: st
     code, _, stderr = run_cli("convert", str(source), str(tmp_path / "c.safetensors"), "--canonical")
     assert code == 0 and "every key starts with" not in stderr
     assert not any(part.startswith("_") for key in load_file(tmp_path / "c.safetensors") for part in key.split("."))
+
+
+def _tied_base_storing_its_head(model: Any, folder: Path) -> Path:
+    """A base folder whose config ties the head, but whose weights store a copy of it too."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    model.config.save_pretrained(folder)
+    state = {key: value.clone().contiguous() for key, value in model.state_dict().items()}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_a_head_the_base_ties_is_not_missing_when_the_source_stores_only_the_embeddings(tmp_path: Path) -> None:
+    model = _llama(tie=True)
+    base = _tied_base_storing_its_head(model, tmp_path / "base")
+    state = {key: value for key, value in model.state_dict().items() if key != "lm_head.weight"}
+    torch.save(state, tmp_path / "headless.pt")
+    out = tmp_path / "out"
+    code, _, stderr = run_cli("convert", str(tmp_path / "headless.pt"), f"{out}/", "--like", f"{base}/")
+    # Before: "... 1 missing (e.g. 'lm_head.weight')", exit 3.
+    assert code == 0, stderr
+    assert stderr.splitlines()[0] == (
+        f"note: the checkpoint does not store 'lm_head.weight', which the checkpoint '{base}/' ties to "
+        "'model.embed_tokens.weight': not missing"
+    )
+    assert torch.equal(_logits(_loads_cleanly(out)), _logits(model))
+
+
+def test_embeddings_the_source_lacks_are_missing_even_when_the_base_ties_them(tmp_path: Path) -> None:
+    # A tied model takes its head from its embeddings, never the reverse: the head cannot stand in for them.
+    model = _llama(tie=True)
+    base = _tied_base_storing_its_head(model, tmp_path / "base")
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "model.embed_tokens.weight"}
+    torch.save(state, tmp_path / "no_embeddings.pt")
+    code, _, stderr = run_cli("convert", str(tmp_path / "no_embeddings.pt"), f"{tmp_path}/out/", "--like", f"{base}/")
+    assert code == 3
+    assert stderr.splitlines()[0].endswith("with 1 missing (e.g. 'model.embed_tokens.weight')")

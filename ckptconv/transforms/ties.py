@@ -109,9 +109,9 @@ def same_data(a: Any, b: Any) -> str:
 
 
 def shared_keys(state: Mapping[str, Any]) -> dict[str, str]:
-    """Each key whose tensor is one tensor with an earlier key's (no byte read): that earlier key."""
-    first: dict[Any, str] = {}
-    tied: dict[str, str] = {}
+    """Each key whose tensor is one tensor with another key's (no byte read): that other key, both ways (a model
+    whose ``lm_head`` is its ``tok_emb`` loads either name from a file that kept the other)."""
+    groups: dict[Any, list[str]] = {}
     for key, value in state.items():
         if isinstance(value, TensorRef):
             identity: Any = (id(value.storage), value.offset, value.shape, value.stride, value.dtype, value.cast_to)
@@ -121,8 +121,10 @@ def shared_keys(state: Mapping[str, Any]) -> dict[str, str]:
                 continue
         else:
             continue
-        if identity in first:
-            tied[key] = first[identity]
-        else:
-            first[identity] = key
-    return tied
+        groups.setdefault(identity, []).append(key)
+    return {
+        key: next(other for other in group if other != key)
+        for group in groups.values()
+        if len(group) > 1
+        for key in group
+    }
