@@ -27,7 +27,7 @@ from ckptconv._paths import PathLike, as_path
 from ckptconv.dtypes import DType
 from ckptconv.errors import CkptconvError, FitError, KeyCollisionError, LoadError, UnsupportedFormatError
 from ckptconv.reading import read_policy
-from ckptconv.reading.model_folder import ADAPTER, resolve_model
+from ckptconv.reading.model_folder import resolve_model
 from ckptconv.suffixes import INDEX_SUFFIXES
 from ckptconv.transforms.keys import AddPrefix, Canonicalize, StripPrefix, Transform, canonical_keys
 from ckptconv.transforms.ties import HEAD, input_embedding, same_data, shared_keys
@@ -191,7 +191,7 @@ def _reference_from_file(path: str) -> Reference:
         return Reference(keys, {}, f"the key list {path!r}")
     tied = shared_keys(weights)
     model = resolve_model(path, strict=False)
-    config = model.config if model is not None and model.kind != ADAPTER else None
+    config = model.config if model is not None and not model.adapter else None
     embedding = input_embedding(weights)
     if config is not None and config.get("tie_word_embeddings") is True and embedding:
         tied[HEAD] = embedding  # the model takes its head from the embeddings (save_pretrained stores no head)
@@ -508,7 +508,7 @@ def like_folder(reference: Any) -> LikeFolder | None:
         return None
     path = as_path(reference)
     model = resolve_model(path) if os.path.exists(path) else None
-    if model is None or model.config is None or model.kind == ADAPTER:
+    if model is None or model.config is None or model.adapter:
         return None  # a file, a training framework's folder, a folder without config.json: keys to fit, no more
     folder, config = model.folder, model.config
     from ckptconv.loading import open as open_checkpoint

@@ -146,7 +146,7 @@ def model_info(model: Model, weights: Mapping[str, TensorRef]) -> ModelInfo:
         folder=model.folder,
         architecture=architecture or _text(config.get("model_type")),
         model_type=_text(config.get("model_type")),
-        ties=_ties(config, weights) if model.kind != "adapter" else "",
+        ties=_ties(config, weights) if not model.adapter else "",
         experts=_experts(config),
         quantization=_text(quantization.get("quant_method")) if isinstance(quantization, Mapping) else "",
         training_state=tuple(f"{name} ({what})" for name, what in model.training_state),

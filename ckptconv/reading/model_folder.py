@@ -283,23 +283,20 @@ class Model:
     """A model as a source gives it, resolved once (:func:`resolve_model`).
 
     Attributes:
-        kind: :data:`MODEL_FOLDER` (weights beside a ``config.json``), :data:`TRAINING_RUN` (a model folder with
-            training state beside it: HF Trainer's ``checkpoint-500/``), :data:`ADAPTER` (PEFT's
-            ``adapter_config.json`` beside its weights) or :data:`MODEL_FOLDERS` (``modules.json`` or
-            ``model_index.json`` declaring model folders inside it).
         folder: the model folder.
         format: the format of the weights at its top (``""`` when only its parts hold weights).
         weights: the files those weights are in (the file, or the index and its shards), absolute.
         parts: the model folders inside it (:func:`components`), converted each as a model folder of its own.
         config: its ``config.json`` (``adapter_config.json`` for an adapter), or None when it has none.
+        adapter: its weights are a PEFT adapter's (``adapter_config.json``, no ``config.json``).
     """
 
-    kind: str
     folder: str
     format: str
     weights: tuple[str, ...]
     parts: tuple[str, ...] = ()
     config: Mapping[str, Any] | None = field(default=None, compare=False)
+    adapter: bool = False
 
     @cached_property
     def inventory(self) -> Inventory:
@@ -312,23 +309,16 @@ class Model:
         """``(name, what)`` for each file of training state beside the weights (optimizer, scheduler ...)."""
         return self.inventory.training_state
 
-
-def _kind(folder: str, parts: tuple[str, ...], adapter: bool, weights: tuple[str, ...]) -> str:
-    if parts:
-        return MODEL_FOLDERS
-    if adapter:
-        return ADAPTER
-    names = [os.path.basename(name) for name in os.listdir(folder)]
-    if any(name in _TRAINING_JSON for name in names):
-        return TRAINING_RUN
-    read = {os.path.realpath(path) for path in weights}
-    for name in names:
-        path = os.path.join(folder, name)
-        if os.path.realpath(path) in read or name.startswith(".") or not os.path.isfile(path):
-            continue
-        if is_checkpoint_file(path) and training_state_of(path) is not None:
-            return TRAINING_RUN
-    return MODEL_FOLDER
+    @property
+    def kind(self) -> str:
+        """:data:`MODEL_FOLDERS` (``modules.json`` or ``model_index.json`` declaring model folders inside it),
+        :data:`ADAPTER` (PEFT's ``adapter_config.json`` beside its weights), :data:`TRAINING_RUN` (training state
+        beside the model: HF Trainer's ``checkpoint-500/``; asks :attr:`inventory`) or :data:`MODEL_FOLDER`."""
+        if self.parts:
+            return MODEL_FOLDERS
+        if self.adapter:
+            return ADAPTER
+        return TRAINING_RUN if self.training_state else MODEL_FOLDER
 
 
 def resolve_model(source: str, *, strict: bool = True) -> Model | None:
@@ -364,7 +354,7 @@ def resolve_model(source: str, *, strict: bool = True) -> Model | None:
             if found in FRAMEWORK_FORMATS:
                 return None
             weights = tuple(os.path.abspath(name) for name in checkpoint_files(path))
-        return Model(_kind(folder, parts, adapter, weights), folder, found, weights, parts, config)
+        return Model(folder, found, weights, parts, config, adapter)
     except (CkptconvError, OSError):
         if strict:
             raise
