@@ -30,12 +30,13 @@ from ckptconv.quantization.schemes import DECLARATION_KEYS
 from ckptconv.quantization.stage import Dequantization, declared_scheme
 from ckptconv.reading.formats._base import Deferred, MetadataValue
 from ckptconv.reading.integrity import check_record_crcs
-from ckptconv.reading.model_folder import components, holds_weights, model_folder
+from ckptconv.reading.model_folder import FRAMEWORK_FORMATS, Model, resolve_model
 from ckptconv.reading.streaming import reads_whole_record
 from ckptconv.reading.unpickling.rebuild import DEQUANTIZED_ORIGIN
 from ckptconv.runtime import cores as _cores
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.weights import Selection
+from ckptconv.transforms import keys as key_transforms
 from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix, Transform, cast_step, compile_pattern
 from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing import model_files, write_policy
@@ -44,19 +45,6 @@ from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, sou
 from ckptconv.writing.writer import Progress, tied_note, write_state
 
 __all__ = ["ConversionReport", "convert"]
-
-
-# Wrapper prefixes users meet, for hints when the one they asked for is absent.
-_KNOWN_WRAPPERS = (
-    "module.",
-    "_orig_mod.",
-    "_forward_module.",
-    "model.",
-    "_fsdp_wrapped_module.",
-    "_checkpoint_wrapped_module.",
-    "backbone.",
-    "net.",
-)
 
 
 @dataclass(frozen=True)
@@ -125,7 +113,7 @@ def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> l
         return []
     prefix = step.component
     if report.changed == 0:
-        starts = sorted({wrapper for wrapper in _KNOWN_WRAPPERS for key in keys if key.startswith(wrapper)})
+        starts = sorted({start for start in key_transforms.HINTED_PREFIXES for key in keys if key.startswith(start)})
         hint = f"; keys start with {', '.join(repr(s) for s in starts)}" if starts else ""
         return [f"no key starts with {prefix!r}, so none was renamed{hint}"]
     total = report.changed + report.unchanged
@@ -192,25 +180,23 @@ def convert(
     options = (options or ConversionOptions()).with_changes("convert", **changes)
     # Its bookkeeping builds and walks objects for every tensor: see ckptconv.runtime.collector.
     with collector_paused():
-        folder = model_folder(source)
-        parts = components(folder) if folder is not None else ()
-        if parts:
-            return _convert_parts(folder or source, destination, options, parts, dry_run=dry_run, progress=progress)
-        return _convert(source, destination, options, dry_run=dry_run, progress=progress)
+        model = resolve_model(source)  # what the source is, once: a model folder (or a folder of them), or a file
+        if model is not None and model.parts:
+            return _convert_parts(model, destination, options, dry_run=dry_run, progress=progress)
+        return _convert(source, destination, options, model=model, dry_run=dry_run, progress=progress)
 
 
-def _convert_parts(
-    root: str, destination: str | None, options: ConversionOptions, parts: tuple[str, ...], **how: Any
-) -> ConversionReport:
+def _convert_parts(model: Model, destination: str | None, options: ConversionOptions, **how: Any) -> ConversionReport:
     """A folder of model folders (sentence-transformers' modules, diffusers' components): the model at its top (or
     its files alone), then each part into the folder of its name under ``destination``, converted alike; a failure
     removes every file written."""
+    root, parts = model.folder, model.parts
     if destination is not None and not is_folder_destination(destination, options.to, options.max_shard_size):
         shown = ", ".join(f"{part}/" for part in parts)
         raise DestinationError(f"{root!r} is a folder of models ({shown}); give a folder as DST (out/)", path=root)
     made = write_policy.missing_folders(destination, folder_output=True, parts=parts) if destination else []
-    if holds_weights(root):
-        reports = [_convert(root, destination, options, parts=parts, **how)]
+    if model.weights:
+        reports = [_convert(root, destination, options, model=model, **how)]
     else:
         carried, files = model_files.write_alone(
             root, None if how["dry_run"] else destination, parts, overwrite=options.overwrite, fsync=options.fsync
@@ -243,10 +229,10 @@ def _convert(
     *,
     dry_run: bool,
     progress: Progress,
-    parts: tuple[str, ...] = (),
+    model: Model | None = None,
 ) -> ConversionReport:
-    """The pipeline: load, select, transform, then (unless a dry run) write, verifying as it writes (``parts``: the
-    model folders inside the source's, converted apart)."""
+    """The pipeline: load, select, transform, then (unless a dry run) write, verifying as it writes (``model``: the
+    model folder the source is, whose parts are converted apart)."""
     reference = _verify_reference(options)
     like = like_folder(options.fit_to)  # --like base_model/: the output takes after a model folder
     folder_out = destination is not None and is_folder_destination(destination, options.to, None)
@@ -274,9 +260,9 @@ def _convert(
     summary = _summary(checkpoint, selection, transformed, destination, options)
     # A model folder in (or --like's) carries its configs, tokenizer ... to a folder out, rewritten where the
     # conversion changed what they say; a file out gets a note on what stays behind.
-    folder = like.folder if like is not None else model_folder(as_path(source))
+    folder = like.folder if like is not None else model.folder if model is not None else None
     carried = None
-    if folder is not None and summary.format != "dcp" and (like or checkpoint.format not in _NO_MODEL_FOLDER):
+    if folder is not None and summary.format != "dcp" and (like or checkpoint.format not in FRAMEWORK_FORMATS):
         carried = model_files.carry(
             folder,
             like.files if like is not None else (checkpoint.files or (checkpoint.path,)),
@@ -285,7 +271,7 @@ def _convert(
             dequantized=transformed.dequantized,
             quantization_config=transformed.quantization_config,
             file_output=destination is not None and not is_folder_destination(destination, summary.format, None),
-            parts=parts,
+            parts=model.parts if model is not None else (),
         )
     if carried is not None and (dry_run or destination is None or not carried.files):
         summary = dataclasses.replace(summary, notes=summary.notes + carried.notes)
@@ -316,10 +302,6 @@ def _quantize(transformed: _Transformed, options: ConversionOptions, *, already:
     keep = [compile_pattern(pattern) for pattern in cast.keep] if cast is not None else []
     transformed.state, transformed.quantization_config, note = fp8_quantize.quantize_state(transformed.state, keep)
     transformed.notes.append(note)
-
-
-# Folders of a training framework's own (their model files, if any, are not Hugging Face's).
-_NO_MODEL_FOLDER = ("dcp", "megatron-torch-dist", "deepspeed", "rank-shards")
 
 
 def _verify_reference(options: ConversionOptions) -> str | None:
@@ -381,6 +363,8 @@ def _transform(selection: Selection, options: ConversionOptions) -> _Transformed
         reports.append(report)
         notes.extend([*_prefix_notes(step, report, keys), *report.notes])  # the report's notes are all the notes
 
+    if fit_to is None and not any("--canonical" in note for note in notes):  # fit puts wrappers right itself
+        notes.extend(filter(None, [key_transforms.wrapper_note(state)]))  # a wrapper on every key: its flag
     origins = _origins(list(selection.weights), pipeline.steps)
     fit_report = None
     if fit_to is not None:
@@ -388,6 +372,8 @@ def _transform(selection: Selection, options: ConversionOptions) -> _Transformed
 
         before = list(state)
         state, fit_report = fit(state, fit_to)
+        before = [key for key in before if key not in fit_report.dropped]  # a tied copy fit left out
+        notes.extend(fit_report.notes)
         if origins is not None and fit_report.ok:
             origins = {new: origins[old] for old, new in zip(before, state)}
         if not fit_report.ok:

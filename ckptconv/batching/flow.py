@@ -40,7 +40,7 @@ from ckptconv.batching.outputs import Planned, folds_case, plan_outputs
 from ckptconv.batching.report import CANCELLED, FAILED, PLANNED, SKIPPED, UNSAFE, BatchReport, ItemResult
 from ckptconv.errors import DestinationError, LoadError, WriteError
 from ckptconv.options import ConversionOptions, fingerprint_defaults, fingerprint_flags
-from ckptconv.reading.discovery import FILE, Item, discover
+from ckptconv.reading.discovery import FILE, MODEL, Item, discover
 from ckptconv.writing import write_policy
 from ckptconv.writing.naming import output_format
 from ckptconv.writing.provenance import file_sha256
@@ -146,13 +146,24 @@ def _still_done(plan: Planned, record: dict[str, Any] | None, output_dir: str, f
             return False
     # The outputs vouch only as this item's own file in DST: a record is data anyone may have edited,
     # and a path that leaves DST (``../x``, ``/abs``, a link) or names another file proves nothing.
+    # A model folder's outputs are its files, each inside the folder it names (``hf/model.safetensors``).
     outputs = record.get("outputs")
-    if not isinstance(outputs, list) or len(outputs) != 1 or not isinstance(outputs[0], dict):
+    model = item.kind == MODEL
+    if not isinstance(outputs, list) or not outputs or (len(outputs) != 1 and not model):
         return False
-    (output,) = outputs
-    if output.get("path") != plan.output:
+    for output in outputs:
+        name = output.get("path") if isinstance(output, dict) else None
+        if not isinstance(name, str) or not _vouches(output, name, plan.output, output_dir, model=model):
+            return False
+    return True
+
+
+def _vouches(output: dict[str, Any], name: str, planned: str, output_dir: str, *, model: bool) -> bool:
+    """True when the recorded output ``name`` is the planned output (a file inside it, for a model folder) and
+    still has its recorded size and sha256."""
+    if name != planned and not (model and name.startswith(planned) and ".." not in name.split("/")):
         return False
-    path = os.path.join(output_dir, *plan.output.split("/"))
+    path = os.path.join(output_dir, *name.split("/"))
     try:
         inside = os.path.realpath(path).startswith(os.path.join(os.path.realpath(output_dir), ""))
         info = os.lstat(path)
@@ -298,7 +309,7 @@ def batch(
 
     globs = [glob] if isinstance(glob, str) else list(glob or ())
     notes: list[str] = []
-    items = discover(source_dir, globs=globs, exclude=[output], notes=notes)
+    items = discover(source_dir, globs=globs, exclude=[output], notes=notes, models=True)
     planned = plan_outputs(items, kind, fold_case=folds_case(output))
     manifest_path = os.path.join(output, MANIFEST_NAME)
     fingerprint = _fingerprint(options)

@@ -21,12 +21,14 @@ from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.quantization import dequantize
 from ckptconv.quantization.stage import declared_scheme
+from ckptconv.reading.model_folder import Model, resolve_model
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.state_dicts import as_tensor, is_module, part_text
+from ckptconv.transforms.keys import wrapper_note
 from ckptconv.values.standins import ForeignGlobal, ForeignObject, NumpyArray
 from ckptconv.values.tensor import TensorRef
 
-__all__ = ["CheckpointInfo", "TensorInfo", "inspect"]
+__all__ = ["CheckpointInfo", "ModelInfo", "TensorInfo", "inspect"]
 
 
 #: Keys a :class:`TensorInfo` names among those sharing its storage (``shares_count`` counts them all).
@@ -58,6 +60,100 @@ class TensorInfo:
     shares_count: int = 0
 
 
+# How configs count a mixture of experts' experts: Mixtral, Qwen-MoE and OLMoE, DeepSeek, others.
+_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What model a folder is, as its config and its files say (no tensor read).
+
+    Attributes:
+        kind: ``"model folder"``, ``"training run"`` (training state beside the model), ``"adapter"`` or
+            ``"model folders"`` (:class:`ckptconv.reading.model_folder.Model`).
+        folder: the model folder.
+        architecture: the config's ``architectures`` (``"LlamaForCausalLM"``), else its ``model_type``; ``""``.
+        model_type: the config's ``model_type``, ``""`` when it has none.
+        ties: the head and the embeddings: ``"tied (tie_word_embeddings: true)"`` ...; ``""`` when neither the
+            config nor the weights say.
+        experts: a mixture of experts' count of experts, as the config says (None for a dense model).
+        quantization: the config's ``quantization_config.quant_method``, ``""`` when it declares none.
+        training_state: ``"name (what)"`` for each file of training state beside the model (optimizer,
+            scheduler, trainer state ...).
+        parts: the model folders inside it.
+    """
+
+    kind: str
+    folder: str
+    architecture: str = ""
+    model_type: str = ""
+    ties: str = ""
+    experts: int | None = None
+    quantization: str = ""
+    training_state: tuple[str, ...] = ()
+    parts: tuple[str, ...] = ()
+
+
+# A config is untrusted: what inspect shows of it is bounded (a 16 MiB "model_type" is one short line).
+_MAX_TEXT = 100
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        return ""
+    return value if len(value) <= _MAX_TEXT else value[: _MAX_TEXT - 3] + "..."
+
+
+def _ties(config: Mapping[str, Any], weights: Mapping[str, TensorRef]) -> str:
+    """What the config and the weights say of the head and the input embeddings: ``"tied (tie_word_embeddings:
+    true, no lm_head.weight stored)"``; ``""`` when neither says anything."""
+    declared = config.get("tie_word_embeddings")
+    said = [f"tie_word_embeddings: {str(declared).lower()}"] if isinstance(declared, bool) else []
+    head = weights.get(_HEAD)
+    shared = None
+    if head is not None:
+        shared = next((key for key, ref in weights.items() if key != _HEAD and ref.storage is head.storage), None)
+        said.append(f"{_HEAD} shares storage with {shared}" if shared else f"{_HEAD} stored")
+    elif declared is True and weights:
+        said.append(f"no {_HEAD} stored")
+    if not said:
+        return ""
+    return f"{'tied' if declared is True or shared is not None else 'untied'} ({', '.join(said)})"
+
+
+def _experts(config: Mapping[str, Any]) -> int | None:
+    for scope in (config, config.get("text_config")):
+        if isinstance(scope, Mapping):
+            for name in _EXPERT_FIELDS:
+                value = scope.get(name)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+    return None
+
+
+def model_info(model: Model, weights: Mapping[str, TensorRef]) -> ModelInfo:
+    """``model`` described for :func:`inspect` (``weights``: its selected weights, for the ties)."""
+    config = model.config or {}
+    architectures = config.get("architectures")
+    names = (
+        [_text(name) for name in architectures[:4] if isinstance(name, str)] if isinstance(architectures, list) else []
+    )
+    architecture = ", ".join(names) + (" ..." if isinstance(architectures, list) and len(architectures) > 4 else "")
+    quantization = config.get("quantization_config")
+    return ModelInfo(
+        kind=model.kind,
+        folder=model.folder,
+        architecture=architecture or _text(config.get("model_type")),
+        model_type=_text(config.get("model_type")),
+        ties=_ties(config, weights) if not model.adapter else "",
+        experts=_experts(config),
+        quantization=_text(quantization.get("quant_method")) if isinstance(quantization, Mapping) else "",
+        training_state=tuple(f"{name} ({what})" for name, what in model.training_state),
+        parts=model.parts,
+    )
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     """A description of a checkpoint file.
@@ -79,6 +175,8 @@ class CheckpointInfo:
         total_tensors: tensors anywhere in the file (optimizer state included).
         quantization: the quantization scheme the checkpoint declares or gives away, and what
             dequantizing would write, or why it is refused; ``""`` for an unquantized checkpoint.
+        model: what model a folder (or its index) is (:class:`ModelInfo`); None for a single file.
+        notes: what the user should hear (a wrapper prefix on every key, and the flag that removes it).
     """
 
     path: str
@@ -98,6 +196,8 @@ class CheckpointInfo:
     dtypes: Mapping[str, int]
     total_tensors: int
     quantization: str = ""
+    model: ModelInfo | None = None
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (what ``ckptconv inspect --json`` prints)."""
@@ -108,6 +208,13 @@ class CheckpointInfo:
         ]
         data["saved_devices"] = list(self.saved_devices)
         data["alternatives"] = list(self.alternatives)
+        data["notes"] = list(self.notes)
+        if self.model is not None:
+            data["model"] = {
+                **asdict(self.model),
+                "training_state": list(self.model.training_state),
+                "parts": list(self.model.parts),
+            }
         return data
 
 
@@ -240,6 +347,8 @@ def _inspect(path: PathLike, *, select: str | None, trust: bool) -> CheckpointIn
         dtypes=dict(Counter(ref.out_dtype.name for ref in weights.values())),
         total_tensors=sum(1 for _ in checkpoint.tensors()),
         quantization=_quantization(path, checkpoint, weights),
+        model=model_info(model, weights) if (model := resolve_model(as_path(path), strict=False)) else None,
+        notes=tuple(filter(None, [wrapper_note(weights)])),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -13,6 +13,9 @@ from ckptconv._text import human_bytes, plural
 from ckptconv.cli.failures import Command, interrupted_code, signal_name
 from ckptconv.cli.option_sets import conversion_arguments, conversion_options, sections
 from ckptconv.cli.terminal import echo, say, shortened
+
+if TYPE_CHECKING:
+    from ckptconv.batching.report import BatchReport
 
 
 def run_conversion(
@@ -136,8 +139,10 @@ def convert(src: str, dst: str, reference: str | None, **options: Any) -> None:
 def strip_module(src: str, dst: str, **options: Any) -> None:
     """Remove the 'module.' prefix DataParallel and DDP add to every key.
 
-    Only a leading 'module.' component is removed, once; keys without it are
-    left unchanged and counted ('modules.0' and 'module_list' are never cut).
+    Only a leading 'module.' component is removed, once, also where it follows
+    torch.compile's '_orig_mod.' or Lightning's '_forward_module.' (a note then
+    points to --canonical for the wrapper left); keys without it are left
+    unchanged and counted ('modules.0' and 'module_list' are never cut).
 
     \b
     Example:
@@ -145,7 +150,7 @@ def strip_module(src: str, dst: str, **options: Any) -> None:
     """
     from ckptconv.transforms.keys import StripPrefix
 
-    run_conversion(src, dst, [StripPrefix("module")], options)
+    run_conversion(src, dst, [StripPrefix("module", under_wrappers=True)], options)
 
 
 @click.command("add-module", cls=Command)
@@ -222,7 +227,10 @@ def batch(src: str, dst: str, **options: Any) -> None:
     Checkpoints are found by content and name, recursively; a sharded
     checkpoint (an index and its shards) or a DCP folder counts as one item.
     Outputs mirror the tree under DST with the suffix of --to (safetensors
-    unless --to pt): SRC/a/model.pth becomes DST/a/model.safetensors. When two
+    unless --to pt): SRC/a/model.pth becomes DST/a/model.safetensors. A model
+    folder (config.json beside the weights, a training run's checkpoint-N)
+    becomes a model folder, as convert makes it: SRC/hf/pytorch_model.bin
+    gives DST/hf/model.safetensors, its config and tokenizer files. When two
     inputs would share an output (x.pt and x.pth), both keep their full name
     (x.pt.safetensors, x.pth.safetensors). The transform options work as for
     convert. Failed items never stop the batch (unless --fail-fast); they are
@@ -296,6 +304,7 @@ def batch(src: str, dst: str, **options: Any) -> None:
         more = len(training_state) - 6
         shown_files = ", ".join(training_state[:6]) + (f" and {more} more" if more > 0 else "")
         say(quiet, f"skipped {plural(len(training_state), 'file')} of training state, not model weights: {shown_files}")
+    _say_item_hints(report, quiet)
     for result in report.unsafe:  # errors: shown even with -q
         echo(f"unsafe: {result.source}: {shortened(result.error)}", err=True)
     for result in report.failed:
@@ -306,3 +315,24 @@ def batch(src: str, dst: str, **options: Any) -> None:
     manifest = f"; manifest: {report.manifest}" if report.manifest else "; nothing was written"
     say(quiet, report.summary() + manifest)
     click.get_current_context().exit(report.exit_code)
+
+
+# The notes of a converted item that ask something of the user, shown by batch as convert shows them: a wrapper
+# left on every key (and the flag that removes it), the training state a model folder's conversion left out.
+_ITEM_HINTS = ("left out the training state",)
+_MAX_HINTS = 10
+
+
+def _say_item_hints(report: BatchReport, quiet: bool) -> None:
+    from ckptconv.transforms.keys import WRAPPER_NOTE
+
+    hints = [
+        f"note: {result.source}: {note}"
+        for result in report.converted
+        for note in result.notes
+        if note.startswith((WRAPPER_NOTE, *_ITEM_HINTS))
+    ]
+    for line in hints[:_MAX_HINTS]:
+        say(quiet, line)
+    if len(hints) > _MAX_HINTS:
+        say(quiet, f"note: and {len(hints) - _MAX_HINTS} more such notes; the manifest has every item's notes")
