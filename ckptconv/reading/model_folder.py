@@ -343,10 +343,17 @@ def resolve_model(source: str, *, strict: bool = True) -> Model | None:
     if folder is None:
         return None
     try:
-        config = read_config(folder)
+        try:
+            config, invalid = read_config(folder), False
+        except InvalidConfigError:
+            # Still a model folder: batch makes it one item, whose conversion refuses the config in one line
+            # (taken file by file, its weights would be converted past the config that describes them).
+            if strict:
+                raise
+            config, invalid = None, True
         parts = components(folder)
-        adapter = config is None and os.path.isfile(os.path.join(folder, ADAPTER_CONFIG_NAME))
-        if not strict and config is None and not parts and not adapter:
+        adapter = config is None and not invalid and os.path.isfile(os.path.join(folder, ADAPTER_CONFIG_NAME))
+        if not strict and config is None and not parts and not adapter and not invalid:
             return None
         if adapter:
             config = _read_json(folder, ADAPTER_CONFIG_NAME)
