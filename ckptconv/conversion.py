@@ -39,6 +39,7 @@ from ckptconv.selection.weights import Selection
 from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix, Transform, cast_step, compile_pattern
 from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing import model_files, write_policy
+from ckptconv.writing.locks import OutputLock, locked
 from ckptconv.writing.naming import is_folder_destination, output_format
 from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, source_sha256
 from ckptconv.writing.writer import Progress, tied_note, write_state
@@ -191,16 +192,19 @@ def convert(
     source, destination = as_path(source), None if destination is None else as_path(destination)
     options = (options or ConversionOptions()).with_changes("convert", **changes)
     # Its bookkeeping builds and walks objects for every tensor: see ckptconv.runtime.collector.
-    with collector_paused():
+    # One writer per output: the lock on DST comes first (a second writer is refused, named).
+    with collector_paused(), locked(None if dry_run else destination) as lock:
         folder = model_folder(source)
         parts = components(folder) if folder is not None else ()
         if parts:
-            return _convert_parts(folder or source, destination, options, parts, dry_run=dry_run, progress=progress)
-        return _convert(source, destination, options, dry_run=dry_run, progress=progress)
+            return _convert_parts(
+                folder or source, destination, options, parts, lock, dry_run=dry_run, progress=progress
+            )
+        return _convert(source, destination, options, dry_run=dry_run, progress=progress, lock=lock)
 
 
 def _convert_parts(
-    root: str, destination: str | None, options: ConversionOptions, parts: tuple[str, ...], **how: Any
+    root: str, destination: str | None, options: ConversionOptions, parts: tuple[str, ...], lock: Any, **how: Any
 ) -> ConversionReport:
     """A folder of model folders (sentence-transformers' modules, diffusers' components): the model at its top (or
     its files alone), then each part into the folder of its name under ``destination``, converted alike; a failure
@@ -210,7 +214,7 @@ def _convert_parts(
         raise DestinationError(f"{root!r} is a folder of models ({shown}); give a folder as DST (out/)", path=root)
     made = write_policy.missing_folders(destination, folder_output=True, parts=parts) if destination else []
     if holds_weights(root):
-        reports = [_convert(root, destination, options, parts=parts, **how)]
+        reports = [_convert(root, destination, options, parts=parts, lock=lock, **how)]
     else:
         carried, files = model_files.write_alone(
             root, None if how["dry_run"] else destination, parts, overwrite=options.overwrite, fsync=options.fsync
@@ -244,6 +248,7 @@ def _convert(
     dry_run: bool,
     progress: Progress,
     parts: tuple[str, ...] = (),
+    lock: OutputLock | None = None,
 ) -> ConversionReport:
     """The pipeline: load, select, transform, then (unless a dry run) write, verifying as it writes (``parts``: the
     model folders inside the source's, converted apart)."""
@@ -291,7 +296,7 @@ def _convert(
         summary = dataclasses.replace(summary, notes=summary.notes + carried.notes)
     if dry_run or destination is None:
         return summary
-    return _write(checkpoint, selection, transformed, destination, options, summary, reference, progress, carried)
+    return _write(checkpoint, selection, transformed, destination, options, summary, reference, progress, carried, lock)
 
 
 def _dequantization(
@@ -484,9 +489,10 @@ def _write(
     reference: str | None,
     progress: Progress,
     carried: model_files.ModelFiles | None = None,
+    lock: OutputLock | None = None,
 ) -> ConversionReport:
-    """Write the transformed weights, checking CRC-32s, hashing the source and verifying beside the write; then the
-    model files a model folder carries (refused before any weight is written when they exist)."""
+    """Write the transformed weights (checking CRC-32s, hashing, verifying beside the write) and the model files a
+    model folder carries (refused first when they exist): one transaction (:mod:`ckptconv.writing.transaction`)."""
     state, notes, kind = transformed.state, list(summary.notes), summary.format
     pipeline, fit_to, dequantization = options.transforms, options.fit_to, transformed.dequantization
     metadata = _output_metadata(checkpoint, selection, transformed, kind, options)
@@ -548,8 +554,6 @@ def _write(
         if options.source_hash and options.provenance:
             digest = hasher.submit(_cores.in_background(source_sha256), checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
-        folder_output = is_folder_destination(destination, kind, options.max_shard_size)
-        made = write_policy.missing_folders(as_path(destination), folder_output=folder_output)  # gone on failure
         try:
             written = write_state(
                 state,
@@ -565,16 +569,13 @@ def _write(
                 fsync=options.fsync,
                 tied=options.tied,
                 record_crcs=record_crcs if read_whole else None,
-                stem=carried.stem if carried is not None else None,
+                carried=carried,
+                lock=lock,
             )
         except BaseException:
             give_up.set()  # do not make a failed conversion wait for the hash
             raise
-    files = written.files
     if carried is not None and carried.files:
-        files += model_files.write(
-            carried, written.path, inputs=inputs, fsync=options.fsync, weights=written.files, made=made
-        )
         notes.extend(carried.notes)
     notes.extend(written.notes)  # files an --overwrite kept
     if written.aliases:
@@ -591,7 +592,7 @@ def _write(
         tensors=written.tensors,
         bytes=written.bytes,
         aliases=written.aliases,
-        files=files,
+        files=written.files,
         notes=tuple(notes),
         verified=True if reference is not None else None,
         verified_with="ckptconv" if fallback is not None else reference or "",

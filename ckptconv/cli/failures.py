@@ -103,7 +103,9 @@ class Group(cloup.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         from ckptconv.errors import CkptconvError, DestinationError, FitError, interruption
+        from ckptconv.writing.transaction import published_outputs
 
+        published_outputs(forget=True)  # an interruption names only what this command published
         try:
             return super().invoke(ctx)
         except click.UsageError as error:  # a command's options and arguments
@@ -150,7 +152,11 @@ class Group(cloup.Group):
 
 def _interrupted(ctx: click.Context, interrupt: KeyboardInterrupt) -> NoReturn:
     """Say the command was interrupted (its partial outputs are gone) and exit 130, or 143 for SIGTERM."""
-    echo(f"ckptconv: interrupted{signal_name(interrupt)}; no output was written", err=True)
+    from ckptconv.writing.transaction import published_outputs
+
+    published = published_outputs()  # a folder output published whole before it came
+    written = f"{published[-1]!r} was written whole first" if published else "no output was written"
+    echo(f"ckptconv: interrupted{signal_name(interrupt)}; {written}", err=True)
     ctx.exit(interrupted_code(interrupt))
 
 
