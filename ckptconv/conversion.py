@@ -8,6 +8,7 @@ the file was saved on) comes back in :class:`ConversionReport.notes`.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,9 +40,10 @@ from ckptconv.selection.weights import Selection
 from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix, Transform, cast_step, compile_pattern
 from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing import model_files, write_policy
-from ckptconv.writing.locks import OutputLock, locked
+from ckptconv.writing.locks import OutputLock
 from ckptconv.writing.naming import is_folder_destination, output_format
 from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, source_sha256
+from ckptconv.writing.transaction import enclosing, locked
 from ckptconv.writing.writer import Progress, tied_note, write_state
 
 __all__ = ["ConversionReport", "convert"]
@@ -207,28 +209,26 @@ def _convert_parts(
     root: str, destination: str | None, options: ConversionOptions, parts: tuple[str, ...], lock: Any, **how: Any
 ) -> ConversionReport:
     """A folder of model folders (sentence-transformers' modules, diffusers' components): the model at its top (or
-    its files alone), then each part into the folder of its name under ``destination``, converted alike; a failure
-    removes every file written."""
+    its files alone), then each part into the folder of its name under ``destination``, converted alike, all in one
+    transaction."""
     if destination is not None and not is_folder_destination(destination, options.to, options.max_shard_size):
         shown = ", ".join(f"{part}/" for part in parts)
         raise DestinationError(f"{root!r} is a folder of models ({shown}); give a folder as DST (out/)", path=root)
-    made = write_policy.missing_folders(destination, folder_output=True, parts=parts) if destination else []
-    if holds_weights(root):
-        reports = [_convert(root, destination, options, parts=parts, lock=lock, **how)]
-    else:
-        carried, files = model_files.write_alone(
-            root, None if how["dry_run"] else destination, parts, overwrite=options.overwrite, fsync=options.fsync
-        )
-        kind = options.to or "safetensors"
-        shown = os.path.abspath(destination) if destination is not None and not how["dry_run"] else ""
-        reports = [ConversionReport(root, shown, "model folders", kind, "", (), 0, 0, notes=carried.notes, files=files)]
-    try:
+    whole = enclosing(lock, source=root, fsync=options.fsync) if lock is not None else contextlib.nullcontext()
+    with whole:  # one transaction: the top and every part are published at once, or nothing is
+        if holds_weights(root):
+            reports = [_convert(root, destination, options, parts=parts, lock=lock, **how)]
+        else:
+            carried, files = model_files.write_alone(
+                root, None if how["dry_run"] else destination, parts, overwrite=options.overwrite, fsync=options.fsync
+            )
+            kind = options.to or "safetensors"
+            shown = os.path.abspath(destination) if destination is not None and not how["dry_run"] else ""
+            notes = carried.notes
+            reports = [ConversionReport(root, shown, "model folders", kind, "", (), 0, 0, notes=notes, files=files)]
         for part in parts:
             target = None if destination is None else os.path.join(destination, part, "")
             reports.append(convert(os.path.join(root, part), target, options=options, **how))
-    except BaseException:
-        write_policy.remove_written([path for report in reports for path in report.files], made)
-        raise
     named = list(zip(("", *(f"{part}/: " for part in parts)), reports))
     return dataclasses.replace(
         reports[0],

@@ -124,7 +124,7 @@ def test_a_failure_at_every_step_leaves_the_old_output_or_the_new_one_whole(kind
     pristine = tmp_path / "pristine"
     if out.exists():
         shutil.copytree(out, pristine, symlinks=True)
-    assert len(steps) >= 12 and any(step.startswith("exchange") or step.startswith("rename") for step in steps)
+    assert len(steps) >= 12 and any(step.startswith(("exchange", "rename")) for step in steps)
     outcomes = []
     for failing in range(len(steps)):
         _restore(pristine, out)
@@ -214,9 +214,9 @@ def test_sigkill_at_every_step_leaves_the_old_output_or_the_new_one_and_the_next
     if out.exists():
         shutil.copytree(out, pristine, symlinks=True)
     outcomes = set()
+    marker = tmp_path / "reached"
     for index in range(len(steps)):
         _restore(pristine, out)
-        marker = tmp_path / "reached"
         marker.unlink(missing_ok=True)
         process = _in_child(lambda index=index: _with_hook(_pausing_at(index, marker), args)[0])
         _wait_for(marker, process)
@@ -242,10 +242,9 @@ def test_sigint_at_every_step_of_an_overwrite_keeps_the_old_output_or_says_the_n
     new, steps = _expected(tmp_path, args, out)
     pristine = tmp_path / "pristine"
     shutil.copytree(out, pristine, symlinks=True)
-    errors = tmp_path / "stderr"
+    errors, marker = tmp_path / "stderr", tmp_path / "reached"
     for index in range(0, len(steps), 2 if kind == "single" else 3):
         _restore(pristine, out)
-        marker = tmp_path / "reached"
         marker.unlink(missing_ok=True)
 
         def interrupted(index: int = index) -> int:
@@ -281,7 +280,7 @@ def test_a_file_size_limit_met_at_a_carried_file_keeps_the_whole_previous_output
     done = subprocess.run(
         [sys.executable, "-m", "ckptconv", *args],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-        preexec_fn=limited,  # noqa: PLW1509 - no threads in the child yet
+        preexec_fn=limited,
         capture_output=True,
         text=True,
         check=False,
@@ -315,9 +314,10 @@ def test_two_converts_into_one_folder_at_once_never_both_succeed_with_a_mix(tmp_
         winner = (first, second)[codes.index(0)]
         # The output is the winner's whole: its weights (read by the safetensors library) and its files.
         written = load_file(out / "model.safetensors")
-        assert all(torch.equal(written[key], value.to(torch.bfloat16)) for key, value in _weights(
-            1 if winner == first else 2
-        ).items())
+        assert all(
+            torch.equal(written[key], value.to(torch.bfloat16))
+            for key, value in _weights(1 if winner == first else 2).items()
+        )
         for name in ("tokenizer.json", "README.md", "generation_config.json"):
             assert (out / name).read_bytes() == (winner / name).read_bytes()
         assert (out / "chat_template.jinja").exists() == (winner == first)
@@ -361,7 +361,7 @@ def test_staging_folders_are_never_read_as_outputs_or_sources(tmp_path: Path) ->
     args, out = _scenario(tmp_path, "fresh")
     marker = tmp_path / "reached"
     steps = _expected(tmp_path, args, out)[1]
-    index = next(i for i, step in enumerate(steps) if step.startswith("exchange") or step.startswith("rename the"))
+    index = next(i for i, step in enumerate(steps) if step.startswith(("exchange", "rename the")))
     process = _in_child(lambda: _with_hook(_pausing_at(index, marker), args)[0])
     _wait_for(marker, process)
     os.kill(process.pid, signal.SIGKILL)
@@ -370,3 +370,35 @@ def test_staging_folders_are_never_read_as_outputs_or_sources(tmp_path: Path) ->
     assert (tmp_path / staging / "model.safetensors").exists() and not out.exists()
     code, stdout, _ = run_cli("batch", str(tmp_path), str(tmp_path.parent / f"{tmp_path.name}-batch"), "--dry-run")
     assert code == 0 and staging not in stdout, stdout
+
+
+def test_a_folder_of_models_is_one_transaction_too(tmp_path: Path) -> None:
+    """A diffusers-like pipeline (model_index.json, unet/, vae/): an --overwrite whose vae/ fails after the top and
+    unet/ were converted leaves the earlier output byte for byte; one that succeeds replaces all of it."""
+    pipeline = tmp_path / "pipe"
+    (pipeline / "scheduler").mkdir(parents=True)
+    (pipeline / "model_index.json").write_text(json.dumps({"_class_name": "P", "unet": ["d", "U"], "vae": ["d", "V"]}))
+    (pipeline / "scheduler" / "scheduler_config.json").write_text("{}")
+    for part in ("unet", "vae"):
+        (pipeline / part).mkdir()
+        (pipeline / part / "config.json").write_text(json.dumps({"_class_name": part, "torch_dtype": "float32"}))
+        save_file(_weights(3), pipeline / part / "diffusion_pytorch_model.safetensors")
+    out = tmp_path / "out"
+    assert run_cli("convert", str(pipeline), f"{out}/", "-q") == (0, "", "")
+    old = _tree(out)
+    big = _weights(3)
+    big["model.layers.0.weight"][0, 0] = 1e10  # fp16 overflows here: vae/ is refused after unet/ was written
+    save_file(big, pipeline / "vae" / "diffusion_pytorch_model.safetensors")
+    code, _, stderr = run_cli("convert", str(pipeline), f"{out}/", "--overwrite", "--dtype", "fp16")
+    assert code == 1 and "casting to float16 would turn finite values" in stderr, stderr
+    assert _tree(out) == old and _leftovers(tmp_path) == []
+    code, _, stderr = run_cli("convert", str(pipeline), f"{out}/", "--overwrite", "--dtype", "bf16", "-q")
+    assert code == 0, stderr
+    for part in ("unet", "vae"):
+        assert load_file(out / part / "diffusion_pytorch_model.safetensors")["model.layers.1.weight"].dtype == (
+            torch.bfloat16
+        )
+        assert json.loads((out / part / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert _leftovers(tmp_path) == [] and sorted(p.name for p in out.iterdir()) == [
+        "model_index.json", "scheduler", "unet", "vae",
+    ]  # fmt: skip

@@ -35,9 +35,9 @@ from ckptconv.errors import DestinationError, LoadError, WriteError
 from ckptconv.options import ConversionOptions, fingerprint_defaults, fingerprint_flags
 from ckptconv.reading.discovery import FILE, Item, discover
 from ckptconv.writing import write_policy
-from ckptconv.writing.locks import locked
 from ckptconv.writing.naming import output_format
 from ckptconv.writing.provenance import file_sha256
+from ckptconv.writing.transaction import locked
 
 __all__ = ["batch"]
 

@@ -7,6 +7,7 @@ and exit 2; Ctrl-C and SIGTERM exit 130 and 143. Set ``CKPTCONV_DEBUG=1`` to see
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, NoReturn
 
 import click
@@ -103,9 +104,10 @@ class Group(cloup.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         from ckptconv.errors import CkptconvError, DestinationError, FitError, interruption
-        from ckptconv.writing.transaction import published_outputs
 
-        published_outputs(forget=True)  # an interruption names only what this command published
+        transaction = sys.modules.get("ckptconv.writing.transaction")  # not imported for --help
+        if transaction is not None:
+            transaction.published_outputs(forget=True)  # an interruption names only what this command published
         try:
             return super().invoke(ctx)
         except click.UsageError as error:  # a command's options and arguments
@@ -152,9 +154,8 @@ class Group(cloup.Group):
 
 def _interrupted(ctx: click.Context, interrupt: KeyboardInterrupt) -> NoReturn:
     """Say the command was interrupted (its partial outputs are gone) and exit 130, or 143 for SIGTERM."""
-    from ckptconv.writing.transaction import published_outputs
-
-    published = published_outputs()  # a folder output published whole before it came
+    transaction = sys.modules.get("ckptconv.writing.transaction")
+    published = transaction.published_outputs() if transaction is not None else ()  # a folder output, published whole
     written = f"{published[-1]!r} was written whole first" if published else "no output was written"
     echo(f"ckptconv: interrupted{signal_name(interrupt)}; {written}", err=True)
     ctx.exit(interrupted_code(interrupt))

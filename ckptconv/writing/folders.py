@@ -16,7 +16,7 @@ from ckptconv.writing import shards, write_policy
 from ckptconv.writing.atomic import atomic_output
 from ckptconv.writing.files import WriteReport, save_file
 from ckptconv.writing.provenance import written_by_ckptconv
-from ckptconv.writing.transaction import FolderTransaction
+from ckptconv.writing.transaction import FolderTransaction, _Part
 
 
 def save_folder(
@@ -35,7 +35,7 @@ def save_folder(
     dedupe: bool = True,
     record_crcs: dict[Storage, int] | None = None,
     stem: str | None = None,
-    transaction: FolderTransaction,
+    transaction: FolderTransaction | _Part,
 ) -> WriteReport:
     """Write a sharded or DCP folder as a whole or not at all (:mod:`.transaction`).
 
@@ -74,7 +74,7 @@ def save_folder(
     # Only the old output's files ckptconv wrote are removed; a file of the same family that carries no
     # provenance (the user's own, or a --no-provenance output) stays where it is.
     removed = [name for name in stale if written_by_ckptconv(os.path.join(folder, name))]
-    transaction.drop.update(removed)
+    transaction.drop_old(removed)
     staging = transaction.path
     staged: list[str] = []  # names, in the order they were written: the index or .metadata last
     aliases: dict[str, str] = {}

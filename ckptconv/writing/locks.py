@@ -18,14 +18,13 @@ import json
 import os
 import socket
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from ckptconv._text import shown
 from ckptconv.errors import WriteError
 from ckptconv.writing import faults, write_policy
 
-__all__ = ["OutputLock", "lock_name", "locked", "resolved"]
+__all__ = ["OutputLock", "lock_name", "resolved"]
 
 _SUFFIX = ".ckptconv-lock"
 #: A destination name longer than this is shortened (and a hash added) in the names beside it: NAME_MAX is 255.
@@ -190,20 +189,3 @@ class OutputLock:
         finally:
             os.close(self._fd)
             self._fd = -1
-
-
-@contextlib.contextmanager
-def locked(destination: str | None, *, what: str = "ckptconv") -> Iterator[OutputLock | None]:
-    """The lock on ``destination`` for the block (None: nothing is written, no lock); the missing folders above
-    it are made first, and removed again when the block fails."""
-    if destination is None:
-        yield None
-        return
-    parent = os.path.dirname(os.path.abspath(destination.rstrip("/" + os.sep) or destination))
-    made = write_policy.make_folders(parent) if not os.path.isdir(parent) else []
-    try:
-        with OutputLock(destination, what=what) as lock:
-            yield lock
-    except BaseException:
-        write_policy.remove_folders(made)
-        raise

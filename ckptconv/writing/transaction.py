@@ -29,6 +29,7 @@ each step in turn.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import errno
 import functools
@@ -44,10 +45,10 @@ from ckptconv.errors import CkptconvError, WriteError
 from ckptconv.reading.read_policy import inside
 from ckptconv.runtime.signals import signals_deferred
 from ckptconv.writing import faults, write_policy
-from ckptconv.writing.locks import OutputLock, short_name
+from ckptconv.writing.locks import OutputLock, resolved, short_name
 from ckptconv.writing.staging import remove_abandoned_staging
 
-__all__ = ["FolderTransaction", "is_staging", "published_outputs"]
+__all__ = ["FolderTransaction", "enclosing", "enclosing_part", "is_staging", "locked", "published_outputs"]
 
 _STAGING = re.compile(r"\A\..+\.ckptconv-(?:staging|old)-\d+-[0-9a-f]{8}\Z")
 
@@ -204,6 +205,10 @@ class FolderTransaction:
             raise
 
     # -- the staging folder
+
+    def drop_old(self, names: Iterable[str]) -> None:
+        """The old output's files ``names`` (relative), which ckptconv wrote, go when the new output is published."""
+        self.drop.update(names)
 
     def final(self, path: str) -> str:
         """The name ``path`` (in the staging folder) has once published."""
@@ -414,3 +419,84 @@ def _link(source: str, target: str, info: os.stat_result) -> None:
             "of the folder first",
             path=source,
         )
+
+
+class _Part:
+    """A folder inside an enclosing transaction's output (a diffusers component, ``unet/``): written into that
+    transaction's staging folder, published with it."""
+
+    leftover: str | None = None
+
+    def __init__(self, outer: FolderTransaction, relative: str) -> None:
+        self.outer = outer
+        self.relative = relative
+        self.destination = os.path.join(outer.destination, relative) if relative else outer.destination
+        self.path = os.path.join(outer.path, relative) if relative else outer.path
+        write_policy.make_folders(self.path, root=outer.path)
+
+    def drop_old(self, names: Iterable[str]) -> None:
+        self.outer.drop_old(f"{self.relative}/{name}" if self.relative else name for name in names)
+
+    def final(self, path: str) -> str:
+        return self.outer.final(path)
+
+    def named_finally(self, error: CkptconvError) -> None:
+        self.outer.named_finally(error)
+
+    @contextlib.contextmanager
+    def undone_on_failure(self) -> Iterator[None]:
+        try:
+            yield
+        except CkptconvError as error:
+            self.named_finally(error)
+            raise
+
+    def publish(self) -> tuple[str, ...]:
+        return ()  # with the enclosing transaction
+
+
+_ENCLOSING: contextvars.ContextVar[FolderTransaction | None] = contextvars.ContextVar("enclosing", default=None)
+
+
+def enclosing_part(destination: str) -> _Part | None:
+    """The part of the enclosing transaction's output that ``destination`` names, or None outside one."""
+    outer = _ENCLOSING.get()
+    if outer is None:
+        return None
+    relative = os.path.relpath(resolved(destination), outer.destination)
+    if relative == os.pardir or relative.startswith(os.pardir + os.sep):
+        return None
+    return _Part(outer, "" if relative == os.curdir else relative.replace(os.sep, "/"))
+
+
+@contextlib.contextmanager
+def enclosing(lock: OutputLock, *, source: str, fsync: bool) -> Iterator[FolderTransaction]:
+    """One transaction for every folder output written in the block inside ``lock``'s destination (a folder of
+    models: its top and each part), published when the block ends, or discarded when it fails."""
+    files = [os.path.join(root, name) for root, _, names in os.walk(source) for name in names]
+    transaction = FolderTransaction(lock, inputs=write_policy.Inputs(files), fsync=fsync)
+    token = _ENCLOSING.set(transaction)
+    try:
+        with transaction.undone_on_failure():
+            yield transaction
+            transaction.publish()
+    finally:
+        _ENCLOSING.reset(token)
+
+
+@contextlib.contextmanager
+def locked(destination: str | None, *, what: str = "ckptconv") -> Iterator[OutputLock | None]:
+    """The lock on ``destination`` for the block (None: nothing is written, or the destination is part of an
+    enclosing transaction's output, whose lock covers it); the missing folders above it are made first, and
+    removed again when the block fails."""
+    if destination is None or enclosing_part(destination) is not None:
+        yield None
+        return
+    parent = os.path.dirname(destination.rstrip("/" + os.sep)) or os.curdir  # as the user spelled it, for errors
+    made = write_policy.make_folders(parent) if not os.path.isdir(parent) else []
+    try:
+        with OutputLock(destination, what=what) as lock:
+            yield lock
+    except BaseException:
+        write_policy.remove_folders(made)
+        raise

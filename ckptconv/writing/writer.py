@@ -32,7 +32,7 @@ from ckptconv.writing.locks import OutputLock
 from ckptconv.writing.model_files import ModelFiles
 from ckptconv.writing.naming import is_folder_destination, output_format
 from ckptconv.writing.room import check_room, planned_bytes
-from ckptconv.writing.transaction import FolderTransaction
+from ckptconv.writing.transaction import FolderTransaction, _Part, enclosing_part
 
 __all__ = ["WriteReport", "output_format", "save", "tied_note", "write_state"]
 
@@ -208,16 +208,20 @@ def write_state(
     # A missing parent folder is created, as save_pretrained does, below the part of the path that exists
     # (write_policy.make_folders says how far); removed again when the write fails.
     parent = os.path.dirname(path.rstrip("/" + os.sep))
+    part = enclosing_part(target) if folder_output else None  # a part of a folder of models: made where staged
     with contextlib.ExitStack() as cleanup:
-        created = write_policy.make_folders(parent) if parent and not os.path.isdir(parent) else []
+        made = parent and not os.path.isdir(parent) and part is None
+        created = write_policy.make_folders(parent) if made else []
         cleanup.push(lambda *error: write_policy.remove_folders(created) if error[0] is not None else None)
         update, close = _progress_callback(progress, total, target)
         cleanup.callback(close)
         cleanup.enter_context(keeping_open())  # each source file opened once for all its tensors
         cleanup.enter_context(keeping_workers())  # one pool of cast threads for all the tensors
         if folder_output:
-            held = cleanup.enter_context(contextlib.nullcontext(lock) if lock is not None else OutputLock(target))
-            transaction = FolderTransaction(held, inputs=protected, fsync=fsync)
+            transaction: FolderTransaction | _Part | None = part
+            if transaction is None:
+                held = cleanup.enter_context(contextlib.nullcontext(lock) if lock is not None else OutputLock(target))
+                transaction = FolderTransaction(held, inputs=protected, fsync=fsync)
             with transaction.undone_on_failure():
                 report = save_folder(
                     entries,
@@ -256,7 +260,7 @@ def write_state(
         )
 
 
-def _publish(transaction: FolderTransaction, report: WriteReport, carried: tuple[str, ...]) -> WriteReport:
+def _publish(transaction: FolderTransaction | _Part, report: WriteReport, carried: tuple[str, ...]) -> WriteReport:
     """Publish a folder output, all of it staged (weights, index, the model files ``carried``), in one step. A check
     of the whole staged output (:attr:`FolderTransaction.path`) before it is published belongs here."""
     kept = transaction.publish()
