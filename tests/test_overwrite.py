@@ -121,13 +121,13 @@ def test_sigkill_during_an_overwrite_leaves_the_previous_output_loadable(
     process, _ = _start_slow(tmp_path, "convert", str(second), f"{out}/", *extra, "--overwrite", "-q", tmpfile=tmpfile)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
-    visible = {name: digest for name, digest in _digests(out).items() if not name.startswith(".ckptconv-staging.")}
-    assert visible == before
+    assert _digests(out) == before  # the new files are staged beside the folder, never in it
     if layout == "shards":
         _assert_same(_load_sharded(out, "safetensors"), _tensors(6))
-    # The next write into the folder removes the staging folder the killed writer left.
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".dst.ckptconv-staging-")]
+    # The next write into the folder removes the staging folder (and the lock file) the killed writer left.
     assert run_cli("convert", str(first), f"{out}/", *extra, "--overwrite", "-q")[0] == 0
-    assert not [p for p in out.iterdir() if p.name.startswith(".ckptconv-staging.")]
+    assert not [p for p in tmp_path.iterdir() if "ckptconv-" in p.name]
     assert _digests(out) == before
 
 
