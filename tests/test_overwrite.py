@@ -141,8 +141,8 @@ def test_an_overwrite_that_keeps_files_ckptconv_did_not_write_names_them_in_one_
     assert code == 0, stderr
     notes = [line for line in stderr.splitlines() if line.startswith("note: kept")]
     assert notes == [
-        f"note: kept 2 files in {str(out)!r} that ckptconv did not write and the new output does not use: "
-        "model-00003-of-00003.safetensors, model.safetensors; remove them if they are not yours to keep"
+        f"note: kept 2 files in {str(out)!r} that the new output does not use and ckptconv cannot tell it wrote: "
+        "model-00003-of-00003.safetensors, model.safetensors; remove them if they do not belong with the new output"
     ], stderr
     assert load_file(out / "model.safetensors")["mine"].tolist() == [1.0, 1.0, 1.0]  # kept, unchanged
     _assert_same(_load_sharded(out, "safetensors"), _tensors(6))

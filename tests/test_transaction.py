@@ -402,3 +402,18 @@ def test_a_folder_of_models_is_one_transaction_too(tmp_path: Path) -> None:
     assert _leftovers(tmp_path) == [] and sorted(p.name for p in out.iterdir()) == [
         "model_index.json", "scheduler", "unet", "vae",
     ]  # fmt: skip
+
+
+def test_an_overwrite_keeps_every_file_it_does_not_replace_as_the_same_file_and_names_it(tmp_path: Path) -> None:
+    args, out = _scenario(tmp_path, "sharded")
+    kept = {name: os.stat(out / name).st_ino for name in ("notes.txt", "mine/data.bin", "chat_template.jinja")}
+    code, _, stderr = run_cli(*[arg for arg in args if arg != "-q"])
+    assert code == 0, stderr
+    assert {name: os.stat(out / name).st_ino for name in kept} == kept  # the same files, not copies
+    assert (
+        f"note: kept 3 files in {str(out)!r} that the new output does not use and ckptconv cannot tell it wrote: "
+        "chat_template.jinja, mine/data.bin, notes.txt; remove them if they do not belong with the new output\n"
+    ) in stderr
+    # The earlier output's shards and index, which carry ckptconv's provenance, went; the new output is whole.
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("model")) == ["model.safetensors"]
+    assert all(v.dtype == torch.bfloat16 for v in load_file(out / "model.safetensors").values())

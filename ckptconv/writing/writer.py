@@ -264,8 +264,8 @@ def _publish(transaction: FolderTransaction | _Part, report: WriteReport, carrie
     """Publish a folder output, all of it staged (weights, index, the model files ``carried``), in one step. A check
     of the whole staged output (:attr:`FolderTransaction.path`) before it is published belongs here."""
     kept = transaction.publish()
-    noted = {os.path.basename(path) for path in report.kept}
-    others = [os.path.join(report.path, *name.split("/")) for name in kept if name not in noted]
+    noted = set(report.kept)
+    others = [path for path in (os.path.join(report.path, *name.split("/")) for name in kept) if path not in noted]
     if transaction.leftover is not None:
         others.append(transaction.leftover)
     return dataclasses.replace(report, files=report.files + carried, kept=report.kept + tuple(others))
