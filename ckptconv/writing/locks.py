@@ -83,7 +83,7 @@ class OutputLock:
 
     Args:
         destination: the output file or folder (it need not exist; its folder must).
-        what: the kind of writer, for the refusal (``"ckptconv"``, ``"ckptconv batch"``).
+        what: the kind of writer, recorded for the refusal of the next one (``"ckptconv"``, ``"ckptconv batch"``).
 
     Attributes:
         path: the lock file.
@@ -132,8 +132,9 @@ class OutputLock:
             except BlockingIOError:
                 record = _read(fd) or {}
                 os.close(fd)
+                holder = shown(record["what"]) if isinstance(record.get("what"), str) else "ckptconv"
                 raise WriteError(
-                    f"another {self.what} is writing {self.destination!r}{_described(record)}; wait for it to finish",
+                    f"another {holder} is writing {self.destination!r}{_described(record)}; wait for it to finish",
                     path=self.destination,
                 ) from None
             except OSError:
@@ -161,7 +162,7 @@ class OutputLock:
         if self._fd < 0 or self._kept:
             return
         self._record.update(fields)
-        data = json.dumps({**_holder(), **self._record}, ensure_ascii=True).encode("ascii")
+        data = json.dumps({**_holder(), "what": self.what, **self._record}, ensure_ascii=True).encode("ascii")
         try:
             faults.point("record")
             os.ftruncate(self._fd, 0)
