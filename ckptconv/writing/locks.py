@@ -116,8 +116,10 @@ class OutputLock:
 
     def acquire(self) -> None:
         """Take the lock, or refuse in one line naming its holder."""
-        import fcntl
-
+        try:
+            import fcntl
+        except ImportError:  # Windows: no flock; one writer per output is then up to the user, as for the manifest
+            fcntl = None  # type: ignore[assignment]
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         for _ in range(100):  # the holder removes the file as it lets go: open the one that is there now
             try:
@@ -128,7 +130,8 @@ class OutputLock:
                     write_policy.check_not_a_link(self.path)
                 raise write_policy.os_error(error, self.path) from None
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if fcntl is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 record = _read(fd) or {}
                 os.close(fd)
