@@ -8,6 +8,7 @@ the file was saved on) comes back in :class:`ConversionReport.notes`.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -40,8 +41,10 @@ from ckptconv.transforms import keys as key_transforms
 from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix, Transform, cast_step, compile_pattern
 from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing import model_files, write_policy
+from ckptconv.writing.locks import OutputLock
 from ckptconv.writing.naming import is_folder_destination, output_format
 from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, source_sha256
+from ckptconv.writing.transaction import enclosing, locked
 from ckptconv.writing.writer import Progress, tied_note, write_state
 
 __all__ = ["ConversionReport", "convert"]
@@ -179,38 +182,39 @@ def convert(
     source, destination = as_path(source), None if destination is None else as_path(destination)
     options = (options or ConversionOptions()).with_changes("convert", **changes)
     # Its bookkeeping builds and walks objects for every tensor: see ckptconv.runtime.collector.
-    with collector_paused():
+    # One writer per output: the lock on DST comes first (a second writer is refused, named).
+    with collector_paused(), locked(None if dry_run else destination) as lock:
         model = resolve_model(source)  # what the source is, once: a model folder (or a folder of them), or a file
         if model is not None and model.parts:
-            return _convert_parts(model, destination, options, dry_run=dry_run, progress=progress)
-        return _convert(source, destination, options, model=model, dry_run=dry_run, progress=progress)
+            return _convert_parts(model, destination, options, lock, dry_run=dry_run, progress=progress)
+        return _convert(source, destination, options, model=model, dry_run=dry_run, progress=progress, lock=lock)
 
 
-def _convert_parts(model: Model, destination: str | None, options: ConversionOptions, **how: Any) -> ConversionReport:
+def _convert_parts(
+    model: Model, destination: str | None, options: ConversionOptions, lock: OutputLock | None, **how: Any
+) -> ConversionReport:
     """A folder of model folders (sentence-transformers' modules, diffusers' components): the model at its top (or
-    its files alone), then each part into the folder of its name under ``destination``, converted alike; a failure
-    removes every file written."""
+    its files alone), then each part into the folder of its name under ``destination``, converted alike, all in one
+    transaction."""
     root, parts = model.folder, model.parts
     if destination is not None and not is_folder_destination(destination, options.to, options.max_shard_size):
         shown = ", ".join(f"{part}/" for part in parts)
         raise DestinationError(f"{root!r} is a folder of models ({shown}); give a folder as DST (out/)", path=root)
-    made = write_policy.missing_folders(destination, folder_output=True, parts=parts) if destination else []
-    if model.weights:
-        reports = [_convert(root, destination, options, model=model, **how)]
-    else:
-        carried, files = model_files.write_alone(
-            root, None if how["dry_run"] else destination, parts, overwrite=options.overwrite, fsync=options.fsync
-        )
-        kind = options.to or "safetensors"
-        shown = os.path.abspath(destination) if destination is not None and not how["dry_run"] else ""
-        reports = [ConversionReport(root, shown, "model folders", kind, "", (), 0, 0, notes=carried.notes, files=files)]
-    try:
+    whole = enclosing(lock, source=root, fsync=options.fsync) if lock is not None else contextlib.nullcontext()
+    with whole:  # one transaction: the top and every part are published at once, or nothing is
+        if model.weights:
+            reports = [_convert(root, destination, options, model=model, lock=lock, **how)]
+        else:
+            carried, files = model_files.write_alone(
+                root, None if how["dry_run"] else destination, parts, overwrite=options.overwrite, fsync=options.fsync
+            )
+            kind = options.to or "safetensors"
+            shown = os.path.abspath(destination) if destination is not None and not how["dry_run"] else ""
+            notes = carried.notes
+            reports = [ConversionReport(root, shown, "model folders", kind, "", (), 0, 0, notes=notes, files=files)]
         for part in parts:
             target = None if destination is None else os.path.join(destination, part, "")
             reports.append(convert(os.path.join(root, part), target, options=options, **how))
-    except BaseException:
-        write_policy.remove_written([path for report in reports for path in report.files], made)
-        raise
     named = list(zip(("", *(f"{part}/: " for part in parts)), reports))
     return dataclasses.replace(
         reports[0],
@@ -230,6 +234,7 @@ def _convert(
     dry_run: bool,
     progress: Progress,
     model: Model | None = None,
+    lock: OutputLock | None = None,
 ) -> ConversionReport:
     """The pipeline: load, select, transform, then (unless a dry run) write, verifying as it writes (``model``: the
     model folder the source is, whose parts are converted apart)."""
@@ -277,7 +282,7 @@ def _convert(
         summary = dataclasses.replace(summary, notes=summary.notes + carried.notes)
     if dry_run or destination is None:
         return summary
-    return _write(checkpoint, selection, transformed, destination, options, summary, reference, progress, carried)
+    return _write(checkpoint, selection, transformed, destination, options, summary, reference, progress, carried, lock)
 
 
 def _dequantization(
@@ -470,9 +475,10 @@ def _write(
     reference: str | None,
     progress: Progress,
     carried: model_files.ModelFiles | None = None,
+    lock: OutputLock | None = None,
 ) -> ConversionReport:
-    """Write the transformed weights, checking CRC-32s, hashing the source and verifying beside the write; then the
-    model files a model folder carries (refused before any weight is written when they exist)."""
+    """Write the transformed weights (checking CRC-32s, hashing, verifying beside the write) and the model files a
+    model folder carries (refused first when they exist): one transaction (:mod:`ckptconv.writing.transaction`)."""
     state, notes, kind = transformed.state, list(summary.notes), summary.format
     pipeline, fit_to, dequantization = options.transforms, options.fit_to, transformed.dequantization
     metadata = _output_metadata(checkpoint, selection, transformed, kind, options)
@@ -534,8 +540,6 @@ def _write(
         if options.source_hash and options.provenance:
             digest = hasher.submit(_cores.in_background(source_sha256), checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
-        folder_output = is_folder_destination(destination, kind, options.max_shard_size)
-        made = write_policy.missing_folders(as_path(destination), folder_output=folder_output)  # gone on failure
         try:
             written = write_state(
                 state,
@@ -551,16 +555,13 @@ def _write(
                 fsync=options.fsync,
                 tied=options.tied,
                 record_crcs=record_crcs if read_whole else None,
-                stem=carried.stem if carried is not None else None,
+                carried=carried,
+                lock=lock,
             )
         except BaseException:
             give_up.set()  # do not make a failed conversion wait for the hash
             raise
-    files = written.files
     if carried is not None and carried.files:
-        files += model_files.write(
-            carried, written.path, inputs=inputs, fsync=options.fsync, weights=written.files, made=made
-        )
         notes.extend(carried.notes)
     notes.extend(written.notes)  # files an --overwrite kept
     if written.aliases:
@@ -577,7 +578,7 @@ def _write(
         tensors=written.tensors,
         bytes=written.bytes,
         aliases=written.aliases,
-        files=files,
+        files=written.files,
         notes=tuple(notes),
         verified=True if reference is not None else None,
         verified_with="ckptconv" if fallback is not None else reference or "",

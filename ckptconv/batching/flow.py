@@ -44,6 +44,7 @@ from ckptconv.reading.discovery import FILE, MODEL, Item, discover
 from ckptconv.writing import write_policy
 from ckptconv.writing.naming import output_format
 from ckptconv.writing.provenance import file_sha256
+from ckptconv.writing.transaction import locked
 
 __all__ = ["batch"]
 
@@ -306,7 +307,45 @@ def batch(
         raise WriteError(f"the output folder {output_dir!r} is the source folder; choose another one", path=output)
     if os.path.exists(output) and not os.path.isdir(output):
         raise WriteError(f"{output_dir!r} is a file; the output must be a folder", path=output)
+    # One writer per output, the lock convert takes: a batch running into DST is named before DST's outputs are.
+    with locked(None if dry_run else output, what="ckptconv batch"):
+        return _batch_locked(
+            source_dir,
+            output_dir,
+            source,
+            output,
+            options,
+            kind,
+            glob,
+            jobs,
+            executor,
+            scheduler,
+            resume,
+            fail_fast,
+            dry_run,
+            progress,
+            started,
+        )
 
+
+def _batch_locked(
+    source_dir: str,
+    output_dir: str,
+    source: str,
+    output: str,
+    options: ConversionOptions,
+    kind: str,
+    glob: str | Sequence[str] | None,
+    jobs: int,
+    executor: str,
+    scheduler: str | None,
+    resume: bool,
+    fail_fast: bool,
+    dry_run: bool,
+    progress: BatchProgress,
+    started: float,
+) -> BatchReport:
+    """:func:`batch`, under the lock on its output folder."""
     globs = [glob] if isinstance(glob, str) else list(glob or ())
     notes: list[str] = []
     items = discover(source_dir, globs=globs, exclude=[output], notes=notes, models=True)

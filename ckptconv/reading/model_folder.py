@@ -30,7 +30,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -126,17 +126,38 @@ class Inventory:
 
 
 def _walk(folder: str) -> Iterable[str]:
-    """Every regular file's relative name under ``folder``, hidden ones and links to folders apart; a link that
-    leads out of the folder is refused by the read policy."""
-    for root, folders, files in os.walk(folder, followlinks=False):
-        folders[:] = sorted(name for name in folders if not name.startswith("."))
-        for name in sorted(files):
+    """Every regular file's relative name under ``folder``, hidden ones apart, in ``os.walk``'s order (a folder's
+    files, then its subfolders). A link to a folder inside ``folder`` is followed (its files are carried under the
+    link's name, as transformers reads them); a link that leads out of the folder, to a file or a folder, is refused
+    by the read policy, as is a link to a folder that holds it (a loop)."""
+
+    def visit(path: str, relative: str, ancestors: frozenset[str]) -> Iterator[str]:
+        subfolders: list[tuple[str, str]] = []
+        for name in sorted(os.listdir(path)):
             if name.startswith("."):
                 continue
-            path = os.path.join(root, name)
-            info = read_policy.check_file(path, folder=folder)  # links out, FIFOs, devices: refused
+            entry = os.path.join(path, name)
+            if os.path.isdir(entry):
+                if os.path.islink(entry):
+                    if not read_policy.within(entry, folder):
+                        raise MalformedCheckpointError(
+                            f"{entry!r} is a link that leads outside the checkpoint folder {folder!r}; ckptconv reads "
+                            "only files inside it (copy the folder in instead of linking it)",
+                            path=entry,
+                        )
+                    if os.path.realpath(entry) in ancestors:
+                        raise MalformedCheckpointError(
+                            f"{entry!r} is a link to a folder that holds it (a loop); remove the link", path=entry
+                        )
+                subfolders.append((entry, f"{relative}{name}/"))
+                continue
+            info = read_policy.check_file(entry, folder=folder)  # links out, FIFOs, devices: refused
             if stat.S_ISREG(info.st_mode):
-                yield os.path.relpath(path, folder).replace(os.sep, "/")
+                yield f"{relative}{name}"
+        for entry, name in subfolders:
+            yield from visit(entry, name, ancestors | {os.path.realpath(entry)})
+
+    return visit(folder, "", frozenset({os.path.realpath(folder)}))
 
 
 def _read_json(folder: str, name: str) -> Any:

@@ -37,6 +37,7 @@ from ckptconv.reading.model_folder import CONFIG_NAME, Inventory, inventory, rea
 from ckptconv.values.tensor import TensorRef
 from ckptconv.writing import write_policy
 from ckptconv.writing.atomic import atomic_output
+from ckptconv.writing.transaction import enclosing_part
 
 __all__ = [
     "ModelFile",
@@ -350,5 +351,8 @@ def write_alone(
     inputs = write_policy.Inputs(file.source for file in carried.files)
     inputs.check_folder(target)
     check(carried, target, overwrite=overwrite, inputs=inputs)
+    part = enclosing_part(target)  # the top of a folder of models: staged with its parts, published with them
+    if part is not None:
+        return carried, tuple(part.final(path) for path in write(carried, part.path, inputs=inputs, fsync=fsync))
     made = [] if os.path.isdir(target) else write_policy.make_folders(destination)
     return carried, write(carried, target, inputs=inputs, fsync=fsync, made=made)
