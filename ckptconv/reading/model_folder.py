@@ -364,6 +364,7 @@ def resolve_model(source: str, *, strict: bool = True) -> Model | None:
     if folder is None:
         return None
     try:
+        config: Mapping[str, Any] | None
         try:
             config, invalid = read_config(folder), False
         except InvalidConfigError:
