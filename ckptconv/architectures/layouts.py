@@ -1,0 +1,159 @@
+"""Hugging Face mixture-of-experts layouts: per expert (the Hub's, and what transformers 5 saves by default) and
+fused (transformers 5's experts in memory, and ``save_pretrained(save_original_format=False)``'s).
+
+One table per family, per expert to fused, read the way transformers 5.25's ``conversion_mapping.py`` writes
+its rules (``MergeModulelist(dim=0)`` then ``Concatenate(dim=1)``); the way back is the same table inverted:
+
+==============  ==========================================================  ======================================
+family          per expert                                                  fused
+==============  ==========================================================  ======================================
+Mixtral         ``….block_sparse_moe.experts.{E}.{w1,w3}.weight`` [I, H]    ``….mlp.experts.gate_up_proj`` [E,2I,H]
+                ``….block_sparse_moe.experts.{E}.w2.weight`` [H, I]         ``….mlp.experts.down_proj`` [E, H, I]
+                ``….block_sparse_moe.gate.weight``                          ``….mlp.gate.weight``
+Qwen2-MoE,      ``….mlp.experts.{E}.{gate,up}_proj.weight``                 ``….mlp.experts.gate_up_proj``
+Qwen3-MoE,      ``….mlp.experts.{E}.down_proj.weight``                      ``….mlp.experts.down_proj``
+OLMoE,
+DeepSeek-V2/V3
+gpt-oss         (none: transformers holds and saves it fused only)          ``….mlp.experts.gate_up_proj`` …
+==============  ==========================================================  ======================================
+
+Shared experts, routers and dense layers are not experts and pass as they are. Quantized experts (an fp8
+``weight_scale_inv`` beside each) are refused: transformers has no fused name for their scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Collection, Mapping
+from typing import Any, Protocol
+
+from ckptconv.architectures import MEGATRON_FORMATS
+from ckptconv.architectures.mapping import bounded_list, run_table, to_hugging_face
+from ckptconv.architectures.operations import Operation, Rename, Stack
+from ckptconv.errors import TransformError
+from ckptconv.reading.model_folder import model_folder, read_config
+from ckptconv.selection.weights import Selection
+from ckptconv.values.tensor import TensorRef
+
+__all__ = ["FUSED_ONLY", "PER_EXPERT_TO_FUSED", "arrange", "change_layout", "layout_of", "table"]
+
+
+_L = "model.layers.{L}."
+
+
+def _gated(block: str, gate: str, up: str, down: str) -> tuple[Operation, ...]:
+    experts, fused = _L + block + "experts.{E}.", _L + "mlp.experts."
+    return (
+        Stack((experts + gate + ".weight", experts + up + ".weight"), fused + "gate_up_proj"),
+        Stack((experts + down + ".weight",), fused + "down_proj"),
+    )
+
+
+_QWEN = _gated("mlp.", "gate_proj", "up_proj", "down_proj")
+
+#: model_type -> the rules from per expert to fused (the inverse of each rule gives the way back)
+PER_EXPERT_TO_FUSED: Mapping[str, tuple[Operation, ...]] = {
+    "mixtral": (
+        Rename(_L + "block_sparse_moe.gate.weight", _L + "mlp.gate.weight"),
+        *_gated("block_sparse_moe.", "w1", "w3", "w2"),
+    ),
+    "qwen2_moe": _QWEN,
+    "qwen3_moe": _QWEN,
+    "olmoe": _QWEN,
+    "deepseek_v2": _QWEN,
+    "deepseek_v3": _QWEN,
+}
+#: families whose experts transformers holds and saves fused only
+FUSED_ONLY = frozenset({"gpt_oss"})
+
+_FUSED = re.compile(r"(^|\.)experts\.(gate_up_proj|down_proj)")
+_PER_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
+
+
+def layout_of(names: Collection[str]) -> str | None:
+    """``"fused"``, ``"per-expert"``, ``"mixed"`` (both), or None for names with no routed experts."""
+    fused = any(_FUSED.search(name) for name in names)
+    per_expert = any(_PER_EXPERT.search(name) for name in names)
+    return "mixed" if fused and per_expert else "fused" if fused else "per-expert" if per_expert else None
+
+
+def table(model_type: str, layout: str) -> tuple[Operation, ...]:
+    """The rules that bring ``model_type``'s experts from the other layout into ``layout``."""
+    rules = PER_EXPERT_TO_FUSED[model_type]
+    return rules if layout == "fused" else tuple(rule.inverse() for rule in rules)
+
+
+def change_layout(
+    weights: Mapping[str, TensorRef], config: Mapping[str, Any], layout: str
+) -> tuple[dict[str, TensorRef], str | None]:
+    """``weights`` with their experts in ``layout`` (``"fused"`` or ``"per-expert"``), and a note on the move
+    (None when they are in it already or have no experts).
+
+    Raises:
+        TransformError: in one line: a family without a table, a layout the family does not have, a source
+            holding both layouts or lacking one expert's tensor, quantized experts.
+    """
+    if layout not in ("fused", "per-expert"):
+        raise TransformError(f"layout must be 'fused' or 'per-expert', not {layout!r}")
+    current = layout_of(weights)
+    model_type = str(config.get("model_type"))
+    if current is None or current == layout:
+        return dict(weights), None
+    if current == "mixed":
+        raise TransformError("the source holds experts both fused and per expert; give it one layout")
+    if model_type in FUSED_ONLY:
+        raise TransformError(f"{model_type} has no per-expert layout in transformers; its experts stay fused")
+    if model_type not in PER_EXPERT_TO_FUSED:
+        raise TransformError(
+            f"no expert-layout table for model_type {model_type!r}; known: {', '.join(sorted(PER_EXPERT_TO_FUSED))}"
+        )
+    moved = run_table(table(model_type, layout), weights, config, strict=False, what="expert")
+    stranded = [name for name in moved if (_PER_EXPERT if current == "per-expert" else _FUSED).search(name)]
+    if stranded:
+        raise TransformError(
+            f"cannot move {bounded_list(stranded)} to the {layout} layout (quantized experts' scales, or a tensor "
+            "transformers has no place for); dequantize first (--dtype bf16) or keep the layout"
+        )
+    return moved, f"experts {'fused' if layout == 'fused' else 'one per expert'} as transformers writes them"
+
+
+class Reference(Protocol):
+    """The model folder the output takes after (``--like``): its config and its weights' names."""
+
+    @property
+    def config(self) -> Mapping[str, Any]: ...
+
+    @property
+    def dtypes(self) -> Mapping[str, Any]: ...
+
+
+def arrange(fmt: str, selection: Selection, layout: str, source: str, like: Reference | None) -> Selection:
+    """The selected weights under the names of the model they go to, with a note on what changed: a Megatron
+    checkpoint mapped to ``like``'s model, experts in ``layout`` (``"keep"``: as ``like`` holds them, else as the
+    source does).
+
+    Raises:
+        TransformError: see :func:`change_layout` and :func:`ckptconv.architectures.to_hugging_face`.
+    """
+    if layout not in ("keep", "fused", "per-expert"):  # options.LAYOUTS
+        raise TransformError(f"layout must be one of keep, fused, per-expert, not {layout!r}")
+    wanted = layout if layout != "keep" else layout_of(like.dtypes) if like is not None else None
+    note = None
+    if fmt in MEGATRON_FORMATS:
+        if like is None:
+            return selection
+        experts = None if wanted in (None, "mixed") else wanted.replace("-", "_")
+        weights = to_hugging_face(selection.weights, like.config, experts=experts, reference_names=list(like.dtypes))
+        note = "mapped Megatron's names to the reference's"
+    else:
+        if wanted in (None, "mixed"):
+            return selection
+        folder = model_folder(source)
+        config = like.config if like is not None else read_config(folder) if folder is not None else None
+        if config is None:
+            raise TransformError(f"--layout {layout} needs the model's config.json beside the source (or --like)")
+        weights, note = change_layout(selection.weights, config, wanted)
+    if note is None:
+        return selection
+    return dataclasses.replace(selection, weights=weights, note="; ".join(filter(None, (selection.note, note))))
