@@ -1,0 +1,216 @@
+"""Mixture-of-experts layouts both ways, against transformers' own files; coverage of a model folder's config.
+
+For each family, a tiny model is saved by transformers in both layouts (``save_pretrained()``: per expert, its
+default; ``save_original_format=False``: fused). ckptconv converts each into the other, and the output must
+hold transformers' own file tensor for tensor (names, shapes, dtypes, bytes; read with the safetensors
+library), load with ``from_pretrained`` with nothing missing or unexpected, and give the same logits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .conftest import run_cli
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+_COMMON = {
+    "vocab_size": 64,
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 24,
+    "max_position_embeddings": 64,
+}
+FAMILIES: dict[str, dict[str, Any]] = {
+    "mixtral": {"num_local_experts": 3, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "num_experts": 3,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 8,
+        "shared_expert_intermediate_size": 12,
+    },
+    "qwen3_moe": {"num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "head_dim": 8},
+    "olmoe": {"num_experts": 3, "num_experts_per_tok": 2, "eos_token_id": 1, "pad_token_id": 0},
+    "deepseek_v3": {
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 8,
+        "first_k_dense_replace": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "kv_lora_rank": 8,
+        "q_lora_rank": 8,
+        "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 4,
+        "v_head_dim": 4,
+        "n_shared_experts": 1,
+        "num_key_value_heads": 2,
+        "rope_scaling": None,
+    },
+}
+IDS = torch.tensor([[1, 5, 9, 3, 7, 2]])
+
+
+def _saved(tmp_path: Path, model_type: str, **extra: Any) -> tuple[Any, Path, Path]:
+    config = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **FAMILIES[model_type], **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    per_expert, fused = tmp_path / "per_expert", tmp_path / "fused"
+    model.save_pretrained(per_expert)
+    model.save_pretrained(fused, save_original_format=False)
+    return model, per_expert, fused
+
+
+def _tensors(folder: Path) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        found.update(load_file(file))
+    return found
+
+
+def _assert_same_tensors(ours: Path, theirs: Path) -> None:
+    a, b = _tensors(ours), _tensors(theirs)
+    assert sorted(a) == sorted(b)
+    for name in b:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+
+
+def _loads_clean_with_the_same_logits(folder: Path, model: Any) -> None:
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert {key: list(value) for key, value in info.items()} == {key: [] for key in info}
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(IDS).logits, model(IDS).logits)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_each_layout_converts_into_the_other_as_transformers_writes_it(model_type: str, tmp_path: Path) -> None:
+    model, per_expert, fused = _saved(tmp_path, model_type)
+    assert _tensors(per_expert).keys() != _tensors(fused).keys()  # the two layouts differ on disk
+    for source, layout, twin in ((per_expert, "fused", fused), (fused, "per-expert", per_expert)):
+        out = tmp_path / f"out_{layout}"
+        code, _, err = run_cli("convert", str(source), f"{out}/", "--layout", layout)
+        assert code == 0, err
+        _assert_same_tensors(out, twin)
+        assert json.loads((out / "config.json").read_text()) == json.loads((twin / "config.json").read_text())
+        _loads_clean_with_the_same_logits(out, model)
+
+
+def test_like_takes_the_base_models_layout(tmp_path: Path) -> None:
+    _, per_expert, fused = _saved(tmp_path, "qwen3_moe")
+    out = tmp_path / "out"
+    code, _, err = run_cli("convert", str(fused), f"{out}/", "--like", str(per_expert))
+    assert code == 0, err
+    _assert_same_tensors(out, per_expert)
+
+
+def test_gpt_oss_has_only_the_fused_layout(tmp_path: Path) -> None:
+    config = transformers.AutoConfig.for_model(
+        "gpt_oss",
+        **{**_COMMON, "num_local_experts": 3, "num_experts_per_tok": 2, "head_dim": 8},
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "src")
+    code, _, err = run_cli("convert", str(tmp_path / "src"), f"{tmp_path / 'out'}/", "--layout", "per-expert")
+    assert (code, err) == (1, "ckptconv: error: gpt_oss has no per-expert layout in transformers; its experts stay fused\n")
+    code, _, err = run_cli("convert", str(tmp_path / "src"), f"{tmp_path / 'out'}/", "--layout", "fused")
+    assert code == 0, err
+    _assert_same_tensors(tmp_path / "out", tmp_path / "src")
+
+
+def _without(folder: Path, name: str) -> None:
+    state = load_file(folder / "model.safetensors")
+    del state[name]
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("layout", ["keep", "fused", "per-expert"])
+def test_a_source_missing_one_experts_tensor_is_refused_naming_it(layout: str, tmp_path: Path) -> None:
+    _, per_expert, _ = _saved(tmp_path, "qwen3_moe")
+    _without(per_expert, "model.layers.1.mlp.experts.2.up_proj.weight")
+    code, _, err = run_cli("convert", str(per_expert), f"{tmp_path / 'out'}/", "--layout", layout)
+    assert code == 1 and "\n" not in err.rstrip("\n")
+    assert "model.layers.1.mlp.experts.2.up_proj.weight" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_allow_missing_writes_it_anyway_with_the_list_in_the_provenance(tmp_path: Path) -> None:
+    _, per_expert, _ = _saved(tmp_path, "mixtral")
+    _without(per_expert, "model.layers.0.block_sparse_moe.experts.1.w2.weight")
+    out = tmp_path / "out"
+    code, _, err = run_cli("convert", str(per_expert), f"{out}/", "--allow-missing")
+    assert code == 0, err
+    assert "lacks model.layers.0.mlp.experts.1.w2.weight" in err
+    with safe_open(str(out / "model.safetensors"), "pt") as file:
+        assert "experts.1.w2.weight" in (file.metadata() or {})["ckptconv.transforms"]
+
+
+def test_a_fused_source_missing_a_layer_is_refused(tmp_path: Path) -> None:
+    _, _, fused = _saved(tmp_path, "olmoe")
+    _without(fused, "model.layers.1.mlp.experts.down_proj")
+    code, _, err = run_cli("convert", str(fused), f"{tmp_path / 'out'}/")
+    assert code == 1
+    assert err == (
+        "ckptconv: error: the output does not make the config's olmoe model (transformers "
+        f"{transformers.__version__}): it lacks model.layers.1.mlp.experts.down_proj; pass --allow-missing to "
+        "write it anyway\n"
+    )
+
+
+def test_a_wrong_shape_and_an_unexpected_tensor_are_refused(tmp_path: Path) -> None:
+    _, per_expert, _ = _saved(tmp_path, "qwen2_moe")
+    state = load_file(per_expert / "model.safetensors")
+    state["model.norm.weight"] = torch.zeros(17)
+    state["model.layers.0.mlp.mystery.weight"] = torch.zeros(2)
+    save_file(state, str(per_expert / "model.safetensors"), metadata={"format": "pt"})
+    code, _, err = run_cli("convert", str(per_expert), f"{tmp_path / 'out'}/")
+    assert code == 1
+    assert "has what the model has no place for: model.layers.0.mlp.mystery.weight" in err
+    assert "has the wrong shape: model.norm.weight [17] (config: [16])" in err
+
+
+def test_tied_heads_are_not_missing(tmp_path: Path) -> None:
+    model, per_expert, fused = _saved(tmp_path, "qwen3_moe", tie_word_embeddings=True)
+    assert "lm_head.weight" not in _tensors(per_expert)
+    code, _, err = run_cli("convert", str(per_expert), f"{tmp_path / 'out'}/", "--layout", "fused")
+    assert code == 0, err
+    _assert_same_tensors(tmp_path / "out", fused)
+    _loads_clean_with_the_same_logits(tmp_path / "out", model)
+
+
+def test_quantized_experts_are_refused_in_one_line(tmp_path: Path) -> None:
+    _, per_expert, _ = _saved(tmp_path, "qwen3_moe")
+    state = load_file(per_expert / "model.safetensors")
+    state["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(state, str(per_expert / "model.safetensors"), metadata={"format": "pt"})
+    code, _, err = run_cli("convert", str(per_expert), f"{tmp_path / 'out'}/", "--layout", "fused")
+    assert (code, err) == (
+        1,
+        "ckptconv: error: cannot move model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv to the fused "
+        "layout (quantized experts' scales, or a tensor transformers has no place for); dequantize first "
+        "(--dtype bf16) or keep the layout\n",
+    )
+
+
+def test_a_source_holding_both_layouts_is_refused(tmp_path: Path) -> None:
+    _, per_expert, fused = _saved(tmp_path, "qwen3_moe")
+    shutil.copy(fused / "model.safetensors", per_expert / "model.safetensors")
+    state = load_file(per_expert / "model.safetensors")
+    state["model.layers.0.mlp.experts.0.gate_proj.weight"] = torch.zeros(8, 16)
+    save_file(state, str(per_expert / "model.safetensors"), metadata={"format": "pt"})
+    code, _, err = run_cli("convert", str(per_expert), f"{tmp_path / 'out'}/", "--layout", "per-expert")
+    assert (code, err) == (
+        1,
+        "ckptconv: error: the source holds experts both fused and per expert; give it one layout\n",
+    )
