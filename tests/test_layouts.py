@@ -163,7 +163,7 @@ def test_a_fused_source_missing_a_layer_is_refused(tmp_path: Path) -> None:
     code, _, err = run_cli("convert", str(fused), f"{tmp_path / 'out'}/")
     assert code == 1
     assert err == (
-        "ckptconv: error: the output does not make the config's olmoe model (transformers "
+        "ckptconv: error: the weights do not make the config's olmoe model (transformers "
         f"{transformers.__version__}): it lacks model.layers.1.mlp.experts.down_proj; pass --allow-missing to "
         "write it anyway\n"
     )
@@ -215,3 +215,21 @@ def test_a_source_holding_both_layouts_is_refused(tmp_path: Path) -> None:
         1,
         "ckptconv: error: the source holds experts both fused and per expert; give it one layout\n",
     )
+
+
+def test_inspect_says_the_layout_and_whether_the_folder_covers_its_config(tmp_path: Path) -> None:
+    _, per_expert, fused = _saved(tmp_path, "qwen3_moe")
+    lines = []
+    for folder in (per_expert, fused):
+        code, out, _ = run_cli("inspect", str(folder))
+        assert code == 0
+        lines += [line for line in out.splitlines() if line.startswith("model: ")]
+    _without(per_expert, "model.layers.1.mlp.experts.2.up_proj.weight")
+    code, out, _ = run_cli("inspect", str(per_expert))
+    lines += [line for line in out.splitlines() if line.startswith("model: ")]
+    assert lines == [
+        "model: experts one per expert; covers its config's model",
+        "model: experts fused; covers its config's model",
+        "model: experts one per expert; the weights do not make the config's qwen3_moe model (transformers "
+        f"{transformers.__version__}): it lacks model.layers.1.mlp.experts.2.up_proj.weight",
+    ]

@@ -169,7 +169,7 @@ def check(state: Mapping[str, TensorRef], model: Reference | str | None, *, allo
     ]
     if not problems:
         return []
-    text = f"the output does not make the config's {model_type} model ({want.by}): it " + "; it ".join(problems)
+    text = f"the weights do not make the config's {model_type} model ({want.by}): it " + "; it ".join(problems)
     if not allow_missing:
         raise TransformError(text + "; pass --allow-missing to write it anyway")
     return [text]

@@ -15,12 +15,15 @@ from typing import Any
 
 from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
+from ckptconv.architectures import coverage
+from ckptconv.architectures.layouts import layout_of
 from ckptconv.dtypes import dtype_by_name
-from ckptconv.errors import SelectionError, UnsupportedQuantizationError
+from ckptconv.errors import CkptconvError, SelectionError, UnsupportedQuantizationError
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.quantization import dequantize
 from ckptconv.quantization.stage import declared_scheme
+from ckptconv.reading.model_folder import model_folder, read_config
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.state_dicts import as_tensor, is_module, part_text
 from ckptconv.values.standins import ForeignGlobal, ForeignObject, NumpyArray
@@ -79,6 +82,8 @@ class CheckpointInfo:
         total_tensors: tensors anywhere in the file (optimizer state included).
         quantization: the quantization scheme the checkpoint declares or gives away, and what
             dequantizing would write, or why it is refused; ``""`` for an unquantized checkpoint.
+        model: for a model folder (a ``config.json`` beside the weights): its experts' layout, and whether its
+            weights cover its config's model (see :mod:`ckptconv.architectures.coverage`); else ``""``.
     """
 
     path: str
@@ -98,6 +103,7 @@ class CheckpointInfo:
     dtypes: Mapping[str, int]
     total_tensors: int
     quantization: str = ""
+    model: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (what ``ckptconv inspect --json`` prints)."""
@@ -240,7 +246,24 @@ def _inspect(path: PathLike, *, select: str | None, trust: bool) -> CheckpointIn
         dtypes=dict(Counter(ref.out_dtype.name for ref in weights.values())),
         total_tensors=sum(1 for _ in checkpoint.tensors()),
         quantization=_quantization(path, checkpoint, weights),
+        model=_model(path, weights),
     )
+
+
+def _model(path: PathLike, weights: Mapping[str, TensorRef]) -> str:
+    """A model folder's expert layout and coverage of its config, in one line; ``""`` for anything else."""
+    folder = model_folder(as_path(path))
+    if folder is None or not weights or read_config(folder) is None:
+        return ""
+    layout = layout_of(weights)
+    said = {None: "", "fused": "experts fused; ", "per-expert": "experts one per expert; "}.get(
+        layout, "experts mixed; "
+    )
+    try:
+        found = coverage.check(weights, folder, allow_missing=True)
+    except CkptconvError as error:
+        return f"{said}coverage not checked: {error}"
+    return said + (found[0] if found else "covers its config's model")
 
 
 def _quantization(path: PathLike, checkpoint: Checkpoint, weights: Mapping[str, TensorRef]) -> str:
