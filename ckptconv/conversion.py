@@ -19,7 +19,7 @@ from typing import Any
 from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
 from ckptconv._version import __version__
-from ckptconv.architectures import coverage, layouts
+from ckptconv.architectures import arranging, coverage
 from ckptconv.errors import DestinationError, FitError, TransformError, VerifyError
 from ckptconv.fitting import LikeFolder, cast_like, like_folder
 from ckptconv.loading import Checkpoint
@@ -254,7 +254,7 @@ def _convert(
         options = dataclasses.replace(options, max_shard_size=like.max_shard_size)  # sharded like it
     checkpoint = open_checkpoint(source, trust=options.trust)
     selection = checkpoint.select(options.select)
-    selection = layouts.arrange(checkpoint.format, selection, options.layout, as_path(source), like)
+    selection = arranging.arrange(checkpoint.format, selection, options.layout, as_path(source), like)
     dequantization = _dequantization(source, checkpoint, selection, options)
     transformed = _transform(dequantization.apply(selection) if dequantization else selection, options)
     if dequantization is not None:

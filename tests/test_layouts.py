@@ -233,3 +233,47 @@ def test_inspect_says_the_layout_and_whether_the_folder_covers_its_config(tmp_pa
         "model: experts one per expert; the weights do not make the config's qwen3_moe model (transformers "
         f"{transformers.__version__}): it lacks model.layers.1.mlp.experts.2.up_proj.weight",
     ]
+
+
+def _vision_language(tmp_path: Path) -> tuple[Any, Path, Path]:
+    """A tiny Qwen2-VL saved as transformers before 5 spelled it (``visual.*``, ``model.*``) and as 5 holds it
+    (``model.visual.*``, ``model.language_model.*``)."""
+    config = transformers.AutoConfig.for_model(
+        "qwen2_vl",
+        text_config={**_COMMON, "num_hidden_layers": 1, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+        vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 16, "num_heads": 2, "mlp_ratio": 2,
+                       "patch_size": 2, "spatial_merge_size": 1, "temporal_patch_size": 1, "in_channels": 3},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    old, new = tmp_path / "old", tmp_path / "new"
+    model.save_pretrained(old)
+    model.save_pretrained(new, save_original_format=False)
+    return model, old, new
+
+
+def test_names_spelled_two_ways_take_like_s_spelling(tmp_path: Path) -> None:
+    _, old, new = _vision_language(tmp_path)
+    assert any(name.startswith("visual.") for name in _tensors(old))
+    assert any(name.startswith("model.visual.") for name in _tensors(new))
+    for source, like in ((old, new), (new, old)):
+        out = tmp_path / f"out_{like.name}"
+        code, _, err = run_cli("convert", str(source), f"{out}/", "--like", str(like))
+        assert code == 0, err
+        _assert_same_tensors(out, like)
+        _, info = transformers.Qwen2VLForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+        assert {key: list(value) for key, value in info.items()} == {key: [] for key in info}
+
+
+def test_a_vision_tower_left_behind_is_refused(tmp_path: Path) -> None:
+    _, old, _ = _vision_language(tmp_path)
+    state = {k: v for k, v in load_file(old / "model.safetensors").items() if not k.startswith("visual.")}
+    save_file(state, str(old / "model.safetensors"), metadata={"format": "pt"})
+    code, _, err = run_cli("convert", str(old), f"{tmp_path / 'out'}/")
+    assert code == 1
+    assert err.startswith(
+        "ckptconv: error: the weights do not make the config's qwen2_vl model (transformers "
+        f"{transformers.__version__}): it lacks model.visual.patch_embed.proj.weight, "
+        "model.visual.blocks.0.norm1.weight"
+    )
+    assert not (tmp_path / "out").exists()

@@ -12,13 +12,14 @@ one of their names is.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from ckptconv.architectures import families, layouts
-from ckptconv.architectures.layouts import Reference
 from ckptconv.architectures.mapping import bounded_list, run_table
 from ckptconv.dtypes import DTYPES
 from ckptconv.errors import TransformError
@@ -26,10 +27,20 @@ from ckptconv.reading.model_folder import read_config
 from ckptconv.reading.sources import computed_tensor
 from ckptconv.values.tensor import TensorRef
 
-__all__ = ["Expected", "check", "expected"]
+__all__ = ["Expected", "Reference", "check", "expected", "spelled_like"]
 
 #: names of quantization scales beside their weights (a quantized folder's model is built unquantized)
 _SCALES = re.compile(r"(weight_scale_inv|weight_scale|input_scale|weight_zero_point|weight_shape|_scales|_blocks)$")
+
+
+class Reference(Protocol):
+    """The model folder the output takes after (``--like``): its config and its weights' names."""
+
+    @property
+    def config(self) -> Mapping[str, Any]: ...
+
+    @property
+    def dtypes(self) -> Mapping[str, Any]: ...
 
 
 class Expected:
@@ -90,6 +101,12 @@ def _from_transformers(config: Mapping[str, Any]) -> Expected | None:
 def expected(config: Mapping[str, Any]) -> Expected | None:
     """What the config's model has (see the module's docstring), or None when neither transformers nor a
     ckptconv table knows the model."""
+    return _expected(json.dumps(config, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=4)  # asked for the same config by the spelling and the check of one conversion
+def _expected(text: str) -> Expected | None:
+    config = json.loads(text)
     found = _from_transformers(config)
     if found is not None:
         return found
@@ -173,3 +190,29 @@ def check(state: Mapping[str, TensorRef], model: Reference | str | None, *, allo
     if not allow_missing:
         raise TransformError(text + "; pass --allow-missing to write it anyway")
     return [text]
+
+
+def spelled_like(weights: Mapping[str, TensorRef], like: Reference) -> tuple[dict[str, TensorRef], int]:
+    """``weights`` with each name the reference spells otherwise, for the same parameter of its config's model
+    (transformers' renamings: ``visual.*`` / ``model.visual.*``), spelled as the reference does; and how many.
+
+    Raises:
+        TransformError: two names would become one.
+    """
+    if set(weights) <= set(like.dtypes):
+        return dict(weights), 0
+    want = expected(like.config)
+    if want is None:
+        return dict(weights), 0
+    theirs: dict[str, str] = {}
+    for name in like.dtypes:
+        theirs.setdefault(want.rename(name), name)
+    out: dict[str, TensorRef] = {}
+    renamed = 0
+    for name, ref in weights.items():
+        target = name if name in like.dtypes else theirs.get(want.rename(name), name)
+        if target in out:
+            raise TransformError(f"two tensors would both be spelled {target!r} as the reference spells it")
+        renamed += target != name
+        out[target] = ref
+    return out, renamed

@@ -23,20 +23,16 @@ Shared experts, routers and dense layers are not experts and pass as they are. Q
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Collection, Mapping
-from typing import Any, Protocol
+from typing import Any
 
-from ckptconv.architectures import MEGATRON_FORMATS
-from ckptconv.architectures.mapping import bounded_list, run_table, to_hugging_face
+from ckptconv.architectures.mapping import bounded_list, run_table
 from ckptconv.architectures.operations import Operation, Rename, Stack
 from ckptconv.errors import TransformError
-from ckptconv.reading.model_folder import model_folder, read_config
-from ckptconv.selection.weights import Selection
 from ckptconv.values.tensor import TensorRef
 
-__all__ = ["FUSED_ONLY", "PER_EXPERT_TO_FUSED", "arrange", "change_layout", "layout_of", "table"]
+__all__ = ["FUSED_ONLY", "PER_EXPERT_TO_FUSED", "change_layout", "layout_of", "table"]
 
 
 _L = "model.layers.{L}."
@@ -116,44 +112,3 @@ def change_layout(
             "transformers has no place for); dequantize first (--dtype bf16) or keep the layout"
         )
     return moved, f"experts {'fused' if layout == 'fused' else 'one per expert'} as transformers writes them"
-
-
-class Reference(Protocol):
-    """The model folder the output takes after (``--like``): its config and its weights' names."""
-
-    @property
-    def config(self) -> Mapping[str, Any]: ...
-
-    @property
-    def dtypes(self) -> Mapping[str, Any]: ...
-
-
-def arrange(fmt: str, selection: Selection, layout: str, source: str, like: Reference | None) -> Selection:
-    """The selected weights under the names of the model they go to, with a note on what changed: a Megatron
-    checkpoint mapped to ``like``'s model, experts in ``layout`` (``"keep"``: as ``like`` holds them, else as the
-    source does).
-
-    Raises:
-        TransformError: see :func:`change_layout` and :func:`ckptconv.architectures.to_hugging_face`.
-    """
-    if layout not in ("keep", "fused", "per-expert"):  # options.LAYOUTS
-        raise TransformError(f"layout must be one of keep, fused, per-expert, not {layout!r}")
-    wanted = layout if layout != "keep" else layout_of(like.dtypes) if like is not None else None
-    note = None
-    if fmt in MEGATRON_FORMATS:
-        if like is None:
-            return selection
-        experts = None if wanted in (None, "mixed") else wanted.replace("-", "_")
-        weights = to_hugging_face(selection.weights, like.config, experts=experts, reference_names=list(like.dtypes))
-        note = "mapped Megatron's names to the reference's"
-    else:
-        if wanted in (None, "mixed"):
-            return selection
-        folder = model_folder(source)
-        config = like.config if like is not None else read_config(folder) if folder is not None else None
-        if config is None:
-            raise TransformError(f"--layout {layout} needs the model's config.json beside the source (or --like)")
-        weights, note = change_layout(selection.weights, config, wanted)
-    if note is None:
-        return selection
-    return dataclasses.replace(selection, weights=weights, note="; ".join(filter(None, (selection.note, note))))
