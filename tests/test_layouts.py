@@ -190,15 +190,15 @@ def test_tied_heads_are_not_missing(tmp_path: Path) -> None:
     _loads_clean_with_the_same_logits(tmp_path / "out", model)
 
 
-def test_quantized_experts_are_refused_in_one_line(tmp_path: Path) -> None:
+def test_experts_quantized_otherwise_than_fp8_blocks_are_refused_in_one_line(tmp_path: Path) -> None:
     _, per_expert, _ = _saved(tmp_path, "qwen3_moe")
     state = load_file(per_expert / "model.safetensors")
-    state["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"] = torch.ones(1, 1)
+    state["model.layers.0.mlp.experts.0.gate_proj.weight_scale"] = torch.ones(1, 1)  # compressed-tensors' name
     save_file(state, str(per_expert / "model.safetensors"), metadata={"format": "pt"})
     code, _, err = run_cli("convert", str(per_expert), f"{tmp_path / 'out'}/", "--layout", "fused")
     assert (code, err) == (
         1,
-        "ckptconv: error: cannot move model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv to the fused "
+        "ckptconv: error: cannot move model.layers.0.mlp.experts.0.gate_proj.weight_scale to the fused "
         "layout (quantized experts' scales, or a tensor transformers has no place for); dequantize first "
         "(--dtype bf16) or keep the layout\n",
     )
@@ -277,3 +277,36 @@ def test_a_vision_tower_left_behind_is_refused(tmp_path: Path) -> None:
         "model.visual.blocks.0.norm1.weight"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_fp8_block_experts_move_with_their_scales_as_transformers_holds_them(tmp_path: Path) -> None:
+    """fp8 blocks (ckptconv --quantize fp8-block, as transformers' quantizer writes them) per expert, fused, and back:
+    the fused folder holds exactly the parameters transformers' fp8 model has (names, shapes, dtypes: its quantizer
+    on the meta device; transformers 5.25 on a CPU cannot load fused fp8 experts to compare logits), and the way
+    back gives the per-expert folder bit for bit."""
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    config = transformers.AutoConfig.for_model(
+        "qwen3_moe",
+        **{**_COMMON, "hidden_size": 128, "head_dim": 64, "intermediate_size": 128, "num_hidden_layers": 1},
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=128,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "src")
+    per_expert, fused, back = tmp_path / "fp8", tmp_path / "fused", tmp_path / "back"
+    assert run_cli("convert", str(tmp_path / "src"), f"{per_expert}/", "--quantize", "fp8-block")[0] == 0
+    code, _, err = run_cli("convert", str(per_expert), f"{fused}/", "--layout", "fused")
+    assert code == 0, err
+    quantized = transformers.AutoConfig.from_pretrained(fused)
+    quantizer = AutoHfQuantizer.from_config(quantized.quantization_config, pre_quantized=True)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(quantized)
+    quantizer.preprocess_model(model, config=quantized)
+    theirs = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    ours = {name: (tuple(t.shape), t.dtype) for name, t in _tensors(fused).items()}
+    assert ours == theirs
+    assert ours["model.layers.0.mlp.experts.gate_up_proj_scale_inv"] == ((2, 2, 1), torch.float32)
+    code, _, err = run_cli("convert", str(fused), f"{back}/", "--layout", "per-expert")
+    assert code == 0, err
+    _assert_same_tensors(back, per_expert)

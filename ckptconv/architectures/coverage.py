@@ -16,7 +16,7 @@ import functools
 import importlib
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
 from ckptconv.architectures import families, layouts
@@ -29,8 +29,10 @@ from ckptconv.values.tensor import TensorRef
 
 __all__ = ["Expected", "Reference", "check", "expected", "spelled_like"]
 
-#: names of quantization scales beside their weights (a quantized folder's model is built unquantized)
-_SCALES = re.compile(r"(weight_scale_inv|weight_scale|input_scale|weight_zero_point|weight_shape|_scales|_blocks)$")
+#: a quantization's companions beside a weight (a quantized folder's model is built unquantized) ...
+_SCALES = re.compile(r"(_scale_inv|_scale|_zero_point|weight_shape|_scales|weight_global_scale)$")
+#: ... and the packed forms that stand for a weight (mxfp4's ``gate_up_proj_blocks``, compressed-tensors' packing)
+_PACKED = re.compile(r"(_blocks|_packed)$")
 
 
 class Reference(Protocol):
@@ -133,6 +135,15 @@ def _unread(arrays: Mapping[str, Any]) -> Any:
     raise AssertionError("coverage reads no tensor")  # pragma: no cover - never called: only shapes are asked
 
 
+def _companion(name: str, names: Collection[str]) -> bool:
+    """True for a quantization's scale (zero point, shape) beside the weight it belongs to."""
+    found = _SCALES.search(name)
+    if found is None:
+        return False
+    stem = name[: found.start()]
+    return any(base in names for base in (stem, stem + "weight", stem.rpartition(".")[0] + ".weight"))
+
+
 def check(state: Mapping[str, TensorRef], model: Reference | str | None, *, allow_missing: bool) -> list[str]:
     """Refuse, in one line, a model folder whose weights miss a parameter of ``model``'s config's model (a
     ``--like`` reference, or the source's folder), have one it lacks, or one of another shape; ``allow_missing``:
@@ -151,8 +162,11 @@ def check(state: Mapping[str, TensorRef], model: Reference | str | None, *, allo
         return [
             f"coverage not checked: neither transformers nor ckptconv knows model_type {config.get('model_type')!r}"
         ]
-    quantized = "quantization_config" in config
-    weights = {name: ref for name, ref in state.items() if not (quantized and _SCALES.search(name))}
+    declared = "quantization_config" in config
+    unpacked = {(_PACKED.sub("", name) if declared else name): ref for name, ref in state.items()}
+    companions = {name for name in unpacked if _companion(name, unpacked)}
+    weights = {name: ref for name, ref in unpacked.items() if name not in companions}
+    quantized = declared or bool(companions)
     shapes = dict(want.shapes)
     model_type = str(config.get("model_type"))
     if model_type in layouts.PER_EXPERT_TO_FUSED and layouts.layout_of(weights) == "per-expert":

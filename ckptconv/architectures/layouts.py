@@ -17,8 +17,9 @@ DeepSeek-V2/V3
 gpt-oss         (none: transformers holds and saves it fused only)          ``….mlp.experts.gate_up_proj`` …
 ==============  ==========================================================  ======================================
 
-Shared experts, routers and dense layers are not experts and pass as they are. Quantized experts (an fp8
-``weight_scale_inv`` beside each) are refused: transformers has no fused name for their scales.
+Shared experts, routers and dense layers are not experts and pass as they are. fp8 blocks move with their
+scales (``experts.{E}.gate_proj.weight_scale_inv`` ... into ``experts.gate_up_proj_scale_inv`` [E, 2I/128, H/128],
+as transformers' quantizer copies each rule for them); experts quantized any other way are refused.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def _gated(block: str, gate: str, up: str, down: str) -> tuple[Operation, ...]:
     return (
         Stack((experts + gate + ".weight", experts + up + ".weight"), fused + "gate_up_proj"),
         Stack((experts + down + ".weight",), fused + "down_proj"),
+        # fp8 blocks: transformers' quantizer copies each converter for the scales (base.update_weight_conversions)
+        Stack(
+            (experts + gate + ".weight_scale_inv", experts + up + ".weight_scale_inv"), fused + "gate_up_proj_scale_inv"
+        ),
+        Stack((experts + down + ".weight_scale_inv",), fused + "down_proj_scale_inv"),
     )
 
 
