@@ -310,3 +310,49 @@ def test_fp8_block_experts_move_with_their_scales_as_transformers_holds_them(tmp
     code, _, err = run_cli("convert", str(fused), f"{back}/", "--layout", "per-expert")
     assert code == 0, err
     _assert_same_tensors(back, per_expert)
+
+
+def test_a_folder_s_own_code_is_never_run_to_check_coverage(tmp_path: Path) -> None:
+    """A config naming remote code (auto_map) and a model_type transformers does not know: the code is not
+    imported, the check says it could not tell, and the conversion goes on."""
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    marker = tmp_path / "ran"
+    (folder / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    (folder / "configuration_evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    config = {"model_type": "evil", "hidden_size": 4, "architectures": ["EvilForCausalLM"],
+              "auto_map": {"AutoConfig": "configuration_evil.EvilConfig",
+                           "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({"w": torch.zeros(4)}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    code, _, err = run_cli("convert", str(folder), f"{tmp_path / 'out'}/")
+    assert code == 0, err
+    assert "note: coverage not checked: neither transformers nor ckptconv knows model_type 'evil'" in err
+    assert not marker.exists()
+
+
+def test_without_transformers_ckptconv_s_own_tables_say_what_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    import importlib
+
+    from ckptconv.architectures import coverage
+
+    _, per_expert, _ = _saved(tmp_path, "qwen3_moe")
+    _without(per_expert, "model.layers.1.mlp.experts.0.down_proj.weight")
+    real = importlib.import_module
+
+    def no_transformers(name: str, *args: Any) -> Any:
+        if name.startswith("transformers"):
+            raise ImportError(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(coverage.importlib, "import_module", no_transformers)
+    coverage._expected.cache_clear()
+    request.addfinalizer(coverage._expected.cache_clear)  # no later test may see what was built without it
+    code, _, err = run_cli("convert", str(per_expert), f"{tmp_path / 'out'}/")
+    assert (code, err) == (
+        1,
+        "ckptconv: error: the weights do not make the config's qwen3_moe model (ckptconv's tables): it lacks "
+        "model.layers.1.mlp.experts.0.down_proj.weight; pass --allow-missing to write it anyway\n",
+    )
