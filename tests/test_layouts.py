@@ -356,3 +356,23 @@ def test_without_transformers_ckptconv_s_own_tables_say_what_is_missing(
         "ckptconv: error: the weights do not make the config's qwen3_moe model (ckptconv's tables): it lacks "
         "model.layers.1.mlp.experts.0.down_proj.weight; pass --allow-missing to write it anyway\n",
     )
+
+
+def test_what_older_checkpoints_hold_and_transformers_leaves_alone_is_not_refused(tmp_path: Path) -> None:
+    """Hub checkpoints saved by older versions: GPT-2 without the ``transformer.`` prefix and with its ``attn.bias``
+    masks (transformers' ``_keys_to_ignore_on_load_unexpected``), Llama with a ``rotary_emb.inv_freq`` per layer (a
+    buffer the model now keeps once, unsaved). transformers loads both; so does the check."""
+    gpt2 = transformers.AutoConfig.for_model("gpt2", vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    llama = transformers.AutoConfig.for_model("llama", **_COMMON)
+    for name, config, extra in (
+        ("gpt2", gpt2, {"transformer.h.0.attn.bias": torch.ones(1, 1, 16, 16)}),
+        ("llama", llama, {"model.layers.1.self_attn.rotary_emb.inv_freq": torch.ones(4)}),
+    ):
+        folder = tmp_path / name
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        state = {**load_file(folder / "model.safetensors"), **extra}
+        state = {key.removeprefix("transformer."): tensor for key, tensor in state.items()}
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        code, _, err = run_cli("convert", str(folder), f"{tmp_path / name}_out/")
+        assert code == 0, err
+        _assert_same_tensors(tmp_path / f"{name}_out", folder)

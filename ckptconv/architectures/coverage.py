@@ -46,8 +46,10 @@ class Reference(Protocol):
 
 
 class Expected:
-    """The parameters a config's model has: their shapes, the groups of names tied together, and how a written name
-    becomes one of them (``rename``)."""
+    """The parameters a config's model has: their shapes, the groups of names tied together, how a written name
+    becomes one of them (``rename``), and the names a checkpoint may hold that the model leaves alone (``stale``:
+    transformers' ``_keys_to_ignore_on_load_unexpected``, and the model's buffers saved by older versions, such
+    as a layer's ``rotary_emb.inv_freq`` or ``position_ids``) or lack (``optional``)."""
 
     def __init__(
         self,
@@ -55,8 +57,11 @@ class Expected:
         tied: list[set[str]],
         rename: Callable[[str], str],
         by: str,
+        stale: Callable[[str], bool] = lambda name: False,
+        optional: Callable[[str], bool] = lambda name: False,
     ) -> None:
         self.shapes, self.tied, self.rename, self.by = shapes, tied, rename, by
+        self.stale, self.optional = stale, optional
 
 
 def _from_transformers(config: Mapping[str, Any]) -> Expected | None:
@@ -97,7 +102,17 @@ def _from_transformers(config: Mapping[str, Any]) -> Expected | None:
         renamed, _ = loading.rename_source_key(name, renamings, [], prefix, state)
         return str(renamed)
 
-    return Expected(shapes, tied, rename, f"transformers {transformers.__version__}")
+    unexpected = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    absent = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
+    buffers = {name.rpartition(".")[2] for name, _ in model.named_buffers()}
+
+    def stale(name: str) -> bool:
+        return name.rpartition(".")[2] in buffers or any(p.search(name) for p in unexpected)
+
+    def optional(name: str) -> bool:
+        return any(p.search(name) for p in absent)
+
+    return Expected(shapes, tied, rename, f"transformers {transformers.__version__}", stale, optional)
 
 
 def expected(config: Mapping[str, Any]) -> Expected | None:
@@ -182,8 +197,8 @@ def check(state: Mapping[str, TensorRef], model: Reference | str | None, *, allo
     for names in want.tied:
         if names & fed:
             fed |= names
-    missing = [name for name in expect if name not in fed]
-    unexpected = [name for name in have if name not in expect]
+    missing = [name for name in expect if name not in fed and not want.optional(name)]
+    unexpected = [name for name in have if name not in expect and not want.stale(name)]
     wrong = [
         f"{name} {list(shape)} (config: {list(expect[name])})"
         for name, shape in have.items()
