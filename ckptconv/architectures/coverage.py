@@ -170,6 +170,8 @@ def check(state: Mapping[str, TensorRef], model: Reference | str | None, *, allo
     config = read_config(model) if isinstance(model, str) else model.config if model is not None else None
     if config is None:
         return []
+    if not isinstance(config.get("model_type"), str):
+        return ["coverage not checked: config.json names no model_type (not a transformers model)"]
     if not any(key in config for key in _SIZES) and not isinstance(config.get("text_config"), dict):
         return [f"coverage not checked: config.json gives no model sizes ({', '.join(_SIZES[:2])} …)"]
     want = expected(config)
