@@ -104,7 +104,9 @@ def _from_transformers(config: Mapping[str, Any]) -> Expected | None:
 
     unexpected = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     absent = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
-    buffers = {name.rpartition(".")[2] for name, _ in model.named_buffers()}
+    # buffers it keeps unsaved (rotary_emb.inv_freq), by their last name, never one a saved tensor has ("bias")
+    saved = {name.rpartition(".")[2] for name in state}
+    buffers = {name.rpartition(".")[2] for name, _ in model.named_buffers() if name not in state} - saved
 
     def stale(name: str) -> bool:
         return name.rpartition(".")[2] in buffers or any(p.search(name) for p in unexpected)
