@@ -169,3 +169,26 @@ def test_every_expert_layout_table_round_trips(model_type: str) -> None:
         if model_type != "mixtral":
             state = {k: v for k, v in state.items() if not k.endswith("gate.weight")}
         _round_trip(rules, state, {"model_type": model_type})
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 40, 4096])
+def test_a_stack_of_stored_experts_is_their_bytes_read_piece_by_piece(tmp_path: Path, chunk: int) -> None:
+    """Stacked experts read from a file are the pieces' own bytes in order (no array of the whole stack is made):
+    read in chunks that straddle the pieces, they equal torch's stack of gate and up."""
+    from safetensors.torch import save_file
+
+    from ckptconv.architectures.operations import Joined
+
+    gates = [_random((5, 4), torch.bfloat16, e) for e in range(3)]
+    ups = [_random((5, 4), torch.bfloat16, 10 + e) for e in range(3)]
+    state = {f"m.experts.{e}.gate_proj.weight": gates[e] for e in range(3)}
+    state |= {f"m.experts.{e}.up_proj.weight": ups[e] for e in range(3)}
+    save_file(state, str(tmp_path / "x.safetensors"))
+    refs = ckptconv.open(tmp_path / "x.safetensors").select().weights
+    rule = Stack(("m.experts.{E}.gate_proj.weight", "m.experts.{E}.up_proj.weight"), "m.experts.gate_up_proj")
+    fused = run_table((rule,), refs, {}, strict=True)["m.experts.gate_up_proj"]
+    assert isinstance(fused.storage.source, Joined)
+    want = torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)])
+    assert fused.shape == (3, 10, 4)
+    got = b"".join(bytes(piece) for piece in fused.storage.source.tensor_bytes(fused, chunk, None))
+    assert got == _bytes(want).numpy().tobytes()

@@ -97,8 +97,57 @@ class Window(Source):
         return self.storage.source.paths()
 
 
+@dataclass(frozen=True)
+class Joined(Source):
+    """The bytes of several tensors one after another (``(storage, start, length)`` each): a stack or concatenation
+    of contiguous tensors along dim 0 is their bytes in order, read piece by piece, so memory stays bounded by what
+    the writer asks for at once, never by the stack."""
+
+    parts: tuple[tuple[Storage, int, int], ...]
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[ReadInto]:
+        with contextlib.ExitStack() as stack:
+            current: list[Any] = [None, None, None]  # the part open now: its storage, reader and ExitStack
+
+            def reader(storage: Storage) -> ReadInto:
+                if current[0] is not storage:  # one part open at a time: a stack of 256 experts holds one file
+                    if current[2] is not None:
+                        current[2].close()
+                    inner = stack.enter_context(contextlib.ExitStack())
+                    current[:] = [storage, inner.enter_context(storage.reader()), inner]
+                return current[1]  # type: ignore[no-any-return]
+
+            def read_joined(start: int, out: memoryview) -> None:
+                end, at = start + out.nbytes, 0
+                for storage, begin, length in self.parts:
+                    lo, hi = max(start, at), min(end, at + length)
+                    if lo < hi:
+                        reader(storage)(begin + lo - at, out[lo - start : hi - start])
+                    at += length
+                    if at >= end:
+                        break
+
+            yield read_joined
+
+    def paths(self) -> frozenset[str]:
+        return frozenset().union(*(storage.source.paths() for storage, _, _ in self.parts))
+
+
 def _viewable(ref: TensorRef) -> bool:
-    return ref.is_contiguous and ref.is_stored_as_is
+    return ref.is_contiguous and ref.is_stored_as_is and ref.storage.byteorder == "little"
+
+
+def _joined(
+    name: str, refs: list[TensorRef], shape: tuple[int, ...], join: Callable[[Mapping[str, Any]], Any]
+) -> TensorRef:
+    """``refs`` joined along dim 0 into ``shape``: their bytes in order where each can be viewed, else computed."""
+    first = refs[0]
+    if all(_viewable(ref) and ref.dtype == first.dtype for ref in refs):
+        parts = tuple((ref.storage, ref.byte_span[0], ref.nbytes) for ref in refs)
+        storage = Storage(sum(ref.nbytes for ref in refs), Joined(parts), location=first.storage.location, name=name)
+        return TensorRef(storage, first.dtype, shape, contiguous_strides(shape))
+    return computed_tensor(name, join, {str(i): ref for i, ref in enumerate(refs)}, first.out_dtype, shape)
 
 
 def _flat(ref: TensorRef, start: int, shape: tuple[int, ...], name: str) -> TensorRef:
@@ -308,14 +357,8 @@ class Concatenate(Operation):
         _same(name, refs)
         if len({r.shape[0] for r in refs}) != 1:
             raise TransformError(f"{name}: its pieces {[list(r.shape) for r in refs]} are not equal blocks")
-        inputs = {str(i): r for i, r in enumerate(refs)}
         shape = (sum(r.shape[0] for r in refs), *refs[0].shape[1:])
-        yield (
-            name,
-            computed_tensor(
-                name, lambda a: np.concatenate([a[str(i)] for i in range(len(refs))]), inputs, refs[0].out_dtype, shape
-            ),
-        )
+        yield name, _joined(name, refs, shape, lambda a: np.concatenate([a[str(i)] for i in range(len(refs))]))
 
     def inverse(self) -> Operation:
         return Chunk(self.target, self.sources)
@@ -459,7 +502,6 @@ class Stack(Operation):
         _same(name, refs, refs[0].shape[1:])
         if any(r.shape != refs[0].shape for r in refs):
             raise TransformError(f"{name}: its pieces {[list(r.shape) for r in refs[:4]]} differ in shape")
-        inputs = {str(i): ref for i, ref in enumerate(refs)}
         parts, count = len(self.sources), len(numbers)
         one = refs[0].shape
         shape = (count, *one) if parts == 1 else (count, parts * one[0], *one[1:])
@@ -468,7 +510,7 @@ class Stack(Operation):
             joined = [arrays[str(i)] for i in range(count * parts)]
             return np.stack(joined).reshape(shape)
 
-        yield name, computed_tensor(name, stack, inputs, refs[0].out_dtype, shape)
+        yield name, _joined(name, refs, shape, stack)
 
     def inverse(self) -> Operation:
         return Unstack(self.target, self.sources)
