@@ -254,7 +254,7 @@ def _convert(
         options = dataclasses.replace(options, max_shard_size=like.max_shard_size)  # sharded like it
     checkpoint = open_checkpoint(source, trust=options.trust)
     selection = checkpoint.select(options.select)
-    selection = arranging.arrange(checkpoint.format, selection, options.layout, as_path(source), like)
+    options = arranging.arranged(options, selection, checkpoint.format, as_path(source), like)  # names of the model out
     dequantization = _dequantization(source, checkpoint, selection, options)
     transformed = _transform(dequantization.apply(selection) if dequantization else selection, options)
     if dequantization is not None:

@@ -190,15 +190,15 @@ def test_tied_heads_are_not_missing(tmp_path: Path) -> None:
     _loads_clean_with_the_same_logits(tmp_path / "out", model)
 
 
-def test_experts_quantized_otherwise_than_fp8_blocks_are_refused_in_one_line(tmp_path: Path) -> None:
+def test_an_expert_tensor_the_other_layout_has_no_place_for_is_refused_in_one_line(tmp_path: Path) -> None:
     _, per_expert, _ = _saved(tmp_path, "qwen3_moe")
     state = load_file(per_expert / "model.safetensors")
-    state["model.layers.0.mlp.experts.0.gate_proj.weight_scale"] = torch.ones(1, 1)  # compressed-tensors' name
+    state["model.layers.0.mlp.experts.0.gate_proj.bias"] = torch.ones(8)  # Qwen3-MoE's experts have none
     save_file(state, str(per_expert / "model.safetensors"), metadata={"format": "pt"})
     code, _, err = run_cli("convert", str(per_expert), f"{tmp_path / 'out'}/", "--layout", "fused")
     assert (code, err) == (
         1,
-        "ckptconv: error: cannot move model.layers.0.mlp.experts.0.gate_proj.weight_scale to the fused "
+        "ckptconv: error: cannot move model.layers.0.mlp.experts.0.gate_proj.bias to the fused "
         "layout (quantized experts' scales, or a tensor transformers has no place for); dequantize first "
         "(--dtype bf16) or keep the layout\n",
     )
@@ -376,3 +376,32 @@ def test_what_older_checkpoints_hold_and_transformers_leaves_alone_is_not_refuse
         code, _, err = run_cli("convert", str(folder), f"{tmp_path / name}_out/")
         assert code == 0, err
         _assert_same_tensors(tmp_path / f"{name}_out", folder)
+
+
+def test_dequantized_fp8_experts_are_fused_as_transformers_holds_them(tmp_path: Path) -> None:
+    """``--dtype bf16 --layout fused`` on per-expert fp8 blocks: the experts are dequantized first, then fused, equal
+    tensor for tensor to what transformers writes after loading the fp8 folder on a CPU (it dequantizes to bf16) and
+    saving it fused."""
+    config = transformers.AutoConfig.for_model(
+        "qwen3_moe",
+        **{**_COMMON, "hidden_size": 128, "head_dim": 64, "intermediate_size": 128, "num_hidden_layers": 1},
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=128,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "src")
+    fp8 = tmp_path / "fp8"
+    assert run_cli("convert", str(tmp_path / "src"), f"{fp8}/", "--quantize", "fp8-block")[0] == 0
+    code, _, err = run_cli("convert", str(fp8), f"{tmp_path / 'out'}/", "--dtype", "bf16", "--layout", "fused")
+    assert code == 0, err
+    model = transformers.AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "theirs", save_original_format=False)
+    _assert_same_tensors(tmp_path / "out", tmp_path / "theirs")
+
+
+def test_verify_with_torch_runs_the_layout_move_again(tmp_path: Path) -> None:
+    _, per_expert, fused = _saved(tmp_path, "mixtral")
+    out = tmp_path / "out"
+    code, _, err = run_cli("convert", str(per_expert), f"{out}/", "--layout", "fused", "--verify=torch")
+    assert code == 0, err
+    _assert_same_tensors(out, fused)
