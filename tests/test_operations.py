@@ -192,3 +192,9 @@ def test_a_stack_of_stored_experts_is_their_bytes_read_piece_by_piece(tmp_path: 
     assert fused.shape == (3, 10, 4)
     got = b"".join(bytes(piece) for piece in fused.storage.source.tensor_bytes(fused, chunk, None))
     assert got == _bytes(want).numpy().tobytes()
+
+
+def test_two_names_for_one_expert_are_refused() -> None:
+    refs = {name: from_torch(torch.zeros(2)) for name in ("w.1", "w.01", "w.0")}
+    with pytest.raises(ckptconv.CkptconvError, match=r"'w\.01' and another name are both E 1; rename one"):
+        run_table((Stack(("w.{E}",), "stacked"),), refs, {}, strict=True)

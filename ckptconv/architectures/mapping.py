@@ -43,7 +43,10 @@ def run_table(
             fields = hit[1].groupdict()
             gathered = rules[index].gathers
             at = int(fields.pop(gathered)) if gathered else None
-            groups.setdefault((index, tuple(sorted(fields.items()))), {})[(hit[0], at)] = ref
+            group = groups.setdefault((index, tuple(sorted(fields.items()))), {})
+            if (hit[0], at) in group:  # experts.01 and experts.1
+                raise TransformError(f"{name!r} and another name are both {gathered} {at}; rename one")
+            group[(hit[0], at)] = ref
             break
         else:
             if strict:
