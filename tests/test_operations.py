@@ -198,3 +198,26 @@ def test_two_names_for_one_expert_are_refused() -> None:
     refs = {name: from_torch(torch.zeros(2)) for name in ("w.1", "w.01", "w.0")}
     with pytest.raises(ckptconv.CkptconvError, match=r"'w\.01' and another name are both E 1; rename one"):
         run_table((Stack(("w.{E}",), "stacked"),), refs, {}, strict=True)
+
+
+@pytest.mark.parametrize("model_type", sorted(layouts.PER_EXPERT_TO_FUSED))
+def test_every_expert_table_says_what_transformers_conversion_mapping_says(model_type: str) -> None:
+    """transformers' own rules, read as data: each of its expert converters (``MergeModulelist(dim=0)``, then
+    ``Concatenate(dim=1)`` for two sources) is a ckptconv ``Stack`` of the same sources in the same order onto the
+    same target, and its renamings are ours; ckptconv adds only the fp8 scales' copies its quantizer makes."""
+    mapping = pytest.importorskip("transformers.conversion_mapping")
+    rules = mapping.get_checkpoint_conversion_mapping(mapping._MODEL_TO_CONVERSION_PATTERN.get(model_type, model_type))
+    ours = layouts.PER_EXPERT_TO_FUSED[model_type]
+    stacks = [rule for rule in ours if isinstance(rule, Stack) and not rule.target.endswith("_scale_inv")]
+    theirs = [rule for rule in rules if type(rule).__name__ == "WeightConverter"]
+    assert len(stacks) == len(theirs)
+    for stack, converter in zip(stacks, theirs):
+        ours_tail = [source.rpartition("experts.")[2].replace("{E}", "*") for source in stack.sources]
+        assert ours_tail == [source.rpartition("experts.")[2] for source in converter._original_source_patterns]
+        assert stack.target.endswith(converter._original_target_patterns[0].lstrip("."))
+        operations = [(type(op).__name__, op.dim) for op in converter.operations]
+        assert operations == [("MergeModulelist", 0)] + ([("Concatenate", 1)] if len(stack.sources) == 2 else [])
+    renames = [rule for rule in rules if type(rule).__name__ == "WeightRenaming"]
+    for renaming in renames:  # Mixtral's .block_sparse_moe. -> .mlp.: our Rename of its router does the same
+        old, new = renaming._original_source_patterns[0], renaming._original_target_patterns[0]
+        assert any(isinstance(r, Rename) and old in r.source and r.target == r.source.replace(old, new) for r in ours)
