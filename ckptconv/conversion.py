@@ -20,7 +20,7 @@ from typing import Any
 from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
 from ckptconv._version import __version__
-from ckptconv.architectures import MEGATRON_FORMATS, to_hugging_face
+from ckptconv.architectures import arranging, coverage
 from ckptconv.errors import DestinationError, FitError, TransformError, VerifyError
 from ckptconv.fitting import LikeFolder, cast_like, like_folder
 from ckptconv.loading import Checkpoint
@@ -245,9 +245,7 @@ def _convert(
         options = dataclasses.replace(options, max_shard_size=like.max_shard_size)  # sharded like it
     checkpoint = open_checkpoint(source, trust=options.trust)
     selection = checkpoint.select(options.select)
-    if like is not None and checkpoint.format in MEGATRON_FORMATS:  # Megatron's names -> the reference's
-        weights = to_hugging_face(selection.weights, like.config, reference_names=list(like.dtypes))
-        selection = dataclasses.replace(selection, weights=weights, note=f"mapped Megatron's names to {like.folder}'s")
+    options = arranging.arranged(options, selection, checkpoint.format, as_path(source), like)  # names of the model out
     dequantization = _dequantization(source, checkpoint, selection, options)
     transformed = _transform(dequantization.apply(selection) if dequantization else selection, options)
     if dequantization is not None:
@@ -262,10 +260,12 @@ def _convert(
         transformed.notes.append(
             f"read {plural(ao, 'torch.ao quantized tensor')} as float32, exactly as tensor.dequantize() gives them"
         )
+    folder = like.folder if like is not None else model.folder if model is not None else None
+    if folder_out and folder is not None and options.to != "dcp":  # the weights feed the config's model, all of it
+        transformed.coverage = coverage.check(transformed.state, like or folder, allow_missing=options.allow_missing)
     summary = _summary(checkpoint, selection, transformed, destination, options)
     # A model folder in (or --like's) carries its configs, tokenizer ... to a folder out, rewritten where the
     # conversion changed what they say; a file out gets a note on what stays behind.
-    folder = like.folder if like is not None else model.folder if model is not None else None
     carried = None
     if folder is not None and summary.format != "dcp" and (like or checkpoint.format not in FRAMEWORK_FORMATS):
         carried = model_files.carry(
@@ -329,6 +329,7 @@ class _Transformed:
     dequantization: Dequantization | None = None
     quantization_config: dict[str, Any] | None = None  # what --quantize wrote, for the model's config.json
     like: LikeFolder | None = None
+    coverage: list[str] = field(default_factory=list)  # what the model folder out lacks (--allow-missing)
 
     @property
     def dequantized(self) -> bool:
@@ -433,7 +434,7 @@ def _summary(
         bytes=sum(ref.nbytes for ref in state.values()),
         foreign_globals=checkpoint.foreign_globals,
         saved_devices=checkpoint.saved_devices,
-        notes=tuple(transformed.notes),
+        notes=tuple(transformed.notes + transformed.coverage),
         renames=renames[:1000],
     )
 
@@ -459,7 +460,7 @@ def _output_metadata(
             "ckptconv.version": __version__,
             "ckptconv.source": _file_name(checkpoint.path),
             "ckptconv.selected": selection.where,  # "" for the whole file: then left out
-            "ckptconv.transforms": json.dumps(options.transforms.describe() + fit_plan),
+            "ckptconv.transforms": json.dumps(options.transforms.describe() + fit_plan + transformed.coverage),
         }
         metadata.update({key: value for key, value in provenance.items() if value})
     return metadata

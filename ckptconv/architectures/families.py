@@ -47,8 +47,8 @@ _EXPERT = _M + "mlp.experts.local_experts.{E}."
 MEGATRON_SPELLINGS: tuple[Operation, ...] = (
     Rename(_M + "input_layernorm.weight", _M + "self_attention.linear_qkv.layer_norm_weight"),
     Rename(_M + "pre_mlp_layernorm.weight", _M + "mlp.linear_fc1.layer_norm_weight"),
-    Unstack(_M + "mlp.experts.experts.linear_fc1.weight", _EXPERT + "linear_fc1.weight"),
-    Unstack(_M + "mlp.experts.experts.linear_fc2.weight", _EXPERT + "linear_fc2.weight"),
+    Unstack(_M + "mlp.experts.experts.linear_fc1.weight", (_EXPERT + "linear_fc1.weight",)),
+    Unstack(_M + "mlp.experts.experts.linear_fc2.weight", (_EXPERT + "linear_fc2.weight",)),
     Rename(_M + "mlp.experts.linear_fc1.weight{E}", _EXPERT + "linear_fc1.weight"),
     Rename(_M + "mlp.experts.linear_fc2.weight{E}", _EXPERT + "linear_fc2.weight"),
 )
@@ -119,8 +119,8 @@ DENSE: tuple[Operation, ...] = _ENDS + _ATTENTION + _DENSE_MLP
 #: transformers 5's fused experts (its ``conversion_mapping.py`` merges the per-expert ones into these)
 _FUSED: tuple[Operation, ...] = (
     Rename(_M + "mlp.router.weight", _H + "mlp.gate.weight"),
-    Stack(_EXPERT + "linear_fc1.weight", _H + "mlp.experts.gate_up_proj"),
-    Stack(_EXPERT + "linear_fc2.weight", _H + "mlp.experts.down_proj"),
+    Stack((_EXPERT + "linear_fc1.weight",), _H + "mlp.experts.gate_up_proj"),
+    Stack((_EXPERT + "linear_fc2.weight",), _H + "mlp.experts.down_proj"),
 )
 
 _MIXTRAL_PER_EXPERT: tuple[Operation, ...] = (

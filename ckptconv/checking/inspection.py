@@ -15,8 +15,10 @@ from typing import Any
 
 from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
+from ckptconv.architectures import coverage
+from ckptconv.architectures.layouts import layout_of
 from ckptconv.dtypes import dtype_by_name
-from ckptconv.errors import InvalidConfigError, SelectionError, UnsupportedQuantizationError
+from ckptconv.errors import CkptconvError, InvalidConfigError, SelectionError, UnsupportedQuantizationError
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.quantization import dequantize
@@ -82,6 +84,8 @@ class ModelInfo:
         training_state: ``"name (what)"`` for each file of training state beside the model (optimizer,
             scheduler, trainer state ...).
         parts: the model folders inside it.
+        layout: its experts' layout and whether its weights cover its config's model (see
+            :mod:`ckptconv.architectures.coverage`), ``""`` when it has no config.
     """
 
     kind: str
@@ -93,6 +97,7 @@ class ModelInfo:
     quantization: str = ""
     training_state: tuple[str, ...] = ()
     parts: tuple[str, ...] = ()
+    layout: str = ""
 
 
 # A config is untrusted: what inspect shows of it is bounded (a 16 MiB "model_type" is one short line).
@@ -151,6 +156,7 @@ def model_info(model: Model, weights: Mapping[str, TensorRef]) -> ModelInfo:
         quantization=_text(quantization.get("quant_method")) if isinstance(quantization, Mapping) else "",
         training_state=tuple(f"{name} ({what})" for name, what in model.training_state),
         parts=model.parts,
+        layout=_layout(model, weights),
     )
 
 
@@ -350,6 +356,21 @@ def _inspect(path: PathLike, *, select: str | None, trust: bool) -> CheckpointIn
         model=model_info(model, weights) if (model := resolve_model(as_path(path), strict=False)) else None,
         notes=tuple(filter(None, [wrapper_note(weights)])),
     )
+
+
+def _layout(model: Model, weights: Mapping[str, TensorRef]) -> str:
+    """A model folder's expert layout and coverage of its config, in one line; ``""`` for anything else."""
+    if model.adapter or not weights or model.config is None:
+        return ""
+    layout = layout_of(weights)
+    said = {None: "", "fused": "experts fused; ", "per-expert": "experts one per expert; "}.get(
+        layout, "experts mixed; "
+    )
+    try:
+        found = coverage.check(weights, model.folder, allow_missing=True)
+    except CkptconvError as error:
+        return f"{said}coverage not checked: {error}"
+    return said + (found[0] if found else "covers its config's model")
 
 
 def _quantization(path: PathLike, checkpoint: Checkpoint, weights: Mapping[str, TensorRef]) -> str:

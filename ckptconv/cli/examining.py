@@ -275,6 +275,7 @@ def _echo_model(model: ModelInfo) -> None:
         ("quantization", model.quantization and f"{model.quantization} (as config.json says)"),
         ("training state beside it", ", ".join(model.training_state)),
         ("model folders in it", ", ".join(f"{part}/" for part in model.parts)),
+        ("weights", model.layout),
     ]
     for name, text in lines:
         if text:
