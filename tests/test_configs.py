@@ -285,3 +285,20 @@ def test_the_schema_keeps_what_real_configs_hold() -> None:
         assert parsed.num_hidden_layers == config.get("num_hidden_layers")
         assert parsed.tie_word_embeddings == config.get("tie_word_embeddings")
         assert dict(parsed) == json.loads(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"num_hidden_layers": 10**9}, {"text_config": {"model_type": "llama", "num_hidden_layers": 10**9}}],
+    ids=["top", "nested"],
+)
+def test_a_count_the_tensors_cannot_hold_is_refused_before_the_model_is_built(
+    change: dict[str, Any], base: Path, tmp_path: Path
+) -> None:
+    """The coverage check builds the config's model on the meta device: a billion layers (an integer of the right
+    type, at the top or in a sub-config) would take hours; it is refused first, in one line."""
+    source = _copy(base, tmp_path / "src", change)
+    with pytest.raises(InvalidConfigError) as raised:
+        ckptconv.convert(str(source), str(tmp_path / "out") + "/")
+    assert "num_hidden_layers is 1000000000, more than the" in str(raised.value) and "\n" not in str(raised.value)
+    assert not (tmp_path / "out").exists()

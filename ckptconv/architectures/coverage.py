@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from ckptconv.architectures import families, layouts
 from ckptconv.architectures.mapping import bounded_list, run_table
 from ckptconv.dtypes import DTYPES
-from ckptconv.errors import TransformError
+from ckptconv.errors import InvalidConfigError, TransformError
 from ckptconv.reading.model_folder import read_config
 from ckptconv.reading.sources import computed_tensor
 from ckptconv.values.tensor import TensorRef
@@ -161,6 +161,30 @@ def _companion(name: str, names: Collection[str]) -> bool:
     return any(base in names for base in (stem, stem + "weight", stem.rpartition(".")[0] + ".weight"))
 
 
+# A count of modules in a config (layers, experts, heads), at any depth (a vision or text sub-config too).
+_COUNT_NAME = re.compile(r"layers|experts|heads", re.IGNORECASE)
+
+
+def _check_counts(config: Mapping[str, Any], state: Mapping[str, TensorRef], where: str = "") -> None:
+    """Refuse a count the tensors cannot hold (each layer, expert or head is at least one row of one tensor)
+    before the config's model is built: ``num_hidden_layers: 1000000000`` would build a billion modules.
+
+    Raises:
+        InvalidConfigError: naming the field and the bound.
+    """
+    rows = sum(ref.shape[0] if ref.shape else 1 for ref in state.values())
+    for key, value in config.items():
+        name = f"{where}{key}"
+        if isinstance(value, Mapping):
+            _check_counts(value, state, f"{name}.")
+        elif isinstance(value, int) and not isinstance(value, bool) and _COUNT_NAME.search(key) and value > rows:
+            raise InvalidConfigError(
+                f"config.json is not a valid model config: {name} is {value}, more than the {rows} rows the "
+                "tensors hold; fix the field or give a config that matches the weights",
+                field=name,
+            )
+
+
 def check(state: Mapping[str, TensorRef], model: Reference | str | None, *, allow_missing: bool) -> list[str]:
     """Refuse, in one line, a model folder whose weights miss a parameter of ``model``'s config's model (a
     ``--like`` reference, or the source's folder), have one it lacks, or one of another shape; ``allow_missing``:
@@ -176,6 +200,7 @@ def check(state: Mapping[str, TensorRef], model: Reference | str | None, *, allo
         return ["coverage not checked: config.json names no model_type (not a transformers model)"]
     if not any(key in config for key in _SIZES) and not isinstance(config.get("text_config"), dict):
         return [f"coverage not checked: config.json gives no model sizes ({', '.join(_SIZES[:2])} …)"]
+    _check_counts(config, state)
     want = expected(config)
     if want is None:
         return [
