@@ -47,6 +47,7 @@ from ckptconv.errors import (
 )
 
 if TYPE_CHECKING:
+    from ckptconv.adapters.merging import merge_lora
     from ckptconv.batching.flow import batch
     from ckptconv.batching.report import BatchReport, ItemResult
     from ckptconv.checking.inspection import CheckpointInfo, TensorInfo, inspect
@@ -74,6 +75,7 @@ if TYPE_CHECKING:
     from ckptconv.writing.writer import save
 
 _HOMES = {
+    ".adapters.merging": ["merge_lora"],
     ".batching.flow": ["batch"],
     ".batching.report": ["BatchReport", "ItemResult"],
     ".conversion": ["ConversionReport", "convert"],
@@ -153,6 +155,7 @@ __all__ = [
     "inspect",
     "load",
     "load_into",
+    "merge_lora",
     "open",
     "save",
     "scan",

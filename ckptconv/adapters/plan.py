@@ -1,0 +1,266 @@
+"""Which base tensor gets which part of an adapter: the plan of a merge, from names and shapes alone.
+
+A PEFT adapter file (``get_peft_model_state_dict``) names its tensors after the model's modules under
+``base_model.model.``:
+
+- ``M.lora_A.weight`` (r, in), ``M.lora_B.weight`` (out, r) and, with ``lora_bias``, ``M.lora_B.bias``:
+  a LoRA on the linear (or GPT-2 ``Conv1D``) module ``M``, merged into ``M.weight`` (and ``M.bias``);
+- ``M.lora_magnitude_vector`` (out): DoRA's magnitude for that module;
+- ``M.lora_embedding_A`` (r, num_embeddings), ``M.lora_embedding_B`` (dim, r): a LoRA on the embedding ``M``;
+- ``M.base_layer.weight``: the base layer's own weight, which PEFT loads into the base before it merges
+  (it saves the embeddings it adapted, in case their vocabulary was resized);
+- any other tensor: a parameter of one of ``modules_to_save``, which replaces the base's wholesale.
+
+:func:`plan_merge` matches those with the base state dict's keys and shapes and returns one
+:class:`TensorPlan` per base tensor that changes. Nothing here reads a tensor's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ckptconv._text import short_repr
+from ckptconv.adapters.config import AdapterConfig
+from ckptconv.dtypes import DType
+from ckptconv.errors import TransformError
+from ckptconv.values.tensor import TensorRef
+
+__all__ = ["PREFIX", "AdapterTensors", "TensorPlan", "group_tensors", "plan_merge"]
+
+#: PeftModel's names: its base_model (the LoraModel) holds the model as ``model``.
+PREFIX = "base_model.model."
+
+# The base dtypes PEFT merges a LoRA into on the CPU (float8 and integer bases are quantized: dequantize them).
+_FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+# transformers' Conv1D modules (weight stored as (in, out)), by model type and module name: PEFT merges these
+# transposed (fan_in_fan_out), whatever adapter_config.json says. Where a weight is square only the model's
+# architecture tells the two apart.
+_CONV1D = {
+    "gpt2": frozenset({"c_attn", "q_attn", "c_proj", "c_fc"}),
+    "decision_transformer": frozenset({"c_attn", "q_attn", "c_proj", "c_fc"}),
+    "imagegpt": frozenset({"c_attn", "q_attn", "c_proj", "c_fc"}),
+    "openai-gpt": frozenset({"c_attn", "c_proj", "c_fc"}),
+    "clvp": frozenset({"c_fc", "c_proj"}),
+}
+
+
+@dataclass(frozen=True)
+class AdapterTensors:
+    """An adapter's tensors by role, under the model's module names (the ``base_model.model.`` prefix gone).
+
+    Attributes:
+        linear: module -> ``{"A", "B", "bias"?, "magnitude"?}``.
+        embedding: module -> ``{"A", "B"}``.
+        base_layers: base key -> the value PEFT loads into it before merging.
+        saved: base key -> a ``modules_to_save`` parameter's value.
+    """
+
+    linear: Mapping[str, Mapping[str, TensorRef]]
+    embedding: Mapping[str, Mapping[str, TensorRef]]
+    base_layers: Mapping[str, TensorRef]
+    saved: Mapping[str, TensorRef]
+
+
+_ROLES = (
+    (".lora_A.weight", "linear", "A"),
+    (".lora_B.weight", "linear", "B"),
+    (".lora_B.bias", "linear", "bias"),
+    (".lora_magnitude_vector", "linear", "magnitude"),
+    (".lora_embedding_A", "embedding", "A"),
+    (".lora_embedding_B", "embedding", "B"),
+)
+
+
+def group_tensors(tensors: Mapping[str, TensorRef], config: AdapterConfig, where: str) -> AdapterTensors:
+    """The adapter file's tensors, grouped by module and role.
+
+    Raises:
+        TransformError: a key without PEFT's prefix, or one that is neither a LoRA tensor, a base layer's, nor a
+            parameter of a module to save.
+    """
+    linear: dict[str, dict[str, TensorRef]] = {}
+    embedding: dict[str, dict[str, TensorRef]] = {}
+    base_layers: dict[str, TensorRef] = {}
+    saved: dict[str, TensorRef] = {}
+    for key, ref in tensors.items():
+        if not key.startswith(PREFIX):
+            raise TransformError(
+                f"{where}: tensor {short_repr(key)} does not start with {PREFIX!r}, as PEFT's adapter files do; "
+                "if this is a training checkpoint, run ckptconv extract-lora on it first"
+            )
+        name = key[len(PREFIX) :]
+        for suffix, kind, role in _ROLES:
+            if name.endswith(suffix):
+                module = name[: -len(suffix)]
+                (linear if kind == "linear" else embedding).setdefault(module, {})[role] = ref
+                break
+        else:
+            module, _, parameter = name.rpartition(".")
+            if module.endswith(".base_layer"):
+                base_layers[f"{module[: -len('.base_layer')]}.{parameter}"] = ref
+            elif config.saves(module):
+                saved[name] = ref
+            else:
+                raise TransformError(
+                    f"{where}: tensor {short_repr(key)} is neither a LoRA weight nor part of modules_to_save "
+                    f"({', '.join(config.modules_to_save) or 'none'}); ckptconv does not know how PEFT loads it"
+                )
+    for module, roles in {**linear, **embedding}.items():
+        missing = [role for role in ("A", "B") if role not in roles]
+        if missing:
+            raise TransformError(f"{where}: module {short_repr(module)} has no lora_{missing[0]} tensor")
+    for module, roles in linear.items():
+        if ("magnitude" in roles) != config.use_dora:
+            said = "sets" if config.use_dora else "does not set"
+            raise TransformError(
+                f"{where}: module {short_repr(module)} {'lacks' if config.use_dora else 'has'} a DoRA magnitude "
+                f"vector while the config {said} use_dora"
+            )
+        if "bias" in roles and not config.lora_bias:
+            raise TransformError(f"{where}: module {short_repr(module)} has a lora_B bias but lora_bias is false")
+    if config.use_dora and embedding:
+        raise TransformError(
+            f"{where}: DoRA on an embedding ({short_repr(next(iter(embedding)))}) is not merged by ckptconv"
+        )
+    return AdapterTensors(linear, embedding, base_layers, saved)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """What one base tensor becomes.
+
+    Attributes:
+        kind: ``"linear"`` (delta added in place, in the delta's dtype), ``"dora"``, ``"embedding"`` (delta cast
+            to the base dtype, then added), ``"bias"`` (``lora_B.bias * scaling`` added), ``"replace"`` (a module
+            to save's value, cast to the base dtype).
+        inputs: the tensors the result is computed from, by role: ``weight`` the base's, or ``loaded`` the
+            value PEFT loads into the base layer first (then cast to ``dtype``); ``A``, ``B``, ``magnitude``.
+        dtype: the base tensor's dtype, which the result keeps.
+        scaling: the adapter's scaling for the module.
+        fan_in_fan_out: the base weight is stored (in, out), as GPT-2's Conv1D.
+        module: the module's name in the model.
+    """
+
+    kind: str
+    inputs: Mapping[str, TensorRef]
+    dtype: DType
+    scaling: float = 1.0
+    fan_in_fan_out: bool = False
+    module: str = ""
+
+
+def _float(ref: TensorRef, key: str, where: str) -> None:
+    if ref.out_dtype.name not in _FLOATS:
+        raise TransformError(
+            f"{where}: base tensor {short_repr(key)} is {ref.out_dtype.name}; LoRA merges into float16, bfloat16 "
+            "or float32 weights (pass --dtype bf16 to dequantize a quantized base first)"
+        )
+
+
+def _fan_in_fan_out(
+    module: str, shape: tuple[int, ...], a: TensorRef, b: TensorRef, model_type: str, where: str
+) -> bool:
+    """True when the module is a Conv1D (weight (in, out)), as PEFT decides from the module's class."""
+    out_features, in_features = b.shape[0], a.shape[1]
+    if len(shape) != 2 or {tuple(shape)} & {(out_features, in_features), (in_features, out_features)} == set():
+        raise TransformError(
+            f"{where}: module {short_repr(module)}'s LoRA is ({out_features} x r) @ (r x {in_features}), which does "
+            f"not fit its base weight of shape {tuple(shape)}"
+        )
+    if out_features != in_features:
+        return tuple(shape) == (in_features, out_features)
+    return module.rpartition(".")[2] in _CONV1D.get(model_type, frozenset())
+
+
+def _weight(plans: Mapping[str, TensorPlan], key: str, weight: TensorRef) -> dict[str, TensorRef]:
+    """The weight a LoRA is merged into: the base's, or the base layer's value the adapter holds."""
+    return {"loaded": plans[key].inputs["loaded"]} if key in plans else {"weight": weight}
+
+
+def plan_merge(
+    state: Mapping[str, TensorRef], adapter: AdapterTensors, config: AdapterConfig, *, model_type: str, where: str
+) -> dict[str, TensorPlan]:
+    """The plan: each base key that changes, and how.
+
+    Args:
+        state: the base's state dict (names and shapes; nothing is read).
+        adapter: the adapter's tensors (:func:`group_tensors`).
+        config: the adapter's config.
+        model_type: the base's ``config.json`` ``model_type`` ("" without one): tells a square Conv1D weight
+            from a Linear one.
+        where: the adapter, for messages.
+
+    Raises:
+        TransformError: a module the base does not hold, shapes or a rank that do not fit, a non-float base.
+    """
+    plans: dict[str, TensorPlan] = {}
+
+    def base(key: str, module: str) -> TensorRef:
+        ref = state.get(key)
+        if ref is None:
+            raise TransformError(
+                f"{where}: the adapter changes {short_repr(key)}, which the base does not hold (a tied weight, or "
+                "another model's adapter?); nothing was written"
+            )
+        _float(ref, key, where)
+        return ref
+
+    for key, value in {**adapter.base_layers, **adapter.saved}.items():
+        ref = base(key, key)
+        if tuple(value.shape) != tuple(ref.shape):
+            raise TransformError(
+                f"{where}: {short_repr(key)} is {tuple(value.shape)} in the adapter and {tuple(ref.shape)} in the "
+                "base; PEFT cannot load it either"
+            )
+        plans[key] = TensorPlan("replace", {"loaded": value}, ref.out_dtype)
+    for module, roles in adapter.linear.items():
+        key = f"{module}.weight"
+        weight = base(key, module)
+        a, b = roles["A"], roles["B"]
+        r = config.rank(module)
+        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != r or b.shape[1] != r:
+            raise TransformError(
+                f"{where}: module {short_repr(module)}'s lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                f"which is not a rank-{r} LoRA (r or rank_pattern in the config); a convolution's LoRA is not "
+                "merged by ckptconv"
+            )
+        fifo = _fan_in_fan_out(module, tuple(weight.shape), a, b, model_type, where)
+        inputs = {**_weight(plans, key, weight), "A": a, "B": b}
+        if "magnitude" in roles:
+            if tuple(roles["magnitude"].shape) != (b.shape[0],):
+                raise TransformError(f"{where}: module {short_repr(module)}'s DoRA magnitude is not {b.shape[0]} long")
+            inputs["magnitude"] = roles["magnitude"]
+        kind = "dora" if "magnitude" in roles else "linear"
+        plans[key] = TensorPlan(kind, inputs, weight.out_dtype, config.scaling(module), fifo, module)
+        if "bias" in roles:
+            bias_key = f"{module}.bias"
+            bias = base(bias_key, module)
+            if tuple(roles["bias"].shape) != tuple(bias.shape):
+                raise TransformError(f"{where}: module {short_repr(module)}'s lora_B bias does not fit its bias")
+            plans[bias_key] = TensorPlan(
+                "bias", {"weight": bias, "B": roles["bias"]}, bias.out_dtype, config.scaling(module), module=module
+            )
+    for module, roles in adapter.embedding.items():
+        key = f"{module}.weight"
+        weight = base(key, module)
+        a, b = roles["A"], roles["B"]
+        r = config.rank(module)
+        if (
+            len(a.shape) != 2
+            or len(b.shape) != 2
+            or a.shape[0] != r
+            or b.shape[1] != r
+            or tuple(weight.shape) != (a.shape[1], b.shape[0])
+        ):
+            raise TransformError(
+                f"{where}: embedding {short_repr(module)}'s lora_embedding_A is {tuple(a.shape)} and "
+                f"lora_embedding_B {tuple(b.shape)}, which does not fit a rank-{r} LoRA of its {tuple(weight.shape)} "
+                "weight"
+            )
+        inputs = {**_weight(plans, key, weight), "A": a, "B": b}
+        plans[key] = TensorPlan("embedding", inputs, weight.out_dtype, config.scaling(module), True, module)
+    if not plans:
+        raise TransformError(f"{where}: the adapter holds no LoRA tensor; nothing to merge")
+    return plans

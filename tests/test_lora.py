@@ -1,0 +1,250 @@
+"""merge-lora: every tensor bit for bit as PEFT's merge_and_unload(), and the logits of the merged model.
+
+The reference is PEFT itself: the base loaded with transformers in its dtype, the adapter with
+PeftModel.from_pretrained, merged with merge_and_unload(); ckptconv's output is read back with the
+safetensors library and with transformers' from_pretrained (no missing or unexpected keys).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import ckptconv  # noqa: E402
+from ckptconv.cli import cli as main  # noqa: E402
+from ckptconv.errors import TransformError  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _llama(dtype: Any, tie: bool = False) -> Any:
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def _gpt2(dtype: Any) -> Any:
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).to(dtype)
+
+
+def _save(model: Any, tmp_path: Path, lora: Any, *, shard: str | None = None, name: str = "adapter") -> tuple[str, str]:
+    """The base folder and the adapter folder, the adapter's LoRA weights random (B starts at zero)."""
+    base, adapter = str(tmp_path / "base"), str(tmp_path / name)
+    if not os.path.exists(base):
+        model.save_pretrained(base, **({"max_shard_size": shard} if shard else {}))
+    wrapped = peft.get_peft_model(model, lora)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for key, parameter in wrapped.named_parameters():
+            if "lora_" in key:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float32) * 0.5 + 0.1)
+    wrapped.save_pretrained(adapter)
+    return base, adapter
+
+
+def _peft_merged(base: str, adapters: list[str], model_class: Any, dtype: Any) -> Any:
+    model = model_class.from_pretrained(base, dtype=dtype)
+    wrapped = peft.PeftModel.from_pretrained(model, adapters[0], adapter_name="a0")
+    for i, adapter in enumerate(adapters[1:], 1):
+        wrapped.load_adapter(adapter, adapter_name=f"a{i}")
+    wrapped.base_model.set_adapter([f"a{i}" for i in range(len(adapters))])
+    return wrapped.merge_and_unload()
+
+
+def _check(out: str, merged: Any, model_class: Any, dtype: Any) -> None:
+    from safetensors.torch import load_file
+
+    ours: dict[str, Any] = {}
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".safetensors"):
+            ours.update(load_file(os.path.join(out, name)))
+    reference = merged.state_dict()
+    # Tied weights: transformers saves one of each group; every key written is PEFT's, bit for bit.
+    assert set(ours) <= set(reference)
+    assert set(reference) - set(ours) <= {"lm_head.weight"}
+    for key, value in ours.items():
+        assert value.dtype == reference[key].dtype, key
+        assert torch.equal(value, reference[key]), key
+    loaded, info = model_class.from_pretrained(out, dtype=dtype, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = torch.arange(12).reshape(2, 6) % 64
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, merged(ids).logits)
+
+
+_LLAMA_TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+_CASES = {
+    "lora-bf16-sharded-embedding-modules_to_save": (
+        torch.bfloat16,
+        {"target_modules": [*_LLAMA_TARGETS, "embed_tokens"], "modules_to_save": ["lm_head"]},
+        "4KB",
+    ),
+    "rslora-fp32-patterns": (
+        torch.float32,
+        {
+            "target_modules": _LLAMA_TARGETS,
+            "use_rslora": True,
+            "rank_pattern": {"layers.1.self_attn.q_proj": 2, "down_proj": 6},
+            "alpha_pattern": {"o_proj": 3.5},
+        },
+        None,
+    ),
+    "dora-bf16": (torch.bfloat16, {"target_modules": _LLAMA_TARGETS, "use_dora": True}, None),
+    "dora-fp32": (torch.float32, {"target_modules": _LLAMA_TARGETS, "use_dora": True, "use_rslora": True}, None),
+    "lora-fp16-bias": (torch.float16, {"target_modules": ["q_proj", "o_proj"], "lora_bias": True}, None),
+}
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_merge_lora_llama_is_peft_bit_for_bit(tmp_path: Path, case: str) -> None:
+    dtype, settings, shard = _CASES[case]
+    model = _llama(dtype)
+    if settings.get("lora_bias"):  # Llama's projections have no bias: give o_proj and q_proj one
+        model.config.attention_bias = True
+        model = transformers.LlamaForCausalLM(model.config).to(dtype)
+    base, adapter = _save(model, tmp_path, peft.LoraConfig(r=4, lora_alpha=8, **settings), shard=shard)
+    out = str(tmp_path / "out")
+    report = ckptconv.merge_lora(base, adapter, out + "/", **({"max_shard_size": 4096} if shard else {}))
+    assert report.tensors > 0
+    if shard:
+        assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+        assert len([name for name in os.listdir(base) if name.endswith(".safetensors")]) > 1  # the base is sharded
+    _check(
+        out, _peft_merged(base, [adapter], transformers.LlamaForCausalLM, dtype), transformers.LlamaForCausalLM, dtype
+    )
+
+
+@pytest.mark.parametrize(("dtype", "dora"), [(torch.bfloat16, False), (torch.float32, True)])
+def test_merge_lora_gpt2_conv1d_fan_in_fan_out(tmp_path: Path, dtype: Any, dora: bool) -> None:
+    # c_attn is (32, 96): the shape says Conv1D; c_proj is (32, 32): only the architecture does.
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"], use_dora=dora, fan_in_fan_out=True
+    )
+    base, adapter = _save(_gpt2(dtype), tmp_path, lora)
+    out = str(tmp_path / "out")
+    ckptconv.merge_lora(base, adapter, out + "/")
+    _check(out, _peft_merged(base, [adapter], transformers.GPT2LMHeadModel, dtype), transformers.GPT2LMHeadModel, dtype)
+
+
+def test_merge_lora_cli_bin_base_and_adapter_records_provenance(tmp_path: Path) -> None:
+    dtype = torch.bfloat16
+    model = _llama(dtype)
+    base, adapter = str(tmp_path / "base"), str(tmp_path / "adapter")
+    model.save_pretrained(base)
+    # The base as a .bin model folder, the adapter as adapter_model.bin (torch.save): both read without pickle code.
+    from safetensors.torch import load_file
+
+    torch.save(load_file(os.path.join(base, "model.safetensors")), os.path.join(base, "pytorch_model.bin"))
+    os.remove(os.path.join(base, "model.safetensors"))
+    _, adapter = _save(model, tmp_path, peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj"]))
+    torch.save(
+        load_file(os.path.join(adapter, "adapter_model.safetensors")), os.path.join(adapter, "adapter_model.bin")
+    )
+    os.remove(os.path.join(adapter, "adapter_model.safetensors"))
+    out = str(tmp_path / "out")
+    result = CliRunner().invoke(main, ["merge-lora", base, adapter, out + "/", "--verify"])
+    assert result.exit_code == 0, result.output
+    assert "merged LoRA 'adapter' into 4 weights" in result.output
+    _check(
+        out, _peft_merged(base, [adapter], transformers.LlamaForCausalLM, dtype), transformers.LlamaForCausalLM, dtype
+    )
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as file:
+        described = json.loads(file.metadata()["ckptconv.transforms"])
+    assert described[0].startswith("merge LoRA 'adapter' (sha256 ")
+    assert "scaling 4.0" in described[0]
+
+
+def test_merge_lora_dtype_casts_after_the_merge(tmp_path: Path) -> None:
+    # --dtype bf16 on an fp32 base: PEFT merges in fp32 (the base's dtype), then the model is cast.
+    model = _llama(torch.float32)
+    base, adapter = _save(model, tmp_path, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    out = str(tmp_path / "out")
+    ckptconv.merge_lora(base, adapter, out + "/", transforms=[ckptconv.Cast("bf16")])
+    merged = _peft_merged(base, [adapter], transformers.LlamaForCausalLM, torch.float32).to(torch.bfloat16)
+    # Loaded in bf16, as from_pretrained(out) is (.to() would also cast the rotary inv_freq buffer).
+    reference = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    reference.load_state_dict(merged.state_dict())
+    _check(out, reference, transformers.LlamaForCausalLM, torch.bfloat16)
+
+
+def test_merge_two_adapters_in_turn_is_peft_with_both_active(tmp_path: Path) -> None:
+    dtype = torch.bfloat16
+    model = _llama(dtype)
+    base, first = _save(model, tmp_path, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    _, second = _save(
+        _llama(dtype), tmp_path, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj", "o_proj"]), name="second"
+    )
+    out = str(tmp_path / "out")
+    result = CliRunner().invoke(main, ["merge-lora", base, first, out + "/", "--adapter", second])
+    assert result.exit_code == 0, result.output
+    _check(
+        out,
+        _peft_merged(base, [first, second], transformers.LlamaForCausalLM, dtype),
+        transformers.LlamaForCausalLM,
+        dtype,
+    )
+
+
+def _config(adapter: str, **changes: Any) -> None:
+    path = os.path.join(adapter, "adapter_config.json")
+    config = json.loads(Path(path).read_text())
+    config.update(changes)
+    with open(path, "w") as file:
+        json.dump(config, file)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa' changes the base weights when PEFT loads"),
+        ({"target_parameters": ["experts.gate_up_proj"]}, "LoRA on parameters (target_parameters, fused MoE experts)"),
+        ({"r": -1}, "r is -1, not a positive integer"),
+        ({"lora_alpha": float("nan")}, "lora_alpha is nan, not a positive number"),
+        ({"rank_pattern": {"(a+)+$": 2}}, "ckptconv does not evaluate other regular expressions"),
+        ({"peft_type": "IA3"}, "peft_type is 'IA3'; ckptconv merges LORA adapters only"),
+        ({"use_dora": True}, "lacks a DoRA magnitude vector while the config sets use_dora"),
+        ({"rank_pattern": {"q_proj": 3}}, "which is not a rank-3 LoRA"),
+        ({"brand_new_variant": {"x": 1}}, "a setting ckptconv does not know"),
+    ],
+)
+def test_merge_lora_refuses_in_one_line(tmp_path: Path, changes: dict[str, Any], message: str) -> None:
+    base, adapter = _save(_llama(torch.float32), tmp_path, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    _config(adapter, **changes)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["merge-lora", base, adapter, str(out) + "/"])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.output
+    assert not out.exists()
+
+
+def test_merge_lora_refuses_a_target_the_base_lacks(tmp_path: Path) -> None:
+    # Tied embeddings: the base holds no lm_head.weight, so PEFT's merge would change the embedding too.
+    model = _llama(torch.float32, tie=True)
+    base, adapter = _save(model, tmp_path, peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    with pytest.raises(TransformError, match=r"changes 'lm_head\.weight', which the base does not hold"):
+        ckptconv.merge_lora(base, adapter, str(tmp_path / "out") + "/")
+    assert not (tmp_path / "out").exists()
