@@ -47,6 +47,7 @@ from ckptconv.errors import (
 )
 
 if TYPE_CHECKING:
+    from ckptconv.adapters.extraction import ExtractionReport, extract_lora
     from ckptconv.adapters.merging import merge_lora
     from ckptconv.batching.flow import batch
     from ckptconv.batching.report import BatchReport, ItemResult
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
     from ckptconv.writing.writer import save
 
 _HOMES = {
+    ".adapters.extraction": ["ExtractionReport", "extract_lora"],
     ".adapters.merging": ["merge_lora"],
     ".batching.flow": ["batch"],
     ".batching.report": ["BatchReport", "ItemResult"],
@@ -118,6 +120,7 @@ __all__ = [
     "DestinationError",
     "DiffReport",
     "Drop",
+    "ExtractionReport",
     "FitError",
     "FitReport",
     "ItemResult",
@@ -151,6 +154,7 @@ __all__ = [
     "canonicalize",
     "convert",
     "diff",
+    "extract_lora",
     "fit",
     "inspect",
     "load",

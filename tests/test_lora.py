@@ -248,3 +248,93 @@ def test_merge_lora_refuses_a_target_the_base_lacks(tmp_path: Path) -> None:
     with pytest.raises(TransformError, match=r"changes 'lm_head\.weight', which the base does not hold"):
         ckptconv.merge_lora(base, adapter, str(tmp_path / "out") + "/")
     assert not (tmp_path / "out").exists()
+
+
+def _trained(tmp_path: Path, dtype: Any, lora: Any) -> tuple[Any, str]:
+    """A PEFT-wrapped model with random LoRA weights, and its base model folder."""
+    base = str(tmp_path / "base")
+    _llama(dtype).save_pretrained(base)
+    # Loaded as PeftModel.from_pretrained's base will be (.to(dtype) would also cast the rotary inv_freq buffer).
+    wrapped = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(base, dtype=dtype), lora)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for key, parameter in wrapped.named_parameters():
+            if "lora_" in key or "modules_to_save" in key:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float32))
+    return wrapped, base
+
+
+def _same_adapter(out: str, wrapped: Any, base: str, dtype: Any) -> None:
+    from safetensors.torch import load_file
+
+    # Every tensor as PEFT's own save_pretrained names and holds it.
+    expected = peft.get_peft_model_state_dict(wrapped)
+    written = load_file(os.path.join(out, "adapter_model.safetensors"))
+    assert set(written) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(written[key], value), key
+    loaded = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(base, dtype=dtype), out)
+    ids = torch.arange(12).reshape(2, 6) % 64
+    wrapped.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, wrapped(ids).logits)
+
+
+def test_extract_lora_from_a_lightning_checkpoint(tmp_path: Path) -> None:
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], rank_pattern={"layers.1.self_attn.v_proj": 2}
+    )
+    wrapped, base = _trained(tmp_path, torch.float32, lora)
+    # Lightning keeps the module under "model." inside "state_dict", beside the run's other state.
+    state = {f"model.{key}": value for key, value in wrapped.state_dict().items()}
+    torch.save({"epoch": 3, "state_dict": state, "optimizer_states": []}, tmp_path / "last.ckpt")
+    out = str(tmp_path / "adapter")
+    result = CliRunner().invoke(
+        main, ["extract-lora", str(tmp_path / "last.ckpt"), out, "--base", base, "--alpha", "16"]
+    )
+    assert result.exit_code == 0, result.output
+    config = json.loads(Path(out, "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 16, ["q_proj", "v_proj"])
+    assert config["rank_pattern"] == {"model\\.layers\\.1\\.self_attn\\.v_proj": 2}
+    _same_adapter(out, wrapped, base, torch.float32)
+
+
+def test_extract_lora_dora_modules_to_save_and_a_config_beside_the_run(tmp_path: Path) -> None:
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], use_dora=True, modules_to_save=["lm_head"]
+    )
+    wrapped, base = _trained(tmp_path, torch.bfloat16, lora)
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({f"module.{key}": value for key, value in wrapped.state_dict().items()}, run / "model.pt")
+    lora.save_pretrained(str(run))  # adapter_config.json beside it: lora_alpha from there
+    out = str(tmp_path / "adapter")
+    report = ckptconv.extract_lora(run / "model.pt", out, base=base)
+    assert report.config["use_dora"] is True and report.config["modules_to_save"] == ["lm_head"]
+    _same_adapter(out, wrapped, base, torch.bfloat16)
+
+
+def test_extract_lora_without_alpha_is_refused(tmp_path: Path) -> None:
+    wrapped, base = _trained(tmp_path, torch.float32, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    torch.save(wrapped.state_dict(), tmp_path / "run.pt")
+    out = tmp_path / "adapter"
+    result = CliRunner().invoke(main, ["extract-lora", str(tmp_path / "run.pt"), str(out), "--base", base])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        f"ckptconv: error: '{tmp_path / 'run.pt'}' does not say the adapter's lora_alpha (it is not in the tensors, "
+        "and no adapter_config.json lies beside it); pass --alpha"
+    ]
+    assert not out.exists()
+
+
+def test_inspect_names_the_adapter(tmp_path: Path) -> None:
+    lora = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj"], use_rslora=True, modules_to_save=["lm_head"])
+    _, adapter = _save(_llama(torch.float32), tmp_path, lora)
+    _config(adapter, base_model_name_or_path="org/tiny-llama")
+    info = ckptconv.inspect(adapter)
+    assert info.adapter == "rsLoRA, r=4, alpha=16; targets q_proj; modules_to_save lm_head; base model org/tiny-llama"
+    result = CliRunner().invoke(main, ["inspect", adapter])
+    assert f"adapter: {info.adapter}\n" in result.output
+    _config(adapter, use_qalora=True)
+    assert ckptconv.inspect(adapter).adapter.startswith("PEFT adapter that merge-lora refuses: ")
+    assert ckptconv.inspect(os.path.join(tmp_path, "base")).adapter == ""

@@ -20,12 +20,12 @@ from typing import Any
 from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural, short_repr
 from ckptconv.adapters import arithmetic
-from ckptconv.adapters.config import CONFIG_NAME, AdapterConfig, read_config
 from ckptconv.adapters.plan import AdapterTensors, group_tensors, plan_merge
 from ckptconv.conversion import ConversionReport, convert
 from ckptconv.errors import LoadError, TransformError
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.options import ConversionOptions
+from ckptconv.reading.adapter_config import CONFIG_NAME, AdapterConfig, read_config
 from ckptconv.reading.model_folder import model_folder
 from ckptconv.reading.model_folder import read_config as read_model_config
 from ckptconv.reading.sources import computed_tensor
@@ -67,7 +67,7 @@ def open_adapter(path: PathLike) -> Adapter:
 
     Raises:
         LoadError: the folder, its config or its weights are missing or unreadable.
-        TransformError: see :func:`ckptconv.adapters.config.parse_config` and
+        TransformError: see :func:`ckptconv.reading.adapter_config.parse_config` and
             :func:`ckptconv.adapters.plan.group_tensors`.
     """
     folder = as_path(path)

@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ckptconv._text import short_repr
-from ckptconv.adapters.config import AdapterConfig
 from ckptconv.dtypes import DType
 from ckptconv.errors import TransformError
+from ckptconv.reading.adapter_config import AdapterConfig
 from ckptconv.values.tensor import TensorRef
 
 __all__ = ["PREFIX", "AdapterTensors", "TensorPlan", "group_tensors", "plan_merge"]

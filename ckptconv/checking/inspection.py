@@ -8,6 +8,7 @@ library's.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -16,11 +17,13 @@ from typing import Any
 from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
 from ckptconv.dtypes import dtype_by_name
-from ckptconv.errors import SelectionError, UnsupportedQuantizationError
+from ckptconv.errors import SelectionError, TransformError, UnsupportedQuantizationError
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.quantization import dequantize
 from ckptconv.quantization.stage import declared_scheme
+from ckptconv.reading.adapter_config import CONFIG_NAME as ADAPTER_CONFIG
+from ckptconv.reading.adapter_config import read_config as read_adapter_config
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.state_dicts import as_tensor, is_module, part_text
 from ckptconv.values.standins import ForeignGlobal, ForeignObject, NumpyArray
@@ -79,6 +82,8 @@ class CheckpointInfo:
         total_tensors: tensors anywhere in the file (optimizer state included).
         quantization: the quantization scheme the checkpoint declares or gives away, and what
             dequantizing would write, or why it is refused; ``""`` for an unquantized checkpoint.
+        adapter: for a PEFT adapter (``adapter_config.json`` beside the weights): its type, r, alpha, targets
+            and base model, or why ``merge-lora`` refuses it; ``""`` otherwise.
     """
 
     path: str
@@ -98,6 +103,7 @@ class CheckpointInfo:
     dtypes: Mapping[str, int]
     total_tensors: int
     quantization: str = ""
+    adapter: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (what ``ckptconv inspect --json`` prints)."""
@@ -240,7 +246,28 @@ def _inspect(path: PathLike, *, select: str | None, trust: bool) -> CheckpointIn
         dtypes=dict(Counter(ref.out_dtype.name for ref in weights.values())),
         total_tensors=sum(1 for _ in checkpoint.tensors()),
         quantization=_quantization(path, checkpoint, weights),
+        adapter=_adapter(as_path(path)),
     )
+
+
+def _adapter(path: str) -> str:
+    """What a PEFT adapter folder's ``adapter_config.json`` says (its tensors are listed as any checkpoint's)."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    if not os.path.lexists(os.path.join(folder, ADAPTER_CONFIG)):
+        return ""
+    try:
+        config = read_adapter_config(folder)
+    except TransformError as error:
+        return f"PEFT adapter that merge-lora refuses: {error}"
+    kind = "DoRA" if config.use_dora else "rsLoRA" if config.use_rslora else "LoRA"
+    parts = [f"{kind}, r={config.r}, alpha={config.lora_alpha:g}"]
+    if config.rank_pattern or config.alpha_pattern:
+        parts.append(f"{plural(len(config.rank_pattern) + len(config.alpha_pattern), 'pattern')} for r/alpha")
+    parts.append(f"targets {', '.join(config.target_modules) or '(from the tensors)'}")
+    if config.modules_to_save:
+        parts.append(f"modules_to_save {', '.join(config.modules_to_save)}")
+    parts.append(f"base model {config.base_model or '(not named)'}")
+    return "; ".join(parts)
 
 
 def _quantization(path: PathLike, checkpoint: Checkpoint, weights: Mapping[str, TensorRef]) -> str:

@@ -1,4 +1,4 @@
-"""The commands about PEFT adapters: merge-lora."""
+"""The commands about PEFT adapters: merge-lora, extract-lora."""
 
 from __future__ import annotations
 
@@ -58,3 +58,61 @@ def merge_lora(base: str, adapter: str, out: str, more_adapters: tuple[str, ...]
         return merge(src, adapters, dst, **how)
 
     run_conversion(base, out, [], options, run=run)
+
+
+@click.command("extract-lora", cls=Command)
+@click.argument("run", type=click.Path(dir_okay=True))
+@click.argument("out", type=click.Path(dir_okay=True))
+@click.option(
+    "--base", required=True, metavar="BASE", help="The base model (folder or file) the adapter was trained on."
+)
+@click.option(
+    "--alpha",
+    type=click.FloatRange(min=0, min_open=True),
+    help="lora_alpha (not in the tensors): needed unless an adapter_config.json lies beside RUN.",
+)
+@click.option("--rslora", is_flag=True, default=None, help="The adapter was trained with rsLoRA (alpha / sqrt(r)).")
+@click.option("--adapter-name", metavar="NAME", help="Which adapter, when RUN holds several (e.g. 'default').")
+@click.option("--select", metavar="PATH", help="Where the weights are in RUN (searched when omitted).")
+@click.option("--overwrite", is_flag=True, help="Replace OUT's adapter files if they exist.")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
+def extract_lora(
+    run: str,
+    out: str,
+    base: str,
+    alpha: float | None,
+    rslora: bool | None,
+    adapter_name: str | None,
+    select: str | None,
+    overwrite: bool,
+    quiet: bool,
+) -> None:
+    """Write the LoRA adapter inside a training checkpoint as a PEFT adapter folder.
+
+    RUN is a checkpoint of a model wrapped by PEFT's get_peft_model (torch.save,
+    Lightning, a Trainer checkpoint; any wrapper prefixes); OUT gets
+    adapter_model.safetensors and adapter_config.json, which
+    PeftModel.from_pretrained loads. r, rank_pattern, DoRA, lora_bias,
+    target_modules and modules_to_save come from the tensors; lora_alpha from
+    an adapter_config.json beside RUN, or --alpha.
+
+    \b
+    Example:
+      ckptconv extract-lora last.ckpt adapter/ --base llama/ --alpha 16
+    """
+    from ckptconv.adapters.extraction import extract_lora as extract
+    from ckptconv.cli.terminal import say
+
+    report = extract(
+        run,
+        out,
+        base=base,
+        alpha=alpha,
+        use_rslora=rslora,
+        adapter_name=adapter_name,
+        select=select,
+        overwrite=overwrite,
+    )
+    for note in report.notes:
+        say(quiet, f"note: {note}")
+    say(quiet, f"wrote {report.destination} ({report.tensors} tensors, adapter_config.json)")

@@ -240,6 +240,8 @@ def inspect(
         echo(f"note: {info.selection_note}")
     if info.quantization:
         echo(f"quantized: {info.quantization}")
+    if info.adapter:
+        echo(f"adapter: {info.adapter}")
     listed = info.tensors if limit is None else info.tensors[:limit]
     if listed:
         key_width = min(max(len(shown(t.key)) for t in listed), 60)

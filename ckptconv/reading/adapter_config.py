@@ -39,9 +39,9 @@ _MAX_PATTERN_CHARS = 1_000
 _MAX_RANK = 1 << 20
 _MAX_ALPHA = 1e12
 # Pattern keys are regular expressions to PEFT (``re.match(rf"(.*\.)?({key})$", name)``): ckptconv takes
-# the ones made of module-name characters (``.`` matching any character, as it does for PEFT) and refuses
-# any other regex syntax, which it does not evaluate (a hostile pattern can take exponential time).
-_PATTERN_KEY = re.compile(r"[A-Za-z0-9_.\-]+")
+# the ones made of module-name characters (``.`` matching any character, as it does for PEFT, ``\.`` a dot)
+# and refuses any other regex syntax, which it does not evaluate (a hostile pattern can take exponential time).
+_PATTERN_KEY = re.compile(r"(?:[A-Za-z0-9_\-.]|\\\.)+")
 
 # Keys whose value does not change what a merge computes (bookkeeping, training-time settings, and which
 # modules get LoRA layers: the adapter's tensors say that).
@@ -190,7 +190,7 @@ def _patterns(path: str, name: str, value: Any, *, integer: bool) -> tuple[tuple
     for key, item in value.items():
         if len(key) > _MAX_PATTERN_CHARS or not _PATTERN_KEY.fullmatch(key):
             raise TransformError(
-                f"{path!r}: {name} key {short_repr(key)} is not a module name (letters, digits, '_', '-', '.'); "
+                f"{path!r}: {name} key {short_repr(key)} is not a module name (letters, digits, '_', '-', '.', '\\.'); "
                 "ckptconv does not evaluate other regular expressions: write the module names out"
             )
         pairs.append((key, _number(path, f"{name}[{key!r}]", item, integer=integer)))
