@@ -338,3 +338,35 @@ def test_inspect_names_the_adapter(tmp_path: Path) -> None:
     _config(adapter, use_qalora=True)
     assert ckptconv.inspect(adapter).adapter.startswith("PEFT adapter that merge-lora refuses: ")
     assert ckptconv.inspect(os.path.join(tmp_path, "base")).adapter == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"peft_type": "LORA", "r": 4, "r": 8}', "is not an adapter config: it is not JSON (ValueError)"),
+        ("[" * 100_000 + "]" * 100_000, "is not an adapter config: it is not JSON (RecursionError)"),
+        ('{"peft_type": "LORA", "r": true}', "r is True, not a positive integer"),
+        ('{"peft_type": "LORA", "modules_to_save": [1]}', "modules_to_save is [1], not a list of module names"),
+        ('{"peft_type": "LORA", "lora_alpha": 1e400}', "lora_alpha is inf, not a positive number"),
+        (" " * (1 << 20) + "{}", "is larger than 1,048,576 bytes, too large for a PEFT adapter config"),
+    ],
+    ids=["duplicate-key", "nested", "bool-rank", "names", "inf", "huge"],
+)
+def test_hostile_adapter_configs_are_refused_in_one_line(tmp_path: Path, text: str, message: str) -> None:
+    base, adapter = _save(_llama(torch.float32), tmp_path, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    Path(adapter, "adapter_config.json").write_text(text)
+    result = CliRunner().invoke(main, ["merge-lora", base, adapter, str(tmp_path / "out") + "/"])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_lora_without_torch_says_so_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # `import torch` raises ImportError
+    result = CliRunner().invoke(main, ["merge-lora", "base/", "adapter/", str(tmp_path / "out") + "/"])
+    assert result.exit_code == 1
+    assert result.output == (
+        "ckptconv: error: merge-lora needs torch, to compute LoRA deltas exactly as PEFT does; "
+        "install it: pip install torch\n"
+    )

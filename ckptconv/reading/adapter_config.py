@@ -272,7 +272,7 @@ def read_config(folder: str) -> AdapterConfig:
         TransformError: not JSON, or see :func:`parse_config`.
     """
     path = os.path.join(folder, CONFIG_NAME)
-    data = read_policy.read_limited(path, limit=MAX_CONFIG_BYTES, folder=folder, what="adapter config")
+    data = read_policy.read_limited(path, limit=MAX_CONFIG_BYTES, folder=folder, what="PEFT adapter config")
     try:
         config = json_object(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
