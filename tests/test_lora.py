@@ -370,3 +370,32 @@ def test_merge_lora_without_torch_says_so_in_one_line(tmp_path: Path, monkeypatc
         "ckptconv: error: merge-lora needs torch, to compute LoRA deltas exactly as PEFT does; "
         "install it: pip install torch\n"
     )
+
+
+def test_merge_lora_into_an_fp8_block_base_is_peft_on_the_dequantized_model(tmp_path: Path) -> None:
+    # The reference: transformers dequantizes the fp8 blocks as it loads (FineGrainedFP8Config(dequantize=True)),
+    # PEFT merges into the bf16 weights. ckptconv: --dtype bf16 dequantizes, then merges, in one stream.
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    base = str(tmp_path / "fp8")
+    ckptconv.convert(tmp_path / "bf16", base + "/", quantize="fp8-block")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "down_proj"])
+    _, adapter = _save(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16"), tmp_path / "bf16", lora)
+    out = str(tmp_path / "out")
+    ckptconv.merge_lora(base, adapter, out + "/", transforms=[ckptconv.Cast("bf16")])
+    quantization = transformers.FineGrainedFP8Config(dequantize=True)
+    dequantized = transformers.LlamaForCausalLM.from_pretrained(
+        base, dtype=torch.bfloat16, quantization_config=quantization
+    )
+    merged = peft.PeftModel.from_pretrained(dequantized, adapter).merge_and_unload()
+    assert "quantization_config" not in json.loads(Path(out, "config.json").read_text())
+    _check(out, merged, transformers.LlamaForCausalLM, torch.bfloat16)
