@@ -306,7 +306,12 @@ def test_extract_lora_dora_modules_to_save_and_a_config_beside_the_run(tmp_path:
     wrapped, base = _trained(tmp_path, torch.bfloat16, lora)
     run = tmp_path / "run"
     run.mkdir()
-    torch.save({f"module.{key}": value for key, value in wrapped.state_dict().items()}, run / "model.pt")
+    # DDP around torch.compile around the model, FSDP1 wrapping each decoder layer.
+    state = {
+        "module._orig_mod." + key.replace(".layers.0.", ".layers.0._fsdp_wrapped_module."): value
+        for key, value in wrapped.state_dict().items()
+    }
+    torch.save(state, run / "model.pt")
     lora.save_pretrained(str(run))  # adapter_config.json beside it: lora_alpha from there
     out = str(tmp_path / "adapter")
     report = ckptconv.extract_lora(run / "model.pt", out, base=base)

@@ -2,8 +2,9 @@
 
 A training run saves the wrapped model's whole state dict (``torch.save(model.state_dict())``, Lightning's
 ``state_dict``, a Trainer checkpoint): the base's frozen weights (``...q_proj.base_layer.weight``) beside the
-adapter's (``...q_proj.lora_A.default.weight``), under whatever wrappers the run added (``model.``,
-``module.``, ``_forward_module.`` ...) before PEFT's ``base_model.model.``. The adapter's tensors are taken
+adapter's (``...q_proj.lora_A.default.weight``), under whatever the run added before PEFT's
+``base_model.model.`` (Lightning's ``model.``, DDP's ``module.``, ``_orig_mod.``) or inside it (FSDP's
+``_fsdp_wrapped_module.``, removed as ``--canonical`` removes it). The adapter's tensors are taken
 out, named as ``PeftModel.save_pretrained`` names them (``get_peft_model_state_dict``: the adapter's name
 removed, ``lora_magnitude_vector.weight`` as ``lora_magnitude_vector``, a module to save's copy under the
 module's own name), and written with an ``adapter_config.json`` whose ``r``, ``rank_pattern``, ``use_dora``,
@@ -30,6 +31,7 @@ from ckptconv.reading.adapter_config import CONFIG_NAME, AdapterConfig, parse_co
 from ckptconv.reading.adapter_config import read_config as read_adapter_config
 from ckptconv.reading.model_folder import model_folder
 from ckptconv.reading.model_folder import read_config as read_model_config
+from ckptconv.transforms.keys import canonicalize
 from ckptconv.values.tensor import TensorRef
 from ckptconv.writing import write_policy
 from ckptconv.writing.atomic import atomic_output
@@ -176,7 +178,9 @@ def extract_lora(
     """
     run, destination, base = as_path(run), as_path(destination), as_path(base)
     checkpoint = open_checkpoint(run)
-    adapter, tensors, saved = _adapter_tensors(checkpoint.select(select).weights, adapter_name, repr(run))
+    # FSDP's and activation checkpointing's wrappers sit inside the module path; torch.compile's and DDP's before it.
+    weights, _ = canonicalize(checkpoint.select(select).weights)
+    adapter, tensors, saved = _adapter_tensors(weights, adapter_name, repr(run))
     found = _found_config(run)
     if found is not None and alpha is not None and alpha != found.lora_alpha:
         raise TransformError(
