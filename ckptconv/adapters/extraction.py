@@ -233,12 +233,12 @@ def extract_lora(
             raise TransformError(f"rank_pattern would give {module!r} rank {parsed.rank(module)}, not {rank}")
     made = write_policy.missing_folders(destination, folder_output=True)
     write_policy.make_folders(os.path.abspath(destination))
-    weights = os.path.join(destination, _WEIGHTS_NAME)
+    weights_file = os.path.join(destination, _WEIGHTS_NAME)
     written: list[str] = []
     try:
         report = save(
             dict(sorted(tensors.items())),
-            weights,
+            weights_file,
             overwrite=overwrite,
             metadata={"format": "pt"},
             inputs=checkpoint.files or (checkpoint.path,),
