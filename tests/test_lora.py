@@ -113,13 +113,14 @@ _CASES = {
     "dora-bf16": (torch.bfloat16, {"target_modules": _LLAMA_TARGETS, "use_dora": True}, None),
     "dora-fp32": (torch.float32, {"target_modules": _LLAMA_TARGETS, "use_dora": True, "use_rslora": True}, None),
     "lora-fp16-bias": (torch.float16, {"target_modules": ["q_proj", "o_proj"], "lora_bias": True}, None),
+    "tied-embedding-bf16": (torch.bfloat16, {"target_modules": ["embed_tokens", "v_proj"]}, None),
 }
 
 
 @pytest.mark.parametrize("case", list(_CASES))
 def test_merge_lora_llama_is_peft_bit_for_bit(tmp_path: Path, case: str) -> None:
     dtype, settings, shard = _CASES[case]
-    model = _llama(dtype)
+    model = _llama(dtype, tie=case.startswith("tied"))  # tied: lm_head is the embedding PEFT merges into
     if settings.get("lora_bias"):  # Llama's projections have no bias: give o_proj and q_proj one
         model.config.attention_bias = True
         model = transformers.LlamaForCausalLM(model.config).to(dtype)
