@@ -405,3 +405,12 @@ def test_merge_lora_into_an_fp8_block_base_is_peft_on_the_dequantized_model(tmp_
     merged = peft.PeftModel.from_pretrained(dequantized, adapter).merge_and_unload()
     assert "quantization_config" not in json.loads(Path(out, "config.json").read_text())
     _check(out, merged, transformers.LlamaForCausalLM, torch.bfloat16)
+
+
+def test_merge_lora_refuses_a_square_conv1d_weight_it_cannot_tell(tmp_path: Path) -> None:
+    # GPT-2's c_proj is square: without config.json (a bare weights file), Conv1D and Linear look alike.
+    lora = peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+    base, adapter = _save(_gpt2(torch.float32), tmp_path, lora)
+    with pytest.raises(TransformError, match=r"'transformer\.h\.\d\.attn\.c_proj''s is square"):
+        ckptconv.merge_lora(os.path.join(base, "model.safetensors"), adapter, str(tmp_path / "out.safetensors"))
+    assert not (tmp_path / "out.safetensors").exists()

@@ -161,8 +161,9 @@ def _float(ref: TensorRef, key: str, where: str) -> None:
 
 def _fan_in_fan_out(
     module: str, shape: tuple[int, ...], a: TensorRef, b: TensorRef, model_type: str, where: str
-) -> bool:
-    """True when the module is a Conv1D (weight (in, out)), as PEFT decides from the module's class."""
+) -> bool | None:
+    """True when the module is a Conv1D (weight (in, out)), as PEFT decides from the module's class; None when
+    neither the shape nor the architecture tells."""
     out_features, in_features = b.shape[0], a.shape[1]
     if len(shape) != 2 or {tuple(shape)} & {(out_features, in_features), (in_features, out_features)} == set():
         raise TransformError(
@@ -171,6 +172,8 @@ def _fan_in_fan_out(
         )
     if out_features != in_features:
         return tuple(shape) == (in_features, out_features)
+    if not model_type:
+        return None  # a square weight of a base without config.json: Conv1D and Linear look alike
     return module.rpartition(".")[2] in _CONV1D.get(model_type, frozenset())
 
 
@@ -196,6 +199,8 @@ def plan_merge(
         TransformError: a module the base does not hold, shapes or a rank that do not fit, a non-float base.
     """
     plans: dict[str, TensorPlan] = {}
+    square: list[str] = []  # square weights of a base whose architecture is unknown
+    conv1d = False
 
     def base(key: str, module: str) -> TensorRef:
         ref = state.get(key)
@@ -226,7 +231,11 @@ def plan_merge(
                 f"which is not a rank-{r} LoRA (r or rank_pattern in the config); a convolution's LoRA is not "
                 "merged by ckptconv"
             )
-        fifo = _fan_in_fan_out(module, tuple(weight.shape), a, b, model_type, where)
+        told = _fan_in_fan_out(module, tuple(weight.shape), a, b, model_type, where)
+        if told is None:
+            square.append(module)
+        fifo = bool(told)
+        conv1d |= fifo
         inputs = {**_weight(plans, key, weight), "A": a, "B": b}
         if "magnitude" in roles:
             if tuple(roles["magnitude"].shape) != (b.shape[0],):
@@ -263,4 +272,10 @@ def plan_merge(
         plans[key] = TensorPlan("embedding", inputs, weight.out_dtype, config.scaling(module), True, module)
     if not plans:
         raise TransformError(f"{where}: the adapter holds no LoRA tensor; nothing to merge")
+    if square and (conv1d or config.fan_in_fan_out):
+        # PEFT transposes Conv1D modules' deltas and not Linear ones; only the architecture tells them apart here.
+        raise TransformError(
+            f"{where}: the base has Conv1D weights (stored in x out: fan_in_fan_out), and {short_repr(square[0])}'s "
+            "is square, so its shape does not say which it is; give the base as its model folder (with config.json)"
+        )
     return plans
