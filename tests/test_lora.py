@@ -414,3 +414,13 @@ def test_merge_lora_refuses_a_square_conv1d_weight_it_cannot_tell(tmp_path: Path
     with pytest.raises(TransformError, match=r"'transformer\.h\.\d\.attn\.c_proj''s is square"):
         ckptconv.merge_lora(os.path.join(base, "model.safetensors"), adapter, str(tmp_path / "out.safetensors"))
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_inspect_of_a_file_beside_an_adapter_config_is_not_an_adapter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, adapter = _save(_llama(torch.float32), tmp_path, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    monkeypatch.chdir(adapter)
+    torch.save({"w": torch.ones(2)}, "model.pt")  # a checkpoint that happens to lie in an adapter folder
+    assert ckptconv.inspect("model.pt").adapter == ""
+    assert ckptconv.inspect("adapter_model.safetensors").adapter.startswith("LoRA, r=4")

@@ -27,7 +27,7 @@ from ckptconv._text import plural, short_repr
 from ckptconv.adapters.plan import PREFIX, group_tensors, plan_merge
 from ckptconv.errors import TransformError
 from ckptconv.loading import open as open_checkpoint
-from ckptconv.reading.adapter_config import CONFIG_NAME, AdapterConfig, parse_config
+from ckptconv.reading.adapter_config import CONFIG_NAME, WEIGHTS_NAMES, AdapterConfig, parse_config
 from ckptconv.reading.adapter_config import read_config as read_adapter_config
 from ckptconv.reading.model_folder import model_folder
 from ckptconv.reading.model_folder import read_config as read_model_config
@@ -45,7 +45,6 @@ _LORA = re.compile(
     r"\.(?P<adapter>[^.]+)(?P<rest>(?:\.weight|\.bias)?)$"
 )
 _SAVED = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<rest>.+)$")
-_WEIGHTS_NAME = "adapter_model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -233,7 +232,7 @@ def extract_lora(
             raise TransformError(f"rank_pattern would give {module!r} rank {parsed.rank(module)}, not {rank}")
     made = write_policy.missing_folders(destination, folder_output=True)
     write_policy.make_folders(os.path.abspath(destination))
-    weights_file = os.path.join(destination, _WEIGHTS_NAME)
+    weights_file = os.path.join(destination, WEIGHTS_NAMES[0])
     written: list[str] = []
     try:
         report = save(

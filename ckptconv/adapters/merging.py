@@ -25,7 +25,7 @@ from ckptconv.conversion import ConversionReport, convert
 from ckptconv.errors import LoadError, TransformError
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.options import ConversionOptions
-from ckptconv.reading.adapter_config import CONFIG_NAME, AdapterConfig, read_config
+from ckptconv.reading.adapter_config import CONFIG_NAME, WEIGHTS_NAMES, AdapterConfig, read_config
 from ckptconv.reading.model_folder import model_folder
 from ckptconv.reading.model_folder import read_config as read_model_config
 from ckptconv.reading.sources import computed_tensor
@@ -33,10 +33,7 @@ from ckptconv.transforms.keys import Cast, Pipeline, State, StepReport
 from ckptconv.values.tensor import TensorRef
 from ckptconv.writing.provenance import file_sha256
 
-__all__ = ["WEIGHTS_NAMES", "Adapter", "MergeLora", "merge_lora", "open_adapter"]
-
-#: The adapter weights files PEFT writes, in the order it looks for them.
-WEIGHTS_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
+__all__ = ["Adapter", "MergeLora", "merge_lora", "open_adapter"]
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from ckptconv.loading import open as open_checkpoint
 from ckptconv.quantization import dequantize
 from ckptconv.quantization.stage import declared_scheme
 from ckptconv.reading.adapter_config import CONFIG_NAME as ADAPTER_CONFIG
+from ckptconv.reading.adapter_config import WEIGHTS_NAMES as ADAPTER_WEIGHTS
 from ckptconv.reading.adapter_config import read_config as read_adapter_config
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.state_dicts import as_tensor, is_module, part_text
@@ -252,7 +253,12 @@ def _inspect(path: PathLike, *, select: str | None, trust: bool) -> CheckpointIn
 
 def _adapter(path: str) -> str:
     """What a PEFT adapter folder's ``adapter_config.json`` says (its tensors are listed as any checkpoint's)."""
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    if os.path.isdir(path):
+        folder = path
+    elif os.path.basename(path) in ADAPTER_WEIGHTS:  # the adapter's own weights file, given by name
+        folder = os.path.dirname(path) or "."
+    else:
+        return ""
     if not os.path.lexists(os.path.join(folder, ADAPTER_CONFIG)):
         return ""
     try:

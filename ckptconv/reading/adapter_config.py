@@ -27,9 +27,11 @@ from ckptconv.errors import TransformError
 from ckptconv.reading import read_policy
 from ckptconv.reading.formats._base import json_object
 
-__all__ = ["CONFIG_NAME", "MAX_CONFIG_BYTES", "AdapterConfig", "parse_config", "read_config"]
+__all__ = ["CONFIG_NAME", "MAX_CONFIG_BYTES", "WEIGHTS_NAMES", "AdapterConfig", "parse_config", "read_config"]
 
 CONFIG_NAME = "adapter_config.json"
+#: The adapter weights files PEFT writes, in the order it looks for them.
+WEIGHTS_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
 #: An adapter config is a few kB; a larger file is refused before it is parsed.
 MAX_CONFIG_BYTES = 1 << 20
 #: The most entries a rank_pattern or alpha_pattern may hold, and the longest key.
