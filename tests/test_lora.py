@@ -221,7 +221,7 @@ def _config(adapter: str, **changes: Any) -> None:
     ("changes", "message"),
     [
         ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa' changes the base weights when PEFT loads"),
-        ({"target_parameters": ["experts.gate_up_proj"]}, "LoRA on parameters (target_parameters, fused MoE experts)"),
+        ({"layer_replication": [[0, 2], [1, 2]]}, "layer_replication (layers duplicated when PEFT loads the adapter)"),
         ({"r": -1}, "r is -1, not a positive integer"),
         ({"lora_alpha": float("nan")}, "lora_alpha is nan, not a positive number"),
         ({"rank_pattern": {"(a+)+$": 2}}, "ckptconv does not evaluate other regular expressions"),
@@ -424,3 +424,52 @@ def test_inspect_of_a_file_beside_an_adapter_config_is_not_an_adapter(
     torch.save({"w": torch.ones(2)}, "model.pt")  # a checkpoint that happens to lie in an adapter folder
     assert ckptconv.inspect("model.pt").adapter == ""
     assert ckptconv.inspect("adapter_model.safetensors").adapter.startswith("LoRA, r=4")
+
+
+def test_merge_lora_on_fused_expert_parameters_is_peft_bit_for_bit(tmp_path: Path) -> None:
+    # target_parameters: PEFT's ParamWrapper on gpt-oss's fused experts, stored (experts, in, out) as in the model.
+    # gate_up_proj (4, 32, 64) fits by its shape; down_proj (4, 32, 32) is square: the architecture says how.
+    config = transformers.GptOssConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["full_attention"] * 2,
+    )
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    transformers.GptOssForCausalLM(config).to(dtype).save_pretrained(tmp_path / "base")
+    model = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "base", dtype=dtype)
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=targets)
+    base, adapter = _save(model, tmp_path, lora)
+    out = str(tmp_path / "out")
+    report = ckptconv.merge_lora(base, adapter, out + "/")
+    assert "merged LoRA 'adapter' into 6 weights" in report.notes
+    _check(
+        out, _peft_merged(base, [adapter], transformers.GptOssForCausalLM, dtype), transformers.GptOssForCausalLM, dtype
+    )
+
+
+def test_merge_lora_on_experts_the_base_stores_apart_is_refused(tmp_path: Path) -> None:
+    # Mixtral's file holds block_sparse_moe.experts.N.w1.weight ...; transformers fuses them as it loads.
+    config = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    lora = peft.LoraConfig(r=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
+    base, adapter = _save(transformers.MixtralForCausalLM(config), tmp_path, lora)
+    with pytest.raises(TransformError, match="which the base does not hold as one tensor"):
+        ckptconv.merge_lora(base, adapter, str(tmp_path / "out") + "/")
+    assert not (tmp_path / "out").exists()

@@ -18,6 +18,9 @@ The reference is ``AutoModel.from_pretrained(base, dtype=<the base's dtype>)``, 
 - Embedding (``Embedding.merge``): ``delta = (B @ A).T * scaling``; ``weight += delta.to(weight.dtype)``
   (rounded to the base dtype first, then added in it).
 - ``lora_bias``: ``bias += lora_B.bias * scaling``.
+- A parameter (``target_parameters``, ``ParamWrapper``, experts stacked in a 3-D parameter):
+  ``delta = einsum("o r e, e r i -> e i o", B.reshape(out, r, E), A.reshape(E, r, in)) * scaling`` (``e o i``
+  for an (experts, out, in) parameter), cast to the base dtype, then ``weight += delta``.
 - A module to save, or a base layer's weight the adapter holds: the value copied into the base dtype.
 
 ``scaling`` is the Python float ``alpha / r`` (``alpha / math.sqrt(r)`` with rsLoRA). The same torch ops on
@@ -99,6 +102,14 @@ def compute(plan: TensorPlan, arrays: Mapping[str, Any]) -> Any:
             norm = torch.linalg.norm(w, dim=1).to(w.dtype)
             factor = _transpose((lora["magnitude"] / norm).view(-1, 1), fifo)
             weight = (factor * (weight + delta)).to(base)
+        elif plan.kind == "experts":  # ParamWrapper.get_delta_weight, then merge: the delta cast, then added
+            a = lora["A"].reshape(plan.experts, -1, lora["A"].shape[-1])
+            b = lora["B"].reshape(lora["B"].shape[0], -1, plan.experts)
+            equation = "o r e, e r i -> e o i" if plan.swapped else "o r e, e r i -> e i o"
+            delta = torch.einsum(equation, b, a) * scaling
+            if base in (torch.float16, torch.bfloat16, torch.float32):  # peft's ALLOWED_COMPUTE_DTYPES
+                delta = delta.to(base)
+            weight += delta
         elif plan.kind == "embedding":
             weight += ((lora["B"] @ lora["A"]).T * scaling).to(base)
         elif plan.kind == "bias":

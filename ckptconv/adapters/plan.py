@@ -17,6 +17,7 @@ A PEFT adapter file (``get_peft_model_state_dict``) names its tensors after the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -55,12 +56,15 @@ class AdapterTensors:
         embedding: module -> ``{"A", "B"}``.
         base_layers: base key -> the value PEFT loads into it before merging.
         saved: base key -> a ``modules_to_save`` parameter's value.
+        parameters: with ``target_parameters``, module -> the LoRAs on its parameters, outermost wrapper first
+            (PEFT nests one ``ParamWrapper`` per parameter: ``M.lora_A``, ``M.base_layer.lora_A`` ...).
     """
 
     linear: Mapping[str, Mapping[str, TensorRef]]
     embedding: Mapping[str, Mapping[str, TensorRef]]
     base_layers: Mapping[str, TensorRef]
     saved: Mapping[str, TensorRef]
+    parameters: Mapping[str, tuple[Mapping[str, TensorRef], ...]] = dataclasses.field(default_factory=dict)
 
 
 _ROLES = (
@@ -107,6 +111,7 @@ def group_tensors(tensors: Mapping[str, TensorRef], config: AdapterConfig, where
                     f"{where}: tensor {short_repr(key)} is neither a LoRA weight nor part of modules_to_save "
                     f"({', '.join(config.modules_to_save) or 'none'}); ckptconv does not know how PEFT loads it"
                 )
+    parameters = _parameter_loras(linear, config, where) if config.target_parameters else {}
     for module, roles in {**linear, **embedding}.items():
         missing = [role for role in ("A", "B") if role not in roles]
         if missing:
@@ -124,7 +129,27 @@ def group_tensors(tensors: Mapping[str, TensorRef], config: AdapterConfig, where
         raise TransformError(
             f"{where}: DoRA on an embedding ({short_repr(next(iter(embedding)))}) is not merged by ckptconv"
         )
-    return AdapterTensors(linear, embedding, base_layers, saved)
+    return AdapterTensors(linear, embedding, base_layers, saved, parameters)
+
+
+def _parameter_loras(
+    linear: dict[str, dict[str, TensorRef]], config: AdapterConfig, where: str
+) -> dict[str, tuple[Mapping[str, TensorRef], ...]]:
+    """The LoRAs of ``target_parameters`` taken out of ``linear``: by module, outermost wrapper first."""
+    targets = {name.rpartition(".")[0] for name in config.target_parameters}
+    found: dict[str, dict[int, Mapping[str, TensorRef]]] = {}
+    for name in list(linear):
+        module, depth = name, 0
+        while module.endswith(".base_layer"):
+            module, depth = module[: -len(".base_layer")], depth + 1
+        if any(module == target or module.endswith("." + target) for target in targets):
+            found.setdefault(module, {})[depth] = linear.pop(name)
+    for module, depths in found.items():
+        if sorted(depths) != list(range(len(depths))):
+            raise TransformError(f"{where}: the parameter LoRAs of {short_repr(module)} skip a wrapper level")
+        if any(set(roles) != {"A", "B"} for roles in depths.values()):
+            raise TransformError(f"{where}: a parameter LoRA of {short_repr(module)} is not one lora_A and one lora_B")
+    return {module: tuple(depths[d] for d in range(len(depths))) for module, depths in found.items()}
 
 
 @dataclass(frozen=True)
@@ -132,15 +157,17 @@ class TensorPlan:
     """What one base tensor becomes.
 
     Attributes:
-        kind: ``"linear"`` (delta added in place, in the delta's dtype), ``"dora"``, ``"embedding"`` (delta cast
-            to the base dtype, then added), ``"bias"`` (``lora_B.bias * scaling`` added), ``"replace"`` (a module
-            to save's value, cast to the base dtype).
+        kind: ``"linear"`` (delta added in place, in the delta's dtype), ``"dora"``, ``"experts"``,
+            ``"embedding"`` (delta cast to the base dtype, then added), ``"bias"`` (``lora_B.bias * scaling``
+            added), ``"replace"`` (a module to save's value, cast to the base dtype).
         inputs: the tensors the result is computed from, by role: ``weight`` the base's, or ``loaded`` the
             value PEFT loads into the base layer first (then cast to ``dtype``); ``A``, ``B``, ``magnitude``.
         dtype: the base tensor's dtype, which the result keeps.
         scaling: the adapter's scaling for the module.
         fan_in_fan_out: the base weight is stored (in, out), as GPT-2's Conv1D.
         module: the module's name in the model.
+        experts: ``"experts"`` (a LoRA on a 3-D parameter, ``target_parameters``): how many experts it stacks.
+        swapped: ``"experts"``: the parameter is (experts, out, in) (PEFT swaps in and out), not (experts, in, out).
     """
 
     kind: str
@@ -149,6 +176,8 @@ class TensorPlan:
     scaling: float = 1.0
     fan_in_fan_out: bool = False
     module: str = ""
+    experts: int = 0
+    swapped: bool = False
 
 
 def _float(ref: TensorRef, key: str, where: str) -> None:
@@ -270,6 +299,8 @@ def plan_merge(
             )
         inputs = {**_weight(plans, key, weight), "A": a, "B": b}
         plans[key] = TensorPlan("embedding", inputs, weight.out_dtype, config.scaling(module), True, module)
+    for module, loras in adapter.parameters.items():
+        plans.update(plan_parameters(state, module, loras, config, model_type=model_type, where=where))
     if not plans:
         raise TransformError(f"{where}: the adapter holds no LoRA tensor; nothing to merge")
     if square and (conv1d or config.fan_in_fan_out):
@@ -279,3 +310,83 @@ def plan_merge(
             "is square, so its shape does not say which it is; give the base as its model folder (with config.json)"
         )
     return plans
+
+
+# transformers' expert modules whose fused parameters are stored (experts, in, out) (``is_transposed = True``); the
+# others store (experts, out, in), which PEFT's ParamWrapper merges with in and out swapped. Where a parameter is
+# square only the model's architecture tells the two apart.
+_TRANSPOSED_EXPERTS = frozenset({"gpt_oss", "ergo", "aria", "openai_privacy_filter"})
+
+
+def plan_parameters(
+    state: Mapping[str, TensorRef],
+    module: str,
+    loras: tuple[Mapping[str, TensorRef], ...],
+    config: AdapterConfig,
+    *,
+    model_type: str,
+    where: str,
+) -> dict[str, TensorPlan]:
+    """The plans of the LoRAs PEFT's ``ParamWrapper`` puts on ``module``'s 3-D parameters (``target_parameters``).
+
+    PEFT nests one wrapper per parameter, in an order the file does not record, so each LoRA is matched with the
+    one targeted parameter of the base whose shape it fits; a LoRA that fits two is refused.
+    """
+    names = [
+        f"{module}.{name.rpartition('.')[2]}"
+        for name in config.target_parameters
+        if module == name.rpartition(".")[0] or module.endswith("." + name.rpartition(".")[0])
+    ]
+    present = [key for key in dict.fromkeys(names) if key in state]
+    if not present:
+        raise TransformError(
+            f"{where}: the adapter changes {short_repr(names[0] if names else module)}, which the base does not hold "
+            "as one tensor (transformers may fuse the experts as it loads them); ckptconv merges a LoRA on "
+            "parameters only into a base file that holds the parameter itself"
+        )
+    plans: dict[str, TensorPlan] = {}
+    for depth, roles in enumerate(loras):
+        a, b = roles["A"], roles["B"]
+        fits = [(key, swapped) for key in present for swapped in _orientations(state[key], a, b, model_type)]
+        keys = {key for key, _ in fits}
+        if len(keys) != 1 or len(fits) != 1:
+            shown = ", ".join(present)
+            raise TransformError(
+                f"{where}: the parameter LoRA of {short_repr(module)} at wrapper depth {depth} (lora_A "
+                f"{tuple(a.shape)}, lora_B {tuple(b.shape)}) fits {len(fits)} of its targeted parameters ({shown}); "
+                "ckptconv cannot tell which PEFT wrapped"
+            )
+        (key, swapped), weight = fits[0], state[fits[0][0]]
+        _float(weight, key, where)
+        experts, r = weight.shape[0], config.rank(key)
+        if key in plans or a.shape[0] != r * experts or config.lora_bias or config.use_dora:
+            raise TransformError(
+                f"{where}: {short_repr(key)}'s LoRA is not one rank-{r} LoRA over {experts} experts as PEFT makes them"
+            )
+        plans[key] = TensorPlan(
+            "experts",
+            {"weight": weight, "A": a, "B": b},
+            weight.out_dtype,
+            config.scaling(key),
+            False,
+            key,
+            experts=experts,
+            swapped=swapped,
+        )
+    return plans
+
+
+def _orientations(weight: TensorRef, a: TensorRef, b: TensorRef, model_type: str) -> list[bool]:
+    """How a parameter LoRA (A (r*E, in), B (out, r*E)) fits a 3-D parameter: ``[False]`` as (E, in, out),
+    ``[True]`` as (E, out, in) (swapped), both when square and the architecture does not say, none when it does not."""
+    if len(weight.shape) != 3 or len(a.shape) != 2 or len(b.shape) != 2:
+        return []
+    in_features, out_features = a.shape[1], b.shape[0]
+    found = [
+        swapped
+        for swapped, shape in ((False, (in_features, out_features)), (True, (out_features, in_features)))
+        if tuple(weight.shape[1:]) == shape
+    ]
+    if len(found) == 2 and model_type:
+        return [model_type not in _TRANSPOSED_EXPERTS]
+    return found

@@ -8,7 +8,7 @@ range-checked here, and code past this module never indexes the raw dict.
 Settings under which PEFT's merge is something ckptconv does not reproduce exactly are refused in one line,
 naming the setting: the LoRA variants other than DoRA (aLoRA, VeLoRA, MonteCLoRA, KaSA, BD-LoRA, Arrow,
 QALoRA), initializations that change the base weights when PEFT loads the adapter (PiSSA, OLoRA, CorDA,
-LoftQ, EVA, LoRA-GA ...), ``layer_replication``, ``trainable_token_indices``, ``target_parameters``,
+LoftQ, EVA, LoRA-GA ...), ``layer_replication``, ``trainable_token_indices``,
 trainable biases (``bias`` other than ``"none"``), weight tying (``ensure_weight_tying``), and any key this
 module does not know that is set to something other than null, false or empty.
 """
@@ -85,12 +85,12 @@ _USED = frozenset(
         "init_lora_weights",
         "lora_bias",
         "bias",
+        "target_parameters",
     }
 )
 # Set to anything but null, false or empty, these make PEFT's merged weights something ckptconv does not
 # compute: the reason, for the one-line refusal.
 _REFUSED = {
-    "target_parameters": "LoRA on parameters (target_parameters, fused MoE experts)",
     "layer_replication": "layer_replication (layers duplicated when PEFT loads the adapter)",
     "trainable_token_indices": "trainable_token_indices (trainable tokens)",
     "use_qalora": "QALoRA (use_qalora)",
@@ -137,6 +137,7 @@ class AdapterConfig:
     lora_bias: bool = False
     base_model: str = ""
     target_modules: tuple[str, ...] = ()
+    target_parameters: tuple[str, ...] = ()
 
     def rank(self, module: str) -> int:
         """The rank PEFT gives ``module`` (its name in the model): the first rank_pattern entry that matches."""
@@ -259,6 +260,7 @@ def parse_config(config: Any, path: str = CONFIG_NAME) -> AdapterConfig:
         modules_to_save=_names(path, "modules_to_save", config.get("modules_to_save")),
         lora_bias=_flag(path, config, "lora_bias"),
         base_model=base_model if isinstance(base_model, str) else "",
+        target_parameters=_names(path, "target_parameters", config.get("target_parameters")),
         target_modules=_names(path, "target_modules", config.get("target_modules"))
         if not isinstance(config.get("target_modules"), str)
         else (config["target_modules"],),
