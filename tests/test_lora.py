@@ -473,3 +473,48 @@ def test_merge_lora_on_experts_the_base_stores_apart_is_refused(tmp_path: Path) 
     with pytest.raises(TransformError, match="which the base does not hold as one tensor"):
         ckptconv.merge_lora(base, adapter, str(tmp_path / "out") + "/")
     assert not (tmp_path / "out").exists()
+
+
+def test_extract_lora_on_fused_expert_parameters_with_the_runs_config(tmp_path: Path) -> None:
+    config = transformers.GptOssConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["full_attention"],
+    )
+    torch.manual_seed(0)
+    transformers.GptOssForCausalLM(config).save_pretrained(tmp_path / "base")
+    model = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj"], target_parameters=targets)
+    wrapped = peft.get_peft_model(model, lora)
+    with torch.no_grad():
+        for key, parameter in wrapped.named_parameters():
+            if "lora_" in key:
+                parameter.normal_()
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({f"model.{key}": value for key, value in wrapped.state_dict().items()}, run / "last.pt")
+    out = str(tmp_path / "adapter")
+    with pytest.raises(TransformError, match="holds LoRAs on parameters"):
+        ckptconv.extract_lora(run / "last.pt", out, base=tmp_path / "base", alpha=8)
+    lora.save_pretrained(str(run))
+    report = ckptconv.extract_lora(run / "last.pt", out, base=tmp_path / "base")
+    assert report.config["target_parameters"] == targets
+    expected = peft.get_peft_model_state_dict(wrapped)
+    from safetensors.torch import load_file
+
+    written = load_file(os.path.join(out, "adapter_model.safetensors"))
+    assert set(written) == set(expected) and all(torch.equal(written[k], v) for k, v in expected.items())
+    base = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(base, out)
+    ids = torch.arange(12).reshape(2, 6) % 64
+    wrapped.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, wrapped(ids).logits)

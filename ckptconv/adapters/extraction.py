@@ -130,6 +130,12 @@ def _targets(modules: list[str], base: Mapping[str, TensorRef]) -> list[str]:
     return leaves if matched == set(modules) else sorted(modules)
 
 
+def _unwrapped(module: str) -> str:
+    while module.endswith(".base_layer"):
+        module = module[: -len(".base_layer")]
+    return module
+
+
 def _lora_a(tensors: Mapping[str, TensorRef], module: str) -> TensorRef:
     linear = f"{PREFIX}{module}.lora_A.weight"
     return tensors[linear] if linear in tensors else tensors[f"{PREFIX}{module}.lora_embedding_A"]
@@ -194,8 +200,21 @@ def extract_lora(
     lora_alpha = alpha if alpha is not None else found.lora_alpha  # type: ignore[union-attr]
     rslora = use_rslora if use_rslora is not None else (found.use_rslora if found is not None else False)
     modules = sorted({key[len(PREFIX) :].rsplit(".lora_", 1)[0] for key in tensors if ".lora_" in key})
+    # LoRAs on parameters (target_parameters: PEFT's nested ParamWrappers, M.lora_A, M.base_layer.lora_A ...):
+    # which parameters they are is not in the tensors, only in the run's config.
+    parameters = found.target_parameters if found is not None else ()
+    owners = {name.rpartition(".")[0] for name in parameters}
+    wrapped = [m for m in modules if any(_unwrapped(m) == o or _unwrapped(m).endswith("." + o) for o in owners)]
+    if not parameters and any(module.endswith(".base_layer") for module in modules):
+        raise TransformError(
+            f"{run!r} holds LoRAs on parameters (target_parameters); put the run's {CONFIG_NAME} beside it, which "
+            "names them"
+        )
+    modules = [module for module in modules if module not in wrapped]
     ranks = {module: _lora_a(tensors, module).shape[0] for module in modules}
-    r, _ = Counter(ranks.values()).most_common(1)[0]
+    # With parameter LoRAs only, r is the run's config's (checked against the tensors below).
+    fallback = found.r if found is not None else 0
+    r = Counter(ranks.values()).most_common(1)[0][0] if ranks else fallback
     base_weights = open_checkpoint(base).select().weights
     base_folder = model_folder(base)
     base_config = read_model_config(base_folder) if base_folder is not None else None
@@ -206,7 +225,8 @@ def extract_lora(
         "use_rslora": rslora,
         "use_dora": any(key.endswith(".lora_magnitude_vector") for key in tensors),
         "lora_bias": any(key.endswith(".lora_B.bias") for key in tensors),
-        "target_modules": _targets(modules, base_weights),
+        "target_modules": _targets(modules, base_weights) if modules else [],
+        "target_parameters": list(parameters) or None,
         "rank_pattern": {_escaped(module): rank for module, rank in ranks.items() if rank != r},
         "alpha_pattern": {},
         "modules_to_save": saved or None,
@@ -251,7 +271,8 @@ def extract_lora(
     except BaseException:
         write_policy.remove_written(written, made)
         raise
-    notes = (f"extracted adapter {adapter!r}: {plural(len(modules), 'module')}, r={r}, lora_alpha={lora_alpha:g}",)
+    counted = plural(len(modules), "module") + (f" and {plural(len(wrapped), 'parameter')}" if wrapped else "")
+    notes = (f"extracted adapter {adapter!r}: {counted}, r={r}, lora_alpha={lora_alpha:g}",)
     return ExtractionReport(
         os.path.abspath(destination), tuple(written), adapter, len(modules), len(tensors), config, notes
     )
