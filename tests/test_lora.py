@@ -518,3 +518,20 @@ def test_extract_lora_on_fused_expert_parameters_with_the_runs_config(tmp_path: 
     wrapped.eval()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, wrapped(ids).logits)
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+def test_merge_lora_of_a_half_precision_adapter_file(tmp_path: Path, stored: Any) -> None:
+    # Adapters are often saved in bf16: PEFT copies the values into float32 parameters, then merges.
+    from safetensors.torch import load_file, save_file
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj", "embed_tokens"], use_dora=False)
+    base, adapter = _save(_llama(torch.bfloat16), tmp_path, lora)
+    path = os.path.join(adapter, "adapter_model.safetensors")
+    save_file({k: v.to(stored) for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
+    out = str(tmp_path / "out")
+    ckptconv.merge_lora(base, adapter, out + "/")
+    dtype = torch.bfloat16
+    _check(
+        out, _peft_merged(base, [adapter], transformers.LlamaForCausalLM, dtype), transformers.LlamaForCausalLM, dtype
+    )
