@@ -231,7 +231,7 @@ def plan_merge(
     square: list[str] = []  # square weights of a base whose architecture is unknown
     conv1d = False
 
-    def base(key: str, module: str) -> TensorRef:
+    def base(key: str) -> TensorRef:
         ref = state.get(key)
         if ref is None:
             raise TransformError(
@@ -242,7 +242,7 @@ def plan_merge(
         return ref
 
     for key, value in {**adapter.base_layers, **adapter.saved}.items():
-        ref = base(key, key)
+        ref = base(key)
         if tuple(value.shape) != tuple(ref.shape):
             raise TransformError(
                 f"{where}: {short_repr(key)} is {tuple(value.shape)} in the adapter and {tuple(ref.shape)} in the "
@@ -251,7 +251,7 @@ def plan_merge(
         plans[key] = TensorPlan("replace", {"loaded": value}, ref.out_dtype)
     for module, roles in adapter.linear.items():
         key = f"{module}.weight"
-        weight = base(key, module)
+        weight = base(key)
         a, b = roles["A"], roles["B"]
         r = config.rank(module)
         if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != r or b.shape[1] != r:
@@ -274,15 +274,14 @@ def plan_merge(
         plans[key] = TensorPlan(kind, inputs, weight.out_dtype, config.scaling(module), fifo, module)
         if "bias" in roles:
             bias_key = f"{module}.bias"
-            bias = base(bias_key, module)
+            bias = base(bias_key)
             if tuple(roles["bias"].shape) != tuple(bias.shape):
                 raise TransformError(f"{where}: module {short_repr(module)}'s lora_B bias does not fit its bias")
-            plans[bias_key] = TensorPlan(
-                "bias", {"weight": bias, "B": roles["bias"]}, bias.out_dtype, config.scaling(module), module=module
-            )
+            inputs = {**_weight(plans, bias_key, bias), "B": roles["bias"]}
+            plans[bias_key] = TensorPlan("bias", inputs, bias.out_dtype, config.scaling(module), module=module)
     for module, roles in adapter.embedding.items():
         key = f"{module}.weight"
-        weight = base(key, module)
+        weight = base(key)
         a, b = roles["A"], roles["B"]
         r = config.rank(module)
         if (
