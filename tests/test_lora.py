@@ -535,3 +535,21 @@ def test_merge_lora_of_a_half_precision_adapter_file(tmp_path: Path, stored: Any
     _check(
         out, _peft_merged(base, [adapter], transformers.LlamaForCausalLM, dtype), transformers.LlamaForCausalLM, dtype
     )
+
+
+def test_merge_lora_of_modules_to_save_alone(tmp_path: Path) -> None:
+    # An adapter file holding only a module to save. (PEFT still wraps q_proj, with B = 0 from its init: a zero
+    # delta, which changes no value of these random weights; ckptconv leaves q_proj as it is.)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    base, adapter = _save(_llama(torch.bfloat16), tmp_path, lora)
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(adapter, "adapter_model.safetensors")
+    save_file({k: v for k, v in load_file(path).items() if "lora_" not in k}, path, metadata={"format": "pt"})
+    out = str(tmp_path / "out")
+    report = ckptconv.merge_lora(base, adapter, out + "/")
+    assert "no LoRA: modules to save only" in report.steps[0].step
+    dtype = torch.bfloat16
+    _check(
+        out, _peft_merged(base, [adapter], transformers.LlamaForCausalLM, dtype), transformers.LlamaForCausalLM, dtype
+    )

@@ -86,11 +86,19 @@ def open_adapter(path: PathLike) -> Adapter:
 
 
 def _scales(adapter: Adapter) -> str:
-    modules = [*adapter.tensors.linear, *adapter.tensors.embedding]
+    """The scalings the adapter's LoRAs merge with, for the provenance (one, or each with its count)."""
+    config = adapter.config
+    names = [*adapter.tensors.linear, *adapter.tensors.embedding]
+    for module in adapter.tensors.parameters:  # rank_pattern/alpha_pattern match a parameter's key
+        for owner, _, parameter in (name.rpartition(".") for name in config.target_parameters):
+            if module == owner or module.endswith("." + owner):
+                names.append(f"{module}.{parameter}")
     counts: dict[float, int] = {}
-    for module in modules:
-        scaling = adapter.config.scaling(module)
+    for name in names:
+        scaling = config.scaling(name)
         counts[scaling] = counts.get(scaling, 0) + 1
+    if not counts:
+        return "no LoRA: modules to save only"
     if len(counts) == 1:
         return f"scaling {next(iter(counts))!r}"
     return "scalings " + ", ".join(f"{scale!r} ({plural(n, 'module')})" for scale, n in counts.items())
