@@ -110,7 +110,11 @@ _CASES = {
         },
         None,
     ),
-    "dora-bf16": (torch.bfloat16, {"target_modules": _LLAMA_TARGETS, "use_dora": True}, None),
+    "dora-bf16-embedding": (
+        torch.bfloat16,
+        {"target_modules": [*_LLAMA_TARGETS, "embed_tokens"], "use_dora": True},
+        None,
+    ),
     "dora-fp32": (torch.float32, {"target_modules": _LLAMA_TARGETS, "use_dora": True, "use_rslora": True}, None),
     "lora-fp16-bias": (torch.float16, {"target_modules": ["q_proj", "o_proj"], "lora_bias": True}, None),
     "tied-embedding-bf16": (torch.bfloat16, {"target_modules": ["embed_tokens", "v_proj"]}, None),

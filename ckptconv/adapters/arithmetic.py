@@ -15,6 +15,8 @@ The reference is ``AutoModel.from_pretrained(base, dtype=<the base's dtype>)``, 
 - DoRA (``DoraLinearVariant.merge_unsafe``): ``w = transpose(weight, f) + 1 * transpose(delta, f)``,
   ``norm = torch.linalg.norm(w, dim=1).to(w.dtype)``, ``factor = transpose((magnitude / norm).view(-1, 1), f)``,
   ``weight = (factor * (weight + delta)).to(weight.dtype)``.
+- DoRA on an embedding (``DoraEmbeddingVariant.merge_unsafe``): the same with ``delta = (B @ A).T * scaling``,
+  the norm over ``weight.T + 1 * delta.T`` and ``factor.view(1, -1)``.
 - Embedding (``Embedding.merge``): ``delta = (B @ A).T * scaling``; ``weight += delta.to(weight.dtype)``
   (rounded to the base dtype first, then added in it).
 - ``lora_bias``: ``bias += lora_B.bias * scaling``.
@@ -110,6 +112,14 @@ def compute(plan: TensorPlan, arrays: Mapping[str, Any]) -> Any:
             if base in (torch.float16, torch.bfloat16, torch.float32):  # peft's ALLOWED_COMPUTE_DTYPES
                 delta = delta.to(base)
             weight += delta
+        elif plan.kind == "dora-embedding":  # DoraEmbeddingVariant.merge_unsafe (its DoRA layer is fan_in_fan_out)
+            delta = (lora["B"] @ lora["A"]).T * scaling
+            unmerged = weight.detach().clone()
+            w = unmerged.T
+            w = w + 1 * delta.T
+            norm = torch.linalg.norm(w, dim=1).to(w.dtype)
+            factor = (lora["magnitude"] / norm).view(1, -1)
+            weight = (factor * (weight + delta)).to(base)
         elif plan.kind == "embedding":
             weight += ((lora["B"] @ lora["A"]).T * scaling).to(base)
         elif plan.kind == "bias":

@@ -111,6 +111,8 @@ def group_tensors(tensors: Mapping[str, TensorRef], config: AdapterConfig, where
                     f"{where}: tensor {short_repr(key)} is neither a LoRA weight nor part of modules_to_save "
                     f"({', '.join(config.modules_to_save) or 'none'}); ckptconv does not know how PEFT loads it"
                 )
+    for module in [m for m in linear if m in embedding and set(linear[m]) == {"magnitude"}]:
+        embedding[module]["magnitude"] = linear.pop(module)["magnitude"]  # DoRA on an embedding
     parameters = _parameter_loras(linear, config, where) if config.target_parameters else {}
     for module, roles in {**linear, **embedding}.items():
         missing = [role for role in ("A", "B") if role not in roles]
@@ -125,10 +127,11 @@ def group_tensors(tensors: Mapping[str, TensorRef], config: AdapterConfig, where
             )
         if "bias" in roles and not config.lora_bias:
             raise TransformError(f"{where}: module {short_repr(module)} has a lora_B bias but lora_bias is false")
-    if config.use_dora and embedding:
-        raise TransformError(
-            f"{where}: DoRA on an embedding ({short_repr(next(iter(embedding)))}) is not merged by ckptconv"
-        )
+    for module, roles in embedding.items():
+        if ("magnitude" in roles) != config.use_dora:
+            raise TransformError(
+                f"{where}: embedding {short_repr(module)}'s DoRA magnitude vector does not agree with use_dora"
+            )
     return AdapterTensors(linear, embedding, base_layers, saved, parameters)
 
 
@@ -158,8 +161,8 @@ class TensorPlan:
 
     Attributes:
         kind: ``"linear"`` (delta added in place, in the delta's dtype), ``"dora"``, ``"experts"``,
-            ``"embedding"`` (delta cast to the base dtype, then added), ``"bias"`` (``lora_B.bias * scaling``
-            added), ``"replace"`` (a module to save's value, cast to the base dtype).
+            ``"embedding"`` (delta cast to the base dtype, then added), ``"dora-embedding"``, ``"bias"``
+            (``lora_B.bias * scaling`` added), ``"replace"`` (a module to save's value, cast to the base dtype).
         inputs: the tensors the result is computed from, by role: ``weight`` the base's, or ``loaded`` the
             value PEFT loads into the base layer first (then cast to ``dtype``); ``A``, ``B``, ``magnitude``.
         dtype: the base tensor's dtype, which the result keeps.
@@ -297,7 +300,14 @@ def plan_merge(
                 "weight"
             )
         inputs = {**_weight(plans, key, weight), "A": a, "B": b}
-        plans[key] = TensorPlan("embedding", inputs, weight.out_dtype, config.scaling(module), True, module)
+        kind = "embedding"
+        if "magnitude" in roles:
+            if tuple(roles["magnitude"].shape) != (b.shape[0],):
+                raise TransformError(
+                    f"{where}: embedding {short_repr(module)}'s DoRA magnitude is not {b.shape[0]} long"
+                )
+            inputs["magnitude"], kind = roles["magnitude"], "dora-embedding"
+        plans[key] = TensorPlan(kind, inputs, weight.out_dtype, config.scaling(module), True, module)
     for module, loras in adapter.parameters.items():
         plans.update(plan_parameters(state, module, loras, config, model_type=model_type, where=where))
     if not plans:
