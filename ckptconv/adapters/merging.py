@@ -70,6 +70,8 @@ def open_adapter(path: PathLike) -> Adapter:
     folder = as_path(path)
     if not os.path.isdir(folder) and os.path.basename(folder) in (*WEIGHTS_NAMES, CONFIG_NAME):
         folder = os.path.dirname(folder) or "."
+    if not os.path.lexists(folder):
+        raise LoadError(f"adapter {folder!r} does not exist", path=folder)
     if not os.path.isdir(folder):
         raise LoadError(
             f"{folder!r} is not an adapter folder (adapter_config.json and adapter_model.safetensors)", path=folder
