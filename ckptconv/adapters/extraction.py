@@ -192,12 +192,15 @@ def extract_lora(
             f"--alpha {alpha:g} and the {CONFIG_NAME} beside {run!r} (lora_alpha {found.lora_alpha:g}) disagree; "
             "give one"
         )
-    if found is None and alpha is None:
+    if alpha is not None:
+        lora_alpha: float = alpha
+    elif found is not None:
+        lora_alpha = found.lora_alpha
+    else:
         raise TransformError(
             f"{run!r} does not say the adapter's lora_alpha (it is not in the tensors, and no {CONFIG_NAME} lies "
             "beside it); pass --alpha"
         )
-    lora_alpha = alpha if alpha is not None else found.lora_alpha  # type: ignore[union-attr]
     rslora = use_rslora if use_rslora is not None else (found.use_rslora if found is not None else False)
     modules = sorted({key[len(PREFIX) :].rsplit(".lora_", 1)[0] for key in tensors if ".lora_" in key})
     # LoRAs on parameters (target_parameters: PEFT's nested ParamWrappers, M.lora_A, M.base_layer.lora_A ...):
