@@ -557,3 +557,29 @@ def test_merge_lora_of_modules_to_save_alone(tmp_path: Path) -> None:
     _check(
         out, _peft_merged(base, [adapter], transformers.LlamaForCausalLM, dtype), transformers.LlamaForCausalLM, dtype
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_lora_on_convolutions_is_peft_bit_for_bit(tmp_path: Path, dtype: Any) -> None:
+    # ResNet's Conv2d layers: a 7x7 stem, 3x3 and 1x1 kernels (the 1x1 ones PEFT merges as a matrix product).
+    from safetensors.torch import load_file
+
+    config = transformers.ResNetConfig(
+        num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="bottleneck", num_labels=3
+    )
+    torch.manual_seed(0)
+    model_class = transformers.ResNetForImageClassification
+    model_class(config).to(dtype).save_pretrained(tmp_path / "base")
+    model = model_class.from_pretrained(tmp_path / "base", dtype=dtype)
+    base, adapter = _save(model, tmp_path, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["convolution"]))
+    out = str(tmp_path / "out")
+    report = ckptconv.merge_lora(base, adapter, out + "/")
+    assert "merged LoRA 'adapter' into 8 weights" in report.notes
+    merged = _peft_merged(base, [adapter], model_class, dtype)
+    ours, reference = load_file(os.path.join(out, "model.safetensors")), merged.state_dict()
+    assert set(ours) == set(reference)
+    assert all(torch.equal(value, reference[key]) for key, value in ours.items())
+    loaded = model_class.from_pretrained(out, dtype=dtype).eval()
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3)).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(loaded(pixels).logits, merged.eval()(pixels).logits)

@@ -15,6 +15,9 @@ The reference is ``AutoModel.from_pretrained(base, dtype=<the base's dtype>)``, 
 - DoRA (``DoraLinearVariant.merge_unsafe``): ``w = transpose(weight, f) + 1 * transpose(delta, f)``,
   ``norm = torch.linalg.norm(w, dim=1).to(w.dtype)``, ``factor = transpose((magnitude / norm).view(-1, 1), f)``,
   ``weight = (factor * (weight + delta)).to(weight.dtype)``.
+- A convolution (``_ConvNd``, Conv1d and Conv2d of one group): a 1x1 kernel as the linear product,
+  ``(B.squeeze(3).squeeze(2) @ A.squeeze(3).squeeze(2)).unsqueeze(2).unsqueeze(3) * scaling``, others
+  ``conv(A.transpose(0, 1), B).transpose(0, 1) * scaling``; added in place as for a linear module.
 - DoRA on an embedding (``DoraEmbeddingVariant.merge_unsafe``): the same with ``delta = (B @ A).T * scaling``,
   the norm over ``weight.T + 1 * delta.T`` and ``factor.view(1, -1)``.
 - Embedding (``Embedding.merge``): ``delta = (B @ A).T * scaling``; ``weight += delta.to(weight.dtype)``
@@ -111,6 +114,14 @@ def compute(plan: TensorPlan, arrays: Mapping[str, Any]) -> Any:
             delta = torch.einsum(equation, b, a) * scaling
             if base in (torch.float16, torch.bfloat16, torch.float32):  # peft's ALLOWED_COMPUTE_DTYPES
                 delta = delta.to(base)
+            weight += delta
+        elif plan.kind == "conv":  # _ConvNd.get_delta_weight (Conv1d, Conv2d of one group), then merge
+            a, b = lora["A"], lora["B"]
+            if weight.size()[2:4] == (1, 1):
+                delta = (b.squeeze(3).squeeze(2) @ a.squeeze(3).squeeze(2)).unsqueeze(2).unsqueeze(3) * scaling
+            else:
+                conv = torch.nn.functional.conv2d if weight.dim() == 4 else torch.nn.functional.conv1d
+                delta = conv(a.transpose(0, 1), b).transpose(0, 1) * scaling
             weight += delta
         elif plan.kind == "dora-embedding":  # DoraEmbeddingVariant.merge_unsafe (its DoRA layer is fan_in_fan_out)
             delta = (lora["B"] @ lora["A"]).T * scaling

@@ -160,7 +160,7 @@ class TensorPlan:
     """What one base tensor becomes.
 
     Attributes:
-        kind: ``"linear"`` (delta added in place, in the delta's dtype), ``"dora"``, ``"experts"``,
+        kind: ``"linear"`` (delta added in place, in the delta's dtype), ``"dora"``, ``"experts"``, ``"conv"``,
             ``"embedding"`` (delta cast to the base dtype, then added), ``"dora-embedding"``, ``"bias"``
             (``lora_B.bias * scaling`` added), ``"replace"`` (a module to save's value, cast to the base dtype).
         inputs: the tensors the result is computed from, by role: ``weight`` the base's, or ``loaded`` the
@@ -207,6 +207,33 @@ def _fan_in_fan_out(
     if not model_type:
         return None  # a square weight of a base without config.json: Conv1D and Linear look alike
     return module.rpartition(".")[2] in _CONV1D.get(model_type, frozenset())
+
+
+def _conv_plan(
+    module: str, weight: TensorRef, roles: Mapping[str, TensorRef], r: int, config: AdapterConfig, where: str
+) -> TensorPlan:
+    """A LoRA on a Conv1d or Conv2d of one group (PEFT refuses to merge grouped convolutions)."""
+    a, b, shape = roles["A"], roles["B"], tuple(weight.shape)
+    kernel = tuple(a.shape[2:])
+    if (
+        len(shape) not in (3, 4)
+        or len(a.shape) != len(shape)
+        or tuple(b.shape) != (shape[0], r, *(1,) * len(kernel))
+        or a.shape[0] != r
+        or shape[2:] != kernel
+        or "magnitude" in roles
+    ):
+        raise TransformError(
+            f"{where}: module {short_repr(module)}'s LoRA (lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}) is not a "
+            f"rank-{r} LoRA of its {shape} convolution that ckptconv merges (Conv1d or Conv2d, no DoRA)"
+        )
+    if shape[1] != a.shape[1]:
+        raise TransformError(
+            f"{where}: module {short_repr(module)} is a grouped convolution, which PEFT does not merge either"
+        )
+    return TensorPlan(
+        "conv", {"weight": weight, "A": a, "B": b}, weight.out_dtype, config.scaling(module), False, module
+    )
 
 
 def _weight(plans: Mapping[str, TensorPlan], key: str, weight: TensorRef) -> dict[str, TensorRef]:
@@ -257,11 +284,20 @@ def plan_merge(
         weight = base(key)
         a, b = roles["A"], roles["B"]
         r = config.rank(module)
+        if len(a.shape) > 2:  # a convolution's LoRA: A a conv (in -> r, the kernel), B a 1x1 conv (r -> out)
+            plans[key] = _conv_plan(module, weight, roles, r, config, where)
+            if "bias" in roles:
+                bias_key = f"{module}.bias"
+                bias = base(bias_key)
+                if tuple(roles["bias"].shape) != tuple(bias.shape):
+                    raise TransformError(f"{where}: module {short_repr(module)}'s lora_B bias does not fit its bias")
+                inputs = {**_weight(plans, bias_key, bias), "B": roles["bias"]}
+                plans[bias_key] = TensorPlan("bias", inputs, bias.out_dtype, config.scaling(module), module=module)
+            continue
         if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != r or b.shape[1] != r:
             raise TransformError(
                 f"{where}: module {short_repr(module)}'s lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
-                f"which is not a rank-{r} LoRA (r or rank_pattern in the config); a convolution's LoRA is not "
-                "merged by ckptconv"
+                f"which is not a rank-{r} LoRA (r or rank_pattern in the config)"
             )
         told = _fan_in_fan_out(module, tuple(weight.shape), a, b, model_type, where)
         if told is None:

@@ -39,9 +39,10 @@ def merge_lora(base: str, adapter: str, out: str, more_adapters: tuple[str, ...]
     file; ADAPTER a PEFT adapter folder (adapter_config.json and
     adapter_model.safetensors or .bin); OUT a model folder (configs carried)
     or a file. LoRA, rsLoRA, DoRA, GPT-2's Conv1D (fan_in_fan_out), LoRA and
-    DoRA on embeddings, rank_pattern/alpha_pattern, modules_to_save, lora_bias and
-    target_parameters on fused experts the base file holds are merged
-    exactly as PEFT does on the CPU (needs torch); other settings are
+    DoRA on embeddings, LoRA on convolutions, rank_pattern/alpha_pattern,
+    modules_to_save, lora_bias and target_parameters on fused experts the
+    base file holds are merged exactly as PEFT does on the CPU (needs
+    torch); other settings are
     refused in one line. The merge streams one base tensor at a time, in the
     base's dtype; --dtype casts after it. The output records each adapter's
     sha256 and scaling.
