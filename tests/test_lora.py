@@ -583,3 +583,31 @@ def test_merge_lora_on_convolutions_is_peft_bit_for_bit(tmp_path: Path, dtype: A
     pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3)).to(dtype)
     with torch.no_grad():
         assert torch.equal(loaded(pixels).logits, merged.eval()(pixels).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_merge_weighted_adapters_is_peft_add_weighted_adapter_cat(tmp_path: Path, dtype: Any) -> None:
+    base = str(tmp_path / "base")
+    _llama(dtype).save_pretrained(base)
+    first = peft.LoraConfig(r=4, lora_alpha=9, target_modules=["q_proj", "v_proj", "embed_tokens"], use_rslora=True)
+    _, a = _save(transformers.LlamaForCausalLM.from_pretrained(base, dtype=dtype), tmp_path, first, name="a")
+    second = peft.LoraConfig(r=2, lora_alpha=5, target_modules=["v_proj", "o_proj", "embed_tokens"])
+    _, b = _save(transformers.LlamaForCausalLM.from_pretrained(base, dtype=dtype), tmp_path, second, name="b")
+    for adapter in (a, b):  # the embeddings' saved base layers would be loaded twice: not a weighted combination
+        path = os.path.join(adapter, "adapter_model.safetensors")
+        from safetensors.torch import load_file, save_file
+
+        save_file({k: v for k, v in load_file(path).items() if "base_layer" not in k}, path, metadata={"format": "pt"})
+    out = str(tmp_path / "out")
+    result = CliRunner().invoke(
+        main, ["merge-lora", base, a, out + "/", "--adapter", b, "--weight", "0.7", "--weight", "-1.3"]
+    )
+    assert result.exit_code == 0, result.output
+    model = peft.PeftModel.from_pretrained(
+        transformers.LlamaForCausalLM.from_pretrained(base, dtype=dtype), a, adapter_name="a"
+    )
+    model.load_adapter(b, adapter_name="b")
+    model.add_weighted_adapter(["a", "b"], [0.7, -1.3], "ab", combination_type="cat")
+    model.set_adapter("ab")
+    merged = model.merge_and_unload(adapter_names=["ab"])
+    _check(out, merged, transformers.LlamaForCausalLM, dtype)

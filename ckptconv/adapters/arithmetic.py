@@ -15,6 +15,9 @@ The reference is ``AutoModel.from_pretrained(base, dtype=<the base's dtype>)``, 
 - DoRA (``DoraLinearVariant.merge_unsafe``): ``w = transpose(weight, f) + 1 * transpose(delta, f)``,
   ``norm = torch.linalg.norm(w, dim=1).to(w.dtype)``, ``factor = transpose((magnitude / norm).view(-1, 1), f)``,
   ``weight = (factor * (weight + delta)).to(weight.dtype)``.
+- Weighted adapters (``add_weighted_adapter(adapters, weights, name, combination_type="cat")``, then that adapter
+  merged): ``A = cat(A_i * weight_i * scaling_i)``, ``B = cat(B_i)`` copied into a new adapter of rank ``sum(r_i)`` in
+  the base dtype (zeros beyond), whose ``lora_alpha`` is that rank; its delta as above, through float32 for a half base.
 - A convolution (``_ConvNd``, Conv1d and Conv2d of one group): a 1x1 kernel as the linear product,
   ``(B.squeeze(3).squeeze(2) @ A.squeeze(3).squeeze(2)).unsqueeze(2).unsqueeze(3) * scaling``, others
   ``conv(A.transpose(0, 1), B).transpose(0, 1) * scaling``; added in place as for a linear module.
@@ -94,7 +97,7 @@ def compute(plan: TensorPlan, arrays: Mapping[str, Any]) -> Any:
         weight = tensors["weight"].clone()
     adapter = _adapter_dtype(base)
     # PEFT's parameters hold the file's values in the adapter dtype (copied in: one rounding, if any).
-    lora = {role: tensors[role].to(adapter) for role in ("A", "B", "magnitude") if role in tensors}
+    lora = {role: tensor.to(adapter) for role, tensor in tensors.items() if role not in ("weight", "loaded")}
     scaling, fifo = plan.scaling, plan.fan_in_fan_out
     with torch.no_grad():
         if plan.kind == "linear":
@@ -115,6 +118,21 @@ def compute(plan: TensorPlan, arrays: Mapping[str, Any]) -> Any:
             if base in (torch.float16, torch.bfloat16, torch.float32):  # peft's ALLOWED_COMPUTE_DTYPES
                 delta = delta.to(base)
             weight += delta
+        elif plan.kind in ("cat-linear", "cat-embedding"):  # add_weighted_adapter(..., "cat"), then merged
+            a = torch.cat([lora[f"A{i}"] * weight_i * scaling_i for i, weight_i, scaling_i in plan.parts], 0)
+            b = torch.cat([lora[f"B{i}"] for i, _, _ in plan.parts], 1)
+            combined_a = torch.zeros((plan.rank, a.shape[1]), dtype=base)  # the new adapter's, in the base dtype
+            combined_b = torch.zeros((b.shape[0], plan.rank), dtype=base)
+            combined_a[: a.shape[0], :] = a
+            combined_b[:, : b.shape[1]] = b
+            half = base in (torch.float16, torch.bfloat16)  # get_delta_weight's cast_to_fp32
+            if half:
+                combined_a, combined_b = combined_a.float(), combined_b.float()
+            embedding = plan.kind == "cat-embedding"
+            delta = _transpose(combined_b @ combined_a, fifo or embedding) * scaling
+            if half:
+                delta = delta.to(base)
+            weight += delta.to(base) if embedding else delta
         elif plan.kind == "conv":  # _ConvNd.get_delta_weight (Conv1d, Conv2d of one group), then merge
             a, b = lora["A"], lora["B"]
             if weight.size()[2:4] == (1, 1):

@@ -19,72 +19,19 @@ from typing import Any
 
 from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural, short_repr
-from ckptconv.adapters import arithmetic
-from ckptconv.adapters.plan import AdapterTensors, group_tensors, plan_merge
+from ckptconv.adapters import arithmetic, weighting
+from ckptconv.adapters.folder import Adapter, open_adapter
+from ckptconv.adapters.plan import plan_merge
 from ckptconv.conversion import ConversionReport, convert
-from ckptconv.errors import LoadError, TransformError
-from ckptconv.loading import open as open_checkpoint
+from ckptconv.errors import TransformError
 from ckptconv.options import ConversionOptions
-from ckptconv.reading.adapter_config import CONFIG_NAME, WEIGHTS_NAMES, AdapterConfig, read_config
 from ckptconv.reading.model_folder import model_folder
 from ckptconv.reading.model_folder import read_config as read_model_config
 from ckptconv.reading.sources import computed_tensor
 from ckptconv.transforms.keys import Cast, Pipeline, State, StepReport
 from ckptconv.values.tensor import TensorRef
-from ckptconv.writing.provenance import file_sha256
 
-__all__ = ["Adapter", "MergeLora", "merge_lora", "open_adapter"]
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """A PEFT adapter folder, parsed.
-
-    Attributes:
-        folder: the folder.
-        weights: its weights file.
-        config: its ``adapter_config.json``.
-        tensors: its tensors, by module and role.
-        sha256: the weights file's sha256 (for the provenance).
-    """
-
-    folder: str
-    weights: str
-    config: AdapterConfig
-    tensors: AdapterTensors
-    sha256: str
-
-    @property
-    def name(self) -> str:
-        return os.path.basename(os.path.normpath(self.folder))
-
-
-def open_adapter(path: PathLike) -> Adapter:
-    """Read a PEFT adapter folder (``adapter_config.json`` and ``adapter_model.safetensors`` or ``.bin``).
-
-    Raises:
-        LoadError: the folder, its config or its weights are missing or unreadable.
-        TransformError: see :func:`ckptconv.reading.adapter_config.parse_config` and
-            :func:`ckptconv.adapters.plan.group_tensors`.
-    """
-    folder = as_path(path)
-    if not os.path.isdir(folder) and os.path.basename(folder) in (*WEIGHTS_NAMES, CONFIG_NAME):
-        folder = os.path.dirname(folder) or "."
-    if not os.path.lexists(folder):
-        raise LoadError(f"adapter {folder!r} does not exist", path=folder)
-    if not os.path.isdir(folder):
-        raise LoadError(
-            f"{folder!r} is not an adapter folder (adapter_config.json and adapter_model.safetensors)", path=folder
-        )
-    if not os.path.lexists(os.path.join(folder, CONFIG_NAME)):
-        raise LoadError(f"{folder!r} has no {CONFIG_NAME}; is it a PEFT adapter folder?", path=folder)
-    config = read_config(folder)
-    weights = next((os.path.join(folder, n) for n in WEIGHTS_NAMES if os.path.lexists(os.path.join(folder, n))), None)
-    if weights is None:
-        raise LoadError(f"{folder!r} has no {' or '.join(WEIGHTS_NAMES)}", path=folder)
-    tensors = open_checkpoint(weights).select().weights
-    grouped = group_tensors(tensors, config, repr(folder))
-    return Adapter(folder, weights, config, grouped, file_sha256(weights))
+__all__ = ["MergeLora", "merge_lora"]
 
 
 def _scales(adapter: Adapter) -> str:
@@ -165,7 +112,7 @@ def _check_sequence(adapters: Sequence[Adapter]) -> None:
             )
 
 
-def _with_merge(pipeline: Pipeline, steps: Sequence[MergeLora]) -> Pipeline:
+def _with_merge(pipeline: Pipeline, steps: Sequence[Any]) -> Pipeline:
     """The merge steps after the key steps, before the cast: PEFT merges in the base's dtype."""
     existing = list(pipeline.steps)
     at = next((i for i, step in enumerate(existing) if isinstance(step, Cast)), len(existing))
@@ -178,6 +125,7 @@ def merge_lora(
     destination: PathLike | None,
     *,
     options: ConversionOptions | None = None,
+    weights: Sequence[float] | None = None,
     dry_run: bool = False,
     progress: Any = False,
     **changes: Any,
@@ -194,6 +142,9 @@ def merge_lora(
         adapter: a PEFT adapter folder, or several, merged in order (each into the result of the one before).
         destination: the output (a folder gets a model folder, configs carried), as for :func:`ckptconv.convert`.
         options: how to convert (``--dtype`` applies after the merge); defaults when None.
+        weights: one weight per adapter: the adapters are combined as PEFT's
+            ``add_weighted_adapter(adapters, weights, name, combination_type="cat")`` combines them, and that
+            adapter is merged (see :mod:`ckptconv.adapters.weighting`); None merges them in turn, unweighted.
         dry_run: plan everything, write nothing.
         progress: as for :func:`ckptconv.convert`.
         **changes: fields of :class:`~ckptconv.options.ConversionOptions`.
@@ -215,8 +166,12 @@ def merge_lora(
     if not paths:
         raise TypeError("merge_lora() needs at least one adapter")
     model_type = _model_type(base)
-    steps = [MergeLora(open_adapter(path), model_type) for path in paths]
-    if len(steps) > 1:
+    steps: list[Any] = [MergeLora(open_adapter(path), model_type) for path in paths]
+    if weights is not None:
+        adapters, weighted = tuple(step.adapter for step in steps), tuple(float(w) for w in weights)
+        weighting.check(adapters, weighted)
+        steps = [weighting.MergeWeighted(adapters, weighted, model_type)]
+    elif len(steps) > 1:
         _check_sequence([step.adapter for step in steps])
     options = dataclasses.replace(options, transforms=_with_merge(options.transforms, steps))
     return convert(base, destination, options=options, dry_run=dry_run, progress=progress)

@@ -171,6 +171,8 @@ class TensorPlan:
         module: the module's name in the model.
         experts: ``"experts"`` (a LoRA on a 3-D parameter, ``target_parameters``): how many experts it stacks.
         swapped: ``"experts"``: the parameter is (experts, out, in) (PEFT swaps in and out), not (experts, in, out).
+        parts: ``"cat-linear"``, ``"cat-embedding"`` (weighted adapters): ``(i, weight, scaling)`` of each adapter
+            whose ``A<i>``, ``B<i>`` are inputs, in order; ``rank``: the combined adapter's rank.
     """
 
     kind: str
@@ -181,6 +183,8 @@ class TensorPlan:
     module: str = ""
     experts: int = 0
     swapped: bool = False
+    parts: tuple[tuple[str, float, float], ...] = ()
+    rank: int = 0
 
 
 def _float(ref: TensorRef, key: str, where: str) -> None:

@@ -27,12 +27,23 @@ from ckptconv.cli.option_sets import compose, sections
                     metavar="ADAPTER",
                     help="Another adapter folder, merged after ADAPTER, into its result (as PEFT merges several "
                     "active adapters, one after another). Repeatable.",
-                )
+                ),
+                click.option(
+                    "--weight",
+                    "weights",
+                    multiple=True,
+                    type=float,
+                    metavar="W",
+                    help="One weight per adapter, in order: the adapters are combined as PEFT's "
+                    "add_weighted_adapter(..., combination_type='cat') does, and that adapter is merged. Repeatable.",
+                ),
             ]
         },
     ),
 )
-def merge_lora(base: str, adapter: str, out: str, more_adapters: tuple[str, ...], **options: Any) -> None:
+def merge_lora(
+    base: str, adapter: str, out: str, more_adapters: tuple[str, ...], weights: tuple[float, ...], **options: Any
+) -> None:
     """Merge a PEFT LoRA adapter into its base model, bit for bit as PEFT's merge_and_unload().
 
     BASE is a model folder (sharded or not, safetensors or .bin) or a checkpoint
@@ -51,13 +62,14 @@ def merge_lora(base: str, adapter: str, out: str, more_adapters: tuple[str, ...]
     Example:
       ckptconv merge-lora llama/ my_adapter/ merged/
       ckptconv merge-lora llama/ my_adapter/ merged/ --dtype bf16 --max-shard-size 5GB
+      ckptconv merge-lora llama/ a/ merged/ --adapter b/ --weight 0.7 --weight 0.3
     """
     from ckptconv.adapters.merging import merge_lora as merge
 
     adapters = [adapter, *more_adapters]
 
     def run(src: str, dst: str, **how: Any) -> Any:
-        return merge(src, adapters, dst, **how)
+        return merge(src, adapters, dst, weights=list(weights) if weights else None, **how)
 
     run_conversion(base, out, [], options, run=run)
 
