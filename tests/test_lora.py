@@ -611,3 +611,20 @@ def test_merge_weighted_adapters_is_peft_add_weighted_adapter_cat(tmp_path: Path
     model.set_adapter("ab")
     merged = model.merge_and_unload(adapter_names=["ab"])
     _check(out, merged, transformers.LlamaForCausalLM, dtype)
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        (["1"], "1 weight for 2 adapters; give one each"),
+        (["1", "nan"], "the weights [1.0, nan] are not all finite numbers"),
+    ],
+)
+def test_merge_weighted_refusals(tmp_path: Path, weights: list[str], message: str) -> None:
+    base, a = _save(_llama(torch.float32), tmp_path, peft.LoraConfig(r=2, target_modules=["q_proj"]), name="a")
+    _, b = _save(_llama(torch.float32), tmp_path, peft.LoraConfig(r=2, target_modules=["v_proj"]), name="b")
+    args = ["merge-lora", base, a, str(tmp_path / "out") + "/", "--adapter", b]
+    result = CliRunner().invoke(main, [*args, *(part for w in weights for part in ("--weight", w))])
+    assert result.exit_code == 1
+    assert result.output == f"ckptconv: error: {message}\n"
+    assert not (tmp_path / "out").exists()

@@ -32,6 +32,8 @@ def check(adapters: tuple[Adapter, ...], weights: tuple[float, ...]) -> None:
     """Refuse what PEFT's ``cat`` combination does not carry exactly."""
     if len(weights) != len(adapters):
         raise TransformError(f"{plural(len(weights), 'weight')} for {plural(len(adapters), 'adapter')}; give one each")
+    if not all(math.isfinite(weight) for weight in weights):
+        raise TransformError(f"the weights {list(weights)!r} are not all finite numbers")
     for adapter in adapters:
         config, tensors = adapter.config, adapter.tensors
         held = [*tensors.saved, *tensors.base_layers]
