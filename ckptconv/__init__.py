@@ -50,6 +50,8 @@ from ckptconv.errors import (
 )
 
 if TYPE_CHECKING:
+    from ckptconv.adapters.extraction import ExtractionReport, extract_lora
+    from ckptconv.adapters.merging import merge_lora
     from ckptconv.batching.flow import batch
     from ckptconv.batching.report import BatchReport, ItemResult
     from ckptconv.checking.inspection import CheckpointInfo, TensorInfo, inspect
@@ -77,6 +79,8 @@ if TYPE_CHECKING:
     from ckptconv.writing.writer import save
 
 _HOMES = {
+    ".adapters.extraction": ["ExtractionReport", "extract_lora"],
+    ".adapters.merging": ["merge_lora"],
     ".batching.flow": ["batch"],
     ".batching.report": ["BatchReport", "ItemResult"],
     ".conversion": ["ConversionReport", "convert"],
@@ -120,6 +124,7 @@ __all__ = [
     "DeviceError",
     "DiffReport",
     "Drop",
+    "ExtractionReport",
     "FitError",
     "FitReport",
     "InvalidConfigError",
@@ -155,10 +160,12 @@ __all__ = [
     "canonicalize",
     "convert",
     "diff",
+    "extract_lora",
     "fit",
     "inspect",
     "load",
     "load_into",
+    "merge_lora",
     "open",
     "save",
     "scan",

@@ -47,7 +47,7 @@ LAYOUTS = ("keep", "fused", "per-expert")
 REFERENCES = ("ckptconv", "torch")
 
 # Which commands show a flag.
-CONVERSION_COMMANDS = frozenset({"convert", "strip-module", "add-module", "fit", "batch"})
+CONVERSION_COMMANDS = frozenset({"convert", "strip-module", "add-module", "fit", "batch", "merge-lora"})
 ONE_FILE_COMMANDS = CONVERSION_COMMANDS - {"batch"}
 # The selection flags also say what `inspect` and `verify` read.
 SELECTION_COMMANDS = CONVERSION_COMMANDS | {"inspect", "verify"}

@@ -8,6 +8,7 @@ library's.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -18,11 +19,20 @@ from ckptconv._text import plural
 from ckptconv.architectures import coverage
 from ckptconv.architectures.layouts import layout_of
 from ckptconv.dtypes import dtype_by_name
-from ckptconv.errors import CkptconvError, InvalidConfigError, SelectionError, UnsupportedQuantizationError
+from ckptconv.errors import (
+    CkptconvError,
+    InvalidConfigError,
+    SelectionError,
+    TransformError,
+    UnsupportedQuantizationError,
+)
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.quantization import dequantize
 from ckptconv.quantization.stage import declared_scheme
+from ckptconv.reading.adapter_config import CONFIG_NAME as ADAPTER_CONFIG
+from ckptconv.reading.adapter_config import WEIGHTS_NAMES as ADAPTER_WEIGHTS
+from ckptconv.reading.adapter_config import read_config as read_adapter_config
 from ckptconv.reading.model_folder import Model, resolve_model
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.state_dicts import as_tensor, is_module, part_text
@@ -183,6 +193,8 @@ class CheckpointInfo:
             dequantizing would write, or why it is refused; ``""`` for an unquantized checkpoint.
         model: what model a folder (or its index) is (:class:`ModelInfo`); None for a single file.
         notes: what the user should hear (a wrapper prefix on every key, and the flag that removes it).
+        adapter: for a PEFT adapter (``adapter_config.json`` beside the weights): its type, r, alpha, targets
+            and base model, or why ``merge-lora`` refuses it; ``""`` otherwise.
     """
 
     path: str
@@ -204,6 +216,7 @@ class CheckpointInfo:
     quantization: str = ""
     model: ModelInfo | None = None
     notes: tuple[str, ...] = ()
+    adapter: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (what ``ckptconv inspect --json`` prints)."""
@@ -355,6 +368,7 @@ def _inspect(path: PathLike, *, select: str | None, trust: bool) -> CheckpointIn
         quantization=_quantization(path, checkpoint, weights),
         model=model_info(model, weights) if (model := resolve_model(as_path(path), strict=False)) else None,
         notes=tuple(filter(None, [wrapper_note(weights)])),
+        adapter=_adapter(as_path(path)),
     )
 
 
@@ -371,6 +385,31 @@ def _layout(model: Model, weights: Mapping[str, TensorRef]) -> str:
     except CkptconvError as error:
         return f"{said}coverage not checked: {error}"
     return said + (found[0] if found else "covers its config's model")
+
+
+def _adapter(path: str) -> str:
+    """What a PEFT adapter folder's ``adapter_config.json`` says (its tensors are listed as any checkpoint's)."""
+    if os.path.isdir(path):
+        folder = path
+    elif os.path.basename(path) in ADAPTER_WEIGHTS:  # the adapter's own weights file, given by name
+        folder = os.path.dirname(path) or "."
+    else:
+        return ""
+    if not os.path.lexists(os.path.join(folder, ADAPTER_CONFIG)):
+        return ""
+    try:
+        config = read_adapter_config(folder)
+    except TransformError as error:
+        return f"PEFT adapter that merge-lora refuses: {error}"
+    kind = "DoRA" if config.use_dora else "rsLoRA" if config.use_rslora else "LoRA"
+    parts = [f"{kind}, r={config.r}, alpha={config.lora_alpha:g}"]
+    if config.rank_pattern or config.alpha_pattern:
+        parts.append(f"{plural(len(config.rank_pattern) + len(config.alpha_pattern), 'pattern')} for r/alpha")
+    parts.append(f"targets {', '.join(config.target_modules) or '(from the tensors)'}")
+    if config.modules_to_save:
+        parts.append(f"modules_to_save {', '.join(config.modules_to_save)}")
+    parts.append(f"base model {config.base_model or '(not named)'}")
+    return "; ".join(parts)
 
 
 def _quantization(path: PathLike, checkpoint: Checkpoint, weights: Mapping[str, TensorRef]) -> str:

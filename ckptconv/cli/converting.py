@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -19,15 +19,22 @@ if TYPE_CHECKING:
 
 
 def run_conversion(
-    src: str, dst: str, leading: Sequence[Any], options: dict[str, Any], fit_to: str | None = None
+    src: str,
+    dst: str,
+    leading: Sequence[Any],
+    options: dict[str, Any],
+    fit_to: str | None = None,
+    run: Callable[..., Any] | None = None,
 ) -> None:
+    """Convert ``src`` to ``dst`` as the flags say, and print the report (``run``: the library call, when not
+    :func:`ckptconv.convert`; it takes convert's arguments)."""
     from ckptconv.conversion import convert
 
     quiet = options["quiet"]
     conversion = conversion_options(options, leading, fit_to)
     if fit_to is None and os.path.lexists(dst):
         refuse_swapped(src, dst, conversion)
-    report = convert(
+    report = (run or convert)(
         src,
         dst,
         options=conversion,

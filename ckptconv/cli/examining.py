@@ -247,6 +247,8 @@ def inspect(
         echo(f"quantized: {info.quantization}")
     for note in info.notes:
         echo(f"note: {note}")
+    if info.adapter:
+        echo(f"adapter: {info.adapter}")
     listed = info.tensors if limit is None else info.tensors[:limit]
     if listed:
         key_width = min(max(len(shown(t.key)) for t in listed), 60)
