@@ -223,14 +223,14 @@ def test_inspect_says_the_layout_and_whether_the_folder_covers_its_config(tmp_pa
     for folder in (per_expert, fused):
         code, out, _ = run_cli("inspect", str(folder))
         assert code == 0
-        lines += [line for line in out.splitlines() if line.startswith("model: ")]
+        lines += [line for line in out.splitlines() if line.startswith("  weights: ")]
     _without(per_expert, "model.layers.1.mlp.experts.2.up_proj.weight")
     code, out, _ = run_cli("inspect", str(per_expert))
-    lines += [line for line in out.splitlines() if line.startswith("model: ")]
-    assert lines == [
-        "model: experts one per expert; covers its config's model",
-        "model: experts fused; covers its config's model",
-        "model: experts one per expert; the weights do not make the config's qwen3_moe model (transformers "
+    lines += [line for line in out.splitlines() if line.startswith("  weights: ")]
+    assert lines == [  # in the model block inspect prints (see test_model_units)
+        "  weights: experts one per expert; covers its config's model",
+        "  weights: experts fused; covers its config's model",
+        "  weights: experts one per expert; the weights do not make the config's qwen3_moe model (transformers "
         f"{transformers.__version__}): it lacks model.layers.1.mlp.experts.2.up_proj.weight",
     ]
 

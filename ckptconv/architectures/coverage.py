@@ -61,6 +61,7 @@ class Expected:
         optional: Callable[[str], bool] = lambda name: False,
     ) -> None:
         self.shapes, self.tied, self.rename, self.by = shapes, tied, rename, by
+        self.respell = rename  # how spelled_like renames: transformers' renamings without its base-model prefix
         self.stale, self.optional = stale, optional
 
 
@@ -102,6 +103,10 @@ def _from_transformers(config: Mapping[str, Any]) -> Expected | None:
         renamed, _ = loading.rename_source_key(name, renamings, [], prefix, state)
         return str(renamed)
 
+    def respell(name: str) -> str:  # the renamings alone: a leading prefix is fit's to remove, whole or not at all
+        renamed, _ = loading.rename_source_key(name, renamings, [], None, state)
+        return str(renamed)
+
     unexpected = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     absent = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or []]
     # buffers it keeps unsaved (rotary_emb.inv_freq), by their last name, never one a saved tensor has ("bias")
@@ -114,13 +119,18 @@ def _from_transformers(config: Mapping[str, Any]) -> Expected | None:
     def optional(name: str) -> bool:
         return any(p.search(name) for p in absent)
 
-    return Expected(shapes, tied, rename, f"transformers {transformers.__version__}", stale, optional)
+    expected = Expected(shapes, tied, rename, f"transformers {transformers.__version__}", stale, optional)
+    expected.respell = respell
+    return expected
 
 
 def expected(config: Mapping[str, Any]) -> Expected | None:
     """What the config's model has (see the module's docstring), or None when neither transformers nor a
     ckptconv table knows the model."""
-    return _expected(json.dumps(config, sort_keys=True, default=str))
+    # A checked config (reading.model_config.ModelConfig) is a read-only mapping, not a dict: json is given its items.
+    return _expected(
+        json.dumps(config, sort_keys=True, default=lambda o: dict(o) if isinstance(o, Mapping) else str(o))
+    )
 
 
 @functools.lru_cache(maxsize=4)  # asked for the same config by the spelling and the check of one conversion
@@ -264,11 +274,11 @@ def spelled_like(weights: Mapping[str, TensorRef], like: Reference) -> tuple[dic
         return dict(weights), 0
     theirs: dict[str, str] = {}
     for name in like.dtypes:
-        theirs.setdefault(want.rename(name), name)
+        theirs.setdefault(want.respell(name), name)
     out: dict[str, TensorRef] = {}
     renamed = 0
     for name, ref in weights.items():
-        target = name if name in like.dtypes else theirs.get(want.rename(name), name)
+        target = name if name in like.dtypes else theirs.get(want.respell(name), name)
         if target in out:
             raise TransformError(f"two tensors would both be spelled {target!r} as the reference spells it")
         renamed += target != name
