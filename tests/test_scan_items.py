@@ -483,3 +483,21 @@ def test_the_refusal_tables_are_torchs_own() -> None:
     source = inspect.getsource(weights_only.Unpickler.load)
     read = {opcode.name for opcode in pickletools.opcodes if re.search(rf"\b{opcode.name}\[0\]", source)}
     assert read == torch_parity.TORCH_OPCODES
+
+
+def test_a_folder_is_judged_by_what_loaders_open_not_by_every_byte_in_it(tmp_path: Path) -> None:
+    """Config, text and numeric .npy files are not pickles: a folder of a safe checkpoint and those is safe; an
+    object .npy (numpy loads it with pickle) and a suffix-less pickle are scanned."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    torch.save({"w": torch.ones(2)}, folder / "model.pt")
+    np.save(folder / "embeddings.npy", np.arange(4.0))
+    (folder / "tokenizer.json").write_text("{}")
+    assert ckptconv.scan(folder).verdict == "safe"
+    (folder / "state").write_bytes(call("posix", "system", "id", protocol=2))
+    report = ckptconv.scan(folder)
+    assert (report.verdict, report.reason.split(":")[0]) == ("unsafe", "state")
+    (folder / "state").unlink()
+    np.save(folder / "objects.npy", np.array([_Evil()], dtype=object), allow_pickle=True)
+    report = ckptconv.scan(folder)
+    assert (report.verdict, report.reason.split(":")[0]) == ("unsafe", "objects.npy")

@@ -113,13 +113,14 @@ def kind(head: bytes) -> str | None:
 
 def scannable_head(name: str, head: bytes) -> bool:
     """True for a file that ``torch.load``, ``pickle``, numpy, safetensors or an archive tool would open:
-    named like a checkpoint, or starting like a pickle, a zip, a tar, a compressed file or a ``.npy``."""
+    named like a checkpoint, or starting like a pickle, a zip, a tar, a compressed file, safetensors or a ``.npy``
+    of objects (numpy loads those with pickle)."""
     if name.lower().endswith(CHECKPOINT_SUFFIXES) or kind(head) is not None:
         return True
     if head[:1] == b"\x80" and head[1:2] in _PICKLE_PROTOCOLS:
         return True
-    if head.startswith(b"\x93NUMPY"):
-        return True
+    if head.startswith(b"\x93NUMPY"):  # only an array of objects holds a pickle (numpy's allow_pickle)
+        return b"'|O'" in head or b'"|O"' in head
     # safetensors: an 8-byte little-endian header length, then its JSON
     return len(head) > 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < 100 << 20
 
