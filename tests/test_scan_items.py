@@ -501,3 +501,37 @@ def test_a_folder_is_judged_by_what_loaders_open_not_by_every_byte_in_it(tmp_pat
     np.save(folder / "objects.npy", np.array([_Evil()], dtype=object), allow_pickle=True)
     report = ckptconv.scan(folder)
     assert (report.verdict, report.reason.split(":")[0]) == ("unsafe", "objects.npy")
+
+
+def test_members_go_to_a_private_folder_removed_after_and_need_room_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    _model_folder(tmp_path / "model")
+    archive = _archive("tar.gz", tmp_path / "model", tmp_path / "model.tar.gz")
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    seen: list[int] = []
+    real_mkstemp = tempfile.mkstemp
+
+    def recorded(*args: Any, **kwargs: Any) -> tuple[int, str]:
+        descriptor, name = real_mkstemp(*args, **kwargs)
+        seen.append(os.stat(os.path.dirname(name)).st_mode & 0o777)
+        return descriptor, name
+
+    monkeypatch.setattr(tempfile, "mkstemp", recorded)
+    assert ckptconv.scan(archive).verdict == "unsafe"
+    assert seen == [0o700]  # one member copied, into a folder only this user can enter
+    assert list(temporary.iterdir()) == []  # and nothing left behind
+    free = collections.namedtuple("usage", "total used free")(1 << 40, 0, 1 << 20)
+    monkeypatch.setattr(archives.shutil, "disk_usage", lambda folder: free)
+    report = ckptconv.scan(archive)
+    assert (report.verdict, report.reason) == (
+        "not-scanned",
+        "model/pytorch_model.bin: it is "
+        f"{(tmp_path / 'model' / 'pytorch_model.bin').stat().st_size:,} bytes, more than the temporary folder has "
+        "room for (the worst of 1 file: 1 not-scanned)",
+    )
+    assert list(temporary.iterdir()) == []

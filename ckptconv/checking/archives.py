@@ -210,27 +210,34 @@ def _is_tar(file: IO[bytes]) -> bool:
 
 def _copied(name: str, stream: IO[bytes], budget: _Budget, folder: str, count: int) -> Member:
     """The member ``name``, read from ``stream``: skipped (``Member(name)`` with no file) when nothing would
-    open it, else copied into ``folder``."""
+    open it, else copied into ``folder`` (a copy that could not be finished is removed at once)."""
+    copy = ""
     try:
         head = stream.read(_HEAD)
         budget.take(len(head), name)
         if not scannable_head(name, head):
             return Member(name)
         if count and shutil.disk_usage(folder).free < count + _ROOM:
-            return Member(
-                name, problem=f"it is {count:,} bytes, more than the temporary folder {folder!r} has room for"
-            )
+            return Member(name, problem=f"it is {count:,} bytes, more than the temporary folder has room for")
         suffix = _SUFFIX.search(os.path.basename(name))
         # A fresh name (mode 0600) in a folder only this process's user can enter; never the member's name.
         descriptor, copy = tempfile.mkstemp(suffix=suffix.group(0).lower() if suffix else "", dir=folder)
         with os.fdopen(descriptor, "wb") as out:
             out.write(head)
+            written = len(head)
             while chunk := stream.read(_CHUNK):
                 budget.take(len(chunk), name)
                 out.write(chunk)
+                written += len(chunk)
+                if written % _ROOM < len(chunk) and shutil.disk_usage(folder).free < _ROOM:
+                    # a compressed file says nothing of its size up front: the room is checked as it grows
+                    _remove(Member(name, file=copy))
+                    return Member(name, problem="it unpacks to more than the temporary folder has room for")
     except NotScanned:
+        _remove(Member(name, file=copy))
         raise
     except (OSError, EOFError, zipfile.BadZipFile, tarfile.TarError, lzma.LZMAError, zlib.error) as error:
+        _remove(Member(name, file=copy))
         return Member(name, problem=f"cannot be unpacked ({error})", broken=True)
     return Member(name, file=copy)
 
