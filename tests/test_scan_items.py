@@ -535,3 +535,18 @@ def test_members_go_to_a_private_folder_removed_after_and_need_room_there(
         "room for (the worst of 1 file: 1 not-scanned)",
     )
     assert list(temporary.iterdir()) == []
+
+
+def test_a_run_ckptconv_refuses_keeps_its_own_verdict_beside_its_files() -> None:
+    """An FSDP1 LOCAL_STATE_DICT run is not-a-checkpoint to ckptconv (its shapes are not recorded); its files'
+    verdicts (foreign) do not hide that: the item is the worst of the folder's own verdict and theirs."""
+    summary = ckptconv.scan_many([os.path.join(FIXTURES, "runs")])
+    (report,) = [report for report in summary.reports if report.path.endswith("fsdp1_local")]
+    assert report.verdict == "not-a-checkpoint"
+    assert report.reason.startswith("holds FSDP1 LOCAL_STATE_DICT files (2 ranks")
+    assert report.reason.endswith("(the worst of 3 files: 2 foreign, 1 not-a-checkpoint)")
+    assert sorted(os.path.basename(item.path) for item in report.files) == [
+        "fsdp1_local",
+        "model_world_size_2_rank_0.pt",
+        "model_world_size_2_rank_1.pt",
+    ]

@@ -216,8 +216,11 @@ def scan(path: PathLike) -> ScanReport:
     """
     path = as_path(path)
     if os.path.isdir(path):
+        from ckptconv.reading.formats import dcp, sharded
+
+        itself = dcp.is_dcp_folder(path) or sharded.find_index(path) is not None
         with read_policy.confined(path):  # links out of the folder are refused, as discovery skips them
-            return _scan_folder(path, recursive=True)
+            return _scan_folder(path, recursive=True, itself=itself)
     return _scan_file(path, depth=0)
 
 
@@ -412,17 +415,20 @@ def _combined(path: str, reports: Sequence[ScanReport], fmt: str) -> ScanReport:
     return ScanReport(path, worst.verdict, reason, fmt, unsafe, dict(foreign), tuple(ordered))
 
 
-def _scan_folder(folder: str, *, recursive: bool, others: Container[str] = ()) -> ScanReport:
+def _scan_folder(folder: str, *, recursive: bool, others: Container[str] = (), itself: bool = False) -> ScanReport:
     """A folder: its checkpoint (sharded, DCP, a training run), if it is one, and every other file in it
     that torch.load, pickle, numpy or an archive tool would open (in its subfolders too when ``recursive``),
-    but ``others`` (absolute paths: the files of other items, scanned as those)."""
+    but ``others`` (absolute paths: the files of other items, scanned as those). ``itself``: the folder is known
+    to be a checkpoint (discovery found a DCP or training-run folder), so its own verdict counts even when
+    ckptconv refuses its format (an FSDP1 LOCAL_STATE_DICT run is ``not-a-checkpoint``)."""
     from ckptconv.reading.detection import checkpoint_files
 
     own: ScanReport | None = _scan_checkpoint(folder)
     read: set[str] = set()
-    if own is not None and own.verdict == NOT_A_CHECKPOINT:
+    if own is not None and own.verdict == NOT_A_CHECKPOINT and not itself:
         own = None  # a folder that is no checkpoint itself: only its files count
-    else:
+    elif own is not None and own.verdict in (SAFE, TORCH_REFUSES, FOREIGN):
+        # Read whole as a checkpoint: its files are not scanned again. A refused one's may not all have been.
         with contextlib.suppress(CkptconvError, OSError):
             read = {os.path.abspath(file) for file in checkpoint_files(folder)}
     reports = [] if own is None else [own]
@@ -514,7 +520,7 @@ def scan_many(paths: Iterable[PathLike]) -> ScanSummary:
                     if item.kind in (DCP, RUN):
                         # A training run's folder holds its older tags and optimizer files: all scanned
                         # (but the checkpoints beside them that are items of their own).
-                        report = _scan_folder(item.path, recursive=item.kind == RUN, others=one_file)
+                        report = _scan_folder(item.path, recursive=item.kind == RUN, others=one_file, itself=True)
                     else:
                         report = scan(item.path)
                     reports.append(report)
