@@ -172,7 +172,8 @@ def test_scan_names_the_files_under_the_folder_as_it_was_typed(tmp_path: Path, m
     try:
         assert run_cli("scan", "incoming/")[:2] == (
             0,
-            "safe              incoming/model.pt: holds only tensors, containers and plain data\n",
+            "safe              incoming/model.pt: holds only tensors, containers and plain data, which "
+            "torch.load(weights_only=True) loads\n",
         )
     finally:
         os.chdir(Path(__file__).parent)

@@ -192,6 +192,9 @@ def _incoming(folder: Path) -> None:
     torch.save(state, folder / "whole.pt")
     whole = (folder / "whole.pt").read_bytes()
     (incoming / "half.pt").write_bytes(whole[: len(whole) // 2])
+    from tests.test_scan_items import _trainer_folder  # docs/scan.md's Trainer folder with a malicious optimizer.pt
+
+    _trainer_folder(folder / "run" / "checkpoint-500", malicious=True)
 
 
 def _fresh(fixtures: Path, tmp_path: Path, name: str) -> Path:

@@ -731,8 +731,13 @@ def test_scan_looks_at_every_pickle_of_a_run_folder(tmp_path: Path) -> None:
     (run / "optim_world_size_2_rank_0.pt").write_bytes(b"\x80\x02cposix\nsystem\nX\x02\x00\x00\x00idq\x01\x85R.")
     summary = ckptconv.scan_many([tmp_path / "runs"])
     verdicts = {Path(report.path).name: report.verdict for report in summary.reports}
-    assert verdicts["optim_world_size_2_rank_0.pt"] == "unsafe"
-    assert verdicts["fsdp2_dtensor"] == "foreign"
+    # the run is one item, the worst of every file in it; the full model beside it is an item of its own
+    assert verdicts == {"fsdp2_dtensor": "unsafe", "golden_full.pt": "safe"}
+    run_report = next(report for report in summary.reports if report.path.endswith("fsdp2_dtensor"))
+    assert run_report.reason.startswith("optim_world_size_2_rank_0.pt: names posix.system (runs processes)")
+    files = {Path(report.path).name: report.verdict for report in run_report.files}
+    assert files["optim_world_size_2_rank_0.pt"] == "unsafe"
+    assert files["fsdp2_dtensor"] == "foreign"  # the model files, as converting reads them
 
 
 def test_per_rank_copies_of_a_plain_state_dict_are_not_a_sharded_model(tmp_path: Path) -> None:

@@ -301,15 +301,20 @@ def scan(paths: tuple[str, ...], as_json: bool, quiet: bool) -> None:
     """Say which checkpoints are safe to load, without running anything from them.
 
     Every pickle opcode is interpreted by ckptconv itself, nothing is imported
-    or called. Each item gets one verdict: safe (only tensors, containers and
-    plain data), foreign (also names classes from code that is not here:
+    or called. Each item gets one verdict: safe (torch.load(weights_only=True)
+    loads it: only tensors, containers and plain data, and every zip record's
+    CRC-32 matches), torch-refuses (nothing runs, but weights_only=True refuses
+    it: numpy data, pickle opcodes torch does not read, a pre-0.4 tar file),
+    foreign (also names classes from code that is not here:
     torch.load(weights_only=False) would import and run that code), unsafe
     (names something that runs code, touches files, sockets or processes,
     imports, compiles or loads further pickles, or is built to be read
-    differently by CPython than by a scanner), damaged, not-a-checkpoint or
-    unreadable. Folders are searched as batch does (a sharded or DCP
-    checkpoint is one item). Exits 0 when every item is safe, 3 when some are
-    not but none is unsafe, 4 when one is unsafe.
+    differently by CPython than by a scanner), damaged, not-a-checkpoint,
+    not-scanned (an archive past its bounds, or one scan cannot open) or
+    unreadable. Folders are searched as batch does (a sharded, DCP or
+    training-run checkpoint is one item); a folder or an archive (zip, tar,
+    tar.gz ...) is the worst of every file in it. Exits 0 when every item is
+    safe, 3 when some are not but none is unsafe, 4 when one is unsafe.
 
     \b
     Example:

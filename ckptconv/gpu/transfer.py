@@ -549,7 +549,7 @@ def read_spans(spans: Sequence[Span], *, threads: int | None = None, crcs: dict[
         for thread in pool:
             thread.start()
         for thread in pool:
-            thread.join()
+            _cores.join(thread)  # in turns: a Ctrl-C that lands just before an unbounded wait would be missed
     finally:
         # Interrupted (Ctrl-C in a join): readers still at work stop at their next piece; their area is not kept.
         at_work = len(finished) < len(pool)

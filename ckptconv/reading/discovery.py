@@ -62,7 +62,6 @@ __all__ = [
     "discover",
     "folder_above",
     "refusal",
-    "unread_files",
 ]
 
 
@@ -180,28 +179,6 @@ def _model_members(folder: str, names: Sequence[str]) -> tuple[list[str], tuple[
         files = below.weights if below is not None else ()
         members += [os.path.relpath(path, folder).replace(os.sep, "/") for path in files]
     return members, model.parts
-
-
-def unread_files(item: Item) -> list[str]:
-    """The checkpoint files inside a ``run`` item's folder that converting it does not read
-    (older tags, optimizer files beside per-rank model files), for a scanner to look at."""
-    from ckptconv.reading.detection import is_checkpoint_file
-    from ckptconv.reading.formats import deepspeed, megatron_legacy, rank_shards
-
-    read = set(
-        deepspeed.checkpoint_files(item.path)
-        or megatron_legacy.checkpoint_files(item.path)
-        or rank_shards.find_files(item.path)
-        or []
-    )
-    extra = []
-    for folder, subfolders, filenames in os.walk(item.path):
-        subfolders.sort()
-        for name in sorted(filenames):
-            path = os.path.join(folder, name)
-            if path not in read and is_checkpoint_file(path):
-                extra.append(path)
-    return extra
 
 
 def _index_shards(path: str, folder: str) -> list[str] | None:

@@ -12,13 +12,17 @@ Layout (see ``torch/serialization.py``, ``_legacy_save`` and ``_legacy_load``)::
                    sys_info says: torch converts on big-endian machines)
 
 The storages are read in place at their offsets, like the zip format's.
-The even older tar format (torch < 0.4) is recognised and refused.
+The even older tar format (torch < 0.4) is recognised and refused; ``scan`` runs the pickles of its
+members through the pickle machine (:func:`tar_member_pickles`), as torch's ``legacy_load`` reads them.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import struct
 import tarfile
+from collections import Counter
 from typing import Any, Callable
 
 from ckptconv._text import short_repr
@@ -37,7 +41,7 @@ from ckptconv.reading.unpickling.unpickler import DEFAULT_MAX_ITEMS, PickleTrunc
 from ckptconv.values.standins import ForeignGlobal, StorageType, TypedStorage
 from ckptconv.values.tensor import Storage
 
-__all__ = ["MAGIC_NUMBER", "looks_legacy", "read"]
+__all__ = ["MAGIC_NUMBER", "TAR_MEMBERS", "looks_legacy", "read", "tar_member_pickles"]
 
 FORMAT = "torch-legacy"
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -248,3 +252,86 @@ def _ambiguous(path: str, detail: str) -> MalformedCheckpointError:
 
 def _damaged(path: str, detail: str) -> MalformedCheckpointError:
     return MalformedCheckpointError(f"{path!r} is a damaged legacy torch checkpoint: {detail}", path=path)
+
+
+#: The members of torch's pre-0.4 tar checkpoints (``legacy_load`` in torch/serialization.py).
+TAR_MEMBERS = ("sys_info", "storages", "tensors", "pickle")
+# The tensor class each tensor of the ``tensors`` member names (torch.FloatTensor ...): torch's own, named only.
+_TENSOR_TYPE = re.compile(r"torch(\.cuda)?\.[A-Za-z0-9]+Tensor")
+# A count read from a member's first pickle: no more storages or tensors than this.
+_MAX_TAR_RECORDS = 10_000_000
+
+
+def tar_member_pickles(name: str, path: str, where: str) -> Counter[str]:
+    """Run every pickle of the member ``name`` of a pre-0.4 tar checkpoint, copied to ``path``, through the
+    pickle machine, in torch's order: ``storages`` is a count, then per storage its ``(key, location, type)``
+    pickle and its bytes (an int64 element count first), then the views' pickle; ``tensors`` a count, then per
+    tensor its pickle and its sizes; ``pickle`` and ``sys_info`` one pickle each. Nothing is built on.
+
+    Returns:
+        The foreign globals the pickles name, with counts (unsafe ones go to :func:`recording_unsafe`'s list).
+
+    Raises:
+        MalformedCheckpointError: the member does not follow that layout.
+    """
+    foreign: Counter[str] = Counter()
+    with read_policy.open_file(path) as file:
+        size = os.fstat(file.fileno()).st_size
+
+        def pickle_at(offset: int) -> tuple[Any, int]:
+            window = min(size - offset, _FIRST_READ)
+            while True:
+                file.seek(offset)
+                unpickler = Unpickler(file.read(window), source=where, persistent_load=lambda _pid: None)
+                try:
+                    value = unpickler.load()
+                except PickleTruncatedError:
+                    if window >= min(size - offset, MAX_PICKLE_BYTES):
+                        raise
+                    window = min(size - offset, window * 8, MAX_PICKLE_BYTES)
+                    continue
+                foreign.update(
+                    {
+                        global_name: count
+                        for global_name, count in unpickler.foreign_globals.items()
+                        if not (name == "tensors" and _TENSOR_TYPE.fullmatch(global_name))
+                    }
+                )
+                return value, offset + unpickler.end
+
+        def count_at(offset: int) -> tuple[int, int]:
+            count, offset = pickle_at(offset)
+            if not isinstance(count, int) or not 0 <= count <= _MAX_TAR_RECORDS:
+                raise _damaged(where, f"its count {short_repr(count)} is not a number of records")
+            return count, offset
+
+        def skip(offset: int, nbytes: int) -> int:
+            if offset + nbytes > size:
+                raise _damaged(where, "its records run past its end")
+            return offset + nbytes
+
+        if name == "storages":
+            count, offset = count_at(0)
+            for _ in range(count):
+                args, offset = pickle_at(offset)
+                storage_type = args[2] if isinstance(args, tuple) and len(args) == 3 else None
+                if not isinstance(storage_type, StorageType):
+                    raise _damaged(where, f"a storage is described as {short_repr(args)}")
+                file.seek(offset)
+                raw = file.read(8)
+                offset = skip(offset, 8)
+                (elements,) = struct.unpack("<q", raw)
+                offset = skip(offset, max(elements, 0) * storage_type.dtype.itemsize)
+            pickle_at(offset)  # the views
+        elif name == "tensors":
+            count, offset = count_at(0)
+            for _ in range(count):
+                _args, offset = pickle_at(offset)
+                file.seek(offset)
+                raw = file.read(4)
+                offset = skip(offset, 4)
+                (ndim,) = struct.unpack("<i", raw)
+                offset = skip(offset, 4 + 16 * max(ndim, 0) + 8)
+        else:
+            pickle_at(0)
+    return foreign

@@ -45,6 +45,7 @@ from typing import Any
 
 from ckptconv._text import short_repr
 from ckptconv.errors import MalformedCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
+from ckptconv.reading.unpickling import torch_parity
 from ckptconv.reading.unpickling.pickle_policy import (
     GETATTR,
     TORCH_OWN_TYPES,
@@ -179,6 +180,7 @@ class Unpickler:
         max_items: int = DEFAULT_MAX_ITEMS,
     ) -> None:
         self.data = bytes(data)
+        self.start = start
         self.pos = start
         self.end = start
         self.persistent_load = persistent_load
@@ -364,6 +366,8 @@ class Unpickler:
             value = ForeignGlobal(module, name)
             if full not in TORCH_OWN_TYPES:
                 self.foreign_globals[full] += 0  # listed even if never instantiated
+        else:
+            torch_parity.record_global(full)  # for `scan`: data to ckptconv, which torch may refuse
         self._globals_cache[key] = value
         return value
 
@@ -575,6 +579,7 @@ class Unpickler:
                 frame_end = self.pos + length
             elif op == 0x2E:  # STOP
                 self.end = self.pos
+                torch_parity.record_opcodes(data, self.start, self.end)
                 if not stack:
                     raise malformed("pickle stops with an empty stack")
                 if self._getattr_pushed != self._getattr_called:
