@@ -566,12 +566,13 @@ def _write(
                 tied=options.tied,
                 record_crcs=record_crcs if read_whole else None,
                 stem=carried.stem if carried is not None else None,
+                part=options.part,
             )
         except BaseException:
             give_up.set()  # do not make a failed conversion wait for the hash
             raise
     files = written.files
-    if carried is not None and carried.files:
+    if carried is not None and carried.files and not written.pending:  # --part: the part that published writes them
         files += model_files.write(
             carried, written.path, inputs=inputs, fsync=options.fsync, weights=written.files, made=made
         )

@@ -17,10 +17,11 @@ a Slurm job array (``SLURM_ARRAY_TASK_ID`` minus ``SLURM_ARRAY_TASK_MIN``, divid
 
 from __future__ import annotations
 
-import heapq
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from ckptconv.writing.shards import balance
 
 __all__ = ["MANIFEST_GLOB", "Shard", "ShardPlan", "assign", "manifest_name", "parse_shard", "plans"]
 
@@ -143,21 +144,14 @@ def assign(sizes: Sequence[tuple[str, int]], count: int) -> list[int]:
         count: the number of shards.
 
     Returns:
-        For each entry of ``sizes``, in the same order, the index of the shard that converts it.
+        For each entry of ``sizes``, in the same order, the index of the shard that converts it
+        (:func:`ckptconv.writing.shards.balance`, which ``convert --part`` uses too).
 
     Example:
         >>> assign([("a", 5), ("b", 3), ("c", 3), ("d", 1)], 2)
         [0, 1, 1, 0]
     """
-    order = sorted(range(len(sizes)), key=lambda index: (-sizes[index][1], sizes[index][0]))
-    loads = [(0, shard) for shard in range(count)]  # (bytes so far, shard): the heap's least is the lightest
-    heapq.heapify(loads)
-    owner = [0] * len(sizes)
-    for index in order:
-        load, shard = heapq.heappop(loads)
-        owner[index] = shard
-        heapq.heappush(loads, (load + sizes[index][1], shard))
-    return owner
+    return balance(sizes, count)
 
 
 def plans(sizes: Sequence[tuple[str, int]], count: int) -> tuple[ShardPlan, ...]:

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import click
 
 from ckptconv.batching.report import SCHEDULER_TIMEOUT_S
-from ckptconv.cli.params import CastTarget, Prefix, Regex, RenameRule, ShardSpec, Size
+from ckptconv.cli.params import CastTarget, PartSpec, Prefix, Regex, RenameRule, ShardSpec, Size
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -72,6 +72,7 @@ def field_option_list(group: str, command: str, section: str | None = None) -> l
             kinds: dict[str, Any] = {
                 "text": click.STRING,
                 "size": Size(),
+                "part": PartSpec(),
                 "format": click.Choice(BATCH_FORMATS if command in _FILE_COMMANDS else OUTPUT_FORMATS),
             }
             if flag.kind == "format" and command in _FILE_COMMANDS and command != "batch":

@@ -123,3 +123,17 @@ class ShardSpec(click.ParamType):  # type: ignore[type-arg]
             return parse_shard(str(value), os.environ)
         except ValueError as error:
             self.fail(str(error), param, ctx)
+
+
+class PartSpec(click.ParamType):  # type: ignore[type-arg]
+    """``--part INDEX/COUNT``, checked here: a bad one exits 2; the options field keeps its spelling."""
+
+    name = "INDEX/COUNT"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        from ckptconv.writing.parts import parse_part
+
+        try:
+            return str(parse_part(str(value)))
+        except ValueError as error:
+            self.fail(str(error), param, ctx)

@@ -34,6 +34,8 @@ class WriteReport:
         kept: under ``overwrite``, the files of a folder output's names (an earlier output's shards, a
             ``model.safetensors``) that the new output does not use and ckptconv left where they are,
             since it did not write them (they carry no ckptconv provenance).
+        pending: for one part of a folder (``--part``), the parts still to finish before the folder is
+            published (0: published, by this part or before it).
     """
 
     path: str
@@ -43,10 +45,15 @@ class WriteReport:
     aliases: Mapping[str, str] = field(default_factory=dict)
     files: tuple[str, ...] = ()
     kept: tuple[str, ...] = ()
+    pending: int = 0
 
     @property
     def notes(self) -> tuple[str, ...]:
-        """What the user should know of the write: the files it kept, named."""
+        """What the user should know of the write: the files it kept, named; the parts still to come."""
+        if self.pending:
+            waiting = plural(self.pending, "other part")
+            verb = "finishes" if self.pending == 1 else "finish"
+            return (f"this part's shards are written; {self.path!r} is published when {waiting} {verb}",)
         if not self.kept:
             return ()
         names = [os.path.basename(path) for path in self.kept[:_KEPT_NAMED]]

@@ -12,7 +12,7 @@ from ckptconv.reading.formats import dcp
 from ckptconv.reading.formats._base import MetadataValue, metadata_text
 from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing import dcp as dcp_writer
-from ckptconv.writing import shards, write_policy
+from ckptconv.writing import parts, shards, write_policy
 from ckptconv.writing.atomic import atomic_output
 from ckptconv.writing.files import WriteReport, save_file
 from ckptconv.writing.provenance import written_by_ckptconv
@@ -35,6 +35,7 @@ def save_folder(
     dedupe: bool = True,
     record_crcs: dict[Storage, int] | None = None,
     stem: str | None = None,
+    part: str | None = None,
 ) -> WriteReport:
     """Write a sharded or DCP folder as a whole or not at all (:mod:`.staging`).
 
@@ -46,6 +47,8 @@ def save_folder(
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise WriteError(f"{folder!r} is a file; give a folder for a sharded or DCP output", path=folder)
     inputs.check_folder(folder)
+    if part is not None:
+        parts.refuse_parts(kind, folder_output=True)
     if kind == "dcp":
         plan = None
         names = [dcp.DATA_FILE, dcp.METADATA_FILE]
@@ -75,6 +78,18 @@ def save_folder(
     removed = [os.path.join(folder, name) for name in stale if written_by_ckptconv(os.path.join(folder, name))]
     removed.sort(key=lambda path: not path.endswith((".index.json", dcp.METADATA_FILE)))  # indexes go first
     created = write_policy.make_folders(folder)
+    if part is not None and plan is not None:  # N processes write this folder: each its shards, the last publishes
+
+        def write_shard(shard: Any, path: str) -> WriteReport:
+            return save_file(
+                list(shard), path, kind, inputs=inputs, overwrite=True, metadata=metadata, extra=None, update=update,
+                check=None, fsync=fsync, dedupe=dedupe, record_crcs=record_crcs,
+            )  # fmt: skip
+
+        return parts.write_part(
+            plan, shard_files, index_file, folder, parts.parse_part(part), kind=kind, metadata=metadata,
+            write_shard=write_shard, check=check, inputs=inputs, removed=removed, fsync=fsync,
+        )  # fmt: skip
     staged: list[str] = []  # names, in the order they are published: the index or .metadata last
     aliases: dict[str, str] = {}
     try:

@@ -182,6 +182,7 @@ def write_state(
     tied: str = "dedupe",
     record_crcs: dict[Storage, int] | None = None,
     stem: str | None = None,
+    part: str | None = None,
 ) -> WriteReport:
     """:func:`save`, whose folder outputs may name their weights after ``stem`` (``adapter_model.safetensors``)."""
     if tied not in TIED:
@@ -224,7 +225,12 @@ def write_state(
                 dedupe=tied == "dedupe",
                 record_crcs=record_crcs,
                 stem=stem,
+                part=part,
             )
+        if part is not None:
+            from ckptconv.writing.parts import refuse_parts
+
+            refuse_parts(kind, folder_output)
         protected.check_file(target)
         return save_file(
             entries,

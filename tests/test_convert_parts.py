@@ -1,0 +1,150 @@
+"""convert SRC DST/ --max-shard-size S --part i/N: N processes at once give exactly the one-process folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from ckptconv.writing.parts import Part, parse_part
+
+from .conftest import FIXTURES, dcp_one_process, run_cli
+from .test_quantized_cli import FP8_CONFIG, fp8_block_state, model_folder
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = FIXTURES / "runs"
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def files_of(folder: Path) -> dict[str, str]:
+    """Every entry of ``folder``, hidden ones too: name -> sha256 (a folder: "folder")."""
+    return {
+        path.name: "folder" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.iterdir())
+    }
+
+
+def _layers(path: Path) -> Path:
+    torch.manual_seed(0)
+    torch.save({f"layers.{i}.weight": torch.randn(48 + 16 * i, 64) for i in range(10)}, path)
+    return path
+
+
+def _fp8_folder(path: Path) -> Path:
+    state = {}
+    for layer in range(4):
+        state.update({key.replace("layers.0", f"layers.{layer}"): value for key, value in fp8_block_state().items()})
+    return model_folder(path, state, FP8_CONFIG)
+
+
+def _dcp_folder(path: Path) -> Path:
+    torch.manual_seed(1)
+    state = {f"block{i}.w": torch.randn(40 + 8 * i, 32) for i in range(8)}
+    dcp.save(state, checkpoint_id=str(path), **dcp_one_process())
+    return path
+
+
+SOURCES = {
+    "cast": (_layers, "model.pt", ["--dtype", "bf16"], "20KB"),
+    "fp8-dequantized-model-folder": (_fp8_folder, "fp8", ["--dtype", "bf16"], "60KB"),
+    "dcp": (_dcp_folder, "dcp", ["--dtype", "fp16"], "6KB"),
+    "zero2": (None, str(RUNS / "ds_zero2_bf16"), [], "1KB"),
+    "megatron-legacy": (None, str(RUNS / "megatron_legacy_tp2"), [], "8KB"),
+}
+
+
+def _convert(source: Path, destination: Path, size: str, extra: list[str], part: str | None) -> subprocess.Popen[str]:
+    # DST/ (a folder, whether or not another part made it already): a model folder's files are carried alike.
+    args = [sys.executable, "-m", "ckptconv", "convert", str(source), f"{destination}/", "--max-shard-size", size]
+    args += [*extra, *(["--part", part] if part else []), "-q"]
+    return subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_n_parts_at_once_write_the_one_process_folder(name: str, tmp_path: Path) -> None:
+    make, source_name, extra, size = SOURCES[name]
+    source = make(tmp_path / source_name) if make is not None else Path(source_name)
+    one = _convert(source, tmp_path / "one", size, extra, None)
+    assert one.wait(timeout=300) == 0, one.communicate()
+    expected = files_of(tmp_path / "one")
+    assert len([n for n in expected if n.endswith(".safetensors")]) >= 3  # enough shards for three parts
+
+    count = 3
+    processes = [_convert(source, tmp_path / "split", size, extra, f"{i}/{count}") for i in range(count)]
+    outcome = [process.communicate(timeout=300) for process in processes]  # all started before any is waited for
+    assert [process.returncode for process in processes] == [0] * count, outcome
+    assert files_of(tmp_path / "split") == expected  # the same names and bytes, nothing hidden left behind
+    if name == "cast":  # and the values, against torch's and safetensors' own readers
+        reference = torch.load(source, weights_only=True)
+        index = json.loads((tmp_path / "split" / "model.safetensors.index.json").read_text())
+        for key, tensor in reference.items():
+            got = load_file(str(tmp_path / "split" / index["weight_map"][key]))[key]
+            assert got.dtype == torch.bfloat16 and torch.equal(got, tensor.to(torch.bfloat16))
+
+
+def test_the_index_waits_for_every_part_and_a_bad_shard_stops_it(tmp_path: Path) -> None:
+    source = _layers(tmp_path / "model.pt")
+    out = tmp_path / "out"
+    for index in (0, 1):  # one after another: the folder stays unpublished
+        code, _, stderr = run_cli("convert", str(source), str(out), "--max-shard-size", "20KB", "--part", f"{index}/3")
+        assert code == 0, stderr
+        assert f"is published when {2 - index} other part" in stderr
+        assert [entry.name for entry in out.iterdir()] == [
+            entry.name for entry in out.iterdir() if entry.name[0] == "."
+        ]
+    (staged,) = out.iterdir()
+    shard = next(path for path in staged.iterdir() if path.name.endswith(".safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # one bit of one tensor, after its part recorded the shard's sha256
+    shard.write_bytes(bytes(data))
+    code, _, stderr = run_cli("convert", str(source), str(out), "--max-shard-size", "20KB", "--part", "2/3")
+    assert code == 1
+    assert stderr.startswith(f"ckptconv: error: the shard {shard.name!r} of part ")
+    assert stderr.endswith("is not what that part recorded; run that part again\n")
+    assert not [entry for entry in out.iterdir() if not entry.name.startswith(".")]  # nothing published
+
+    owner = next(
+        index
+        for index in (0, 1)
+        if shard.name in json.loads((staged / f"part-{index:04d}-of-0003.json").read_text())["shards"]
+    )
+    code, _, stderr = run_cli("convert", str(source), str(out), "--max-shard-size", "20KB", "--part", f"{owner}/3")
+    assert code == 0, stderr  # the part run again writes its shards again, and, last, publishes
+    one = tmp_path / "one"
+    assert run_cli("convert", str(source), str(one), "--max-shard-size", "20KB")[0] == 0
+    assert files_of(out) == files_of(one)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["out.safetensors", "--part", "0/2"], "--part writes part of a sharded folder"),
+        (["out/", "--to", "dcp", "--part", "0/2"], "--part writes part of a sharded folder"),
+        (["out/", "--max-shard-size", "1MB", "--part", "2/2"], "part 2 is not in 0..1 (of 2 parts)"),
+        (["out/", "--max-shard-size", "1MB", "--part", "x"], "--part takes INDEX/COUNT (0/4 to 3/4), not 'x'"),
+    ],
+)
+def test_part_usage_errors(args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = _layers(tmp_path / "model.pt")
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = run_cli("convert", str(source), *args)
+    assert code == 2
+    assert message in stderr.splitlines()[-1]
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["model.pt"]
+
+
+def test_parse_part() -> None:
+    assert parse_part("3/4") == Part(3, 4)
+    with pytest.raises(ValueError, match=r"not in 0\.\.3"):
+        parse_part("4/4")
