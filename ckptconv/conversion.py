@@ -38,7 +38,7 @@ from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.weights import Selection
 from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix, Transform, cast_step, compile_pattern
 from ckptconv.values.tensor import Storage, TensorRef
-from ckptconv.writing import model_files, write_policy
+from ckptconv.writing import model_files, parts, write_policy
 from ckptconv.writing.naming import is_folder_destination, output_format
 from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, source_sha256
 from ckptconv.writing.writer import Progress, tied_note, write_state
@@ -442,7 +442,7 @@ def _summary(
         bytes=sum(ref.nbytes for ref in state.values()),
         foreign_globals=checkpoint.foreign_globals,
         saved_devices=checkpoint.saved_devices,
-        notes=tuple(transformed.notes),
+        notes=(*transformed.notes, *parts.planned(list(state.items()), kind, options.part, max_shard_size)),
         renames=renames[:1000],
     )
 
@@ -594,7 +594,7 @@ def _write(
         aliases=written.aliases,
         files=files,
         notes=tuple(notes),
-        verified=True if reference is not None else None,
+        verified=True if reference is not None and not written.pending else None,  # --part: the last part checks
         verified_with="ckptconv" if fallback is not None else reference or "",
         source_sha256=digest.result() if digest is not None else None,
     )

@@ -148,3 +148,24 @@ def test_parse_part() -> None:
     assert parse_part("3/4") == Part(3, 4)
     with pytest.raises(ValueError, match=r"not in 0\.\.3"):
         parse_part("4/4")
+
+
+def test_dry_run_prints_the_plan_the_parts_follow(tmp_path: Path) -> None:
+    source = _layers(tmp_path / "model.pt")
+    out = tmp_path / "out"
+    code, _, stderr = run_cli(
+        "convert", str(source), f"{out}/", "--max-shard-size", "20KB", "--part", "1/3", "--dry-run"
+    )
+    assert code == 0 and not out.exists()
+    lines = [line.removeprefix("note: ") for line in stderr.splitlines() if line.startswith("note: part ")]
+    assert [line.split(":")[0] for line in lines] == ["part 0/3", "part 1/3 (this one)", "part 2/3"]
+    claimed = {index: sorted(line.rsplit(": ", 1)[1].split(", ")) for index, line in enumerate(lines)}
+    for index in range(3):
+        assert run_cli("convert", str(source), f"{out}/", "--max-shard-size", "20KB", "--part", f"{index}/3")[0] == 0
+        if index < 2:  # before the last part publishes, its records say what each part wrote
+            (staged,) = out.iterdir()
+            record = json.loads((staged / f"part-{index:04d}-of-0003.json").read_text())
+            assert sorted(record["shards"]) == claimed[index]
+    assert sorted(path.name for path in out.iterdir() if path.suffix == ".safetensors") == sorted(
+        name for names in claimed.values() for name in names
+    )

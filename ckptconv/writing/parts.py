@@ -38,7 +38,7 @@ from ckptconv.writing.atomic import atomic_output
 from ckptconv.writing.files import WriteReport
 from ckptconv.writing.provenance import file_sha256
 
-__all__ = ["Part", "PartsPlan", "parse_part", "plan_parts", "write_part"]
+__all__ = ["Part", "PartsPlan", "parse_part", "plan_parts", "planned", "write_part"]
 
 _FOLDER = ".ckptconv-parts."
 _LOCK = "lock"
@@ -100,6 +100,20 @@ def plan_parts(plan: shards.ShardPlan, names: Sequence[str], index: str, count: 
     """Give the shards of ``plan`` (named ``names``) to ``count`` parts, byte-balanced."""
     owner = shards.balance(list(zip(names, plan.sizes)), count)
     return PartsPlan(tuple(names), index if len(names) > 1 else "", plan.sizes, tuple(owner))
+
+
+def planned(
+    entries: Sequence[tuple[str, TensorRef]], kind: str, part: str | None, max_shard_size: int | None
+) -> tuple[str, ...]:
+    """What ``convert --part i/N --dry-run`` says: every part's shards and bytes, one sentence each (the shards named
+    as a plain folder names them; a PEFT or diffusers model folder names them after its own stem)."""
+    if part is None or kind == "dcp":
+        return ()
+    this = parse_part(part)
+    plan = shards.plan_shards(entries, max_shard_size)
+    names, index = shards.shard_names(kind, len(plan.shards))
+    lines = plan_parts(plan, names, index, this.count).describe(this.count)
+    return tuple(line.replace(f"part {this}:", f"part {this} (this one):", 1) for line in lines)
 
 
 def _plan_digest(plan: shards.ShardPlan, names: Sequence[str], metadata: Mapping[str, MetadataValue] | None) -> str:
