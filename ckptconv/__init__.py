@@ -33,6 +33,7 @@ from ckptconv.errors import (
     DestinationError,
     DeviceError,
     FitError,
+    InvalidConfigError,
     KeyCollisionError,
     LoadError,
     MalformedCheckpointError,
@@ -49,6 +50,8 @@ from ckptconv.errors import (
 )
 
 if TYPE_CHECKING:
+    from ckptconv.adapters.extraction import ExtractionReport, extract_lora
+    from ckptconv.adapters.merging import merge_lora
     from ckptconv.batching.flow import batch
     from ckptconv.batching.report import BatchReport, ItemResult
     from ckptconv.checking.inspection import CheckpointInfo, TensorInfo, inspect
@@ -76,6 +79,8 @@ if TYPE_CHECKING:
     from ckptconv.writing.writer import save
 
 _HOMES = {
+    ".adapters.extraction": ["ExtractionReport", "extract_lora"],
+    ".adapters.merging": ["merge_lora"],
     ".batching.flow": ["batch"],
     ".batching.report": ["BatchReport", "ItemResult"],
     ".conversion": ["ConversionReport", "convert"],
@@ -119,8 +124,10 @@ __all__ = [
     "DeviceError",
     "DiffReport",
     "Drop",
+    "ExtractionReport",
     "FitError",
     "FitReport",
+    "InvalidConfigError",
     "ItemResult",
     "Keep",
     "KeyCollisionError",
@@ -153,10 +160,12 @@ __all__ = [
     "canonicalize",
     "convert",
     "diff",
+    "extract_lora",
     "fit",
     "inspect",
     "load",
     "load_into",
+    "merge_lora",
     "open",
     "save",
     "scan",

@@ -8,6 +8,7 @@ the file was saved on) comes back in :class:`ConversionReport.notes`.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,7 +20,7 @@ from typing import Any
 from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
 from ckptconv._version import __version__
-from ckptconv.architectures import MEGATRON_FORMATS, to_hugging_face
+from ckptconv.architectures import arranging, coverage
 from ckptconv.errors import DestinationError, FitError, TransformError, VerifyError
 from ckptconv.fitting import LikeFolder, cast_like, like_folder
 from ckptconv.loading import Checkpoint
@@ -30,33 +31,24 @@ from ckptconv.quantization.schemes import DECLARATION_KEYS
 from ckptconv.quantization.stage import Dequantization, declared_scheme
 from ckptconv.reading.formats._base import Deferred, MetadataValue
 from ckptconv.reading.integrity import check_record_crcs
-from ckptconv.reading.model_folder import components, holds_weights, model_folder
+from ckptconv.reading.model_folder import FRAMEWORK_FORMATS, Model, resolve_model
 from ckptconv.reading.streaming import reads_whole_record
 from ckptconv.reading.unpickling.rebuild import DEQUANTIZED_ORIGIN
 from ckptconv.runtime import cores as _cores
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.weights import Selection
+from ckptconv.transforms import keys as key_transforms
 from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix, Transform, cast_step, compile_pattern
 from ckptconv.values.tensor import Storage, TensorRef
-from ckptconv.writing import model_files, parts, write_policy
+from ckptconv.writing import model_files, write_policy
+from ckptconv.writing.locks import OutputLock
 from ckptconv.writing.naming import is_folder_destination, output_format
+from ckptconv.writing.parts import planned as planned_parts
 from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, source_sha256
+from ckptconv.writing.transaction import enclosing, locked
 from ckptconv.writing.writer import Progress, tied_note, write_state
 
 __all__ = ["ConversionReport", "convert"]
-
-
-# Wrapper prefixes users meet, for hints when the one they asked for is absent.
-_KNOWN_WRAPPERS = (
-    "module.",
-    "_orig_mod.",
-    "_forward_module.",
-    "model.",
-    "_fsdp_wrapped_module.",
-    "_checkpoint_wrapped_module.",
-    "backbone.",
-    "net.",
-)
 
 
 @dataclass(frozen=True)
@@ -125,7 +117,7 @@ def _prefix_notes(step: Transform, report: StepReport, keys: Sequence[str]) -> l
         return []
     prefix = step.component
     if report.changed == 0:
-        starts = sorted({wrapper for wrapper in _KNOWN_WRAPPERS for key in keys if key.startswith(wrapper)})
+        starts = sorted({start for start in key_transforms.HINTED_PREFIXES for key in keys if key.startswith(start)})
         hint = f"; keys start with {', '.join(repr(s) for s in starts)}" if starts else ""
         return [f"no key starts with {prefix!r}, so none was renamed{hint}"]
     total = report.changed + report.unchanged
@@ -191,40 +183,40 @@ def convert(
     source, destination = as_path(source), None if destination is None else as_path(destination)
     options = (options or ConversionOptions()).with_changes("convert", **changes)
     # Its bookkeeping builds and walks objects for every tensor: see ckptconv.runtime.collector.
-    with collector_paused():
-        folder = model_folder(source)
-        parts = components(folder) if folder is not None else ()
-        if parts:
-            return _convert_parts(folder or source, destination, options, parts, dry_run=dry_run, progress=progress)
-        return _convert(source, destination, options, dry_run=dry_run, progress=progress)
+    # One writer per output: the lock on DST comes first (a second writer is refused, named).
+    # convert --part: N processes write one folder at once; the part that publishes takes the lock then.
+    with collector_paused(), locked(None if dry_run or options.part is not None else destination) as lock:
+        model = resolve_model(source)  # what the source is, once: a model folder (or a folder of them), or a file
+        if model is not None and model.parts:
+            return _convert_parts(model, destination, options, lock, dry_run=dry_run, progress=progress)
+        return _convert(source, destination, options, model=model, dry_run=dry_run, progress=progress, lock=lock)
 
 
 def _convert_parts(
-    root: str, destination: str | None, options: ConversionOptions, parts: tuple[str, ...], **how: Any
+    model: Model, destination: str | None, options: ConversionOptions, lock: OutputLock | None, **how: Any
 ) -> ConversionReport:
     """A folder of model folders (sentence-transformers' modules, diffusers' components): the model at its top (or
-    its files alone), then each part into the folder of its name under ``destination``, converted alike; a failure
-    removes every file written."""
+    its files alone), then each part into the folder of its name under ``destination``, converted alike, all in one
+    transaction."""
+    root, parts = model.folder, model.parts
     if destination is not None and not is_folder_destination(destination, options.to, options.max_shard_size):
         shown = ", ".join(f"{part}/" for part in parts)
         raise DestinationError(f"{root!r} is a folder of models ({shown}); give a folder as DST (out/)", path=root)
-    made = write_policy.missing_folders(destination, folder_output=True, parts=parts) if destination else []
-    if holds_weights(root):
-        reports = [_convert(root, destination, options, parts=parts, **how)]
-    else:
-        carried, files = model_files.write_alone(
-            root, None if how["dry_run"] else destination, parts, overwrite=options.overwrite, fsync=options.fsync
-        )
-        kind = options.to or "safetensors"
-        shown = os.path.abspath(destination) if destination is not None and not how["dry_run"] else ""
-        reports = [ConversionReport(root, shown, "model folders", kind, "", (), 0, 0, notes=carried.notes, files=files)]
-    try:
+    whole = enclosing(lock, source=root, fsync=options.fsync) if lock is not None else contextlib.nullcontext()
+    with whole:  # one transaction: the top and every part are published at once, or nothing is
+        if model.weights:
+            reports = [_convert(root, destination, options, model=model, lock=lock, **how)]
+        else:
+            carried, files = model_files.write_alone(
+                root, None if how["dry_run"] else destination, parts, overwrite=options.overwrite, fsync=options.fsync
+            )
+            kind = options.to or "safetensors"
+            shown = os.path.abspath(destination) if destination is not None and not how["dry_run"] else ""
+            notes = carried.notes
+            reports = [ConversionReport(root, shown, "model folders", kind, "", (), 0, 0, notes=notes, files=files)]
         for part in parts:
             target = None if destination is None else os.path.join(destination, part, "")
             reports.append(convert(os.path.join(root, part), target, options=options, **how))
-    except BaseException:
-        write_policy.remove_written([path for report in reports for path in report.files], made)
-        raise
     named = list(zip(("", *(f"{part}/: " for part in parts)), reports))
     return dataclasses.replace(
         reports[0],
@@ -243,10 +235,11 @@ def _convert(
     *,
     dry_run: bool,
     progress: Progress,
-    parts: tuple[str, ...] = (),
+    model: Model | None = None,
+    lock: OutputLock | None = None,
 ) -> ConversionReport:
-    """The pipeline: load, select, transform, then (unless a dry run) write, verifying as it writes (``parts``: the
-    model folders inside the source's, converted apart)."""
+    """The pipeline: load, select, transform, then (unless a dry run) write, verifying as it writes (``model``: the
+    model folder the source is, whose parts are converted apart)."""
     reference = _verify_reference(options)
     like = like_folder(options.fit_to)  # --like base_model/: the output takes after a model folder
     folder_out = destination is not None and is_folder_destination(destination, options.to, None)
@@ -254,9 +247,7 @@ def _convert(
         options = dataclasses.replace(options, max_shard_size=like.max_shard_size)  # sharded like it
     checkpoint = open_checkpoint(source, trust=options.trust)
     selection = checkpoint.select(options.select)
-    if like is not None and checkpoint.format in MEGATRON_FORMATS:  # Megatron's names -> the reference's
-        weights = to_hugging_face(selection.weights, like.config, reference_names=list(like.dtypes))
-        selection = dataclasses.replace(selection, weights=weights, note=f"mapped Megatron's names to {like.folder}'s")
+    options = arranging.arranged(options, selection, checkpoint.format, as_path(source), like)  # names of the model out
     dequantization = _dequantization(source, checkpoint, selection, options)
     transformed = _transform(dequantization.apply(selection) if dequantization else selection, options)
     if dequantization is not None:
@@ -271,12 +262,14 @@ def _convert(
         transformed.notes.append(
             f"read {plural(ao, 'torch.ao quantized tensor')} as float32, exactly as tensor.dequantize() gives them"
         )
+    folder = like.folder if like is not None else model.folder if model is not None else None
+    if folder_out and folder is not None and options.to != "dcp":  # the weights feed the config's model, all of it
+        transformed.coverage = coverage.check(transformed.state, like or folder, allow_missing=options.allow_missing)
     summary = _summary(checkpoint, selection, transformed, destination, options)
     # A model folder in (or --like's) carries its configs, tokenizer ... to a folder out, rewritten where the
     # conversion changed what they say; a file out gets a note on what stays behind.
-    folder = like.folder if like is not None else model_folder(as_path(source))
     carried = None
-    if folder is not None and summary.format != "dcp" and (like or checkpoint.format not in _NO_MODEL_FOLDER):
+    if folder is not None and summary.format != "dcp" and (like or checkpoint.format not in FRAMEWORK_FORMATS):
         carried = model_files.carry(
             folder,
             like.files if like is not None else (checkpoint.files or (checkpoint.path,)),
@@ -285,13 +278,13 @@ def _convert(
             dequantized=transformed.dequantized,
             quantization_config=transformed.quantization_config,
             file_output=destination is not None and not is_folder_destination(destination, summary.format, None),
-            parts=parts,
+            parts=model.parts if model is not None else (),
         )
     if carried is not None and (dry_run or destination is None or not carried.files):
         summary = dataclasses.replace(summary, notes=summary.notes + carried.notes)
     if dry_run or destination is None:
         return summary
-    return _write(checkpoint, selection, transformed, destination, options, summary, reference, progress, carried)
+    return _write(checkpoint, selection, transformed, destination, options, summary, reference, progress, carried, lock)
 
 
 def _dequantization(
@@ -318,10 +311,6 @@ def _quantize(transformed: _Transformed, options: ConversionOptions, *, already:
     transformed.notes.append(note)
 
 
-# Folders of a training framework's own (their model files, if any, are not Hugging Face's).
-_NO_MODEL_FOLDER = ("dcp", "megatron-torch-dist", "deepspeed", "rank-shards")
-
-
 def _verify_reference(options: ConversionOptions) -> str | None:
     """Whose reader ``--verify`` re-reads both sides with (``ckptconv``, ``torch``), or None for no verify."""
     reference = "ckptconv" if options.verify is True else (options.verify or None)
@@ -342,6 +331,7 @@ class _Transformed:
     dequantization: Dequantization | None = None
     quantization_config: dict[str, Any] | None = None  # what --quantize wrote, for the model's config.json
     like: LikeFolder | None = None
+    coverage: list[str] = field(default_factory=list)  # what the model folder out lacks (--allow-missing)
 
     @property
     def dequantized(self) -> bool:
@@ -381,6 +371,8 @@ def _transform(selection: Selection, options: ConversionOptions) -> _Transformed
         reports.append(report)
         notes.extend([*_prefix_notes(step, report, keys), *report.notes])  # the report's notes are all the notes
 
+    if fit_to is None and not any("--canonical" in note for note in notes):  # fit puts wrappers right itself
+        notes.extend(filter(None, [key_transforms.wrapper_note(state)]))  # a wrapper on every key: its flag
     origins = _origins(list(selection.weights), pipeline.steps)
     fit_report = None
     if fit_to is not None:
@@ -388,6 +380,8 @@ def _transform(selection: Selection, options: ConversionOptions) -> _Transformed
 
         before = list(state)
         state, fit_report = fit(state, fit_to)
+        before = [key for key in before if key not in fit_report.dropped]  # a tied copy fit left out
+        notes.extend(fit_report.notes)
         if origins is not None and fit_report.ok:
             origins = {new: origins[old] for old, new in zip(before, state)}
         if not fit_report.ok:
@@ -442,7 +436,11 @@ def _summary(
         bytes=sum(ref.nbytes for ref in state.values()),
         foreign_globals=checkpoint.foreign_globals,
         saved_devices=checkpoint.saved_devices,
-        notes=(*transformed.notes, *parts.planned(list(state.items()), kind, options.part, max_shard_size)),
+        notes=(
+            *transformed.notes,
+            *transformed.coverage,
+            *planned_parts(list(state.items()), kind, options.part, max_shard_size),
+        ),
         renames=renames[:1000],
     )
 
@@ -468,7 +466,7 @@ def _output_metadata(
             "ckptconv.version": __version__,
             "ckptconv.source": _file_name(checkpoint.path),
             "ckptconv.selected": selection.where,  # "" for the whole file: then left out
-            "ckptconv.transforms": json.dumps(options.transforms.describe() + fit_plan),
+            "ckptconv.transforms": json.dumps(options.transforms.describe() + fit_plan + transformed.coverage),
         }
         metadata.update({key: value for key, value in provenance.items() if value})
     return metadata
@@ -484,9 +482,10 @@ def _write(
     reference: str | None,
     progress: Progress,
     carried: model_files.ModelFiles | None = None,
+    lock: OutputLock | None = None,
 ) -> ConversionReport:
-    """Write the transformed weights, checking CRC-32s, hashing the source and verifying beside the write; then the
-    model files a model folder carries (refused before any weight is written when they exist)."""
+    """Write the transformed weights (checking CRC-32s, hashing, verifying beside the write) and the model files a
+    model folder carries (refused first when they exist): one transaction (:mod:`ckptconv.writing.transaction`)."""
     state, notes, kind = transformed.state, list(summary.notes), summary.format
     pipeline, fit_to, dequantization = options.transforms, options.fit_to, transformed.dequantization
     metadata = _output_metadata(checkpoint, selection, transformed, kind, options)
@@ -548,8 +547,6 @@ def _write(
         if options.source_hash and options.provenance:
             digest = hasher.submit(_cores.in_background(source_sha256), checkpoint.path, stop=give_up)
             metadata["ckptconv.source_sha256"] = Deferred(64, digest.result)
-        folder_output = is_folder_destination(destination, kind, options.max_shard_size)
-        made = write_policy.missing_folders(as_path(destination), folder_output=folder_output)  # gone on failure
         try:
             written = write_state(
                 state,
@@ -565,17 +562,14 @@ def _write(
                 fsync=options.fsync,
                 tied=options.tied,
                 record_crcs=record_crcs if read_whole else None,
-                stem=carried.stem if carried is not None else None,
-                part=options.part,
+                carried=carried,
+                lock=lock,
+                output_part=options.part,
             )
         except BaseException:
             give_up.set()  # do not make a failed conversion wait for the hash
             raise
-    files = written.files
-    if carried is not None and carried.files and not written.pending:  # --part: the part that published writes them
-        files += model_files.write(
-            carried, written.path, inputs=inputs, fsync=options.fsync, weights=written.files, made=made
-        )
+    if carried is not None and carried.files:
         notes.extend(carried.notes)
     notes.extend(written.notes)  # files an --overwrite kept
     if written.aliases:
@@ -592,7 +586,7 @@ def _write(
         tensors=written.tensors,
         bytes=written.bytes,
         aliases=written.aliases,
-        files=files,
+        files=written.files,
         notes=tuple(notes),
         verified=True if reference is not None and not written.pending else None,  # --part: the last part checks
         verified_with="ckptconv" if fallback is not None else reference or "",

@@ -8,6 +8,7 @@ a caller would handle it differently::
     │   ├── UnsupportedFormatError      not a checkpoint we can read (TorchScript, HTML, empty, ...)
     │   │   └── UnsupportedQuantizationError  quantized with a scheme ckptconv cannot dequantize exactly
     │   ├── MalformedCheckpointError    a checkpoint, but broken (truncated, inconsistent)
+    │   │   └── InvalidConfigError (ValueError)  its config.json (or a --like base's) fails the config schema
     │   └── UnsafeCheckpointError       the file reaches for code-running callables
     ├── SelectionError (KeyError)       the weights inside a checkpoint could not be picked
     │   └── TrainingStateError          the file holds training state (optimizer, RNG ...), not weights
@@ -39,6 +40,7 @@ __all__ = [
     "DestinationError",
     "DeviceError",
     "FitError",
+    "InvalidConfigError",
     "KeyCollisionError",
     "LoadError",
     "MalformedCheckpointError",
@@ -89,6 +91,16 @@ class UnsupportedQuantizationError(UnsupportedFormatError):
 
 class MalformedCheckpointError(LoadError):
     """The input looks like a checkpoint but is truncated or internally inconsistent."""
+
+
+class InvalidConfigError(MalformedCheckpointError, ValueError):
+    """A model's ``config.json`` is not JSON, or a field ckptconv reads has the wrong type, is out of range or
+    disagrees with the tensors present. ``field`` names the field, when one is to blame; ``inspect`` describes
+    such a config as invalid rather than failing."""
+
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None, field: str | None = None) -> None:
+        super().__init__(message, path=path)
+        self.field = field
 
 
 class UnsafeCheckpointError(LoadError):

@@ -28,9 +28,10 @@ from ckptconv._paths import PathLike, as_path
 from ckptconv.dtypes import DType
 from ckptconv.errors import CkptconvError, FitError, KeyCollisionError, LoadError, UnsupportedFormatError
 from ckptconv.reading import read_policy
-from ckptconv.reading.model_folder import model_folder, read_config
+from ckptconv.reading.model_folder import resolve_model
 from ckptconv.suffixes import INDEX_SUFFIXES
 from ckptconv.transforms.keys import AddPrefix, Canonicalize, StripPrefix, Transform, canonical_keys
+from ckptconv.transforms.ties import HEAD, input_embedding, same_data, shared_keys
 from ckptconv.values.tensor import TensorRef
 
 if TYPE_CHECKING:
@@ -51,11 +52,18 @@ class Reference:
         keys: the names, in the reference's order.
         shapes: shapes by name, where the reference knows them (a key list does not).
         description: where the reference came from, for messages.
+        tied: each name the reference fills from another's data (``lm_head.weight`` ->
+            ``model.embed_tokens.weight``): a model's tensors that share storage (both ways), or the head of a
+            model folder whose config says ``tie_word_embeddings: true`` (from the embeddings only: a model that
+            ties takes its head from its embeddings, never the reverse). :func:`fit` leaves out a checkpoint's copy of
+            such a name when it is the other's data (the same storage, or a bit-identical copy), and does not
+            call it missing when the checkpoint stores only the other.
     """
 
     keys: tuple[str, ...]
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     description: str = "the reference"
+    tied: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,10 @@ class FitReport:
         unexpected: checkpoint keys the reference does not have.
         shape_mismatches: ``(key, checkpoint shape, reference shape)``.
         reference: what the checkpoint was fitted to.
+        dropped: checkpoint keys left out: a tied copy of data another key holds, where the reference ties them
+            (:attr:`Reference.tied`).
+        tied: reference keys the checkpoint does not store, which the reference ties to a key it does.
+        notes: what the user should hear of both.
     """
 
     ok: bool
@@ -79,6 +91,9 @@ class FitReport:
     unexpected: tuple[str, ...] = ()
     shape_mismatches: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
     reference: str = "the reference"
+    dropped: tuple[str, ...] = ()
+    tied: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def summary(self) -> str:
         """One sentence: the plan that fits, or why nothing does."""
@@ -140,12 +155,14 @@ def reference_from(reference: Any) -> Reference:
             tuple(state),
             {k: s for k, v in state.items() if (s := _shape(v)) is not None},
             f"the {type(reference).__name__} model",
+            shared_keys(state),
         )
     if isinstance(reference, Mapping):
         return Reference(
             tuple(reference),
             {k: s for k, v in reference.items() if (s := _shape(v)) is not None},
             "the reference state dict",
+            shared_keys(reference),
         )
     if isinstance(reference, (str, bytes, os.PathLike)):
         text = as_path(reference)
@@ -175,7 +192,14 @@ def _reference_from_file(path: str) -> Reference:
         if keys is None:
             raise
         return Reference(keys, {}, f"the key list {path!r}")
-    return Reference(tuple(weights), {k: ref.shape for k, ref in weights.items()}, f"the checkpoint {path!r}")
+    tied = shared_keys(weights)
+    model = resolve_model(path, strict=False)
+    config = model.config if model is not None and not model.adapter else None
+    embedding = input_embedding(weights)
+    if config is not None and config.get("tie_word_embeddings") is True and embedding:
+        tied[HEAD] = embedding  # the model takes its head from the embeddings (save_pretrained stores no head)
+    shapes = {k: ref.shape for k, ref in weights.items()}
+    return Reference(tuple(weights), shapes, f"the checkpoint {path!r}", tied)
 
 
 def _key_list(path: str) -> tuple[str, ...] | None:
@@ -346,6 +370,11 @@ def fit(state: Mapping[str, Any], reference: Any, *, partial: bool = False) -> t
     ``_orig_mod.``, FSDP components) put back. The plan that matches the most
     keys wins, the shortest on a tie.
 
+    Tied names (:attr:`Reference.tied`): a checkpoint key the reference does not have but ties to one it
+    has (``lm_head.weight``, for a base folder with ``tie_word_embeddings: true``) is left out when it is that
+    key's data (the same storage, or a bit-identical copy), and a reference key the checkpoint does not store
+    is not missing when the checkpoint stores the key it is tied to; the report's notes say which.
+
     Args:
         state: names to tensors (lazy or torch); only names and shapes are used.
         reference: anything :func:`reference_from` accepts.
@@ -389,8 +418,15 @@ def fit(state: Mapping[str, Any], reference: Any, *, partial: bool = False) -> t
     fitted_keys = set(final.values())
 
     reference_keys = set(target_keys)
-    missing = tuple(key for key in target_keys if key not in fitted_keys)
-    unexpected = tuple(final[key] for key in keys if final[key] not in reference_keys)
+    dropped, notes = _tied_copies(state, final, target_reference)
+    tied = tuple(key for key in target_keys if key not in fitted_keys and target_reference.tied.get(key) in fitted_keys)
+    notes += [
+        f"the checkpoint does not store {key!r}, which {target_reference.description} ties to "
+        f"{target_reference.tied[key]!r}: not missing"
+        for key in tied
+    ]
+    missing = tuple(key for key in target_keys if key not in fitted_keys and key not in tied)
+    unexpected = tuple(final[key] for key in keys if final[key] not in reference_keys and key not in dropped)
     mismatches = []
     for key in keys:
         want = target_reference.shapes.get(final[key])
@@ -409,10 +445,37 @@ def fit(state: Mapping[str, Any], reference: Any, *, partial: bool = False) -> t
         unexpected=unexpected,
         shape_mismatches=tuple(mismatches),
         reference=target_reference.description,
+        dropped=tuple(dropped),
+        tied=tied,
+        notes=tuple(notes),
     )
     if not ok and not partial:
         return dict(state), report
-    return {final[key]: value for key, value in state.items()}, report
+    return {final[key]: value for key, value in state.items() if key not in dropped}, report
+
+
+def _tied_copies(
+    state: Mapping[str, Any], final: Mapping[str, str], reference: Reference
+) -> tuple[list[str], list[str]]:
+    """The checkpoint keys that are a tied copy the reference does not store (``lm_head.weight`` sharing storage
+    with, or equal bit for bit to, the embeddings of a base that ties them), and a note for each."""
+    dropped: list[str] = []
+    notes: list[str] = []
+    present = set(reference.keys)
+    fitted = {name: key for key, name in final.items()}
+    for key, name in final.items():
+        partner = fitted.get(reference.tied.get(name, ""))
+        if name in present or partner is None:
+            continue
+        how = same_data(state[key], state[partner])
+        if how:
+            dropped.append(key)
+            shown = f"{key!r}" + (f" ({name!r})" if name != key else "")
+            notes.append(
+                f"left out {shown}: it {how} {partner!r}, and {reference.description} ties them (it stores only "
+                f"{reference.tied[name]!r})"
+            )
+    return dropped, notes
 
 
 def load_into(
@@ -466,7 +529,10 @@ def load_into(
         staged = to_torch(fitted, device=targets)
     else:
         staged = to_torch(fitted, device=target)
-    model.load_state_dict(staged, strict=strict)
+    # Keys the model ties to another that the checkpoint holds (its head, to the embeddings) get their data from it.
+    result = model.load_state_dict(staged, strict=strict and not report.tied)
+    if strict and report.tied and (set(result.missing_keys) - set(report.tied) or result.unexpected_keys):
+        raise FitError(f"{report.summary()}, but the model also wants {sorted(result.missing_keys)}", report=report)
     return report
 
 
@@ -499,10 +565,10 @@ def like_folder(reference: Any) -> LikeFolder | None:
     if not isinstance(reference, (str, os.PathLike)):
         return None
     path = as_path(reference)
-    folder = model_folder(path) if os.path.exists(path) else None
-    config = read_config(folder) if folder is not None else None
-    if folder is None or config is None:
-        return None
+    model = resolve_model(path) if os.path.exists(path) else None
+    if model is None or model.config is None or model.adapter:
+        return None  # a file, a training framework's folder, a folder without config.json: keys to fit, no more
+    folder, config = model.folder, model.config
     from ckptconv.loading import open as open_checkpoint
 
     checkpoint = open_checkpoint(path)

@@ -22,6 +22,7 @@ from ckptconv.transforms.keys import Pipeline
 
 __all__ = [
     "BATCH_FORMATS",
+    "LAYOUTS",
     "OUTPUT_FORMATS",
     "QUANTIZE_SCHEMES",
     "REFERENCES",
@@ -40,11 +41,13 @@ TIED = ("dedupe", "copy")
 QUANTIZE_SCHEMES = ("none", "fp8-block")
 # A batch writes one file per item: no folder formats.
 BATCH_FORMATS = ("pt", "safetensors")
+# --layout's values (ckptconv/architectures/layouts.py); the first is the default: as the source (or --like) has them.
+LAYOUTS = ("keep", "fused", "per-expert")
 # Whose readers --verify re-reads both sides with (ckptconv.checking.verification); the first is --verify's.
 REFERENCES = ("ckptconv", "torch")
 
 # Which commands show a flag.
-CONVERSION_COMMANDS = frozenset({"convert", "strip-module", "add-module", "fit", "batch"})
+CONVERSION_COMMANDS = frozenset({"convert", "strip-module", "add-module", "fit", "batch", "merge-lora"})
 ONE_FILE_COMMANDS = CONVERSION_COMMANDS - {"batch"}
 # The selection flags also say what `inspect` and `verify` read.
 SELECTION_COMMANDS = CONVERSION_COMMANDS | {"inspect", "verify"}
@@ -132,6 +135,10 @@ class ConversionOptions:
             ``model.load_state_dict(safetensors.torch.load_file(path), strict=True)`` accepts.
         quantize: ``"fp8-block"`` quantizes the weights to DeepSeek-V3's fp8 blocks
             (:mod:`ckptconv.quantization.fp8_quantize`); ``"none"`` (the default) does not.
+        layout: a mixture of experts' layout out: ``"fused"``, ``"per-expert"`` or ``"keep"`` (the default: as the
+            source, or ``fit_to``'s model folder, has them); see :mod:`ckptconv.architectures.layouts`.
+        allow_missing: write a model folder whose weights do not cover its config's model anyway (refused by
+            default; see :mod:`ckptconv.architectures.coverage`), the list in the provenance.
         checksums: :func:`ckptconv.batch` only: record the sha256 of every input
             and output in the manifest (one more read of each).
     """
@@ -269,6 +276,27 @@ class ConversionOptions:
             "norms, integer buffers and --keep-dtype matches are left as they are.",
             kind="choice",
             choices=QUANTIZE_SCHEMES,
+        ),
+        fingerprint=True,
+    )
+    layout: str = _option(
+        "keep",
+        Flag(
+            "--layout",
+            "Mixture-of-experts output: 'fused' (transformers 5's experts.gate_up_proj [E, 2I, H] and "
+            "experts.down_proj [E, H, I]) or 'per-expert' (experts.N.*, the Hub's and transformers' default save), "
+            "tensor for tensor as transformers writes each; 'keep' leaves them as the source (or --like) has them.",
+            kind="choice",
+            choices=LAYOUTS,
+        ),
+        fingerprint=True,
+    )
+    allow_missing: bool = _option(
+        False,
+        Flag(
+            "--allow-missing",
+            "Write a model folder whose weights lack a parameter of its config's model (or have one it lacks, or "
+            "of another shape) anyway; the list goes into the provenance. Refused by default.",
         ),
         fingerprint=True,
     )

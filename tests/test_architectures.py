@@ -139,7 +139,7 @@ def test_tying_follows_the_config() -> None:
     [
         ({"model_type": "gpt2"}, "no Megatron-Core table for model_type 'gpt2'"),
         ({"num_key_value_heads": 4}, "linear_qkv.weight has shape \\[128, 64\\]"),
-        ({"vocab_size": 200}, "fewer than the config's vocab_size=200"),
+        ({"vocab_size": 150}, "fewer than the config's vocab_size=150"),
         ({"intermediate_size": 64}, "sizes disagree with the config"),
         ({"num_hidden_layers": 3}, "lacks model.layers.2"),
         ({"num_hidden_layers": 1}, "has no place for"),

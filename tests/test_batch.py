@@ -258,12 +258,23 @@ def test_zoo_converts_the_good_and_records_the_bad(zoo: Path, tmp_path: Path) ->
     }
 
     for result in report.converted:
-        output = out / result.output
-        assert output.suffix == ".safetensors" and result.output == result.outputs[0].path
-        assert_output_matches(zoo / result.source, output, strip="module.")
-        assert result.source_sha256 == source_digest(zoo / result.source)
+        output = out / result.outputs[0].path
+        source = zoo / result.source
+        if result.kind == "model":  # a Hugging Face folder (an index beside config.json): a model folder out
+            assert result.output.endswith("/") and result.outputs[0].path == result.output + "model.safetensors"
+            assert (out / result.output / "config.json").read_bytes() == (source / "config.json").read_bytes()
+            source = next(source.glob("*.index.json"))
+        else:
+            assert result.output == result.outputs[0].path
+        assert output.suffix == ".safetensors"
+        assert_output_matches(source, output, strip="module.")
+        assert result.source_sha256 == source_digest(source)
         assert result.outputs[0].sha256 == sha256(output) and result.outputs[0].size == output.stat().st_size
         assert result.tensors == len(ckptconv.load(output))
+    assert {r.source for r in report.converted if r.kind == "model"} == {
+        "gpu/hf_sharded_bin",
+        "gpu/hf_sharded_safetensors",
+    }
 
     # The manifest: a run record, one item record per item, an end record; the outputs and nothing else.
     records = list(read_records(str(out / MANIFEST_NAME)))
@@ -272,7 +283,7 @@ def test_zoo_converts_the_good_and_records_the_bad(zoo: Path, tmp_path: Path) ->
     assert records[-1]["failed"] == len(ZOO_FAILURES) and records[-1]["converted"] == len(report.converted)
     assert records[-1]["unsafe"] == len(ZOO_UNSAFE)
     written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-    assert written == sorted([MANIFEST_NAME, *(r.output for r in report.converted)])
+    assert written == sorted([MANIFEST_NAME, *(o.path for r in report.converted for o in r.outputs)])
 
 
 def test_sharded_and_dcp_folders_are_one_item_each(zoo: Path) -> None:
@@ -506,11 +517,15 @@ def test_cli_batch_lists_failures_and_exits_3(small_zoo: Path, tmp_path: Path) -
     assert code == 3 and stdout == ""
     lines = stderr.splitlines()
     empty = str(small_zoo / "a" / "empty.pt")
-    assert lines[0] == f"failed: a/empty.pt: {empty!r} is empty (0 bytes); the download or save did not finish"
-    assert lines[1].startswith("converted 3 of 4 items (") and lines[1].endswith(
+    assert lines[0] == (  # a converted item's wrapper, named with its flag (issue 40)
+        "note: a/b/model.pth: every key starts with 'module.' (DataParallel/DDP); pass --strip-prefix module or "
+        "--canonical to remove it"
+    )
+    assert lines[1] == f"failed: a/empty.pt: {empty!r} is empty (0 bytes); the download or save did not finish"
+    assert lines[2].startswith("converted 3 of 4 items (") and lines[2].endswith(
         "); 1 failed; manifest: " + str(out / MANIFEST_NAME)
     )
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert_same_state(
         torch.load(out / "a" / "b" / "model.pt", weights_only=True),
         expected_weights(small_zoo / "a" / "b" / "model.pth"),

@@ -44,7 +44,12 @@ def test_cli_batch_counts_an_unsafe_item_apart_and_exits_4(zoo: Path, tmp_path: 
     out = tmp_path / "out"
     code, stdout, stderr = run("batch", str(zoo), str(out))
     assert (code, stdout) == (4, ""), stderr
-    lines = stderr.splitlines()
+    notes = [line for line in stderr.splitlines() if line.startswith("note: ")]
+    assert notes == [  # the converted item's wrapper, named with its flag
+        "note: a/b/model.pth: every key starts with 'module.' (DataParallel/DDP); pass --strip-prefix module or "
+        "--canonical to remove it"
+    ]
+    lines = [line for line in stderr.splitlines() if not line.startswith("note: ")]
     assert len(lines) == 3, lines
     # (The reader's own sentence follows; test_errors holds it to its words.)
     assert lines[0].startswith(f"unsafe: evil.pt: {zoo / 'evil.pt'} calls os.system (runs processes) ")

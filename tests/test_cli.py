@@ -59,11 +59,29 @@ def test_convert_safetensors_back_to_pt(tmp_path: Path) -> None:
     assert_same_state(torch.load(tmp_path / "model.pt", weights_only=True), state, ordered=False)
 
 
-def test_strip_module_reports_keys_without_the_prefix(tmp_path: Path) -> None:
+def test_strip_module_strips_module_under_torch_compile_and_points_to_canonical(tmp_path: Path) -> None:
+    # torch.compile over DataParallel: '_orig_mod.module.' keys. Before (issue 40): an unchanged copy, exit 0.
     source = FIXTURES / "gpu" / "compiled_over_dataparallel.pt"
     code, _, stderr = run("strip-module", str(source), str(tmp_path / "out.pt"))
     assert code == 0
+    assert stderr.splitlines()[0] == (
+        "note: every key still starts with '_orig_mod.' (torch.compile); pass --canonical to remove every wrapper "
+        "prefix"
+    )
+    keys = set(torch.load(tmp_path / "out.pt", weights_only=True))
+    before = torch.load(source, weights_only=True, map_location="cpu")
+    assert keys == {key.replace("_orig_mod.module.", "_orig_mod.") for key in before}
+
+
+def test_strip_module_reports_keys_without_the_prefix(tmp_path: Path) -> None:
+    torch.save({"_orig_mod.conv.weight": torch.ones(2)}, tmp_path / "compiled.pt")
+    code, _, stderr = run("strip-module", str(tmp_path / "compiled.pt"), str(tmp_path / "out.pt"))
+    assert code == 0
     assert "note: no key starts with 'module.', so none was renamed; keys start with '_orig_mod.'" in stderr
+    assert (
+        "note: every key starts with '_orig_mod.' (torch.compile); pass --strip-prefix _orig_mod or --canonical to "
+        "remove it\n"
+    ) in stderr
 
 
 def test_dry_run_prints_renames_and_writes_nothing(tmp_path: Path) -> None:

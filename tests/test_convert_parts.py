@@ -85,6 +85,7 @@ def test_n_parts_at_once_write_the_one_process_folder(name: str, tmp_path: Path)
     outcome = [process.communicate(timeout=300) for process in processes]  # all started before any is waited for
     assert [process.returncode for process in processes] == [0] * count, outcome
     assert files_of(tmp_path / "split") == expected  # the same names and bytes, nothing hidden left behind
+    assert not [path for path in tmp_path.iterdir() if "ckptconv-parts" in path.name or "ckptconv-lock" in path.name]
     if name == "cast":  # and the values, against torch's and safetensors' own readers
         reference = torch.load(source, weights_only=True)
         index = json.loads((tmp_path / "split" / "model.safetensors.index.json").read_text())
@@ -93,36 +94,59 @@ def test_n_parts_at_once_write_the_one_process_folder(name: str, tmp_path: Path)
             assert got.dtype == torch.bfloat16 and torch.equal(got, tensor.to(torch.bfloat16))
 
 
+def _hidden(tmp_path: Path) -> Path:
+    """The parts' folder beside ``tmp_path/out`` (``.out.ckptconv-parts-<plan>``)."""
+    (hidden,) = [path for path in tmp_path.iterdir() if path.name.startswith(".out.ckptconv-parts-")]
+    return hidden
+
+
 def test_the_index_waits_for_every_part_and_a_bad_shard_stops_it(tmp_path: Path) -> None:
     source = _layers(tmp_path / "model.pt")
     out = tmp_path / "out"
     for index in (0, 1):  # one after another: the folder stays unpublished
-        code, _, stderr = run_cli("convert", str(source), str(out), "--max-shard-size", "20KB", "--part", f"{index}/3")
+        code, _, stderr = run_cli("convert", str(source), f"{out}/", "--max-shard-size", "20KB", "--part", f"{index}/3")
         assert code == 0, stderr
         assert f"is published when {2 - index} other part" in stderr
-        assert [entry.name for entry in out.iterdir()] == [
-            entry.name for entry in out.iterdir() if entry.name[0] == "."
-        ]
-    (staged,) = out.iterdir()
+        assert not out.exists()
+    staged = _hidden(tmp_path)
     shard = next(path for path in staged.iterdir() if path.name.endswith(".safetensors"))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1  # one bit of one tensor, after its part recorded the shard's sha256
     shard.write_bytes(bytes(data))
-    code, _, stderr = run_cli("convert", str(source), str(out), "--max-shard-size", "20KB", "--part", "2/3")
+    code, _, stderr = run_cli("convert", str(source), f"{out}/", "--max-shard-size", "20KB", "--part", "2/3")
     assert code == 1
     assert stderr.startswith(f"ckptconv: error: the shard {shard.name!r} of part ")
     assert stderr.endswith("is not what that part recorded; run that part again\n")
-    assert not [entry for entry in out.iterdir() if not entry.name.startswith(".")]  # nothing published
+    assert not out.exists()  # nothing published
 
     owner = next(
         index
         for index in (0, 1)
         if shard.name in json.loads((staged / f"part-{index:04d}-of-0003.json").read_text())["shards"]
     )
-    code, _, stderr = run_cli("convert", str(source), str(out), "--max-shard-size", "20KB", "--part", f"{owner}/3")
+    code, _, stderr = run_cli("convert", str(source), f"{out}/", "--max-shard-size", "20KB", "--part", f"{owner}/3")
     assert code == 0, stderr  # the part run again writes its shards again, and, last, publishes
     one = tmp_path / "one"
-    assert run_cli("convert", str(source), str(one), "--max-shard-size", "20KB")[0] == 0
+    assert run_cli("convert", str(source), f"{one}/", "--max-shard-size", "20KB")[0] == 0
+    assert files_of(out) == files_of(one)
+    assert not staged.exists()
+
+
+def test_a_publish_refused_keeps_the_parts_for_the_next_try(tmp_path: Path) -> None:
+    source = _layers(tmp_path / "model.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors.index.json").write_text("{}")  # an earlier output, and no --overwrite
+    args = ["convert", str(source), f"{out}/", "--max-shard-size", "20KB"]
+    for index in range(3):
+        code, _, stderr = run_cli(*args, "--part", f"{index}/3")
+    assert code == 2 and "already holds" in stderr  # the last part's publish is refused, as one process's would be
+    assert [path.name for path in out.iterdir()] == ["model.safetensors.index.json"]  # untouched
+    assert len(list(_hidden(tmp_path).glob("part-*.json"))) == 3
+    code, _, stderr = run_cli(*args, "--part", "1/3", "--overwrite")
+    assert code == 0, stderr
+    one = tmp_path / "one"
+    assert run_cli("convert", str(source), f"{one}/", "--max-shard-size", "20KB")[0] == 0
     assert files_of(out) == files_of(one)
 
 
@@ -163,7 +187,7 @@ def test_dry_run_prints_the_plan_the_parts_follow(tmp_path: Path) -> None:
     for index in range(3):
         assert run_cli("convert", str(source), f"{out}/", "--max-shard-size", "20KB", "--part", f"{index}/3")[0] == 0
         if index < 2:  # before the last part publishes, its records say what each part wrote
-            (staged,) = out.iterdir()
+            staged = _hidden(tmp_path)
             record = json.loads((staged / f"part-{index:04d}-of-0003.json").read_text())
             assert sorted(record["shards"]) == claimed[index]
     assert sorted(path.name for path in out.iterdir() if path.suffix == ".safetensors") == sorted(

@@ -148,7 +148,8 @@ def test_commands_are_listed_in_workflow_order_with_whole_summaries() -> None:
 
     stdout = run_cli("--help")[1]
     commands = [line.split()[0] for line in stdout.splitlines() if re.match(r"^  [a-z][a-z-]+ +[A-Z]", line)]
-    assert commands == ["inspect", "scan", "convert", "strip-module", "add-module", "fit", "batch", "verify", "diff"]
+    converting = ["convert", "strip-module", "add-module", "fit", "batch", "merge-lora", "extract-lora"]
+    assert commands == ["inspect", "scan", *converting, "verify", "diff"]
     words = " ".join(stdout.split())
     assert "strip-module Remove the 'module.' prefix DataParallel and DDP add to every key. add-module" in words
     assert "..." not in stdout[stdout.index("Look at checkpoints:") : stdout.index("Exit codes:")]

@@ -374,14 +374,27 @@ def test_an_optimizer_file_on_its_own_says_what_it_holds(trainer_run: tuple[Any,
     )
 
 
-def test_batch_over_a_training_run_skips_the_training_state(trainer_run: tuple[Any, Path], tmp_path: Path) -> None:
-    code, _, stderr = run_cli("batch", str(trainer_run[1]), str(tmp_path / "out"))
+def test_batch_over_a_training_run_gives_its_model_folders(trainer_run: tuple[Any, Path], tmp_path: Path) -> None:
+    # Each model folder of the run (its top, checkpoint-1/) is one item, converted into a model folder as convert
+    # converts it; the training state beside each is left out with the note convert gives.
+    model, run = trainer_run
+    code, _, stderr = run_cli("batch", str(run), str(tmp_path / "out"))
     assert code == 0, stderr
-    assert stderr.splitlines()[0] == (
-        "skipped 5 files of training state, not model weights: checkpoint-1/optimizer.pt, checkpoint-1/rng_state.pth, "
-        "checkpoint-1/scheduler.pt, checkpoint-1/training_args.bin, training_args.bin"
-    )
-    assert stderr.splitlines()[-1].startswith("converted 2 of 7 items (") and "; 5 skipped; manifest: " in stderr
+    assert stderr.splitlines() == [
+        "note: checkpoint-1: left out the training state beside the model, which is not weights: optimizer.pt "
+        "(optimizer state (Adam moments)), rng_state.pth (random number generator state), scheduler.pt "
+        "(learning-rate scheduler state), trainer_state.json (trainer state), training_args.bin (training arguments "
+        "(transformers.training_args.TrainingArguments))",
+        "note: run: left out the training state beside the model, which is not weights: training_args.bin (training "
+        "arguments (transformers.training_args.TrainingArguments))",
+        stderr.splitlines()[-1],
+    ]
+    assert stderr.splitlines()[-1].startswith("converted 2 of 2 items")
+    for folder in ("checkpoint-1", "run"):
+        out = tmp_path / "out" / folder
+        assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+        loaded = _assert_loads_cleanly(out, transformers.AutoModelForCausalLM)
+        assert torch.equal(_logits(loaded, _text_inputs(model)), _logits(model, _text_inputs(model)))
 
 
 def test_an_accelerate_save_state_folder_converts_its_model(tmp_path: Path) -> None:

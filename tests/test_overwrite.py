@@ -121,13 +121,13 @@ def test_sigkill_during_an_overwrite_leaves_the_previous_output_loadable(
     process, _ = _start_slow(tmp_path, "convert", str(second), f"{out}/", *extra, "--overwrite", "-q", tmpfile=tmpfile)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
-    visible = {name: digest for name, digest in _digests(out).items() if not name.startswith(".ckptconv-staging.")}
-    assert visible == before
+    assert _digests(out) == before  # the new files are staged beside the folder, never in it
     if layout == "shards":
         _assert_same(_load_sharded(out, "safetensors"), _tensors(6))
-    # The next write into the folder removes the staging folder the killed writer left.
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".dst.ckptconv-staging-")]
+    # The next write into the folder removes the staging folder (and the lock file) the killed writer left.
     assert run_cli("convert", str(first), f"{out}/", *extra, "--overwrite", "-q")[0] == 0
-    assert not [p for p in out.iterdir() if p.name.startswith(".ckptconv-staging.")]
+    assert not [p for p in tmp_path.iterdir() if "ckptconv-" in p.name]
     assert _digests(out) == before
 
 
@@ -141,8 +141,8 @@ def test_an_overwrite_that_keeps_files_ckptconv_did_not_write_names_them_in_one_
     assert code == 0, stderr
     notes = [line for line in stderr.splitlines() if line.startswith("note: kept")]
     assert notes == [
-        f"note: kept 2 files in {str(out)!r} that ckptconv did not write and the new output does not use: "
-        "model-00003-of-00003.safetensors, model.safetensors; remove them if they are not yours to keep"
+        f"note: kept 2 files in {str(out)!r} that the new output does not use and ckptconv cannot tell it wrote: "
+        "model-00003-of-00003.safetensors, model.safetensors; remove them if they do not belong with the new output"
     ], stderr
     assert load_file(out / "model.safetensors")["mine"].tolist() == [1.0, 1.0, 1.0]  # kept, unchanged
     _assert_same(_load_sharded(out, "safetensors"), _tensors(6))

@@ -836,9 +836,9 @@ def test_every_file_is_opened_through_the_policies() -> None:
         ("atomic.py", "atomic_output"),  # the folder, to fsync it
         ("atomic.py", "remove_abandoned"),  # partial files, O_NOFOLLOW, to test their lock
         ("atomic.py", "_umask"),  # /proc/self/status
-        ("staging.py", "__init__"),  # the staging folder it made, to hold its lock
-        ("staging.py", "publish"),  # the output folder, to fsync it
-        ("staging.py", "remove_abandoned_staging"),  # staging folders, O_NOFOLLOW, to test their lock
+        ("staging.py", "remove_abandoned_staging"),  # an earlier version's staging folders, O_NOFOLLOW, their lock
+        ("locks.py", "acquire"),  # the lock file beside an output, O_NOFOLLOW
+        ("transaction.py", "_fsync_folder"),  # the staging folder and the destination's parent, to fsync them
         ("loading.py", "load"),  # ckptconv.open, not the builtin
         ("worker.py", "main"),  # its own stdout, for results
     }

@@ -163,6 +163,13 @@ def _model_folders(folder: Path) -> None:
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**fields))
     model.save_pretrained(folder / "hf_base")
+    peft = pytest.importorskip("peft")
+    for name, targets in (("my_adapter", ["q_proj", "v_proj"]), ("adapter_a", ["q_proj"]), ("adapter_b", ["o_proj"])):
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=targets))
+        wrapped.save_pretrained(folder / name)
+        if name == "my_adapter":  # a training run's checkpoint of the wrapped model
+            torch.save({"state_dict": {f"model.{k}": v for k, v in wrapped.state_dict().items()}}, folder / "lora.ckpt")
+        model = wrapped.unload()
 
 
 class _RunsAProcess:

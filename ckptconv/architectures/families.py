@@ -3,7 +3,8 @@
 Two passes. :data:`MEGATRON_SPELLINGS` first brings Megatron's several spellings of one model to
 one form (the local layer spec's separate norms to Transformer Engine's fused names, which is
 also how ``dist_checkpointing`` saves them; experts stacked by ``torch_dist`` or numbered by
-Transformer Engine's grouped GEMM to ``local_experts.{E}``); names it does not match pass on.
+Transformer Engine's grouped GEMM to ``local_experts.{E}``; the legacy layout's ``language_model.encoder.…``,
+:data:`LEGACY_SPELLINGS`); names it does not match pass on.
 Then the family's table maps every name, and :func:`expected` says which names and shapes the
 config's model has, so that what a table produced is checked against the config, name by name.
 
@@ -37,7 +38,7 @@ from typing import Any
 
 from ckptconv.architectures.operations import Chunk, Operation, Rename, Rows, SplitQKV, Stack, Unstack
 
-__all__ = ["EXPERT_LAYOUTS", "FAMILIES", "MEGATRON_SPELLINGS", "expected", "table"]
+__all__ = ["EXPERT_LAYOUTS", "FAMILIES", "LEGACY_SPELLINGS", "MEGATRON_SPELLINGS", "expected", "table"]
 
 _M = "decoder.layers.{L}."
 _H = "model.layers.{L}."
@@ -46,11 +47,42 @@ _EXPERT = _M + "mlp.experts.local_experts.{E}."
 MEGATRON_SPELLINGS: tuple[Operation, ...] = (
     Rename(_M + "input_layernorm.weight", _M + "self_attention.linear_qkv.layer_norm_weight"),
     Rename(_M + "pre_mlp_layernorm.weight", _M + "mlp.linear_fc1.layer_norm_weight"),
-    Unstack(_M + "mlp.experts.experts.linear_fc1.weight", _EXPERT + "linear_fc1.weight"),
-    Unstack(_M + "mlp.experts.experts.linear_fc2.weight", _EXPERT + "linear_fc2.weight"),
+    Unstack(_M + "mlp.experts.experts.linear_fc1.weight", (_EXPERT + "linear_fc1.weight",)),
+    Unstack(_M + "mlp.experts.experts.linear_fc2.weight", (_EXPERT + "linear_fc2.weight",)),
     Rename(_M + "mlp.experts.linear_fc1.weight{E}", _EXPERT + "linear_fc1.weight"),
     Rename(_M + "mlp.experts.linear_fc2.weight{E}", _EXPERT + "linear_fc2.weight"),
 )
+
+
+def _legacy(encoder: str) -> tuple[Operation, ...]:
+    """Megatron-LM's names before Megatron-Core (the nested ``language_model`` layout, flattened by the legacy
+    reader; ``checkpoint_version`` 2.0 and later, whose fused QKV rows are Megatron-Core's) to Megatron-Core's."""
+    p = f"language_model.{encoder}.layers.{{L}}."
+    pairs = (
+        ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+        ("self_attention.query_key_value.weight", "self_attention.linear_qkv.weight"),
+        ("self_attention.query_key_value.bias", "self_attention.linear_qkv.bias"),
+        ("self_attention.dense.weight", "self_attention.linear_proj.weight"),
+        ("self_attention.dense.bias", "self_attention.linear_proj.bias"),
+        ("post_attention_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+        ("mlp.dense_h_to_4h.weight", "mlp.linear_fc1.weight"),
+        ("mlp.dense_h_to_4h.bias", "mlp.linear_fc1.bias"),
+        ("mlp.dense_4h_to_h.weight", "mlp.linear_fc2.weight"),
+        ("mlp.dense_4h_to_h.bias", "mlp.linear_fc2.bias"),
+    )
+    ends = tuple(Rename(f"language_model.{encoder}.{n}.weight", "decoder.final_layernorm.weight") for n in _FINAL)
+    return tuple(Rename(p + legacy, _M + core) for legacy, core in pairs) + ends
+
+
+_FINAL = ("final_layernorm", "final_norm")
+#: The legacy layout's names (``language_model.encoder.…``; ``transformer`` before that) to Megatron-Core's.
+LEGACY_SPELLINGS: tuple[Operation, ...] = (
+    Rename("language_model.embedding.word_embeddings.weight", "embedding.word_embeddings.weight"),
+    Rename("language_model.output_layer.weight", "output_layer.weight"),
+    *_legacy("encoder"),
+    *_legacy("transformer"),
+)
+MEGATRON_SPELLINGS = MEGATRON_SPELLINGS + LEGACY_SPELLINGS
 
 _ENDS: tuple[Operation, ...] = (
     Rows("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
@@ -87,8 +119,8 @@ DENSE: tuple[Operation, ...] = _ENDS + _ATTENTION + _DENSE_MLP
 #: transformers 5's fused experts (its ``conversion_mapping.py`` merges the per-expert ones into these)
 _FUSED: tuple[Operation, ...] = (
     Rename(_M + "mlp.router.weight", _H + "mlp.gate.weight"),
-    Stack(_EXPERT + "linear_fc1.weight", _H + "mlp.experts.gate_up_proj"),
-    Stack(_EXPERT + "linear_fc2.weight", _H + "mlp.experts.down_proj"),
+    Stack((_EXPERT + "linear_fc1.weight",), _H + "mlp.experts.gate_up_proj"),
+    Stack((_EXPERT + "linear_fc2.weight",), _H + "mlp.experts.down_proj"),
 )
 
 _MIXTRAL_PER_EXPERT: tuple[Operation, ...] = (

@@ -9,6 +9,7 @@ from ckptconv._text import shown
 from ckptconv.architectures import families
 from ckptconv.architectures.operations import Operation, compile_pattern
 from ckptconv.errors import TransformError
+from ckptconv.reading.model_config import parse_model_config
 from ckptconv.values.tensor import TensorRef
 
 __all__ = ["expert_layout", "run_table", "to_hugging_face"]
@@ -21,19 +22,33 @@ def bounded_list(names: list[str], limit: int = 4) -> str:
 
 
 def run_table(
-    rules: Iterable[Operation], weights: Mapping[str, TensorRef], config: Mapping[str, Any], *, strict: bool
+    rules: Iterable[Operation],
+    weights: Mapping[str, TensorRef],
+    config: Mapping[str, Any],
+    *,
+    strict: bool,
+    what: str = "Megatron",
 ) -> dict[str, TensorRef]:
-    """Each name through the first rule whose source matches it; ``strict``: a name no rule matches is refused."""
-    compiled = [(rule, compile_pattern(rule.source)) for rule in rules]
-    matched: dict[int, list[tuple[Mapping[str, str], TensorRef]]] = {}
+    """Each name through the first rule one of whose sources matches it; names of one rule with the same fields
+    (but the gathered one) go to it together. ``strict``: a name no rule matches is refused; else it passes."""
+    rules = tuple(rules)
+    compiled = [[compile_pattern(source) for source in rule.sources] for rule in rules]
+    groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[tuple[int, int | None], TensorRef]] = {}
     out: dict[str, TensorRef] = {}
     unknown: list[str] = []
     for name, ref in weights.items():
-        for index, (_, pattern) in enumerate(compiled):
-            found = pattern.match(name)
-            if found:
-                matched.setdefault(index, []).append((found.groupdict(), ref))
-                break
+        for index, patterns in enumerate(compiled):
+            hit = next(((source, m) for source, p in enumerate(patterns) if (m := p.match(name))), None)
+            if hit is None:
+                continue
+            fields = hit[1].groupdict()
+            gathered = rules[index].gathers
+            at = int(fields.pop(gathered)) if gathered else None
+            group = groups.setdefault((index, tuple(sorted(fields.items()))), {})
+            if (hit[0], at) in group:  # experts.01 and experts.1
+                raise TransformError(f"{name!r} and another name are both {gathered} {at}; rename one")
+            group[(hit[0], at)] = ref
+            break
         else:
             if strict:
                 unknown.append(name)
@@ -41,13 +56,12 @@ def run_table(
                 out[name] = ref
     if unknown:
         raise TransformError(
-            f"no rule maps {len(unknown)} Megatron name(s) to a {config.get('model_type')} model: "
-            f"{bounded_list(unknown)}"
+            f"no rule maps {len(unknown)} {what} name(s) to a {config.get('model_type')} model: {bounded_list(unknown)}"
         )
-    for index, matches in sorted(matched.items()):
-        for target, ref in compiled[index][0].map(matches, config):
+    for (index, key), pieces in sorted(groups.items(), key=lambda item: item[0][0]):
+        for target, ref in rules[index].map(dict(key), pieces, config):
             if target in out:
-                raise TransformError(f"two Megatron tensors would both become {target!r}")
+                raise TransformError(f"two {what} tensors would both become {target!r}")
             out[target] = ref
     return out
 
@@ -63,6 +77,21 @@ def expert_layout(reference_names: Collection[str] | None, config: Mapping[str, 
             return "fused"
         return "per_expert"
     return "per_expert"
+
+
+def _checked(config: Mapping[str, Any], weights: Mapping[str, TensorRef]) -> dict[str, Any]:
+    """The config's checked fields (:mod:`ckptconv.reading.model_config`): those the tables need present, every
+    size and count bounded by the tensors before a table is sized by them."""
+    parsed = parse_model_config(config)
+    family = families.FAMILIES.get(str(parsed.model_type))
+    if family is not None:
+        parsed.require("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size")
+        if family[0] == "moe":
+            parsed.require("num_local_experts" if parsed.num_experts is None else "model_type")
+        if family[0] == "moe" and parsed.model_type != "mixtral":
+            parsed.require("moe_intermediate_size")
+    parsed.check_against(ref.shape for ref in weights.values())
+    return parsed.fields()
 
 
 def to_hugging_face(
@@ -90,9 +119,12 @@ def to_hugging_face(
         split and the stacked experts are computed when a writer reads them.
 
     Raises:
+        InvalidConfigError: in one line, for a field the table needs that is missing, of the wrong type, out of
+            range, or larger than the tensors present could hold.
         TransformError: in one line, for an unknown ``model_type``, a name no rule maps, a size that
             disagrees with the config, or a name the config's model has that the checkpoint lacks.
     """
+    config = _checked(config, weights)
     model_type = config.get("model_type")
     if model_type not in families.FAMILIES:
         raise TransformError(

@@ -52,7 +52,7 @@ from ckptconv.errors import (
 )
 from ckptconv.options import ConversionOptions
 from ckptconv.reading import read_policy
-from ckptconv.reading.discovery import FILE, Item, folder_above, member_paths, refusal
+from ckptconv.reading.discovery import FILE, MODEL, Item, folder_above, member_paths, refusal
 from ckptconv.runtime import cores as _cores
 from ckptconv.writing import write_policy
 
@@ -212,13 +212,24 @@ def _convert_confined(job: Job) -> ItemResult:
     # The provenance hash convert() already took covers the source; hash only if it did not.
     source_sha = (report.source_sha256 or source_sha256(item.path)) if options.checksums else None
     after = _snapshot(item)
+    # A model folder out is several files (weights, index, configs); any other output is one file.
+    written = list(report.files) if item.kind == MODEL else [job.output]
     if before is None or after != before:
-        os.unlink(job.output)
+        for path in written:
+            os.unlink(path)
         raise LoadError(
             f"{item.name!r} changed while it was being converted; run the batch again with --resume", path=item.path
         )
-    output_size = os.stat(job.output).st_size
-    output_sha = file_sha256(job.output) if options.checksums else None
+    outputs = tuple(
+        OutputFile(
+            job.output_name + os.path.relpath(path, job.output).replace(os.sep, "/")  # hf/ + model.safetensors
+            if item.kind == MODEL
+            else job.output_name,
+            os.stat(path).st_size,
+            file_sha256(path) if options.checksums else None,
+        )
+        for path in written
+    )
     return ItemResult(
         source=item.name,
         status=CONVERTED,
@@ -229,7 +240,7 @@ def _convert_confined(job: Job) -> ItemResult:
         source_sha256=source_sha,
         source_format=report.source_format,
         format=report.format,
-        outputs=(OutputFile(job.output_name, output_size, output_sha),),
+        outputs=outputs,
         tensors=report.tensors,
         bytes=report.bytes,
         notes=report.notes,
@@ -246,7 +257,8 @@ def _prepare_folder(job: Job) -> list[str]:
 
     folder = os.path.dirname(job.output)
     created = write_policy.make_folders(folder, root=root)
-    remove_abandoned(folder, os.path.basename(job.output))
+    if job.item.kind != MODEL:  # a model folder's writer removes its own abandoned files
+        remove_abandoned(folder, os.path.basename(job.output))
     return created
 
 

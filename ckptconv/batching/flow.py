@@ -41,10 +41,11 @@ from ckptconv.batching.report import CANCELLED, FAILED, PLANNED, SKIPPED, UNSAFE
 from ckptconv.batching.sharding import Shard, ShardPlan, manifest_name, plans
 from ckptconv.errors import DestinationError, LoadError, WriteError
 from ckptconv.options import ConversionOptions, fingerprint_defaults, fingerprint_flags
-from ckptconv.reading.discovery import FILE, Item, discover
+from ckptconv.reading.discovery import FILE, MODEL, Item, discover
 from ckptconv.writing import write_policy
 from ckptconv.writing.naming import output_format
 from ckptconv.writing.provenance import file_sha256
+from ckptconv.writing.transaction import locked
 
 __all__ = ["batch"]
 
@@ -147,13 +148,24 @@ def _still_done(plan: Planned, record: dict[str, Any] | None, output_dir: str, f
             return False
     # The outputs vouch only as this item's own file in DST: a record is data anyone may have edited,
     # and a path that leaves DST (``../x``, ``/abs``, a link) or names another file proves nothing.
+    # A model folder's outputs are its files, each inside the folder it names (``hf/model.safetensors``).
     outputs = record.get("outputs")
-    if not isinstance(outputs, list) or len(outputs) != 1 or not isinstance(outputs[0], dict):
+    model = item.kind == MODEL
+    if not isinstance(outputs, list) or not outputs or (len(outputs) != 1 and not model):
         return False
-    (output,) = outputs
-    if output.get("path") != plan.output:
+    for output in outputs:
+        name = output.get("path") if isinstance(output, dict) else None
+        if not isinstance(name, str) or not _vouches(output, name, plan.output, output_dir, model=model):
+            return False
+    return True
+
+
+def _vouches(output: dict[str, Any], name: str, planned: str, output_dir: str, *, model: bool) -> bool:
+    """True when the recorded output ``name`` is the planned output (a file inside it, for a model folder) and
+    still has its recorded size and sha256."""
+    if name != planned and not (model and name.startswith(planned) and ".." not in name.split("/")):
         return False
-    path = os.path.join(output_dir, *plan.output.split("/"))
+    path = os.path.join(output_dir, *name.split("/"))
     try:
         inside = os.path.realpath(path).startswith(os.path.join(os.path.realpath(output_dir), ""))
         info = os.lstat(path)
@@ -301,10 +313,53 @@ def batch(
         raise WriteError(f"the output folder {output_dir!r} is the source folder; choose another one", path=output)
     if os.path.exists(output) and not os.path.isdir(output):
         raise WriteError(f"{output_dir!r} is a file; the output must be a folder", path=output)
+    # One writer per output, the lock convert takes: a batch running into DST is named before DST's outputs are.
+    # Shards run into one DST at once: each holds its own manifest's lock instead (two runs of one shard: refused).
+    with locked(None if dry_run or shard is not None else output, what="ckptconv batch"):
+        return _batch_locked(
+            source_dir,
+            output_dir,
+            source,
+            output,
+            options,
+            kind,
+            glob,
+            jobs,
+            executor,
+            scheduler,
+            scheduler_timeout,
+            resume,
+            fail_fast,
+            dry_run,
+            progress,
+            started,
+            shard,
+        )
 
+
+def _batch_locked(
+    source_dir: str,
+    output_dir: str,
+    source: str,
+    output: str,
+    options: ConversionOptions,
+    kind: str,
+    glob: str | Sequence[str] | None,
+    jobs: int,
+    executor: str,
+    scheduler: str | None,
+    scheduler_timeout: float,
+    resume: bool,
+    fail_fast: bool,
+    dry_run: bool,
+    progress: BatchProgress,
+    started: float,
+    shard: Shard | None,
+) -> BatchReport:
+    """:func:`batch`, under the lock on its output folder (a shard: its manifest's lock)."""
     globs = [glob] if isinstance(glob, str) else list(glob or ())
     notes: list[str] = []
-    items = discover(source_dir, globs=globs, exclude=[output], notes=notes)
+    items = discover(source_dir, globs=globs, exclude=[output], notes=notes, models=True)
     planned = plan_outputs(items, kind, fold_case=folds_case(output))
     shard_plans: tuple[ShardPlan, ...] = ()
     if shard is not None:  # every shard plans the whole batch alike, then keeps its own items

@@ -7,7 +7,9 @@ names their outputs.
 Output names: the item's relative path, minus its checkpoint suffix, plus the
 suffix of the output format (``a/b/model.pth`` -> ``a/b/model.safetensors``,
 ``hf/model.safetensors.index.json`` -> ``hf/model.safetensors``,
-``run/dcp/`` -> ``run/dcp.safetensors``). When two items would get the same
+``run/dcp/`` -> ``run/dcp.safetensors``). A model folder (``hf/``: weights beside a ``config.json``) gives a
+model folder of the same name (``hf/``: ``model.safetensors`` or shards and their index, its configs and
+tokenizer carried), as ``ckptconv convert hf out/hf/`` writes it. When two items would get the same
 output (``x.pt`` and ``x.pth``), *all* of them keep their full name instead
 (``x.pt.safetensors``, ``x.pth.safetensors``), so the rule never depends on
 which one is seen first; items that still collide are not converted and say so.
@@ -21,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ckptconv.reading.discovery import SHARDED, Item
+from ckptconv.reading.discovery import MODEL, SHARDED, Item
 from ckptconv.suffixes import CHECKPOINT_SUFFIXES, INDEX_SUFFIX, SAFETENSORS_SUFFIX, TAR_SUFFIX
 
 __all__ = ["Planned", "folds_case", "output_name", "plan_outputs"]
@@ -46,7 +48,7 @@ class Planned:
 
 
 def output_name(item: Item, format: str, *, full: bool = False) -> str:
-    """The output's path relative to the output folder (see the module docstring).
+    """The output's path relative to the output folder (see the module docstring); a model folder's ends in ``/``.
 
     Args:
         item: the input.
@@ -54,6 +56,8 @@ def output_name(item: Item, format: str, *, full: bool = False) -> str:
         full: keep the item's whole name and add the suffix (the collision rule).
     """
     base = item.name
+    if item.kind == MODEL:
+        return base + "/"  # a model folder out, its files named as transformers names them
     if item.kind == SHARDED and base.endswith(INDEX_SUFFIX):
         base = base[: -len(INDEX_SUFFIX)]
     if not full:

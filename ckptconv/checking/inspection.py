@@ -8,6 +8,7 @@ library's.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -15,18 +16,31 @@ from typing import Any
 
 from ckptconv._paths import PathLike, as_path
 from ckptconv._text import plural
+from ckptconv.architectures import coverage
+from ckptconv.architectures.layouts import layout_of
 from ckptconv.dtypes import dtype_by_name
-from ckptconv.errors import SelectionError, UnsupportedQuantizationError
+from ckptconv.errors import (
+    CkptconvError,
+    InvalidConfigError,
+    SelectionError,
+    TransformError,
+    UnsupportedQuantizationError,
+)
 from ckptconv.loading import Checkpoint
 from ckptconv.loading import open as open_checkpoint
 from ckptconv.quantization import dequantize
 from ckptconv.quantization.stage import declared_scheme
+from ckptconv.reading.adapter_config import CONFIG_NAME as ADAPTER_CONFIG
+from ckptconv.reading.adapter_config import WEIGHTS_NAMES as ADAPTER_WEIGHTS
+from ckptconv.reading.adapter_config import read_config as read_adapter_config
+from ckptconv.reading.model_folder import Model, resolve_model
 from ckptconv.runtime.collector import collector_paused
 from ckptconv.selection.state_dicts import as_tensor, is_module, part_text
+from ckptconv.transforms.keys import wrapper_note
 from ckptconv.values.standins import ForeignGlobal, ForeignObject, NumpyArray
 from ckptconv.values.tensor import TensorRef
 
-__all__ = ["CheckpointInfo", "TensorInfo", "inspect"]
+__all__ = ["CheckpointInfo", "ModelInfo", "TensorInfo", "inspect"]
 
 
 #: Keys a :class:`TensorInfo` names among those sharing its storage (``shares_count`` counts them all).
@@ -58,6 +72,104 @@ class TensorInfo:
     shares_count: int = 0
 
 
+# How configs count a mixture of experts' experts: Mixtral, Qwen-MoE and OLMoE, DeepSeek, others.
+_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What model a folder is, as its config and its files say (no tensor read).
+
+    Attributes:
+        kind: ``"model folder"``, ``"training run"`` (training state beside the model), ``"adapter"`` or
+            ``"model folders"`` (:class:`ckptconv.reading.model_folder.Model`).
+        folder: the model folder.
+        architecture: the config's ``architectures`` (``"LlamaForCausalLM"``), else its ``model_type``; ``""``.
+        model_type: the config's ``model_type``, ``""`` when it has none.
+        ties: the head and the embeddings: ``"tied (tie_word_embeddings: true)"`` ...; ``""`` when neither the
+            config nor the weights say.
+        experts: a mixture of experts' count of experts, as the config says (None for a dense model).
+        quantization: the config's ``quantization_config.quant_method``, ``""`` when it declares none.
+        training_state: ``"name (what)"`` for each file of training state beside the model (optimizer,
+            scheduler, trainer state ...).
+        parts: the model folders inside it.
+        layout: its experts' layout and whether its weights cover its config's model (see
+            :mod:`ckptconv.architectures.coverage`), ``""`` when it has no config.
+    """
+
+    kind: str
+    folder: str
+    architecture: str = ""
+    model_type: str = ""
+    ties: str = ""
+    experts: int | None = None
+    quantization: str = ""
+    training_state: tuple[str, ...] = ()
+    parts: tuple[str, ...] = ()
+    layout: str = ""
+
+
+# A config is untrusted: what inspect shows of it is bounded (a 16 MiB "model_type" is one short line).
+_MAX_TEXT = 100
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        return ""
+    return value if len(value) <= _MAX_TEXT else value[: _MAX_TEXT - 3] + "..."
+
+
+def _ties(config: Mapping[str, Any], weights: Mapping[str, TensorRef]) -> str:
+    """What the config and the weights say of the head and the input embeddings: ``"tied (tie_word_embeddings:
+    true, no lm_head.weight stored)"``; ``""`` when neither says anything."""
+    declared = config.get("tie_word_embeddings")
+    said = [f"tie_word_embeddings: {str(declared).lower()}"] if isinstance(declared, bool) else []
+    head = weights.get(_HEAD)
+    shared = None
+    if head is not None:
+        shared = next((key for key, ref in weights.items() if key != _HEAD and ref.storage is head.storage), None)
+        said.append(f"{_HEAD} shares storage with {shared}" if shared else f"{_HEAD} stored")
+    elif declared is True and weights:
+        said.append(f"no {_HEAD} stored")
+    if not said:
+        return ""
+    return f"{'tied' if declared is True or shared is not None else 'untied'} ({', '.join(said)})"
+
+
+def _experts(config: Mapping[str, Any]) -> int | None:
+    for scope in (config, config.get("text_config")):
+        if isinstance(scope, Mapping):
+            for name in _EXPERT_FIELDS:
+                value = scope.get(name)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+    return None
+
+
+def model_info(model: Model, weights: Mapping[str, TensorRef]) -> ModelInfo:
+    """``model`` described for :func:`inspect` (``weights``: its selected weights, for the ties)."""
+    config = model.config or {}
+    architectures = config.get("architectures")
+    names = (
+        [_text(name) for name in architectures[:4] if isinstance(name, str)] if isinstance(architectures, list) else []
+    )
+    architecture = ", ".join(names) + (" ..." if isinstance(architectures, list) and len(architectures) > 4 else "")
+    quantization = config.get("quantization_config")
+    return ModelInfo(
+        kind=model.kind,
+        folder=model.folder,
+        architecture=architecture or _text(config.get("model_type")),
+        model_type=_text(config.get("model_type")),
+        ties=_ties(config, weights) if not model.adapter else "",
+        experts=_experts(config),
+        quantization=_text(quantization.get("quant_method")) if isinstance(quantization, Mapping) else "",
+        training_state=tuple(f"{name} ({what})" for name, what in model.training_state),
+        parts=model.parts,
+        layout=_layout(model, weights),
+    )
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     """A description of a checkpoint file.
@@ -79,6 +191,10 @@ class CheckpointInfo:
         total_tensors: tensors anywhere in the file (optimizer state included).
         quantization: the quantization scheme the checkpoint declares or gives away, and what
             dequantizing would write, or why it is refused; ``""`` for an unquantized checkpoint.
+        model: what model a folder (or its index) is (:class:`ModelInfo`); None for a single file.
+        notes: what the user should hear (a wrapper prefix on every key, and the flag that removes it).
+        adapter: for a PEFT adapter (``adapter_config.json`` beside the weights): its type, r, alpha, targets
+            and base model, or why ``merge-lora`` refuses it; ``""`` otherwise.
     """
 
     path: str
@@ -98,6 +214,9 @@ class CheckpointInfo:
     dtypes: Mapping[str, int]
     total_tensors: int
     quantization: str = ""
+    model: ModelInfo | None = None
+    notes: tuple[str, ...] = ()
+    adapter: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (what ``ckptconv inspect --json`` prints)."""
@@ -108,6 +227,13 @@ class CheckpointInfo:
         ]
         data["saved_devices"] = list(self.saved_devices)
         data["alternatives"] = list(self.alternatives)
+        data["notes"] = list(self.notes)
+        if self.model is not None:
+            data["model"] = {
+                **asdict(self.model),
+                "training_state": list(self.model.training_state),
+                "parts": list(self.model.parts),
+            }
         return data
 
 
@@ -240,7 +366,50 @@ def _inspect(path: PathLike, *, select: str | None, trust: bool) -> CheckpointIn
         dtypes=dict(Counter(ref.out_dtype.name for ref in weights.values())),
         total_tensors=sum(1 for _ in checkpoint.tensors()),
         quantization=_quantization(path, checkpoint, weights),
+        model=model_info(model, weights) if (model := resolve_model(as_path(path), strict=False)) else None,
+        notes=tuple(filter(None, [wrapper_note(weights)])),
+        adapter=_adapter(as_path(path)),
     )
+
+
+def _layout(model: Model, weights: Mapping[str, TensorRef]) -> str:
+    """A model folder's expert layout and coverage of its config, in one line; ``""`` for anything else."""
+    if model.adapter or not weights or model.config is None:
+        return ""
+    layout = layout_of(weights)
+    said = {None: "", "fused": "experts fused; ", "per-expert": "experts one per expert; "}.get(
+        layout, "experts mixed; "
+    )
+    try:
+        found = coverage.check(weights, model.folder, allow_missing=True)
+    except CkptconvError as error:
+        return f"{said}coverage not checked: {error}"
+    return said + (found[0] if found else "covers its config's model")
+
+
+def _adapter(path: str) -> str:
+    """What a PEFT adapter folder's ``adapter_config.json`` says (its tensors are listed as any checkpoint's)."""
+    if os.path.isdir(path):
+        folder = path
+    elif os.path.basename(path) in ADAPTER_WEIGHTS:  # the adapter's own weights file, given by name
+        folder = os.path.dirname(path) or "."
+    else:
+        return ""
+    if not os.path.lexists(os.path.join(folder, ADAPTER_CONFIG)):
+        return ""
+    try:
+        config = read_adapter_config(folder)
+    except TransformError as error:
+        return f"PEFT adapter that merge-lora refuses: {error}"
+    kind = "DoRA" if config.use_dora else "rsLoRA" if config.use_rslora else "LoRA"
+    parts = [f"{kind}, r={config.r}, alpha={config.lora_alpha:g}"]
+    if config.rank_pattern or config.alpha_pattern:
+        parts.append(f"{plural(len(config.rank_pattern) + len(config.alpha_pattern), 'pattern')} for r/alpha")
+    parts.append(f"targets {', '.join(config.target_modules) or '(from the tensors)'}")
+    if config.modules_to_save:
+        parts.append(f"modules_to_save {', '.join(config.modules_to_save)}")
+    parts.append(f"base model {config.base_model or '(not named)'}")
+    return "; ".join(parts)
 
 
 def _quantization(path: PathLike, checkpoint: Checkpoint, weights: Mapping[str, TensorRef]) -> str:
@@ -253,6 +422,8 @@ def _quantization(path: PathLike, checkpoint: Checkpoint, weights: Mapping[str, 
         plan = dequantize(weights, scheme, bfloat16) if bfloat16 is not None else dict(weights)
     except UnsupportedQuantizationError as error:
         return f"refused: {error}"
+    except InvalidConfigError as error:  # the weights are still described; the config is named as invalid
+        return f"unknown, the config is invalid: {error}"
     changed = sum(1 for key, ref in plan.items() if weights.get(key) is not ref)
     left_out = len(weights) - len(plan)
     return (

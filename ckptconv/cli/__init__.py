@@ -14,6 +14,7 @@ import click
 import cloup
 
 from ckptconv._version import __version__
+from ckptconv.cli.adapting import extract_lora, merge_lora
 from ckptconv.cli.converting import add_module, batch, convert, fit, strip_module
 from ckptconv.cli.examining import diff, inspect, scan, verify
 from ckptconv.cli.failures import EXIT_CODES_HELP, Group, handle_signals, on_unraisable
@@ -26,7 +27,7 @@ from ckptconv.cli.failures import EXIT_CODES_HELP, Group, handle_signals, on_unr
     # The commands in the order of the work: look, convert, check.
     sections=[
         cloup.Section("Look at checkpoints", [inspect, scan]),
-        cloup.Section("Convert", [convert, strip_module, add_module, fit, batch]),
+        cloup.Section("Convert", [convert, strip_module, add_module, fit, batch, merge_lora, extract_lora]),
         cloup.Section("Check a conversion", [verify, diff]),
     ],
 )

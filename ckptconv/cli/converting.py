@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -14,17 +14,27 @@ from ckptconv.cli.failures import Command, interrupted_code, signal_name
 from ckptconv.cli.option_sets import conversion_arguments, conversion_options, sections
 from ckptconv.cli.terminal import echo, say, shortened
 
+if TYPE_CHECKING:
+    from ckptconv.batching.report import BatchReport
+
 
 def run_conversion(
-    src: str, dst: str, leading: Sequence[Any], options: dict[str, Any], fit_to: str | None = None
+    src: str,
+    dst: str,
+    leading: Sequence[Any],
+    options: dict[str, Any],
+    fit_to: str | None = None,
+    run: Callable[..., Any] | None = None,
 ) -> None:
+    """Convert ``src`` to ``dst`` as the flags say, and print the report (``run``: the library call, when not
+    :func:`ckptconv.convert`; it takes convert's arguments)."""
     from ckptconv.conversion import convert
 
     quiet = options["quiet"]
     conversion = conversion_options(options, leading, fit_to)
     if fit_to is None and os.path.lexists(dst):
         refuse_swapped(src, dst, conversion)
-    report = convert(
+    report = (run or convert)(
         src,
         dst,
         options=conversion,
@@ -136,8 +146,10 @@ def convert(src: str, dst: str, reference: str | None, **options: Any) -> None:
 def strip_module(src: str, dst: str, **options: Any) -> None:
     """Remove the 'module.' prefix DataParallel and DDP add to every key.
 
-    Only a leading 'module.' component is removed, once; keys without it are
-    left unchanged and counted ('modules.0' and 'module_list' are never cut).
+    Only a leading 'module.' component is removed, once, also where it follows
+    torch.compile's '_orig_mod.' or Lightning's '_forward_module.' (a note then
+    points to --canonical for the wrapper left); keys without it are left
+    unchanged and counted ('modules.0' and 'module_list' are never cut).
 
     \b
     Example:
@@ -145,7 +157,7 @@ def strip_module(src: str, dst: str, **options: Any) -> None:
     """
     from ckptconv.transforms.keys import StripPrefix
 
-    run_conversion(src, dst, [StripPrefix("module")], options)
+    run_conversion(src, dst, [StripPrefix("module", under_wrappers=True)], options)
 
 
 @click.command("add-module", cls=Command)
@@ -222,7 +234,10 @@ def batch(src: str, dst: str | None, **options: Any) -> None:
     Checkpoints are found by content and name, recursively; a sharded
     checkpoint (an index and its shards) or a DCP folder counts as one item.
     Outputs mirror the tree under DST with the suffix of --to (safetensors
-    unless --to pt): SRC/a/model.pth becomes DST/a/model.safetensors. When two
+    unless --to pt): SRC/a/model.pth becomes DST/a/model.safetensors. A model
+    folder (config.json beside the weights, a training run's checkpoint-N)
+    becomes a model folder, as convert makes it: SRC/hf/pytorch_model.bin
+    gives DST/hf/model.safetensors, its config and tokenizer files. When two
     inputs would share an output (x.pt and x.pth), both keep their full name
     (x.pt.safetensors, x.pth.safetensors). The transform options work as for
     convert. Failed items never stop the batch (unless --fail-fast); they are
@@ -313,6 +328,7 @@ def batch(src: str, dst: str | None, **options: Any) -> None:
         more = len(training_state) - 6
         shown_files = ", ".join(training_state[:6]) + (f" and {more} more" if more > 0 else "")
         say(quiet, f"skipped {plural(len(training_state), 'file')} of training state, not model weights: {shown_files}")
+    _say_item_hints(report, quiet)
     _summarize(report, quiet)
 
 
@@ -343,3 +359,24 @@ def _report_batch(dst: str, options: dict[str, Any]) -> None:
 
         click.echo(json.dumps(report.to_json(), indent=2))
     _summarize(report, options["quiet"])
+
+
+# The notes of a converted item that ask something of the user, shown by batch as convert shows them: a wrapper
+# left on every key (and the flag that removes it), the training state a model folder's conversion left out.
+_ITEM_HINTS = ("left out the training state",)
+_MAX_HINTS = 10
+
+
+def _say_item_hints(report: BatchReport, quiet: bool) -> None:
+    from ckptconv.transforms.keys import WRAPPER_NOTE
+
+    hints = [
+        f"note: {result.source}: {note}"
+        for result in report.converted
+        for note in result.notes
+        if note.startswith((WRAPPER_NOTE, *_ITEM_HINTS))
+    ]
+    for line in hints[:_MAX_HINTS]:
+        say(quiet, line)
+    if len(hints) > _MAX_HINTS:
+        say(quiet, f"note: and {len(hints) - _MAX_HINTS} more such notes; the manifest has every item's notes")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import cloup
@@ -15,6 +15,9 @@ from ckptconv.batching.report import EXIT_NEGATIVE, EXIT_UNSAFE
 from ckptconv.cli.failures import Command
 from ckptconv.cli.option_sets import SAFETY, SELECTION, TRANSFORMS, field_options, pipeline, sections, transforms_of
 from ckptconv.cli.terminal import echo, printable, shortened
+
+if TYPE_CHECKING:
+    from ckptconv.checking.inspection import ModelInfo
 
 
 @click.command(cls=Command)
@@ -215,6 +218,8 @@ def inspect(
     # A format that records no device (safetensors) says nothing of one.
     devices = f", saved on {', '.join(info.saved_devices)}" if info.saved_devices else ""
     echo(f"{info.path}: {info.format}, {human_bytes(info.size)}{devices}")
+    if info.model is not None:
+        _echo_model(info.model)
     if info.foreign_globals:
         echo("stand-ins (classes from code that is not here; nothing was run):")
         for name, count in info.foreign_globals.items():
@@ -240,6 +245,10 @@ def inspect(
         echo(f"note: {info.selection_note}")
     if info.quantization:
         echo(f"quantized: {info.quantization}")
+    for note in info.notes:
+        echo(f"note: {note}")
+    if info.adapter:
+        echo(f"adapter: {info.adapter}")
     listed = info.tensors if limit is None else info.tensors[:limit]
     if listed:
         key_width = min(max(len(shown(t.key)) for t in listed), 60)
@@ -256,6 +265,23 @@ def inspect(
             echo(f"  {shown(tensor.key):<{key_width}}  {tensor.dtype:<9}  {list(tensor.shape)}{extra}")
     if limit is not None and len(info.tensors) > limit:
         echo(f"  ... and {len(info.tensors) - limit} more")
+
+
+def _echo_model(model: ModelInfo) -> None:
+    """What model a folder is: its kind and architecture, then what its config and files say."""
+    what = f" ({model.architecture})" if model.architecture else ""
+    echo(f"model: {model.kind}{what}")
+    lines = [
+        ("ties", model.ties),
+        ("experts", "" if model.experts is None else f"{model.experts} (as config.json says)"),
+        ("quantization", model.quantization and f"{model.quantization} (as config.json says)"),
+        ("training state beside it", ", ".join(model.training_state)),
+        ("model folders in it", ", ".join(f"{part}/" for part in model.parts)),
+        ("weights", model.layout),
+    ]
+    for name, text in lines:
+        if text:
+            echo(f"  {name}: {text}")
 
 
 def _as_typed(path: str, given: tuple[str, ...]) -> str:

@@ -8,6 +8,7 @@ options (``DestinationError``); Ctrl-C and SIGTERM exit 130 and 143. Set ``CKPTC
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, NoReturn
 
 import click
@@ -106,6 +107,9 @@ class Group(cloup.Group):
     def invoke(self, ctx: click.Context) -> Any:
         from ckptconv.errors import CkptconvError, DestinationError, FitError, OutputExistsError, interruption
 
+        transaction = sys.modules.get("ckptconv.writing.transaction")  # not imported for --help
+        if transaction is not None:
+            transaction.published_outputs(forget=True)  # an interruption names only what this command published
         try:
             return super().invoke(ctx)
         except click.UsageError as error:  # a command's options and arguments
@@ -153,7 +157,10 @@ class Group(cloup.Group):
 
 def _interrupted(ctx: click.Context, interrupt: KeyboardInterrupt) -> NoReturn:
     """Say the command was interrupted (its partial outputs are gone) and exit 130, or 143 for SIGTERM."""
-    echo(f"ckptconv: interrupted{signal_name(interrupt)}; no output was written", err=True)
+    transaction = sys.modules.get("ckptconv.writing.transaction")
+    published = transaction.published_outputs() if transaction is not None else ()  # a folder output, published whole
+    written = f"{published[-1]!r} was written whole first" if published else "no output was written"
+    echo(f"ckptconv: interrupted{signal_name(interrupt)}; {written}", err=True)
     ctx.exit(interrupted_code(interrupt))
 
 

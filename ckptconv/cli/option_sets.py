@@ -288,7 +288,7 @@ def sections(command: str, extra: Mapping[str, Sequence[Decorator]] | None = Non
 
 
 # The commands that write (and so take --dry-run and --quiet).
-_RUNS = ("convert", "strip-module", "add-module", "fit", "batch")
+_RUNS = ("convert", "strip-module", "add-module", "fit", "batch", "merge-lora")
 
 
 def conversion_arguments(command: str, extra: Mapping[str, Sequence[Decorator]] | None = None) -> Decorator:

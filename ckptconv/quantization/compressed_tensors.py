@@ -38,31 +38,32 @@ of one element): one float32 division; ``x = x_q.to(float32) * scale`` (one floa
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from ckptconv.dtypes import DType
 from ckptconv.quantization._exact import COMPUTE_DTYPES, Array, cast, rounded, widen
-from ckptconv.quantization.schemes import Scheme, refuse, refuse_config
+from ckptconv.quantization.declaration import CT_FORMATS, Names, WeightArgs
+from ckptconv.quantization.schemes import Scheme, refuse
 from ckptconv.reading.sources import computed_tensor
 from ckptconv.values.tensor import TensorRef
 
-__all__ = ["FORMATS", "dequantize_naive", "dequantize_nvfp4", "dequantize_packed", "plan", "unpack_int32"]
+__all__ = [
+    "FORMATS",
+    "dequantize_mxfp4",
+    "dequantize_naive",
+    "dequantize_nvfp4",
+    "dequantize_packed",
+    "plan",
+    "unpack_int32",
+]
 
 _SCHEME = "compressed-tensors"
 
 #: Formats dequantized here, with the tensor that holds each quantized weight.
-FORMATS = {
-    "float-quantized": "weight",
-    "int-quantized": "weight",
-    "naive-quantized": "weight",
-    "pack-quantized": "weight_packed",
-    "nvfp4-pack-quantized": "weight_packed",
-}
+FORMATS = CT_FORMATS
+_PACKED = ("pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
 
 # Every quantization parameter a compressed-tensors module can carry (QuantizationMetadata.all_qparam_names,
 # and the packed weight and its shape), dropped from the output of every dequantized module.
@@ -71,68 +72,15 @@ _QPARAMS = frozenset(
     | {"weight_shape", "weight_packed", "weight_g_idx"}
 )
 _KV_CACHE_SCALES = frozenset({"k_scale", "v_scale"})
-_STRATEGIES = frozenset({"tensor", "channel", "group", "tensor_group", "block"})
+_ACTIVATION_QPARAMS = frozenset(
+    {f"{base}_{suffix}" for base in ("input", "output") for suffix in ("global_scale", "scale", "zero_point")}
+)
+# The dtypes only a quantized weight is stored in: one without its weight_scale is refused, not cast.
+_QUANTIZED_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "int8", "uint8"})
 _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
 
-@dataclass(frozen=True)
-class _Args:
-    """The weight quantization args of one config group, as the formulas need them."""
-
-    format: str
-    strategy: str
-    num_bits: int
-    symmetric: bool
-    group_size: int | None
-    block: tuple[int, int] | None
-    targets: tuple[str, ...]
-
-
-def _match(name: str, target: str) -> bool:
-    """compressed-tensors' ``match_name``: ``re:`` is a regex from the start, anything else the exact name."""
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    return target == name
-
-
-def _groups(config: Mapping[str, Any]) -> list[_Args]:
-    for key in ("sparsity_config", "transform_config"):
-        if config.get(key):
-            raise refuse_config(
-                _SCHEME, key, "is set; ckptconv dequantizes quantized weights, not sparse or transformed ones"
-            )
-    groups = []
-    for name, group in (config.get("config_groups") or {}).items():
-        if not isinstance(group, Mapping):
-            raise refuse_config(_SCHEME, f"config_groups.{name}", "is not a mapping")
-        fmt = str(group.get("format") or config.get("format") or "")
-        weights = group.get("weights")
-        if fmt == "dense" or not weights:
-            continue
-        if fmt not in FORMATS:
-            raise refuse_config(
-                _SCHEME, f"config_groups.{name}", f"has format {fmt!r}, which ckptconv cannot dequantize exactly"
-            )
-        strategy = str(weights.get("strategy") or "tensor")
-        if strategy not in _STRATEGIES:
-            raise refuse_config(
-                _SCHEME, f"config_groups.{name}", f"has strategy {strategy!r}, which ckptconv cannot place"
-            )
-        if weights.get("actorder") == "group":
-            raise refuse_config(_SCHEME, f"config_groups.{name}", "reorders its groups (actorder 'group')")
-        block = weights.get("block_structure")
-        groups.append(
-            _Args(
-                fmt,
-                strategy,
-                int(weights.get("num_bits", 8)),
-                bool(weights.get("symmetric", True)),
-                weights.get("group_size"),
-                (int(block[0]), int(block[1])) if block else None,
-                tuple(group.get("targets") or ()),
-            )
-        )
-    return groups
+_Args = WeightArgs
 
 
 def check_placement(found: tuple[int, ...], args: _Args, shape: tuple[int, ...], key: str) -> None:
@@ -165,8 +113,8 @@ def _expand(values: Array, args: _Args, shape: tuple[int, ...], key: str) -> Arr
         return values.reshape(rows, 1)
     if args.strategy in ("group", "tensor_group"):
         return np.repeat(values, args.group_size or 1, axis=1)
-    bh, bw = args.block or (1, 1)
-    return np.repeat(np.repeat(values, bh, axis=0)[:rows], bw, axis=1)[:, :cols]
+    bh, bw = args.block or (1, 1)  # a block larger than the weight is the weight: repeat no further
+    return np.repeat(np.repeat(values, min(bh, rows), axis=0)[:rows], min(bw, cols), axis=1)[:, :cols]
 
 
 def _in_s(values: Array, dtype: str) -> Array:
@@ -238,11 +186,29 @@ def dequantize_nvfp4(packed: Array, scale: Array, global_scale: Array, args: _Ar
     return cast(out, "float32", "bfloat16")
 
 
-def _module_args(module: str, groups: list[_Args], ignore: list[str]) -> _Args | None:
-    if any(_match(module, pattern) for pattern in ignore) or module.endswith("norm"):
+def dequantize_mxfp4(packed: Array, scale: Array, args: _Args) -> Array:
+    """mxfp4-pack-quantized: the dequantized weight as bfloat16 storage (uint16).
+
+    ``MXFP4PackedCompressor.decompress``: the float4 values as bfloat16 (exact); the scale
+    ``2.0 ** (byte - 127)`` in bfloat16 (exact: from ``2 ** -127``, a bfloat16 subnormal, to ``2 ** 127``;
+    byte 255 is ``inf``); one bfloat16 product (a float32 product rounded once).
+    """
+    rows, half = packed.shape
+    values = np.empty((rows, half * 2), np.float32)
+    values[:, 0::2] = _E2M1[packed & 0x0F]
+    values[:, 1::2] = _E2M1[packed >> 4]
+    with np.errstate(all="ignore"):
+        powers = rounded(np.ldexp(np.float32(1.0), scale.astype(np.int32) - 127).astype(np.float32), "bfloat16")
+        out = rounded(values * _expand(powers, args, values.shape, "weight_scale"), "bfloat16")
+    return cast(out, "float32", "bfloat16")
+
+
+def _module_args(module: str, groups: tuple[_Args, ...]) -> _Args | None:
+    """The first config group that targets ``module`` (``ignore`` aside: the tensors decide whether it is quantized)."""
+    if module.endswith("norm"):
         return None
     for args in groups:
-        if not args.targets or "Linear" in args.targets or any(_match(module, t) for t in args.targets):
+        if not args.targets or "Linear" in args.targets or (args.matcher is not None and args.matcher.match(module)):
             return args
     return None
 
@@ -270,7 +236,22 @@ def _plan_module(module: str, tensors: Mapping[str, TensorRef], args: _Args, tar
     if zero_point is not None:
         inputs["zero_point"] = zero_point
     out = target.name
-    if args.format == "nvfp4-pack-quantized":
+    shape: tuple[int, ...]
+    if args.format == "mxfp4-pack-quantized":
+        packed = _ref(tensors, prefix + "weight_packed")
+        if packed.dtype.name != "uint8" or len(packed.shape) != 2 or scale.dtype.name != "uint8":
+            raise refuse(_SCHEME, prefix + "weight_packed", "is not uint8 [rows, cols / 2] with uint8 e8m0 scales")
+        if prefix + "weight_global_scale" in tensors:
+            raise refuse(_SCHEME, prefix + "weight_global_scale", "is an nvfp4 global scale; its group declares mxfp4")
+        if zp_key in tensors:
+            raise refuse(_SCHEME, zp_key, "is an mxfp4 zero point, which ckptconv does not dequantize")
+        shape = (packed.shape[0], packed.shape[1] * 2)
+        inputs["packed"] = packed
+
+        def compute(a: Mapping[str, Array]) -> Array:
+            return cast(dequantize_mxfp4(a["packed"], a["scale"], args), "bfloat16", out)
+
+    elif args.format == "nvfp4-pack-quantized":
         packed = _ref(tensors, prefix + "weight_packed")
         gs = _ref(tensors, prefix + "weight_global_scale")
         if packed.dtype.name != "uint8" or len(packed.shape) != 2 or scale.dtype.name != "float8_e4m3fn":
@@ -279,7 +260,7 @@ def _plan_module(module: str, tensors: Mapping[str, TensorRef], args: _Args, tar
             raise refuse(_SCHEME, prefix + "weight_global_scale", "is not a float32 tensor of one element")
         if zero_point is not None or zp_key in tensors:
             raise refuse(_SCHEME, zp_key, "is an nvfp4 zero point, which compressed-tensors never writes")
-        shape: tuple[int, ...] = (packed.shape[0], packed.shape[1] * 2)
+        shape = (packed.shape[0], packed.shape[1] * 2)
         inputs.update(packed=packed, global_scale=gs)
 
         def compute(a: Mapping[str, Array]) -> Array:
@@ -290,6 +271,10 @@ def _plan_module(module: str, tensors: Mapping[str, TensorRef], args: _Args, tar
         packed = _ref(tensors, prefix + "weight_packed")
         shape_ref = _ref(tensors, prefix + "weight_shape")
         s = _compute_dtype(scale, prefix + "weight_scale")
+        if shape_ref.numel != 2 or shape_ref.dtype.kind != "int":
+            raise refuse(
+                _SCHEME, prefix + "weight_shape", f"is {shape_ref.dtype.name}{list(shape_ref.shape)}, not 2 sizes"
+            )
         shape = tuple(int(v) for v in shape_ref.numpy().reshape(-1))
         if packed.dtype.name != "int32" or len(packed.shape) != 2 or len(shape) != 2 or shape[0] != packed.shape[0]:
             raise refuse(_SCHEME, prefix + "weight_packed", f"is not int32 packing a 2-d weight of shape {list(shape)}")
@@ -324,32 +309,62 @@ def _plan_module(module: str, tensors: Mapping[str, TensorRef], args: _Args, tar
     return computed_tensor(prefix + "weight", compute, inputs, target, shape)
 
 
-def plan(tensors: Mapping[str, TensorRef], scheme: Scheme, target: DType) -> dict[str, TensorRef]:
-    """The state dict with every compressed-tensors weight dequantized to ``target`` and its qparams gone."""
-    config = scheme.config
-    groups = _groups(config)
-    ignore = [str(pattern) for pattern in config.get("ignore") or ()]
+def _planned_modules(tensors: Mapping[str, TensorRef], scheme: Scheme, target: DType) -> dict[str, TensorRef]:
+    """Each module quantized on disk (a ``weight_scale`` or ``weight_packed`` beside its weight), dequantized."""
+    declared = scheme.declared
+    ignore = declared.ignore or Names((), "ignore")
     planned: dict[str, TensorRef] = {}
-    for key in tensors:
+    for key, ref in tensors.items():
         module, _, leaf = key.rpartition(".")
-        args = _module_args(module, groups, ignore)
-        if args is None or leaf != FORMATS[args.format]:
-            continue
         prefix = f"{module}." if module else ""
-        if args.format in ("pack-quantized", "nvfp4-pack-quantized") or prefix + "weight_scale" in tensors:
+        if leaf not in ("weight", "weight_packed"):
+            continue
+        args = _module_args(module, declared.groups)
+        on_disk = leaf == "weight_packed" or prefix + "weight_scale" in tensors
+        if on_disk:
+            if prefix + "weight" in tensors and prefix + "weight_packed" in tensors:
+                raise refuse(_SCHEME, key, f"and {prefix}weight both exist; the dequantized weight would replace it")
+            if args is None:
+                listed = " (its module is in ignore)" if ignore.match(module) else ""
+                raise refuse(
+                    _SCHEME, key, f"is quantized on disk{listed}, but no config group targets its module, so "
+                    "ckptconv cannot tell its strategy",
+                )  # fmt: skip
+            if FORMATS[args.format] != leaf:
+                layout = "packed (weight_packed)" if leaf == "weight_packed" else "unpacked (weight, weight_scale)"
+                raise refuse(
+                    _SCHEME, key, f"is {layout} on disk, but its config group {args.name!r} declares format "
+                    f"{args.format!r}; the config and the tensors disagree",
+                )  # fmt: skip
             planned[prefix + "weight"] = _plan_module(module, tensors, args, target)
+        elif args is not None and ref.dtype.name in _QUANTIZED_DTYPES and not ignore.match(module):
+            raise refuse(
+                _SCHEME, prefix + "weight_scale", f"is missing: {key!r} is {ref.dtype.name}, quantized by config "
+                f"group {args.name!r}, and a plain cast would write its raw values",
+            )  # fmt: skip
+    return planned
+
+
+def plan(tensors: Mapping[str, TensorRef], scheme: Scheme, target: DType) -> dict[str, TensorRef]:
+    """The state dict with every compressed-tensors weight dequantized to ``target`` and its qparams gone.
+
+    The tensors decide: a module with a ``weight_scale`` or ``weight_packed`` is dequantized by the config group
+    that targets it even when ``ignore`` names it (refused when no group does, or its format is another layout);
+    a float8 or int8 weight a group targets without its ``weight_scale`` is refused, never written raw.
+    """
+    planned = _planned_modules(tensors, scheme, target)
+    ignore = scheme.declared.ignore or Names((), "ignore")
     result: dict[str, TensorRef] = {}
     for key, ref in tensors.items():
         module, _, leaf = key.rpartition(".")
         prefix = f"{module}." if module else ""
-        ignored = any(_match(module, pattern) for pattern in ignore)
         if prefix + "weight" in planned and (leaf in _QPARAMS or leaf == "weight"):
             if leaf in ("weight", "weight_packed"):
                 result[prefix + "weight"] = planned[prefix + "weight"]
-        elif ignored:
-            result[key] = ref
         elif leaf in _KV_CACHE_SCALES:
             continue  # CompressedTensorsDequantizer drops kv-cache scales too
+        elif leaf in _ACTIVATION_QPARAMS and ignore.match(module):
+            result[key] = ref  # an ignored module's activation scale: no weight of it is quantized
         elif leaf in _QPARAMS:
             raise refuse(_SCHEME, key, "belongs to no module the config declares quantized")
         else:

@@ -20,8 +20,11 @@ compute it:
 transformers derives the block size from the scale grid (``rows // scale_rows``), which is right
 for whole blocks only (for a 200 x 300 weight and a 2 x 3 grid it would take 100-blocks); here the
 declared ``weight_block_size`` places the blocks, as the checkpoint's quantizer did, with the same
-arithmetic. ``activation_scale``/``input_scale`` tensors (static activation scales) are dropped;
-modules in ``modules_to_not_convert`` are left as they are.
+arithmetic. ``activation_scale``/``input_scale`` tensors (static activation scales) are dropped.
+
+The tensors decide: a weight with a ``_scale_inv`` beside it is dequantized by it even when its module is
+named in ``modules_to_not_convert`` (the list says what the quantizer meant to skip; the scale says what it
+did), and a float8 weight with no scale is refused wherever it is (a plain cast would write its raw codes).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import numpy as np
 
 from ckptconv.dtypes import DType
 from ckptconv.quantization._exact import Array, cast, widen
-from ckptconv.quantization.schemes import Scheme, is_module_kept, refuse, refuse_config
+from ckptconv.quantization.schemes import Scheme, refuse
 from ckptconv.reading.sources import computed_tensor
 from ckptconv.transforms.casts import storage_dtype
 from ckptconv.values.tensor import TensorRef
@@ -47,15 +50,6 @@ _ACTIVATION_SCALES = frozenset({"activation_scale", "input_scale"})
 
 #: The most gather indices held at once (8 bytes each): 4 MiB, a few rows of the widest weights.
 _INDEX_BUFFER_ELEMENTS = 1 << 19
-
-
-def _block(scheme: Scheme) -> tuple[int, int] | None:
-    value = scheme.config.get("weight_block_size")
-    if value is None:
-        return None
-    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(type(v) is int and v > 0 for v in value)):
-        raise refuse_config(_SCHEME, "weight_block_size", f"is {value!r}, not two positive integers")
-    return value[0], value[1]
 
 
 def dequantize_array(
@@ -135,15 +129,12 @@ def _dequantized(
 
 def plan(tensors: Mapping[str, TensorRef], scheme: Scheme, target: DType) -> dict[str, TensorRef]:
     """The state dict with every fp8 weight dequantized to ``target`` and its scales gone."""
-    block = _block(scheme)
-    kept = scheme.config.get("modules_to_not_convert")
+    block = scheme.declared.block
     scales: set[str] = set()
     result: dict[str, TensorRef] = {}
     for key, ref in tensors.items():
-        module, _, leaf = key.rpartition(".")
-        if is_module_kept(module, kept):
-            result[key] = ref
-        elif key + "_scale_inv" in tensors:
+        leaf = key.rpartition(".")[2]
+        if key + "_scale_inv" in tensors:
             result[key] = _dequantized(key, ref, tensors[key + "_scale_inv"], block, target)
             scales.add(key + "_scale_inv")
         elif leaf in _ACTIVATION_SCALES or key.endswith("_scale_inv"):
@@ -153,7 +144,6 @@ def plan(tensors: Mapping[str, TensorRef], scheme: Scheme, target: DType) -> dic
         else:
             result[key] = ref
     for key in tensors:
-        module = key.rpartition(".")[0]
-        if key.endswith("_scale_inv") and key not in scales and not is_module_kept(module, kept):
+        if key.endswith("_scale_inv") and key not in scales:
             raise refuse(_SCHEME, key, f"scales no tensor: there is no {key[: -len('_scale_inv')]!r}")
     return result

@@ -17,7 +17,8 @@ Order of operations, as transformers' ``convert_moe_packed_tensors``
    dtype (one rounding, as ``Tensor.to``). numpy's ``ldexp`` on float32 is that ldexp;
 4. ``reshape(E, N, G * 32).transpose(1, 2).contiguous()``.
 
-Modules in ``modules_to_not_convert`` are left as they are.
+The tensors decide: a blocks/scales pair is dequantized even when its module is named in
+``modules_to_not_convert``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 
 from ckptconv.dtypes import DType
 from ckptconv.quantization._exact import Array, narrow
-from ckptconv.quantization.schemes import Scheme, is_module_kept, refuse
+from ckptconv.quantization.schemes import Scheme, refuse
 from ckptconv.reading.sources import computed_tensor
 from ckptconv.values.tensor import TensorRef
 
@@ -79,13 +80,9 @@ def _dequantized(key: str, blocks: TensorRef, scales: TensorRef, target: DType) 
 
 def plan(tensors: Mapping[str, TensorRef], scheme: Scheme, target: DType) -> dict[str, TensorRef]:
     """The state dict with every ``X_blocks``/``X_scales`` pair dequantized to ``X`` in ``target``."""
-    kept = scheme.config.get("modules_to_not_convert")
     result: dict[str, TensorRef] = {}
     for key, ref in tensors.items():
-        module = key.rpartition(".")[0]
-        if is_module_kept(module, kept):
-            result[key] = ref
-        elif key.endswith("_blocks") and key[: -len("_blocks")] + "_scales" in tensors:
+        if key.endswith("_blocks") and key[: -len("_blocks")] + "_scales" in tensors:
             name = key[: -len("_blocks")]
             if name in tensors:
                 raise refuse(_SCHEME, key, f"and {name!r} both exist; the dequantized weight would replace it")

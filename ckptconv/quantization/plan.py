@@ -13,8 +13,9 @@ from collections.abc import Callable, Mapping
 
 from ckptconv.dtypes import DType
 from ckptconv.errors import TransformError
-from ckptconv.quantization import compressed_tensors, fp8_block, mxfp4
-from ckptconv.quantization.schemes import Scheme
+from ckptconv.quantization import compressed_tensors, fp8_block, mxfp4, quanto
+from ckptconv.quantization.evidence import companions
+from ckptconv.quantization.schemes import Scheme, refuse
 from ckptconv.values.tensor import TensorRef
 
 __all__ = ["TARGETS", "dequantize"]
@@ -27,6 +28,7 @@ _PLANNERS: dict[str, _Planner] = {
     "fp8": fp8_block.plan,
     "compressed-tensors": compressed_tensors.plan,
     "mxfp4": mxfp4.plan,
+    "quanto": quanto.plan,
 }
 
 
@@ -43,11 +45,17 @@ def dequantize(tensors: Mapping[str, TensorRef], scheme: Scheme, target: DType) 
 
     Raises:
         TransformError: ``target`` is not one of :data:`TARGETS`.
-        UnsupportedQuantizationError: a tensor does not have the layout the scheme defines.
+        UnsupportedQuantizationError: a tensor does not have the layout the scheme defines, or a tensor of a
+            quantized weight (a scale, a packed weight ...) would remain beside the dequantized ones.
 
     Example:
         >>> sd = dequantize(state, detect(config, None, state), dtype_by_name("bfloat16"))  # doctest: +SKIP
     """
     if target.name not in TARGETS:
         raise TransformError(f"ckptconv dequantizes to float32, float16 or bfloat16, not {target.name}")
-    return _PLANNERS[scheme.method](tensors, scheme, target)
+    result = _PLANNERS[scheme.method](tensors, scheme, target)
+    left = companions(result)
+    if left:  # every planner consumes what it dequantizes: a companion left is a weight it did not
+        first = min(left, key=lambda companion: companion.key)
+        raise refuse(str(scheme), first.key, f"({first.what}) would stay beside the dequantized weights")
+    return result

@@ -1,28 +1,31 @@
-"""Which quantization scheme a checkpoint declares, and the refusals for the ones ckptconv cannot undo.
+"""Which quantization scheme a checkpoint declares, checked against what its tensors show.
 
-The scheme is decided by what the checkpoint *declares*, never by element sizes: the
-``quantization_config`` of its ``config.json`` (or that config itself, or the older
-``compression_config``), else a ``quantization_config`` in the safetensors metadata. A
-declared scheme ckptconv dequantizes becomes a :class:`Scheme`; any other declared scheme is
-refused. With no declaration, tensors that come in weight/scale pairs (``weight_scale_inv``,
-``weight_scale``, ``weight_packed``, ``*_blocks`` with ``*_scales``, GPTQ/AWQ's ``qweight``,
-bitsandbytes' ``quant_state`` ...) are refused too, since casting them alone is silently
-wrong. Only a checkpoint with neither (plain float8 data with no scale included) is
-unquantized: :func:`detect` returns None and a plain cast applies.
+The scheme is declared by the ``quantization_config`` of the checkpoint's ``config.json`` (or that
+config itself, or the older ``compression_config``), else a ``quantization_config`` in the safetensors
+metadata, and parsed once (:mod:`.declaration`: types, ranges, regexes). The tensors then have the
+last word: a weight's companions (:mod:`.evidence`: ``weight_scale_inv``, ``weight_scale``,
+``weight_packed``, ``*_blocks`` with ``*_scales``, ``weight._data`` with ``weight._scale`` ...) must be
+the declared scheme's, or the checkpoint is refused. A declared scheme ckptconv dequantizes becomes a
+:class:`Scheme`; any other is refused. With no declaration, optimum-quanto's ``_data``/``_scale`` pairs
+(whose layout the tensors fully show) are dequantized; the companions of any other scheme are refused,
+since casting them alone is silently wrong. Only a checkpoint with neither (plain float8 data with no
+scale included) is unquantized: :func:`detect` returns None and a plain cast applies.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptconv._text import short_repr
 from ckptconv.errors import UnsupportedQuantizationError
+from ckptconv.quantization.declaration import Declaration, parse
+from ckptconv.quantization.evidence import check_declared, companions
 from ckptconv.values.tensor import TensorRef
 
-__all__ = ["DECLARATION_KEYS", "SUPPORTED_METHODS", "Scheme", "detect", "is_module_kept", "refuse", "refuse_config"]
+__all__ = ["DECLARATION_KEYS", "SUPPORTED_METHODS", "Scheme", "detect", "refuse", "refuse_config"]
 
 #: The safetensors metadata keys that declare a scheme (read by :func:`detect`, dropped once dequantized).
 DECLARATION_KEYS = ("quantization_config", "quant_method")
@@ -32,6 +35,7 @@ SUPPORTED_METHODS = {
     "fp8": "ckptconv.quantization.fp8_block",
     "compressed-tensors": "ckptconv.quantization.compressed_tensors",
     "mxfp4": "ckptconv.quantization.mxfp4",
+    "quanto": "ckptconv.quantization.quanto",
 }
 
 # How the refusals name the schemes transformers knows (quant_method -> name).
@@ -42,7 +46,6 @@ _NAMES = {
     "hqq": "HQQ",
     "aqlm": "AQLM",
     "eetq": "EETQ",
-    "quanto": "optimum-quanto",
     "torchao": "torchao",
     "fbgemm_fp8": "FBGEMM fp8",
     "higgs": "HIGGS",
@@ -62,12 +65,19 @@ class Scheme:
     """A declared quantization scheme that ckptconv dequantizes exactly.
 
     Attributes:
-        method: the declared ``quant_method``: ``"fp8"``, ``"compressed-tensors"`` or ``"mxfp4"``.
+        method: the declared ``quant_method``: ``"fp8"``, ``"compressed-tensors"``, ``"mxfp4"`` or ``"quanto"``.
         config: the whole quantization config as declared (block sizes, config groups, ignore lists).
+        declaration: ``config`` parsed and checked (what the planners read).
     """
 
     method: str
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    declaration: Declaration | None = field(default=None, compare=False, hash=False)
+
+    @property
+    def declared(self) -> Declaration:
+        """The parsed declaration (parsed here when the Scheme was made by hand)."""
+        return self.declaration if self.declaration is not None else parse(self.method, self.config)
 
     def __str__(self) -> str:
         return self.method
@@ -162,9 +172,18 @@ def detect(
     """  # noqa: E501 - the doctest's one-line message
     declared = _declaration(config, metadata)
     if declared is not None:
-        method = str(declared.get("quant_method", "")).strip().lower()
+        raw = declared.get("quant_method", "")
+        if not isinstance(raw, str):
+            raise UnsupportedQuantizationError(
+                f"the quantization_config's quant_method is {short_repr(raw)}, not a name; "
+                "ckptconv cannot tell how the checkpoint was quantized",
+                scheme="unknown",
+            )
+        method = raw.strip().lower()[:100]
         if method in SUPPORTED_METHODS:
-            return Scheme(method, declared)
+            result = Scheme(method, declared, parse(method, declared))
+            check_declared(method, tensors)
+            return result
         if not method:
             raise UnsupportedQuantizationError(
                 "the checkpoint declares a quantization_config without a quant_method; "
@@ -178,6 +197,9 @@ def detect(
             scheme=method,
         )
     found = _giveaway(tensors)
+    if found is None and any(companion.method == "quanto" for companion in companions(tensors)):
+        check_declared("quanto", tensors)
+        return Scheme("quanto", {}, parse("quanto", {}))  # the pairs show the whole layout: nothing to declare
     if found is not None:
         key, scheme = found
         raise UnsupportedQuantizationError(
@@ -198,15 +220,3 @@ def refuse(scheme: str, key: str, problem: str) -> UnsupportedQuantizationError:
 def refuse_config(scheme: str, field: str, problem: str) -> UnsupportedQuantizationError:
     """The error for a declared quantization_config that ckptconv cannot follow exactly."""
     return UnsupportedQuantizationError(f"the {scheme} quantization_config's {field} {problem}", scheme=scheme)
-
-
-def is_module_kept(module: str, patterns: Any) -> bool:
-    """True when transformers' ``modules_to_not_convert`` keeps ``module`` unquantized.
-
-    The same rule as transformers' ``should_convert_module``: a pattern matches from the start
-    up to a module boundary, as a regex with the same boundary, or as a suffix.
-    """
-    if not patterns:
-        return False
-    boundary = r"(?:(?<=\.)|(?=\.|$))"
-    return any(re.match(rf"(?:{key}){boundary}", module) or module.endswith(key) for key in patterns)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import zipfile
 from types import ModuleType
 from typing import Callable
@@ -92,6 +93,10 @@ def resolve(path: PathLike) -> tuple[str, str]:
             return "megatron-legacy", legacy
         if _module("rank-shards").find_files(path) is not None:
             return "rank-shards", path
+        hub = _hub_safetensors(path)
+        if hub is not None:
+            read_policy.check_file(hub, folder=path)
+            return safetensors.FORMAT, hub
         index = _module("sharded").find_index(path)
         if _module("hf-distributed").find_files(path) is not None:
             if index is not None:  # consolidated in place beside its rank files: two sets of the same weights
@@ -132,6 +137,30 @@ def resolve(path: PathLike) -> tuple[str, str]:
         )
     kind = detect(path)
     return kind, path
+
+
+# The names transformers saves a model under, safetensors and pickled; its from_pretrained loads a folder's
+# model.safetensors before any pytorch_model.bin (modeling_utils' _get_resolved_checkpoint_files).
+_HUB_SAFETENSORS = "model.safetensors"
+_HUB_BIN = re.compile(r"^pytorch_model(-\d{5}-of-\d{5})?\.bin$|^pytorch_model\.bin\.index\.json$")
+
+
+def _hub_safetensors(folder: str) -> str | None:
+    """``model.safetensors`` of a Hub folder that holds the model in both formats (``pytorch_model.bin`` or its
+    index and shards beside it, and no other checkpoint): the file transformers loads. The ``.bin`` files are left
+    out, and named in the note on weights not converted (:func:`ckptconv.reading.model_folder.inventory`). Any
+    other second checkpoint (``other.safetensors``, a safetensors index) leaves the folder ambiguous."""
+    chosen = os.path.join(folder, _HUB_SAFETENSORS)
+    names = os.listdir(folder)
+    if not os.path.isfile(chosen) or not any(_HUB_BIN.match(name) for name in names):
+        return None
+    for name in names:  # any other checkpoint beside them leaves the folder ambiguous (pickles opened only now)
+        path = os.path.join(folder, name)
+        if name == _HUB_SAFETENSORS or _HUB_BIN.match(name) or name.startswith(".") or not os.path.isfile(path):
+            continue
+        if name.endswith(INDEX_SUFFIXES) or (is_checkpoint_file(path) and training_state_of(path) is None):
+            return None
+    return chosen
 
 
 def training_state_of(path: str) -> str | None:

@@ -18,6 +18,12 @@ What counts as one item:
   shards it names count as one item, the shards are never items of their own;
 * a **DCP folder** (``torch.distributed.checkpoint``: ``.metadata`` and
   ``*.distcp``) is one item;
+* a **model folder** (with ``models=True``, as ``ckptconv batch`` asks): a folder that
+  :func:`ckptconv.reading.model_folder.resolve_model` takes as a model (its weights, one file
+  or an index and shards, beside a ``config.json`` or PEFT's ``adapter_config.json``; a
+  training run's ``checkpoint-500/``; a folder of model folders) is one item, converted as
+  ``ckptconv convert`` converts it, into a model folder; the files at its top (training state
+  beside the weights included) and its parts are not items of their own;
 * a **training run's folder** as DeepSpeed writes it (``latest`` naming a tag
   folder of per-rank model and optimizer states, or the tag folder itself) is
   one item: its latest checkpoint; the folders inside it are not walked. So is
@@ -39,6 +45,7 @@ also when they lie in a subfolder, and never items of their own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -63,6 +70,7 @@ FILE = "file"
 SHARDED = "sharded"
 DCP = "dcp"
 RUN = "run"
+MODEL = "model"
 
 # Longest first, so "x.pth.tar" loses ".pth.tar", not ".tar".
 
@@ -75,11 +83,12 @@ class Item:
         name: its path relative to the source folder, ``/``-separated: the file,
             the ``*.index.json`` of a sharded checkpoint, or the DCP folder.
         path: the absolute path of the same.
-        kind: ``"file"``, ``"sharded"``, ``"dcp"`` or ``"run"`` (a DeepSpeed run folder).
+        kind: ``"file"``, ``"sharded"``, ``"dcp"``, ``"run"`` (a DeepSpeed run folder) or ``"model"``
+            (a model folder: :class:`ckptconv.reading.model_folder.Model`).
         size: bytes, summed over every file of the item.
         mtime_ns: the latest modification time among its files.
-        members: for sharded and DCP items, every file it consists of (relative
-            paths, the index first); empty for a single file.
+        members: for sharded, DCP, run and model items, every file it consists of (relative
+            paths, the index first; a model folder's weights, then the files it carries); empty for a single file.
     """
 
     name: str
@@ -149,6 +158,28 @@ def _run_members(folder: str) -> tuple[list[str], bool] | None:
     if shards is not None:
         return [os.path.basename(path) for path in shards + rank_shards.sibling_files(folder, shards)], False
     return None
+
+
+def _model_members(folder: str, names: Sequence[str]) -> tuple[list[str], tuple[str, ...]] | None:
+    """The files of the model ``folder`` is (relative, ``/``-separated: its weights, then what it carries, then
+    its parts' files), and its parts; None when it is no model folder (see the module docstring)."""
+    from ckptconv.errors import CkptconvError
+    from ckptconv.reading.model_folder import ADAPTER_CONFIG_NAME, CONFIG_NAME, DECLARATIONS, resolve_model
+
+    if not any(name in (CONFIG_NAME, ADAPTER_CONFIG_NAME, *DECLARATIONS) for name in names):
+        return None
+    model = resolve_model(folder, strict=False)
+    if model is None:
+        return None
+    members = [os.path.relpath(path, folder).replace(os.sep, "/") for path in model.weights]
+    # A file beside the weights that must not be read (a link out): converting the item says so, and fails it.
+    with contextlib.suppress(CkptconvError, OSError):
+        members += [name for name in model.inventory.carried if name not in members]
+    for part in model.parts:
+        below = resolve_model(os.path.join(folder, part), strict=False)
+        files = below.weights if below is not None else ()
+        members += [os.path.relpath(path, folder).replace(os.sep, "/") for path in files]
+    return members, model.parts
 
 
 def unread_files(item: Item) -> list[str]:
@@ -233,7 +264,7 @@ def member_paths(item: Item) -> list[str]:
         return [item.path]
     folder = os.path.dirname(item.path) if item.kind == SHARDED else item.path
     prefix = item.name.rsplit("/", 1)[0] if item.kind == SHARDED and "/" in item.name else ""
-    if item.kind in (DCP, RUN) and all(member.startswith(item.name + "/") for member in item.members):
+    if item.kind in (DCP, RUN, MODEL) and all(member.startswith(item.name + "/") for member in item.members):
         prefix = item.name
     return [
         os.path.join(folder, *(member[len(prefix) + 1 :] if prefix else member).split("/")) for member in item.members
@@ -252,7 +283,7 @@ def _join(folder: str, name: str) -> str:
 def _group(root: str, folder: str, rel_folder: str, name: str, kind: str, members: Sequence[str]) -> Item:
     sizes = [_stat(os.path.join(folder, member)) for member in members]
     path = os.path.join(folder, name) if kind == SHARDED else folder
-    rel = (rel_folder or os.path.basename(root)) if kind in (DCP, RUN) else _join(rel_folder, name)
+    rel = (rel_folder or os.path.basename(root)) if kind in (DCP, RUN, MODEL) else _join(rel_folder, name)
     return Item(
         name=rel,
         path=path,
@@ -270,6 +301,7 @@ def discover(
     exclude: Iterable[PathLike] = (),
     notes: list[str] | None = None,
     unlisted: list[tuple[str, str]] | None = None,
+    models: bool = False,
 ) -> list[Item]:
     """Every checkpoint under ``source_dir``, sorted by relative path.
 
@@ -285,6 +317,8 @@ def discover(
             listed (no permission, a path deeper than PATH_MAX), and the walk goes on; when
             None, such a folder is an error. Either way it is never passed over in silence:
             what it holds would go unconverted and unscanned.
+        models: a model folder is one item (kind ``"model"``, see the module docstring); without it
+            (``scan``, which looks at every file), its files are items one by one.
 
     Returns:
         One :class:`Item` per checkpoint.
@@ -343,7 +377,16 @@ def discover(
         taken: set[str] = set()
         found: list[Item] = []
         run = _run_members(folder)
-        if run is not None:
+        model = _model_members(folder, names) if models and run is None else None
+        if model is not None:
+            # A model folder: one item, converted into a model folder. Its parts are in it; a subfolder
+            # that is no part of it (checkpoint-500/ beside the model) is walked as ever.
+            members, parts = model
+            subfolders[:] = [name for name in subfolders if name not in parts]
+            claimed.update(os.path.join(folder, *member.split("/")) for member in members if "/" in member)
+            found.append(_group(root, folder, rel_folder, "", MODEL, members))
+            taken.update(names)
+        elif run is not None:
             # One checkpoint of a training run: its latest (older DeepSpeed tags inside are not
             # items), or its per-rank model files (their optimizer files beside them are not
             # either). Other checkpoints beside it (an exported pytorch_model.bin) still are.

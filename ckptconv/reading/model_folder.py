@@ -17,6 +17,11 @@ weights of its own, beside the transformer at the top) and diffusers' ``model_in
 ``vae/``, ``text_encoder/``). :func:`components` lists those that hold weights, each converted as a model
 folder of its own; the inventory of the folder above leaves them to that conversion. Any other subfolder
 that holds weights (a training run's ``checkpoint-500/`` beside the model it saved) is left out whole.
+
+:func:`resolve_model` turns a source into a :class:`Model` once: what it is (a model folder, a training run's
+folder, an adapter, a folder of model folders), its configuration and the files its weights are in. ``convert``,
+``batch`` (a model folder in a zoo is one item, converted as ``convert`` converts it), ``inspect`` and ``--like``
+ask it rather than looking beside the weights again.
 """
 
 from __future__ import annotations
@@ -25,37 +30,47 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from ckptconv._text import short_repr
-from ckptconv.errors import MalformedCheckpointError
+from ckptconv.errors import CkptconvError, InvalidConfigError, MalformedCheckpointError
 from ckptconv.reading import read_policy
-from ckptconv.reading.detection import is_checkpoint_file, is_unsafe, training_state_of
-from ckptconv.reading.formats._base import json_object
+from ckptconv.reading.detection import checkpoint_files, is_checkpoint_file, is_unsafe, resolve, training_state_of
+from ckptconv.reading.model_config import MAX_CONFIG_BYTES, ModelConfig, parse_config_text, parse_model_config
 from ckptconv.suffixes import INDEX_SUFFIXES
 
 __all__ = [
+    "ADAPTER_CONFIG_NAME",
     "CONFIG_NAME",
+    "DECLARATIONS",
+    "FRAMEWORK_FORMATS",
     "MAX_CARRIED_BYTES",
     "MAX_CONFIG_BYTES",
     "Inventory",
+    "Model",
     "components",
     "holds_weights",
     "inventory",
     "model_folder",
     "read_config",
+    "resolve_model",
 ]
 
 CONFIG_NAME = "config.json"
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+#: What a :class:`Model` is.
+MODEL_FOLDER, TRAINING_RUN, ADAPTER, MODEL_FOLDERS = "model folder", "training run", "adapter", "model folders"
+#: Folders of a training framework's own layout: their weights are no Hugging Face model folder's.
+FRAMEWORK_FORMATS = ("dcp", "megatron-torch-dist", "deepspeed", "rank-shards")
 #: The files that declare a folder of model folders: sentence-transformers' modules and diffusers' components.
 MODULES_NAME = "modules.json"
 MODEL_INDEX_NAME = "model_index.json"
+DECLARATIONS = (MODULES_NAME, MODEL_INDEX_NAME)
 # A module folder's name: one plain component, inside the folder that declares it.
 _PLAIN_NAME = re.compile(r"^(?!\.\.?$)[^/\\\x00]+$")
-#: A model's config.json is kilobytes; a hundred times the largest real one is still refused past this.
-MAX_CONFIG_BYTES = 16 << 20
 #: The largest file carried beside the weights: a tokenizer.json is tens of megabytes. A larger one is left out,
 #: with a note naming it.
 MAX_CARRIED_BYTES = 1 << 30
@@ -111,17 +126,38 @@ class Inventory:
 
 
 def _walk(folder: str) -> Iterable[str]:
-    """Every regular file's relative name under ``folder``, hidden ones and links to folders apart; a link that
-    leads out of the folder is refused by the read policy."""
-    for root, folders, files in os.walk(folder, followlinks=False):
-        folders[:] = sorted(name for name in folders if not name.startswith("."))
-        for name in sorted(files):
+    """Every regular file's relative name under ``folder``, hidden ones apart, in ``os.walk``'s order (a folder's
+    files, then its subfolders). A link to a folder inside ``folder`` is followed (its files are carried under the
+    link's name, as transformers reads them); a link that leads out of the folder, to a file or a folder, is refused
+    by the read policy, as is a link to a folder that holds it (a loop)."""
+
+    def visit(path: str, relative: str, ancestors: frozenset[str]) -> Iterator[str]:
+        subfolders: list[tuple[str, str]] = []
+        for name in sorted(os.listdir(path)):
             if name.startswith("."):
                 continue
-            path = os.path.join(root, name)
-            info = read_policy.check_file(path, folder=folder)  # links out, FIFOs, devices: refused
+            entry = os.path.join(path, name)
+            if os.path.isdir(entry):
+                if os.path.islink(entry):
+                    if not read_policy.within(entry, folder):
+                        raise MalformedCheckpointError(
+                            f"{entry!r} is a link that leads outside the checkpoint folder {folder!r}; ckptconv reads "
+                            "only files inside it (copy the folder in instead of linking it)",
+                            path=entry,
+                        )
+                    if os.path.realpath(entry) in ancestors:
+                        raise MalformedCheckpointError(
+                            f"{entry!r} is a link to a folder that holds it (a loop); remove the link", path=entry
+                        )
+                subfolders.append((entry, f"{relative}{name}/"))
+                continue
+            info = read_policy.check_file(entry, folder=folder)  # links out, FIFOs, devices: refused
             if stat.S_ISREG(info.st_mode):
-                yield os.path.relpath(path, folder).replace(os.sep, "/")
+                yield f"{relative}{name}"
+        for entry, name in subfolders:
+            yield from visit(entry, name, ancestors | {os.path.realpath(entry)})
+
+    return visit(folder, "", frozenset({os.path.realpath(folder)}))
 
 
 def _read_json(folder: str, name: str) -> Any:
@@ -245,25 +281,113 @@ def model_folder(source: str) -> str | None:
     return None
 
 
-def read_config(folder: str) -> Mapping[str, Any] | None:
-    """``folder``'s ``config.json`` as a JSON object, or None when the folder has none.
+def read_config(folder: str) -> ModelConfig | None:
+    """``folder``'s ``config.json`` parsed through the config schema (:mod:`ckptconv.reading.model_config`), or
+    None when the folder has none.
 
     Raises:
         LoadError: the file is a link out of the folder, not a regular file, or unreadable.
-        MalformedCheckpointError: it is not a JSON object, or is larger than :data:`MAX_CONFIG_BYTES`.
+        InvalidConfigError: it is not a JSON object, is larger than :data:`MAX_CONFIG_BYTES`, or a field ckptconv
+            reads has the wrong type or is out of range.
     """
     path = os.path.join(folder, CONFIG_NAME)
     if not os.path.lexists(path):
         return None
-    data = read_policy.read_limited(path, limit=MAX_CONFIG_BYTES, folder=folder, what="model config")
     try:
-        config = json_object(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise MalformedCheckpointError(
-            f"{path!r} is not a model config: it is not JSON ({type(error).__name__}); fix or remove it", path=path
+        data = read_policy.read_limited(path, limit=MAX_CONFIG_BYTES, folder=folder, what="model config")
+    except MalformedCheckpointError:  # over the size cap: the config is what is wrong
+        raise InvalidConfigError(
+            f"{path!r} is not a model config: it is larger than {MAX_CONFIG_BYTES:,} bytes; fix or remove it", path=path
         ) from None
-    if not isinstance(config, dict):
-        raise MalformedCheckpointError(
-            f"{path!r} is not a model config: it holds {short_repr(config)}, not a JSON object", path=path
-        )
-    return config
+    return parse_model_config(parse_config_text(data, path), path=path)
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model as a source gives it, resolved once (:func:`resolve_model`).
+
+    Attributes:
+        folder: the model folder.
+        format: the format of the weights at its top (``""`` when only its parts hold weights).
+        weights: the files those weights are in (the file, or the index and its shards), absolute.
+        parts: the model folders inside it (:func:`components`), converted each as a model folder of its own.
+        config: its ``config.json`` (``adapter_config.json`` for an adapter), or None when it has none.
+        adapter: its weights are a PEFT adapter's (``adapter_config.json``, no ``config.json``).
+    """
+
+    folder: str
+    format: str
+    weights: tuple[str, ...]
+    parts: tuple[str, ...] = ()
+    config: Mapping[str, Any] | None = field(default=None, compare=False)
+    adapter: bool = False
+
+    @cached_property
+    def inventory(self) -> Inventory:
+        """What the folder holds besides the weights and its parts (read on first use: it opens the pickles beside
+        the weights to tell training state from weights)."""
+        return inventory(self.folder, self.weights, self.parts)
+
+    @property
+    def training_state(self) -> tuple[tuple[str, str], ...]:
+        """``(name, what)`` for each file of training state beside the weights (optimizer, scheduler ...)."""
+        return self.inventory.training_state
+
+    @property
+    def kind(self) -> str:
+        """:data:`MODEL_FOLDERS` (``modules.json`` or ``model_index.json`` declaring model folders inside it),
+        :data:`ADAPTER` (PEFT's ``adapter_config.json`` beside its weights), :data:`TRAINING_RUN` (training state
+        beside the model: HF Trainer's ``checkpoint-500/``; asks :attr:`inventory`) or :data:`MODEL_FOLDER`."""
+        if self.parts:
+            return MODEL_FOLDERS
+        if self.adapter:
+            return ADAPTER
+        return TRAINING_RUN if self.training_state else MODEL_FOLDER
+
+
+def resolve_model(source: str, *, strict: bool = True) -> Model | None:
+    """The model ``source`` names: a model folder, a training run's, an adapter's, a folder of model folders (or
+    the ``*.index.json`` of one); None for a single weights file, and for a training framework's own folders
+    (DCP, DeepSpeed, per-rank files: :data:`FRAMEWORK_FORMATS`).
+
+    Args:
+        source: a path.
+        strict: when False, a folder that declares no model (no ``config.json``, ``adapter_config.json`` or
+            declared parts), whose config is not a JSON object, or whose weights do not resolve to one checkpoint
+            is None too, and nothing is raised (``batch`` then takes its files one by one).
+
+    Raises:
+        LoadError: (``strict``) the folder's weights cannot be resolved: several checkpoints, none, a link out.
+        MalformedCheckpointError: (``strict``) its ``config.json`` is not a JSON object.
+    """
+    folder = model_folder(source)
+    if folder is None:
+        return None
+    try:
+        config: Mapping[str, Any] | None
+        try:
+            config, invalid = read_config(folder), False
+        except InvalidConfigError:
+            # Still a model folder: batch makes it one item, whose conversion refuses the config in one line
+            # (taken file by file, its weights would be converted past the config that describes them).
+            if strict:
+                raise
+            config, invalid = None, True
+        parts = components(folder)
+        adapter = config is None and not invalid and os.path.isfile(os.path.join(folder, ADAPTER_CONFIG_NAME))
+        if not strict and config is None and not parts and not adapter and not invalid:
+            return None
+        if adapter:
+            config = _read_json(folder, ADAPTER_CONFIG_NAME)
+            config = config if isinstance(config, dict) else None
+        found, weights = "", tuple[str, ...]()
+        if not parts or holds_weights(folder):
+            found, path = resolve(source)
+            if found in FRAMEWORK_FORMATS:
+                return None
+            weights = tuple(os.path.abspath(name) for name in checkpoint_files(path))
+        return Model(folder, found, weights, parts, config, adapter)
+    except (CkptconvError, OSError):
+        if strict:
+            raise
+        return None

@@ -297,6 +297,25 @@ def _unsupported_tensors(root: Any, base: tuple[PathPart, ...], limit: int = 100
     return found
 
 
+def _packed_params(root: Any, depth: int = 3) -> list[str]:
+    """The names of torch.ao quantized Linears' packed parameters (``fc._packed_params._packed_params``, a
+    (weight, bias) tuple: ``torch.ao.nn.quantized.modules.linear.LinearPackedParams._save_to_state_dict``) in the
+    mappings of the tree's first ``depth`` levels."""
+    found: list[str] = []
+    level: list[tuple[str, Any]] = [("", root)]
+    for _ in range(depth):
+        deeper: list[tuple[str, Any]] = []
+        for prefix, value in level:
+            for key, child in mapping_items(value) or ():
+                name = f"{prefix}{key}"
+                if isinstance(key, str) and key.endswith("_packed_params._packed_params") and isinstance(child, tuple):
+                    found.append(name)
+                elif mapping_items(child):
+                    deeper.append((name + ".", child))
+        level = deeper
+    return found
+
+
 def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: str, root: Any = None) -> Selection:
     if not candidates:
         where = f" under {format_path(base)!r}" if base else ""
@@ -321,6 +340,15 @@ def _choose(candidates: list[_Candidate], base: tuple[PathPart, ...], source: st
             return Selection(only.weights, only.path, only.kind, (), only.skipped)
         if len(loose) > 1:
             _ambiguous(loose, source)
+        packed = _packed_params(root)
+        if packed:
+            raise SelectionError(
+                f"{source} holds a torch.ao quantized model's state dict: {plural(len(packed), 'packed Linear')} "
+                f"({', '.join(repr(name) for name in packed[:2])}{', ...' if len(packed) > 2 else ''}), each a "
+                "(weight, bias) pair torch.ao packs, not tensors under their own names; load it into its quantized "
+                "model with torch, save each Linear's weight().dequantize() and bias() under the float model's "
+                "names, and convert that"
+            )
         raise SelectionError(
             f"{source} holds no state dict or model{where}", hint="run `ckptconv inspect` to see what it contains"
         )
@@ -456,6 +484,12 @@ def _refuse_model_parallel_rank(tree: Any, source: str) -> None:
     if not items:
         return
     entries = dict(items)
+    if "checkpoint_version" in entries and "language_model" in dict(mapping_items(entries.get("model")) or ()):
+        raise SelectionError(  # a search would pick one of its nested dicts (the encoder) and leave the rest
+            f"{source} is a Megatron-LM file in the nested legacy layout (model.language_model.embedding, "
+            ".encoder, .output_layer); convert the run's folder (the iter_N folder, or the one holding "
+            "latest_checkpointed_iteration.txt), which reads every tensor of it under its full name"
+        )
     args = entries.get("args")
     if "checkpoint_version" not in entries or not isinstance(args, ForeignObject):
         return

@@ -46,6 +46,8 @@ __all__ = [
     "canonical_keys",
     "canonicalize",
     "cast_step",
+    "wrapper_note",
+    "wrapper_on_every_key",
 ]
 
 State = dict[str, TensorRef]
@@ -114,20 +116,36 @@ def _components(prefix: str) -> str:
 
 @dataclass(frozen=True)
 class StripPrefix:
-    """Remove a leading prefix made of whole components (``module`` → ``conv.weight``)."""
+    """Remove a leading prefix made of whole components (``module`` → ``conv.weight``).
+
+    With ``under_wrappers`` (``ckptconv strip-module``), the prefix is removed also where it follows wrappers that
+    are never a model's own names (``_orig_mod.``, ``_forward_module.``): ``_orig_mod.module.fc.weight`` becomes
+    ``_orig_mod.fc.weight``, and a note points to ``--canonical`` for the wrapper left.
+    """
 
     prefix: str
+    under_wrappers: bool = field(default=False, kw_only=True)
 
     @property
     def component(self) -> str:
         """The prefix as whole components, with its trailing dot (``"module."``)."""
         return _components(self.prefix)
 
-    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
+    def _strip(self, key: str) -> str:
         prefix = self.component
-        result, report = _rekey(
-            state, lambda key: key[len(prefix) :] if key.startswith(prefix) else key, self.describe()
-        )
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+        if not self.under_wrappers:
+            return key
+        start = 0
+        while (end := key.find(".", start)) != -1 and key[start:end] in _UNAMBIGUOUS_LEADING:
+            start = end + 1
+            if key.startswith(prefix, start) and len(key) > start + len(prefix):
+                return key[:start] + key[start + len(prefix) :]
+        return key
+
+    def apply(self, state: Mapping[str, TensorRef]) -> tuple[State, StepReport]:
+        result, report = _rekey(state, self._strip, self.describe())
         left = next((w for w in LEADING_WRAPPERS if result and all(k.startswith(f"{w}.") for k in result)), None)
         if report.changed and left is not None:
             note = f"every key still starts with '{left}.' ({_WRAPPER_OF[left]}); pass --canonical to remove every "
@@ -167,7 +185,22 @@ LEADING_WRAPPERS = ("_orig_mod", "_forward_module", "module")
 # parameter wrappers (`_fpw_module`), and torch.compile applied to a submodule.
 INTERIOR_WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_fpw_module", "_orig_mod"})
 _UNAMBIGUOUS_LEADING = frozenset(LEADING_WRAPPERS) - {"module"}
-_WRAPPER_OF = {"_orig_mod": "torch.compile", "_forward_module": "Lightning", "module": "DataParallel/DDP"}
+_WRAPPER_OF = {
+    "_orig_mod": "torch.compile",
+    "_forward_module": "Lightning",
+    "module": "DataParallel/DDP",
+    "_fsdp_wrapped_module": "FSDP",
+    "_checkpoint_wrapped_module": "activation checkpointing",
+    "_fpw_module": "FairScale",
+}
+#: Prefixes users meet in front of every key, for hints when the one they asked to strip is absent: the wrappers,
+#: and the names frameworks give the model (Lightning's ``model.``, ``backbone.``, ``net.``).
+HINTED_PREFIXES = (
+    *(f"{name}." for name in (*LEADING_WRAPPERS, "_fsdp_wrapped_module", "_checkpoint_wrapped_module")),
+    *("model.", "backbone.", "net."),
+)
+#: How the note on a wrapper prefix every key has starts (:func:`wrapper_note`): batch finds its items' by it.
+WRAPPER_NOTE = "every key starts with "
 # The counters an averaging wrapper keeps beside its `module.`: torch's AveragedModel (SWA/EMA) and mmengine's
 # EMA models. No model has them; with every other key under `module.`, they are set aside.
 AVERAGING_COUNTERS = {"n_averaged": "AveragedModel (SWA/EMA)", "steps": "mmengine's EMA model"}
@@ -180,6 +213,44 @@ def averaging_counters(keys: Iterable[str]) -> list[str]:
     counters = [key for key in keys if key in AVERAGING_COUNTERS]
     rest = [key for key in keys if key not in AVERAGING_COUNTERS]
     return counters if counters and rest and all(key.startswith("module.") for key in rest) else []
+
+
+def wrapper_on_every_key(keys: Iterable[str]) -> str | None:
+    """The wrapper component (:data:`LEADING_WRAPPERS`, :data:`INTERIOR_WRAPPERS`) every key starts with, or None.
+
+    A Lightning module's own ``model.`` is no wrapper (it is also a Hugging Face model's base), and is never named.
+    """
+    keys = list(keys)
+    if not keys:
+        return None
+    for wrapper in (*LEADING_WRAPPERS, *sorted(INTERIOR_WRAPPERS - set(LEADING_WRAPPERS))):
+        if all(key.startswith(f"{wrapper}.") for key in keys):
+            return wrapper
+    return None
+
+
+def wrapper_note(keys: Iterable[str]) -> str:
+    """The note on a wrapper prefix every key has, with the flags that remove it, or ``""``.
+
+    Example:
+        >>> wrapper_note(["module.conv.weight", "module.fc.bias"])
+        "every key starts with 'module.' (DataParallel/DDP); pass --strip-prefix module or --canonical to remove it"
+    """
+    keys = list(keys)
+    wrapper = wrapper_on_every_key(keys)
+    if wrapper is None:
+        return ""
+    # Wrappers stacked under it (torch.compile over DataParallel, FSDP around checkpointing): one flag removes all.
+    others = [f"'{name}.'" for name in canonical_keys(keys)[1] if name != wrapper]
+    if others:
+        return (
+            f"{WRAPPER_NOTE}'{wrapper}.' ({_WRAPPER_OF[wrapper]}), with {', '.join(others)} inside; pass --canonical "
+            "to remove every wrapper prefix"
+        )
+    return (
+        f"{WRAPPER_NOTE}'{wrapper}.' ({_WRAPPER_OF[wrapper]}); pass --strip-prefix {wrapper} or --canonical to "
+        "remove it"
+    )
 
 
 def canonical_keys(keys: Iterable[str]) -> tuple[dict[str, str], dict[str, int]]:

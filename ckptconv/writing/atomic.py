@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Callable
 
 from ckptconv._paths import PathLike, as_path, tilde_note
 from ckptconv.errors import OutputExistsError, WriteError
-from ckptconv.writing import write_policy
+from ckptconv.writing import faults, write_policy
 
 # Temporary files are created with O_TMPFILE where the file system supports it: they
 # have no name until the finished file is linked into place, so a process killed by
@@ -316,6 +316,7 @@ def atomic_output(
     write_policy.check_replaceable(target, shown)
     remove_abandoned(folder, os.path.basename(target), inputs=inputs)
     try:
+        faults.point(f"write {os.path.basename(target)}")
         file, temporary = _temporary(folder, os.path.basename(target))
     except OSError as error:
         raise write_policy.os_error(error, target) from None
@@ -327,6 +328,7 @@ def atomic_output(
                 file.flush()
             if fsync:
                 os.fsync(file.fileno())
+            faults.point(f"name {os.path.basename(target)}")
             _publish(file, temporary, target, overwrite=overwrite, shown=shown)
         with contextlib.suppress(OSError):
             if not fsync:

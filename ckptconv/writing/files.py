@@ -31,9 +31,9 @@ class WriteReport:
         bytes: tensor bytes written.
         aliases: for safetensors, keys stored as references to another key's data.
         files: every file written (one, or the shards and the index).
-        kept: under ``overwrite``, the files of a folder output's names (an earlier output's shards, a
-            ``model.safetensors``) that the new output does not use and ckptconv left where they are,
-            since it did not write them (they carry no ckptconv provenance).
+        kept: the files a folder output's destination held that the new output does not use and ckptconv
+            left where they are, since it cannot tell it wrote them: an earlier output's shards without
+            ckptconv's provenance, a file of the user's, a config an earlier conversion carried.
         pending: for one part of a folder (``--part``), the parts still to finish before the folder is
             published (0: published, by this part or before it).
     """
@@ -56,11 +56,12 @@ class WriteReport:
             return (f"this part's shards are written; {self.path!r} is published when {waiting} {verb}",)
         if not self.kept:
             return ()
-        names = [os.path.basename(path) for path in self.kept[:_KEPT_NAMED]]
+        inside = os.path.join(self.path, "")
+        names = [path[len(inside) :] if path.startswith(inside) else path for path in self.kept[:_KEPT_NAMED]]
         more = f" and {len(self.kept) - _KEPT_NAMED} more" if len(self.kept) > _KEPT_NAMED else ""
         return (
-            f"kept {plural(len(self.kept), 'file')} in {self.path!r} that ckptconv did not write and the new output "
-            f"does not use: {', '.join(names)}{more}; remove them if they are not yours to keep",
+            f"kept {plural(len(self.kept), 'file')} in {self.path!r} that the new output does not use and ckptconv "
+            f"cannot tell it wrote: {', '.join(names)}{more}; remove them if they do not belong with the new output",
         )
 
 

@@ -7,16 +7,16 @@ import re
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from ckptconv.errors import CkptconvError, OutputExistsError, WriteError
+from ckptconv.errors import OutputExistsError, WriteError
 from ckptconv.reading.formats import dcp
 from ckptconv.reading.formats._base import MetadataValue, metadata_text
 from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing import dcp as dcp_writer
-from ckptconv.writing import parts, shards, write_policy
+from ckptconv.writing import shards, write_policy
 from ckptconv.writing.atomic import atomic_output
 from ckptconv.writing.files import WriteReport, save_file
 from ckptconv.writing.provenance import written_by_ckptconv
-from ckptconv.writing.staging import Staging
+from ckptconv.writing.transaction import FolderTransaction, _Part
 
 
 def save_folder(
@@ -35,20 +35,21 @@ def save_folder(
     dedupe: bool = True,
     record_crcs: dict[Storage, int] | None = None,
     stem: str | None = None,
-    part: str | None = None,
+    transaction: FolderTransaction | _Part,
+    written_before: Callable[[Any, str, str], WriteReport] | None = None,
 ) -> WriteReport:
-    """Write a sharded or DCP folder as a whole or not at all (:mod:`.staging`).
+    """Write a sharded or DCP folder as a whole or not at all (:mod:`.transaction`).
 
-    The new files are written and checked apart, then renamed into place, the index last; the
-    previous output's files ckptconv wrote that the new one lacks are removed only with
-    ``overwrite``, after that, and files it did not write never. On any failure the previous output
-    stays as it was.
+    The new files are written and checked in ``transaction``'s staging folder, which the caller publishes
+    once the rest of the output (a model folder's configs) is there too. The previous output's files
+    ckptconv wrote that the new one lacks are removed only with ``overwrite``, as the new folder is
+    published, and files it did not write never. On any failure the previous output stays as it was.
+    ``written_before(shard, name, path)``: put the shard ``name`` that a part wrote (``convert --part``, verified
+    by :mod:`.parts`) at ``path`` in the staging folder instead of writing it.
     """
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise WriteError(f"{folder!r} is a file; give a folder for a sharded or DCP output", path=folder)
     inputs.check_folder(folder)
-    if part is not None:
-        parts.refuse_parts(kind, folder_output=True)
     if kind == "dcp":
         plan = None
         names = [dcp.DATA_FILE, dcp.METADATA_FILE]
@@ -75,46 +76,29 @@ def save_folder(
         inputs.check_file(os.path.join(folder, name), action="delete")
     # Only the old output's files ckptconv wrote are removed; a file of the same family that carries no
     # provenance (the user's own, or a --no-provenance output) stays where it is.
-    removed = [os.path.join(folder, name) for name in stale if written_by_ckptconv(os.path.join(folder, name))]
-    removed.sort(key=lambda path: not path.endswith((".index.json", dcp.METADATA_FILE)))  # indexes go first
-    created = write_policy.make_folders(folder)
-    if part is not None and plan is not None:  # N processes write this folder: each its shards, the last publishes
-
-        def write_shard(shard: Any, path: str) -> WriteReport:
-            return save_file(
-                list(shard), path, kind, inputs=inputs, overwrite=True, metadata=metadata, extra=None, update=update,
-                check=None, fsync=fsync, dedupe=dedupe, record_crcs=record_crcs,
-            )  # fmt: skip
-
-        return parts.write_part(
-            plan, shard_files, index_file, folder, parts.parse_part(part), kind=kind, metadata=metadata,
-            write_shard=write_shard, check=check, inputs=inputs, removed=removed, fsync=fsync,
-        )  # fmt: skip
-    staged: list[str] = []  # names, in the order they are published: the index or .metadata last
+    removed = [name for name in stale if written_by_ckptconv(os.path.join(folder, name))]
+    transaction.drop_old(removed)
+    staging = transaction.path
+    staged: list[str] = []  # names, in the order they were written: the index or .metadata last
     aliases: dict[str, str] = {}
-    try:
-        staging = Staging(folder, inputs=inputs)
-    except BaseException:
-        write_policy.remove_folders(created)
-        raise
-    try:
-        if plan is None:
+    if plan is None:
 
-            def open_output(name: str) -> Any:
-                staged.append(name)
-                return atomic_output(staging.file(name), overwrite=True, fsync=fsync, inputs=inputs)
+        def open_output(name: str) -> Any:
+            staged.append(name)
+            return atomic_output(os.path.join(staging, name), overwrite=True, fsync=fsync, inputs=inputs)
 
-            total = dcp_writer.write(
-                entries, staging.path, open_output=open_output, on_bytes=update, record_crcs=record_crcs
-            )
-        else:
-            total = 0
-            weight_map: dict[str, str] = {}
-            for shard, name in zip(plan.shards, shard_files):
-                # Shards are plain state dicts (what transformers loads); `extra` is for single files.
+        total = dcp_writer.write(entries, staging, open_output=open_output, on_bytes=update, record_crcs=record_crcs)
+    else:
+        total = 0
+        weight_map: dict[str, str] = {}
+        for shard, name in zip(plan.shards, shard_files):
+            # Shards are plain state dicts (what transformers loads); `extra` is for single files.
+            if written_before is not None:
+                report = written_before(shard, name, os.path.join(staging, name))
+            else:
                 report = save_file(
                     list(shard),
-                    staging.file(name),
+                    os.path.join(staging, name),
                     kind,
                     inputs=inputs,
                     overwrite=True,
@@ -126,26 +110,20 @@ def save_folder(
                     dedupe=dedupe,
                     record_crcs=record_crcs,
                 )
-                staged.append(name)
-                total += report.bytes
-                aliases.update(report.aliases)
-                weight_map.update({key: name for key, _ in shard if key not in report.aliases})
-            if len(shard_files) > 1:
-                index_metadata = {k: metadata_text(v) for k, v in (metadata or {}).items() if k.startswith("ckptconv.")}
-                document = shards.index_document(weight_map, total, index_metadata)
-                with atomic_output(staging.file(index_file), overwrite=True, fsync=fsync, inputs=inputs) as file:
-                    file.write(document)
-                staged.append(index_file)
-        if check is not None:
-            # The files this write made, where they are staged, before they replace anything.
-            check(staging.path if plan is None else staging.file(staged[-1]))
-        staging.publish(staged, remove=removed, fsync=fsync)
-    except BaseException as error:
-        staging.discard()
-        write_policy.remove_folders(created)
-        if isinstance(error, CkptconvError):
-            staging.named_finally(error)
-        raise
+            staged.append(name)
+            total += report.bytes
+            aliases.update(report.aliases)
+            weight_map.update({key: name for key, _ in shard if key not in report.aliases})
+        if len(shard_files) > 1:
+            index_metadata = {k: metadata_text(v) for k, v in (metadata or {}).items() if k.startswith("ckptconv.")}
+            document = shards.index_document(weight_map, total, index_metadata)
+            target = os.path.join(staging, index_file)
+            with atomic_output(target, overwrite=True, fsync=fsync, inputs=inputs) as file:
+                file.write(document)
+            staged.append(index_file)
+    if check is not None:
+        # The files this write made, where they are staged, before they replace anything.
+        check(staging if plan is None else os.path.join(staging, staged[-1]))
     written_files = tuple(os.path.join(folder, name) for name in staged)
-    kept = tuple(path for path in (os.path.join(folder, name) for name in stale) if path not in removed)
+    kept = tuple(os.path.join(folder, name) for name in stale if name not in removed)
     return WriteReport(folder, kind, len(entries), total, aliases, written_files, kept)

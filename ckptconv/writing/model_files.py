@@ -8,8 +8,9 @@ conversion changed, which is rewritten in ``config.json``:
 * ``dtype`` / ``torch_dtype`` (whichever the config has, in its sub-configs too) name the floating-point dtype
   of the weights written, when they share one (after ``--dtype``, or ``--like``);
 * ``quantization_config`` is removed when the weights were dequantized;
-* ``tie_word_embeddings`` says what the tensors written hold: True when the head (``lm_head.weight``) shares
-  the embeddings' data or was left out by the conversion, False when it is a tensor of its own.
+* ``tie_word_embeddings`` says what the tensors written hold: True when the head (``lm_head.weight``) is the
+  embeddings' tensor as written (the same data and the same cast) or was left out by the conversion, False when
+  it is a tensor of its own (set so where the config left it to the model class's default).
 
 :func:`plan` decides (planning, no I/O but the config already read); :func:`check` refuses existing files
 before any weight is written; :func:`write` copies through the read policy into atomic outputs the write
@@ -30,11 +31,13 @@ from typing import Any
 
 from ckptconv._text import plural
 from ckptconv.errors import OutputExistsError
+from ckptconv.quantization import output_check
 from ckptconv.reading import read_policy
 from ckptconv.reading.model_folder import CONFIG_NAME, Inventory, inventory, read_config
 from ckptconv.values.tensor import TensorRef
 from ckptconv.writing import write_policy
 from ckptconv.writing.atomic import atomic_output
+from ckptconv.writing.transaction import enclosing_part
 
 __all__ = [
     "ModelFile",
@@ -136,11 +139,11 @@ def _float_dtype(state: Mapping[str, TensorRef]) -> str | None:
 
 
 def _shares_data(state: Mapping[str, TensorRef], key: str) -> bool:
+    """True when another key holds the same tensor as ``key`` as written: the same view of the same storage and
+    the same pending cast (the test the writer stores tied tensors once by). A head kept in float32 by
+    ``--keep-dtype`` beside an embedding cast to bfloat16 views the same bytes but holds other values."""
     ref = state[key]
-    mine = (ref.storage, ref.offset, ref.shape, ref.stride)
-    return any(
-        (other.storage, other.offset, other.shape, other.stride) == mine for name, other in state.items() if name != key
-    )
+    return any(other == ref for name, other in state.items() if name != key)
 
 
 def _rewrite_dtype(config: dict[str, Any], dtype: str, changes: list[str], where: str = "") -> None:
@@ -157,7 +160,7 @@ def _tie(
     config: dict[str, Any], state: Mapping[str, TensorRef], source_keys: Iterable[str], changes: list[str]
 ) -> None:
     tied = config.get("tie_word_embeddings")
-    if not isinstance(tied, bool):
+    if tied is not None and not isinstance(tied, bool):
         return
     heads = [key for key in state if key.endswith(_HEAD)]
     if heads:
@@ -166,7 +169,10 @@ def _tie(
         consistent = True  # the conversion left the head out: only a tied head loads
     else:
         return
-    if consistent != tied:
+    if tied is None and not consistent:  # a head of its own, where the model class may tie by default (GPT-2)
+        changes.append("tie_word_embeddings set to false (the head written is a tensor of its own)")
+        config["tie_word_embeddings"] = False
+    elif tied is not None and consistent != tied:
         changes.append(f"tie_word_embeddings {str(tied).lower()} -> {str(consistent).lower()}")
         config["tie_word_embeddings"] = consistent
 
@@ -180,19 +186,21 @@ def rewritten_config(
     quantization_config: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """``config`` as the weights written need it, and the changes made (``"dtype float32 -> bfloat16"``)."""
-    result: dict[str, Any] = json.loads(json.dumps(config))  # a deep copy of plain JSON
+    result: dict[str, Any] = json.loads(json.dumps(dict(config)))  # a deep copy of plain JSON
     changes: list[str] = []
     dtype = _float_dtype(state)
     if dtype is not None:
         _rewrite_dtype(result, dtype, changes)
-    if dequantized and "quantization_config" in result:
-        del result["quantization_config"]
-        changes.append("quantization_config removed (the weights were dequantized)")
+    for declaration in ("quantization_config", "compression_config") if dequantized else ():
+        if declaration in result:
+            del result[declaration]
+            changes.append(f"{declaration} removed (the weights were dequantized)")
     if quantization_config is not None:
         result["quantization_config"] = dict(quantization_config)
         method = quantization_config.get("quant_method")
         changes.append(f"quantization_config set ({method}: the weights were quantized)")
     _tie(result, state, source_keys, changes)
+    output_check.check_config(result, state)  # quantization_config there exactly when quantized tensors are
     return result, changes
 
 
@@ -343,5 +351,8 @@ def write_alone(
     inputs = write_policy.Inputs(file.source for file in carried.files)
     inputs.check_folder(target)
     check(carried, target, overwrite=overwrite, inputs=inputs)
+    part = enclosing_part(target)  # the top of a folder of models: staged with its parts, published with them
+    if part is not None:
+        return carried, tuple(part.final(path) for path in write(carried, part.path, inputs=inputs, fsync=fsync))
     made = [] if os.path.isdir(target) else write_policy.make_folders(destination)
     return carried, write(carried, target, inputs=inputs, fsync=fsync, made=made)

@@ -3,44 +3,51 @@
 Every part plans the whole folder alike (:func:`~ckptconv.writing.shards.plan_shards` over the output
 tensors, so any source works), gives the shards to parts byte-balanced
 (:func:`~ckptconv.writing.shards.balance` over the shards' sizes, largest first, equal sizes by name), and
-writes only its own shards, into a hidden folder shared by the parts of this plan:
-``DST/.ckptconv-parts.<plan>/``, ``<plan>`` a digest of the shards' names and tensors (keys, dtypes,
+writes only its own shards, into a hidden folder beside DST shared by the parts of this plan:
+``.DST.ckptconv-parts-<plan>``, ``<plan>`` a digest of the shards' names and tensors (keys, dtypes,
 shapes) and of the output's metadata, so the parts of another plan never mix with these. Then it writes
-a completion record (``part-0002-of-0004.json``: each of its shards' size and sha256, its part of the
-weight map and its bytes), atomically.
+a completion record (``part-0002-of-0004.json``: each of its shards' size, sha256, bytes and aliases),
+atomically. No part holds DST's output lock (:mod:`.locks`) while it writes its shards.
 
-The part that, holding the folder's lock, finds every record present publishes: it checks each shard
-against the size and sha256 its part recorded, writes the index, runs the write's check (``--verify``)
-on the whole staged folder, and renames the shards into ``DST``, the index last, then removes the
-hidden folder. The lock makes one part publish when two finish at once; the other then finds the
-hidden folder gone. Until then ``DST`` holds only what it held before. A part killed half-way is run
-again with the same arguments: it finds its plan's folder and writes its shards again.
+The part that, holding the hidden folder's lock, finds every record present publishes: it checks each
+shard against the size and sha256 its part recorded, then writes the folder as one process would, in one
+transaction under DST's lock (:mod:`.transaction`), each shard linked in from the hidden folder instead of
+written again; the index, a model folder's carried files and the write's check (``--verify``) on the whole
+staged folder follow as they do for one process. Then it removes the hidden folder. The lock makes one part
+publish when two finish at once; the other then finds the hidden folder gone. Until then ``DST`` holds only
+what it held before. A part killed half-way is run again with the same arguments: it finds its plan's folder
+and writes its shards again; a publish that failed (an existing DST without ``--overwrite``) leaves the
+hidden folder whole, and the last part run again publishes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ckptconv._text import human_bytes, plural
-from ckptconv.errors import DestinationError, WriteError
-from ckptconv.reading.formats._base import MetadataValue, json_bytes, metadata_text
-from ckptconv.runtime.signals import signals_deferred
+from ckptconv.errors import CkptconvError, DestinationError, WriteError
+from ckptconv.reading.formats._base import MetadataValue, json_bytes
 from ckptconv.values.tensor import TensorRef
 from ckptconv.writing import shards, write_policy
 from ckptconv.writing.atomic import atomic_output
 from ckptconv.writing.files import WriteReport
+from ckptconv.writing.locks import short_name
 from ckptconv.writing.provenance import file_sha256
 
-__all__ = ["Part", "PartsPlan", "parse_part", "plan_parts", "planned", "write_part"]
+__all__ = ["Part", "PartsPlan", "WrittenBefore", "parse_part", "plan_parts", "planned", "refuse_parts", "write_part"]
 
-_FOLDER = ".ckptconv-parts."
+_FOLDER = ".ckptconv-parts-"
+#: Puts the shard a part wrote in the staging folder: ``(shard entries, name, path) -> its WriteReport``.
+WrittenBefore = Callable[[Any, str, str], WriteReport]
 _LOCK = "lock"
 
 
@@ -146,9 +153,8 @@ def write_part(
     kind: str,
     metadata: Mapping[str, MetadataValue] | None,
     write_shard: Callable[[Sequence[tuple[str, TensorRef]], str], WriteReport],
-    check: Callable[[str], None] | None,
+    publish: Callable[[WrittenBefore], WriteReport],
     inputs: write_policy.Inputs,
-    removed: Sequence[str],
     fsync: bool,
 ) -> WriteReport:
     """Write part ``part`` of the sharded folder ``folder``; publish the whole folder if it is the last.
@@ -156,35 +162,43 @@ def write_part(
     Args:
         plan, names, index_file: the folder's shards, their file names and the index's.
         write_shard: writes one shard's entries to a path, as the one-process write does.
-        check: the write's check, given the staged index (or only shard) before anything is published.
-        removed: the previous output's files to remove once the new one is published.
+        publish: writes and publishes the folder as one process does, given how to put each shard in place.
 
     Returns:
         The write's report; ``pending`` says how many parts are still to come (0: published).
 
     Raises:
-        DestinationError: the output is a DCP folder or a single file.
-        WriteError: a file cannot be written; a part's shard no longer matches its record.
+        WriteError: a file cannot be written; a part's shard no longer matches its record; and what
+            ``publish`` raises.
     """
     parts = plan_parts(plan, names, index_file, part.count)
-    staging = os.path.join(folder, _FOLDER + _plan_digest(plan, names, metadata))
-    _hidden_folder(staging)
-    record: dict[str, Any] = {"part": part.index, "count": part.count, "shards": {}, "weight_map": {}, "bytes": 0}
-    record["aliases"] = {}
-    written = 0
-    for shard, name, owner in zip(plan.shards, names, parts.owner):
+    parent, name = os.path.split(folder.rstrip("/" + os.sep))
+    hidden = os.path.join(parent, f".{short_name(name)}{_FOLDER}{_plan_digest(plan, names, metadata)}")
+    _hidden_folder(hidden)
+    record: dict[str, Any] = {"part": part.index, "count": part.count, "shards": {}}
+    for shard, shard_name, owner in zip(plan.shards, names, parts.owner):
         if owner != part.index:
             continue
-        report = write_shard(shard, os.path.join(staging, name))
-        path = os.path.join(staging, name)
-        record["shards"][name] = {"size": os.path.getsize(path), "sha256": file_sha256(path)}
-        record["weight_map"].update({key: name for key, _ in shard if key not in report.aliases})
-        record["aliases"].update(report.aliases)
-        record["bytes"] += report.bytes
-        written += 1
-    with atomic_output(os.path.join(staging, _record_name(part)), overwrite=True, fsync=fsync, inputs=inputs) as file:
+        path = os.path.join(hidden, shard_name)
+        report = write_shard(shard, path)
+        record["shards"][shard_name] = {
+            "size": os.path.getsize(path),
+            "sha256": file_sha256(path),
+            "bytes": report.bytes,
+            "aliases": dict(report.aliases),
+        }
+    with atomic_output(os.path.join(hidden, _record_name(part)), overwrite=True, fsync=fsync, inputs=inputs) as file:
         file.write(json_bytes(record))
-    return _publish_if_last(parts, part, folder, staging, kind, metadata, check, removed, fsync, inputs, record)
+    mine = record["shards"]
+    waiting = WriteReport(
+        folder,
+        kind,
+        sum(len(shard) for shard, owner in zip(plan.shards, parts.owner) if owner == part.index),
+        sum(int(entry["bytes"]) for entry in mine.values()),
+        {alias: key for entry in mine.values() for alias, key in entry["aliases"].items()},
+        tuple(os.path.join(hidden, shard_name) for shard_name in mine),
+    )
+    return _publish_if_last(part, hidden, waiting, publish)
 
 
 def _record_name(part: Part) -> str:
@@ -192,111 +206,87 @@ def _record_name(part: Part) -> str:
 
 
 def _publish_if_last(
-    parts: PartsPlan,
-    part: Part,
-    folder: str,
-    staging: str,
-    kind: str,
-    metadata: Mapping[str, MetadataValue] | None,
-    check: Callable[[str], None] | None,
-    removed: Sequence[str],
-    fsync: bool,
-    inputs: write_policy.Inputs,
-    mine: Mapping[str, Any],
+    part: Part, hidden: str, waiting: WriteReport, publish: Callable[[WrittenBefore], WriteReport]
 ) -> WriteReport:
     import fcntl
 
-    published = [os.path.join(folder, name) for name in (*parts.names, *([parts.index] if parts.index else []))]
     try:
-        lock = os.open(os.path.join(staging, _LOCK), os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        lock = os.open(os.path.join(hidden, _LOCK), os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
     except FileNotFoundError:  # another part published and removed the folder meanwhile
-        return _report(folder, kind, mine, published, 0)
+        return dataclasses.replace(waiting, files=())
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.isdir(staging):
-            return _report(folder, kind, mine, published, 0)
-        records = [_read_record(staging, Part(index, part.count)) for index in range(part.count)]
+        if not os.path.isdir(hidden):
+            return dataclasses.replace(waiting, files=())
+        records = [_read_record(hidden, Part(index, part.count)) for index in range(part.count)]
         missing = sum(record is None for record in records)
         if missing:
-            return _report(folder, kind, mine, [os.path.join(staging, name) for name in mine["shards"]], missing)
-        weight_map: dict[str, str] = {}
-        aliases: dict[str, str] = {}
-        total = 0
+            return dataclasses.replace(waiting, pending=missing)
+        recorded: dict[str, dict[str, Any]] = {}
         for record in [record for record in records if record is not None]:
             for name, expected in record["shards"].items():
-                path = os.path.join(staging, name)
-                if (
-                    not os.path.isfile(path)
-                    or os.path.getsize(path) != expected["size"]
-                    or file_sha256(path) != expected["sha256"]
-                ):
+                path = os.path.join(hidden, name)
+                if not _matches(path, expected):
                     raise WriteError(
-                        f"the shard {name!r} of part {record['part']}/{part.count} in {staging!r} is not what that "
+                        f"the shard {name!r} of part {record['part']}/{part.count} in {hidden!r} is not what that "
                         "part recorded; run that part again",
                         path=path,
                     )
-            weight_map.update(record["weight_map"])
-            aliases.update(record["aliases"])
-            total += int(record["bytes"])
-        order = list(parts.names)
-        if parts.index:
-            index_metadata = {k: metadata_text(v) for k, v in (metadata or {}).items() if k.startswith("ckptconv.")}
-            document = shards.index_document(weight_map, total, index_metadata)
-            with atomic_output(os.path.join(staging, parts.index), overwrite=True, fsync=fsync, inputs=inputs) as file:
-                file.write(document)
-            order.append(parts.index)
-        if check is not None:
-            check(os.path.join(staging, order[-1]))
-        with signals_deferred():
-            for name in order:
-                os.replace(os.path.join(staging, name), os.path.join(folder, name))
-            for path in removed:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            for name in os.listdir(staging):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(staging, name))
+                recorded[name] = expected
+
+        def written_before(shard: Any, name: str, path: str) -> WriteReport:
+            entry = recorded.get(name)
+            if entry is None:
+                raise WriteError(
+                    f"no part recorded the shard {name!r} in {hidden!r}; run every part again", path=hidden
+                )
+            try:
+                os.link(os.path.join(hidden, name), path)  # the part's file stays until the folder is published
+            except OSError:
+                shutil.copyfile(os.path.join(hidden, name), path)
+            return WriteReport(path, "", len(shard), int(entry["bytes"]), dict(entry["aliases"]), (path,))
+
+        report = publish(written_before)
+        for name in os.listdir(hidden):
             with contextlib.suppress(OSError):
-                os.rmdir(staging)
-        return _report(folder, kind, {"weight_map": weight_map, "aliases": aliases, "bytes": total}, published, 0)
+                os.unlink(os.path.join(hidden, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(hidden)
+        return report
     except OSError as error:
         if isinstance(error, WriteError):
             raise
-        raise write_policy.os_error(error, staging) from None
+        raise write_policy.os_error(error, hidden) from None
     finally:
         os.close(lock)
 
 
-def _read_record(staging: str, part: Part) -> dict[str, Any] | None:
-    path = os.path.join(staging, _record_name(part))
+def _matches(path: str, expected: Any) -> bool:
+    try:
+        return (
+            isinstance(expected, dict)
+            and os.path.isfile(path)
+            and os.path.getsize(path) == expected.get("size")
+            and file_sha256(path) == expected.get("sha256")
+        )
+    except (OSError, CkptconvError):
+        return False
+
+
+def _read_record(hidden: str, part: Part) -> dict[str, Any] | None:
+    path = os.path.join(hidden, _record_name(part))
     try:
         with open(path, "rb") as file:
             record = json.loads(file.read())
     except (OSError, ValueError):
         return None
-    shards_ok = isinstance(record, dict) and isinstance(record.get("shards"), dict)
-    return (
-        record
-        if shards_ok and record.get("count") == part.count and isinstance(record.get("weight_map"), dict)
-        else None
-    )
-
-
-def _report(folder: str, kind: str, record: Mapping[str, Any], files: Sequence[str], pending: int) -> WriteReport:
-    """The report of a part (its shards; ``pending``: parts still to come), or of the whole folder it published."""
-    return WriteReport(
-        folder,
-        kind,
-        len(record["weight_map"]) + len(record["aliases"]),
-        int(record["bytes"]),
-        dict(record["aliases"]),
-        tuple(files),
-        pending=pending,
-    )
+    if not isinstance(record, dict) or record.get("count") != part.count or not isinstance(record.get("shards"), dict):
+        return None
+    return record
 
 
 def refuse_parts(kind: str, folder_output: bool) -> None:
-    """``--part`` writes part of a sharded folder: refused for a single file or a DCP folder."""
+    """``--part`` writes part of a sharded folder: refused for a single file, a DCP folder, a folder of models."""
     if kind == "dcp" or not folder_output:
         raise DestinationError(
             "--part writes part of a sharded folder: give a folder DST with --max-shard-size (not --to dcp)"

@@ -10,6 +10,7 @@ never a truncated one (huggingface/safetensors#762).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 from collections.abc import Iterable, Mapping
@@ -19,16 +20,20 @@ from ckptconv._paths import PathLike, as_path
 from ckptconv._text import shown
 from ckptconv.errors import CkptconvError, WriteError
 from ckptconv.options import TIED
+from ckptconv.quantization import output_check
 from ckptconv.reading.formats._base import MetadataValue
 from ckptconv.reading.read_policy import keeping_open
 from ckptconv.reading.streaming import keeping_workers
 from ckptconv.values.tensor import Storage, TensorRef
+from ckptconv.writing import model_files, parts, shards, write_policy
 from ckptconv.writing import torch_zip as zip_writer
-from ckptconv.writing import write_policy
 from ckptconv.writing.files import WriteReport, save_file
 from ckptconv.writing.folders import save_folder
+from ckptconv.writing.locks import OutputLock
+from ckptconv.writing.model_files import ModelFiles
 from ckptconv.writing.naming import is_folder_destination, output_format
 from ckptconv.writing.room import check_room, planned_bytes
+from ckptconv.writing.transaction import FolderTransaction, _Part, enclosing_part
 
 __all__ = ["WriteReport", "output_format", "save", "tied_note", "write_state"]
 
@@ -181,14 +186,19 @@ def write_state(
     fsync: bool = True,
     tied: str = "dedupe",
     record_crcs: dict[Storage, int] | None = None,
-    stem: str | None = None,
-    part: str | None = None,
+    carried: ModelFiles | None = None,
+    lock: OutputLock | None = None,
+    output_part: str | None = None,
 ) -> WriteReport:
-    """:func:`save`, whose folder outputs may name their weights after ``stem`` (``adapter_model.safetensors``)."""
+    """:func:`save`, whose folder output may be a model folder: the files ``carried`` written beside the weights
+    (named after their stem, ``adapter_model.safetensors``), all in one transaction; ``lock``: the output's lock,
+    when the caller holds it already; ``output_part``: ``"i/N"``, write part i of N of the folder's shards
+    (:mod:`.parts`), the last part to finish publishing the folder."""
     if tied not in TIED:
         raise ValueError(f"tied must be one of {', '.join(TIED)}, not {tied!r}")
     path = as_path(path)
     entries = _entries(state)
+    output_check.check_state(dict(entries))  # the last check: no orphan scale, whatever wrote the state
     target = os.path.abspath(path)
     protected = write_policy.Inputs([*_source_paths(entries), *inputs])
     folder_output = is_folder_destination(path, to, max_shard_size)
@@ -202,35 +212,69 @@ def write_state(
     # A missing parent folder is created, as save_pretrained does, below the part of the path that exists
     # (write_policy.make_folders says how far); removed again when the write fails.
     parent = os.path.dirname(path.rstrip("/" + os.sep))
+    part = enclosing_part(target) if folder_output else None  # a part of a folder of models: made where staged
     with contextlib.ExitStack() as cleanup:
-        created = write_policy.make_folders(parent) if parent and not os.path.isdir(parent) else []
+        made = parent and not os.path.isdir(parent) and part is None
+        created = write_policy.make_folders(parent) if made else []
         cleanup.push(lambda *error: write_policy.remove_folders(created) if error[0] is not None else None)
         update, close = _progress_callback(progress, total, target)
         cleanup.callback(close)
         cleanup.enter_context(keeping_open())  # each source file opened once for all its tensors
         cleanup.enter_context(keeping_workers())  # one pool of cast threads for all the tensors
+        if output_part is not None:
+            parts.refuse_parts(kind, folder_output and part is None)
         if folder_output:
-            return save_folder(
-                entries,
-                target,
-                kind,
-                overwrite=overwrite,
-                metadata=metadata,
-                extra=extra,
-                max_shard_size=max_shard_size,
-                update=update,
-                inputs=protected,
-                check=check,
-                fsync=fsync,
-                dedupe=tied == "dedupe",
-                record_crcs=record_crcs,
-                stem=stem,
-                part=part,
-            )
-        if part is not None:
-            from ckptconv.writing.parts import refuse_parts
 
-            refuse_parts(kind, folder_output)
+            def write_folder(written_before: parts.WrittenBefore | None = None) -> WriteReport:
+                """The folder as one transaction (its shards written now, or by the parts: ``written_before``)."""
+                with contextlib.ExitStack() as held_here:
+                    transaction: FolderTransaction | _Part | None = part
+                    if transaction is None:
+                        held = held_here.enter_context(
+                            contextlib.nullcontext(lock) if lock is not None else OutputLock(target)
+                        )
+                        transaction = FolderTransaction(held, inputs=protected, fsync=fsync)
+                    with transaction.undone_on_failure():
+                        report = save_folder(
+                            entries,
+                            target,
+                            kind,
+                            overwrite=overwrite,
+                            metadata=metadata,
+                            extra=extra,
+                            max_shard_size=max_shard_size,
+                            update=update,
+                            inputs=protected,
+                            check=check,
+                            fsync=fsync,
+                            dedupe=tied == "dedupe",
+                            record_crcs=record_crcs,
+                            stem=carried.stem if carried is not None else None,
+                            transaction=transaction,
+                            written_before=written_before,
+                        )
+                        staged = (
+                            model_files.write(carried, transaction.path, inputs=protected, fsync=fsync)
+                            if carried
+                            else ()
+                        )
+                        return _publish(transaction, report, tuple(transaction.final(path) for path in staged))
+
+            if output_part is None:
+                return write_folder()
+
+            def write_shard(shard: Any, path: str) -> WriteReport:
+                return save_file(
+                    list(shard), path, kind, inputs=protected, overwrite=True, metadata=metadata, extra=None,
+                    update=update, check=None, fsync=fsync, dedupe=tied == "dedupe", record_crcs=record_crcs,
+                )  # fmt: skip
+
+            plan = shards.plan_shards(entries, max_shard_size)
+            names, index = shards.shard_names(kind, len(plan.shards), carried.stem if carried is not None else None)
+            return parts.write_part(
+                plan, names, index, target, parts.parse_part(output_part), kind=kind, metadata=metadata,
+                write_shard=write_shard, publish=write_folder, inputs=protected, fsync=fsync,
+            )  # fmt: skip
         protected.check_file(target)
         return save_file(
             entries,
@@ -247,6 +291,17 @@ def write_state(
             dedupe=tied == "dedupe",
             record_crcs=record_crcs,
         )
+
+
+def _publish(transaction: FolderTransaction | _Part, report: WriteReport, carried: tuple[str, ...]) -> WriteReport:
+    """Publish a folder output, all of it staged (weights, index, the model files ``carried``), in one step. A check
+    of the whole staged output (:attr:`FolderTransaction.path`) before it is published belongs here."""
+    kept = transaction.publish()
+    noted = set(report.kept)
+    others = [path for path in (os.path.join(report.path, *name.split("/")) for name in kept) if path not in noted]
+    if transaction.leftover is not None:
+        others.append(transaction.leftover)
+    return dataclasses.replace(report, files=report.files + carried, kept=report.kept + tuple(others))
 
 
 def _entries(state: Mapping[str, Any]) -> list[tuple[str, TensorRef]]:

@@ -28,7 +28,6 @@ metadata, pickled bytes) are not weights and are left out.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -36,10 +35,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptconv.errors import CkptconvError, MalformedCheckpointError
+from ckptconv.errors import MalformedCheckpointError
 from ckptconv.reading import read_policy
 from ckptconv.reading.formats import dcp
 from ckptconv.reading.formats._base import ReadResult
+from ckptconv.reading.model_config import parse_config_text
 from ckptconv.reading.sources import Source
 from ckptconv.values.tensor import ReadInto, Storage, TensorRef, contiguous_strides
 
@@ -56,15 +56,18 @@ _STACKED = re.compile(r"^(?P<prefix>(?:.*\.)?layers)\.(?P<rest>(?!\d+(?:\.|$)).+
 
 
 def is_torch_dist_folder(path: str) -> bool:
-    """True for a DCP folder that Megatron-Core's ``torch_dist`` backend wrote."""
+    """True for a DCP folder that Megatron-Core's ``torch_dist`` backend wrote.
+
+    Raises:
+        InvalidConfigError: the DCP folder's ``metadata.json`` (Megatron's record of its backend) is not one JSON
+            object (not JSON, a key named twice, nested too deep): which backend wrote it cannot be told.
+    """
     marker = os.path.join(path, MARKER)
-    if not dcp.is_dcp_folder(path) or not os.path.isfile(marker) or os.path.getsize(marker) > 65536:
+    if not dcp.is_dcp_folder(path) or not os.path.isfile(marker):
         return False
-    try:
-        config = json.loads(read_policy.read_limited(marker, limit=65536, folder=path, what="metadata.json"))
-    except (CkptconvError, OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("sharded_backend") == "torch_dist"
+    data = read_policy.read_limited(marker, limit=65536, folder=path, what="metadata.json")
+    config = parse_config_text(data, marker, what="Megatron's checkpoint metadata")
+    return config.get("sharded_backend") == "torch_dist"
 
 
 @dataclass(frozen=True)

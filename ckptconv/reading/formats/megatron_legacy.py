@@ -7,7 +7,13 @@ Layout (Megatron-LM's ``save_checkpoint``)::
     run/iter_0000003/mp_rank_TT_PPP/model_optim_rng.pt    with pipeline parallelism: stage PPP
 
 Each file holds ``{"args", "checkpoint_version", "iteration", "model": state_dict, ...}``, the
-model being the rank's piece. :func:`read` merges the pieces lazily (each merged tensor is a
+model being the rank's piece: flat with Megatron-Core (``decoder.layers.N.…``), nested before it
+(``{"language_model": {"embedding": {"word_embeddings": {"weight": t}}, "encoder": {"layers.N.…": t},
+"output_layer": {"weight": t}}}``, the legacy GPTModel's ``state_dict_for_save_checkpoint``), which is
+flattened to dotted names (``language_model.encoder.layers.0.self_attention.query_key_value.weight``) as
+``nn.Module.state_dict`` would name them; they are not mapped to a Hugging Face model's.
+
+:func:`read` merges the pieces lazily (each merged tensor is a
 :class:`~ckptconv.reading.formats.dcp.Assembled` of the ranks' byte ranges, read where they lie),
 by the partition rule of each name, :data:`PARTITIONS` (first match wins; give ``partitions``
 to override):
@@ -33,9 +39,10 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ckptconv._text import short_repr
 from ckptconv.errors import MalformedCheckpointError, UnsupportedFormatError
 from ckptconv.reading import read_policy
 from ckptconv.reading.formats import torch_zip
@@ -68,7 +75,18 @@ PARTITIONS: tuple[tuple[str, str], ...] = (
     (r"(layernorm|layer_norm)(\.|_)(weight|bias)$", "replicated"),
     (r"(^|\.)position_embeddings\.weight$", "replicated"),
     (r"\.router\.weight$", "replicated"),
+    # The nested layout before Megatron-Core (``language_model.encoder.layers.N.…``): legacy/model/transformer.py.
+    (r"(^|\.)word_embeddings_for_head\.weight$", "column"),
+    (r"\.query_key_value\.(weight|bias)$", "column"),
+    (r"\.dense_h_to_4h\.(weight|bias)$", "column"),
+    (r"\.(self_)?attention\.dense\.weight$", "row"),
+    (r"\.dense_4h_to_h\.weight$", "row"),
+    (r"\.((self_)?attention\.dense|dense_4h_to_h)\.bias$", "replicated"),
 )
+# Before checkpoint_version 2.0, Megatron-LM ordered these rows otherwise (its fix_query_key_value_ordering).
+_OLD_QKV = ("query_key_value.weight", "query_key_value.bias")
+#: The deepest nesting of the model's dicts that is flattened (the legacy layout nests four deep).
+MAX_NESTING = 16
 _RULES = ("column", "row", "replicated")
 
 
@@ -168,15 +186,48 @@ def _merge(name: str, pieces: list[TensorRef], rule: str, gated: bool, file: str
     return TensorRef(storage, first.dtype, shape, contiguous_strides(shape))
 
 
+# (fc1, fc2) name endings of an MLP: Megatron-Core's, then the legacy layout's.
+_MLPS = (("linear_fc1.weight", "linear_fc2.weight"), ("dense_h_to_4h.weight", "dense_4h_to_h.weight"))
+
+
 def _gated_layers(stage: Mapping[str, TensorRef]) -> set[str]:
-    """The ``linear_fc1`` names of gated MLPs: rows twice ``linear_fc2``'s columns (per rank)."""
+    """The ``linear_fc1`` (legacy: ``dense_h_to_4h``) names of gated MLPs: rows twice the second linear's columns
+    (per rank)."""
     gated = set()
     for name, ref in stage.items():
-        if name.endswith("linear_fc1.weight"):
-            fc2 = stage.get(name[: -len("linear_fc1.weight")] + "linear_fc2.weight")
-            if fc2 is not None and len(fc2.shape) == 2 and ref.shape[0] == 2 * fc2.shape[1]:
-                gated.update({name, name[: -len("weight")] + "bias"})
+        for fc1, fc2_name in _MLPS:
+            if name.endswith(fc1):
+                fc2 = stage.get(name[: -len(fc1)] + fc2_name)
+                if fc2 is not None and len(fc2.shape) == 2 and ref.shape[0] == 2 * fc2.shape[1]:
+                    gated.update({name, name[: -len("weight")] + "bias"})
     return gated
+
+
+def _flattened(model: Mapping[Any, Any], file: str) -> dict[str, TensorRef]:
+    """The model's tensors by dotted name. Megatron-Core's state dict is flat; the legacy layout nests dicts
+    (``{"language_model": {"embedding": {"word_embeddings": {"weight": t}}, "encoder": {"layers.0.…": t},
+    "output_layer": {"weight": t}}}``), joined here with dots, as ``nn.Module.state_dict`` names them."""
+    flat: dict[str, TensorRef] = {}
+    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [("", iter(model.items()))]  # depth first, in file order
+    while stack:
+        prefix, items = stack[-1]
+        item = next(items, None)
+        if item is None:
+            stack.pop()
+            continue
+        key, value = item
+        if not isinstance(key, str):
+            continue
+        name = prefix + key
+        if isinstance(value, TensorRef):
+            if name in flat:
+                raise _damaged(file, f"its model names {name!r} twice (flat and nested)")
+            flat[name] = value
+        elif isinstance(value, Mapping) and value:
+            if len(stack) >= MAX_NESTING:
+                raise _damaged(file, f"its model nests deeper than {MAX_NESTING} dicts at {name!r}")
+            stack.append((name + ".", iter(value.items())))
+    return flat
 
 
 def read(path: str, *, partitions: Sequence[tuple[str, str]] = PARTITIONS, max_items: int | None = None) -> ReadResult:
@@ -216,7 +267,7 @@ def read(path: str, *, partitions: Sequence[tuple[str, str]] = PARTITIONS, max_i
     offset = 0
     unknown: list[str] = []
     for stage in range(pp):
-        models = [{k: v for k, v in trees[(t, stage)]["model"].items() if isinstance(v, TensorRef)} for t in range(tp)]
+        models = [_flattened(trees[(t, stage)]["model"], ranks[(t, stage)]) for t in range(tp)]
         names = list(models[0])
         if any(list(m) != names for m in models):
             raise _damaged(folder, f"the tensor-parallel ranks of stage {stage} hold different names")
@@ -242,6 +293,14 @@ def read(path: str, *, partitions: Sequence[tuple[str, str]] = PARTITIONS, max_i
             path=folder,
         )
     first = trees[(0, 0)]
+    version = first.get("checkpoint_version", 0)  # Megatron-LM's get_checkpoint_version: 0 when not saved
+    if any(name.endswith(_OLD_QKV) for name in weights) and not (type(version) in (int, float) and version >= 2.0):
+        raise UnsupportedFormatError(
+            f"{folder!r} is a Megatron-LM checkpoint_version {short_repr(version)} file, whose fused query_key_value "
+            "rows are in the order Megatron-LM used before version 2.0; ckptconv does not reorder them: load it "
+            "with Megatron-LM (which does) and save it again",
+            path=folder,
+        )
     out: dict[str, Any] = {"model": weights}
     out.update({k: v for k, v in first.items() if isinstance(k, str) and k not in _NOT_MODEL})
     metadata = {
