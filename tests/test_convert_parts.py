@@ -193,3 +193,59 @@ def test_dry_run_prints_the_plan_the_parts_follow(tmp_path: Path) -> None:
     assert sorted(path.name for path in out.iterdir() if path.suffix == ".safetensors") == sorted(
         name for names in claimed.values() for name in names
     )
+
+
+def test_parts_finishing_at_once_publish_once(tmp_path: Path) -> None:
+    """The race of the last parts: whatever the interleaving, exactly one of them publishes, once every record is
+    there (threads: flock locks open files, so two threads contend as two processes do)."""
+    import threading
+
+    from safetensors.torch import save_file
+
+    from ckptconv.reading.formats import safetensors as safetensors_reader
+    from ckptconv.writing import shards
+    from ckptconv.writing.files import WriteReport
+    from ckptconv.writing.parts import write_part
+    from ckptconv.writing.write_policy import Inputs
+
+    save_file({f"t{i}": torch.full((4 + i,), float(i)) for i in range(3)}, str(tmp_path / "src.safetensors"))
+    refs = safetensors_reader.read(str(tmp_path / "src.safetensors")).tree
+    keys = sorted(refs)
+    plan = shards.ShardPlan(tuple(((key, refs[key]),) for key in keys), tuple(refs[key].nbytes for key in keys))
+    names, index = shards.shard_names("safetensors", 3)
+
+    def write_shard(shard: object, path: str) -> WriteReport:
+        Path(path).write_bytes(repr(shard).encode())
+        return WriteReport(path, "safetensors", 1, 4, {}, (path,))
+
+    def race(attempt: int) -> None:
+        folder = tmp_path / f"out{attempt}"
+        published: list[int] = []
+        reports: list[WriteReport] = []
+        barrier = threading.Barrier(2)
+
+        def run(number: int) -> None:
+            def publish(written_before: object) -> WriteReport:
+                published.append(number)
+                return WriteReport(str(folder), "safetensors", 3, 12)
+
+            if number:
+                barrier.wait()  # parts 1 and 2 set off together
+            report = write_part(
+                plan, names, index, str(folder), Part(number, 3), kind="safetensors", metadata={},
+                write_shard=write_shard, publish=publish, inputs=Inputs([]), fsync=False,
+            )  # fmt: skip
+            reports.append(report)
+
+        run(0)
+        threads = [threading.Thread(target=run, args=(number,)) for number in (1, 2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(published) == 1 and published[0] in (1, 2)
+        assert sorted(report.pending for report in reports) in ([0, 1, 2], [0, 0, 2])  # either interleaving
+        assert not [path for path in tmp_path.iterdir() if path.name.startswith(f".out{attempt}.ckptconv-parts-")]
+
+    for attempt in range(20):
+        race(attempt)
