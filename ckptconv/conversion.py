@@ -43,6 +43,7 @@ from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing import model_files, write_policy
 from ckptconv.writing.locks import OutputLock
 from ckptconv.writing.naming import is_folder_destination, output_format
+from ckptconv.writing.parts import planned as planned_parts
 from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, source_sha256
 from ckptconv.writing.transaction import enclosing, locked
 from ckptconv.writing.writer import Progress, tied_note, write_state
@@ -183,7 +184,8 @@ def convert(
     options = (options or ConversionOptions()).with_changes("convert", **changes)
     # Its bookkeeping builds and walks objects for every tensor: see ckptconv.runtime.collector.
     # One writer per output: the lock on DST comes first (a second writer is refused, named).
-    with collector_paused(), locked(None if dry_run else destination) as lock:
+    # convert --part: N processes write one folder at once; the part that publishes takes the lock then.
+    with collector_paused(), locked(None if dry_run or options.part is not None else destination) as lock:
         model = resolve_model(source)  # what the source is, once: a model folder (or a folder of them), or a file
         if model is not None and model.parts:
             return _convert_parts(model, destination, options, lock, dry_run=dry_run, progress=progress)
@@ -434,7 +436,11 @@ def _summary(
         bytes=sum(ref.nbytes for ref in state.values()),
         foreign_globals=checkpoint.foreign_globals,
         saved_devices=checkpoint.saved_devices,
-        notes=tuple(transformed.notes + transformed.coverage),
+        notes=(
+            *transformed.notes,
+            *transformed.coverage,
+            *planned_parts(list(state.items()), kind, options.part, max_shard_size),
+        ),
         renames=renames[:1000],
     )
 
@@ -558,6 +564,7 @@ def _write(
                 record_crcs=record_crcs if read_whole else None,
                 carried=carried,
                 lock=lock,
+                output_part=options.part,
             )
         except BaseException:
             give_up.set()  # do not make a failed conversion wait for the hash
@@ -581,7 +588,7 @@ def _write(
         aliases=written.aliases,
         files=written.files,
         notes=tuple(notes),
-        verified=True if reference is not None else None,
+        verified=True if reference is not None and not written.pending else None,  # --part: the last part checks
         verified_with="ckptconv" if fallback is not None else reference or "",
         source_sha256=digest.result() if digest is not None else None,
     )

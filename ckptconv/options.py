@@ -103,6 +103,8 @@ class ConversionOptions:
         to: ``"pt"``, ``"safetensors"`` or ``"dcp"`` (a folder); None follows the
             destination's suffix (:func:`ckptconv.batch`: safetensors).
         max_shard_size: write a folder of shards of at most this many bytes, with an index.
+        part: ``"i/N"``: write only part ``i`` of ``N`` of that folder's shards (:mod:`ckptconv.writing.parts`),
+            N processes at once; the last to finish publishes the folder.
         overwrite: replace an existing destination.
         verify: re-read the written output and compare every tensor before it is
             moved into place; a difference raises and leaves no output. ``True`` or
@@ -185,6 +187,17 @@ class ConversionOptions:
             "Write DST as a folder of shards of at most SIZE (5GB, 500MB, 2GiB) with a Hugging Face index.",
             kind="size",
             commands=ONE_FILE_COMMANDS,
+        ),
+    )
+    part: str | None = _option(
+        None,
+        Flag(
+            "--part",
+            "With --max-shard-size: write only part INDEX of COUNT (0/4 to 3/4) of the folder's shards, so COUNT "
+            "processes write one folder at once; the last to finish checks every shard and publishes the index.",
+            kind="part",
+            commands=frozenset({"convert"}),
+            metavar="INDEX/COUNT",
         ),
     )
     overwrite: bool = _option(

@@ -74,3 +74,28 @@ class FolderRace:
 
     def describe(self) -> str:
         return "race a sibling's cleanup"
+
+
+class KillAfter:
+    """A transform that SIGKILLs the process running it (the batch process itself, with one job) once the
+    manifest ``manifest`` records ``done`` items, once (``markers/killed``): the run that follows goes through.
+    Its description never changes, so a ``--resume`` with it finds the same options."""
+
+    def __init__(self, markers: str, manifest: str, done: int) -> None:
+        self.markers, self.manifest, self.done = markers, manifest, done
+
+    def apply(self, state: Mapping[str, Any]) -> Any:
+        killed = os.path.join(self.markers, "killed")
+        if os.path.exists(self.manifest) and not os.path.exists(killed):
+            with open(self.manifest, "rb") as file:
+                recorded = file.read().count(b'"record":"item"')
+            if recorded >= self.done:
+                with open(killed, "w"):
+                    pass
+                os.kill(os.getpid(), signal.SIGKILL)
+        from ckptconv.transforms.keys import StripPrefix
+
+        return StripPrefix("no_key_has_this_prefix").apply(state)  # no change, and the report that says so
+
+    def describe(self) -> str:
+        return "kill after some items, once"

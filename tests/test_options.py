@@ -61,6 +61,9 @@ def _sample_arguments(param: click.Option) -> list[list[str]]:
         "--max-shard-size": "1GB",
         "--like": "unused",
         "--scheduler": "tcp://127.0.0.1:1",
+        "--scheduler-timeout": "5",
+        "--shard": "0/2",
+        "--part": "0/2",
     }
     return [[flag, samples[flag]]]
 
@@ -79,13 +82,14 @@ def test_every_listed_option_is_accepted(command: str, tmp_path: Path) -> None:
             "keep_dtypes": ["--dtype", "bf16"],
             "allow_overflow": ["--dtype", "bf16"],
             "scheduler": ["--executor", "dask"],
+            "part": ["--max-shard-size", "1GB"],
         }
         for sample in _sample_arguments(param):
             arguments = [*sample, *needs.get(param.name or "", [])]
             if command == "convert":  # a folder DST suits every --to and --max-shard-size
                 where = [str(source / "model.pt"), str(tmp_path / "out") + "/"]
             else:
-                where = [str(source), str(tmp_path / "out")]
+                where = [str(source), str(tmp_path / "out")] if param.name != "report" else [str(source)]
             code, _, stderr = run(command, *where, "--dry-run", *arguments)
             assert code != 2, (command, arguments, stderr)
 

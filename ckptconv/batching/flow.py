@@ -38,6 +38,7 @@ from ckptconv.batching.executors import (
 from ckptconv.batching.manifest import MANIFEST_NAME, Manifest, latest_conversions, now, read_records
 from ckptconv.batching.outputs import Planned, folds_case, plan_outputs
 from ckptconv.batching.report import CANCELLED, FAILED, PLANNED, SKIPPED, UNSAFE, BatchReport, ItemResult
+from ckptconv.batching.sharding import Shard, ShardPlan, manifest_name, plans
 from ckptconv.errors import DestinationError, LoadError, WriteError
 from ckptconv.options import ConversionOptions, fingerprint_defaults, fingerprint_flags
 from ckptconv.reading.discovery import FILE, MODEL, Item, discover
@@ -224,6 +225,7 @@ def batch(
     fail_fast: bool = False,
     dry_run: bool = False,
     progress: BatchProgress = False,
+    shard: Shard | None = None,
     **changes: Any,
 ) -> BatchReport:
     """Convert every checkpoint under ``source_dir`` into ``output_dir``, mirroring the tree.
@@ -262,6 +264,10 @@ def batch(
         dry_run: find and plan, convert and write nothing (not even the manifest).
         progress: True for one progress bar on stderr (items, bytes, rate, ETA),
             or a callable given each :class:`ItemResult` as it finishes.
+        shard: convert only this shard's items (:mod:`ckptconv.batching.sharding`: a size-balanced
+            split that every shard computes alike), recorded in its own manifest
+            (``ckptconv-manifest.shard-0003-of-0008.jsonl``) under its own lock, so N processes can
+            run into one ``output_dir`` at once; ``resume`` reads that manifest only.
         **changes: fields of :class:`~ckptconv.options.ConversionOptions` to set
             on ``options`` (``transforms=[...]``, ``to="pt"``, ``verify=True``).
 
@@ -308,7 +314,8 @@ def batch(
     if os.path.exists(output) and not os.path.isdir(output):
         raise WriteError(f"{output_dir!r} is a file; the output must be a folder", path=output)
     # One writer per output, the lock convert takes: a batch running into DST is named before DST's outputs are.
-    with locked(None if dry_run else output, what="ckptconv batch"):
+    # Shards run into one DST at once: each holds its own manifest's lock instead (two runs of one shard: refused).
+    with locked(None if dry_run or shard is not None else output, what="ckptconv batch"):
         return _batch_locked(
             source_dir,
             output_dir,
@@ -326,6 +333,7 @@ def batch(
             dry_run,
             progress,
             started,
+            shard,
         )
 
 
@@ -346,13 +354,19 @@ def _batch_locked(
     dry_run: bool,
     progress: BatchProgress,
     started: float,
+    shard: Shard | None,
 ) -> BatchReport:
-    """:func:`batch`, under the lock on its output folder."""
+    """:func:`batch`, under the lock on its output folder (a shard: its manifest's lock)."""
     globs = [glob] if isinstance(glob, str) else list(glob or ())
     notes: list[str] = []
     items = discover(source_dir, globs=globs, exclude=[output], notes=notes, models=True)
     planned = plan_outputs(items, kind, fold_case=folds_case(output))
-    manifest_path = os.path.join(output, MANIFEST_NAME)
+    shard_plans: tuple[ShardPlan, ...] = ()
+    if shard is not None:  # every shard plans the whole batch alike, then keeps its own items
+        shard_plans = plans([(plan.item.name, plan.item.size) for plan in planned], shard.count)
+        mine = set(shard_plans[shard.index].items)
+        planned = [plan for plan in planned if plan.item.name in mine]
+    manifest_path = os.path.join(output, MANIFEST_NAME if shard is None else manifest_name(shard))
     fingerprint = _fingerprint(options)
     done = latest_conversions(manifest_path) if resume else {}
     if resume and not options.overwrite:
@@ -388,7 +402,9 @@ def _batch_locked(
     if dry_run or not planned:  # nothing to do: no output folder, no manifest
         for job in todo:
             results[job.item.name] = _not_run(job.item, job.output_name, kind, PLANNED)
-        return _report(source, output, "", planned, results, started, notes=notes, dry_run=dry_run)
+        return _report(
+            source, output, "", planned, results, started, notes=notes, dry_run=dry_run, shard=shard, shards=shard_plans
+        )
     if executor == "local" and jobs > 1 and len(todo) > 1:
         check_sendable(options)  # before the output folder and the manifest exist
     if executor == "dask" and scheduler is not None and todo:
@@ -428,6 +444,7 @@ def _batch_locked(
                 "jobs": jobs,
                 "items": len(planned),
                 "to_convert": len(todo),
+                **({"shard": _shard_record(shard, shard_plans)} if shard is not None else {}),
                 "notes": list(notes),
             },
         )
@@ -449,12 +466,16 @@ def _batch_locked(
                     stopping.set()
         finally:
             close()
-            # Only now, with every worker done, can a folder no output went into be removed.
-            write_policy.remove_folders(made)
+            # Only now, with every worker done, can a folder no output went into be removed; never while
+            # other shards may be about to write into it (it stays, empty).
+            if shard is None:
+                write_policy.remove_folders(made)
         for job in todo:
             if job.item.name not in results:
                 results[job.item.name] = _not_run(job.item, job.output_name, kind, CANCELLED)
-        report = _report(source, output, manifest_path, planned, results, started, notes=notes)
+        report = _report(
+            source, output, manifest_path, planned, results, started, notes=notes, shard=shard, shards=shard_plans
+        )
         manifest.append(
             "end",
             {
@@ -527,6 +548,8 @@ def _report(
     *,
     notes: Sequence[str] = (),
     dry_run: bool = False,
+    shard: Shard | None = None,
+    shards: tuple[ShardPlan, ...] = (),
 ) -> BatchReport:
     ordered = tuple(results[plan.item.name] for plan in planned if plan.item.name in results)
     return BatchReport(
@@ -537,4 +560,12 @@ def _report(
         duration_s=time.perf_counter() - started,
         dry_run=dry_run,
         notes=tuple(notes),
+        shard=shard,
+        shards=shards,
     )
+
+
+def _shard_record(shard: Shard, shards: Sequence[ShardPlan]) -> dict[str, Any]:
+    """The run record's ``shard``: which one, and its items (what ``batch --report`` counts on)."""
+    mine = shards[shard.index]
+    return {"index": shard.index, "count": shard.count, "from": shard.source, "items": list(mine.items)}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptconv._text import human_bytes, plural
+from ckptconv.batching.sharding import Shard, ShardPlan
 
 __all__ = ["BatchReport", "ItemResult", "OutputFile"]
 
@@ -170,6 +171,11 @@ class BatchReport:
         dry_run: nothing was converted or written.
         notes: sentences about the search itself: files skipped because they must
             not be read (a link leading outside the source folder, a FIFO).
+        shard: the shard this run converted (``batch --shard``), else None.
+        shards: with ``shard``, every shard's items and bytes (the whole plan).
+        problems: for a report merged from the shards' manifests (``batch --report``), one sentence
+            per shard that has not run or not finished, or per item two shards both planned; any makes the
+            exit code 3.
     """
 
     source_dir: str
@@ -179,6 +185,9 @@ class BatchReport:
     duration_s: float = 0.0
     dry_run: bool = False
     notes: tuple[str, ...] = ()
+    shard: Shard | None = None
+    shards: tuple[ShardPlan, ...] = ()
+    problems: tuple[str, ...] = ()
 
     def _with(self, status: str) -> tuple[ItemResult, ...]:
         return tuple(result for result in self.results if result.status == status)
@@ -212,10 +221,10 @@ class BatchReport:
     @property
     def exit_code(self) -> int:
         """0 when every item is converted (now or before); 4 when any is unsafe (as ``scan`` exits); else 3
-        when any failed or was cancelled."""
+        when any failed or was cancelled, or a shard has not finished."""
         if self.unsafe:
             return EXIT_UNSAFE
-        return EXIT_NEGATIVE if self.failed or self.cancelled else EXIT_OK
+        return EXIT_NEGATIVE if self.failed or self.cancelled or self.problems else EXIT_OK
 
     def counts(self) -> dict[str, int]:
         """How many items ended in each status (every status, zeros included), and ``"items"`` in all."""
@@ -263,4 +272,17 @@ class BatchReport:
             "counts": self.counts(),
             "notes": list(self.notes),
             "items": [result.to_record() for result in self.results],
+            **self._split_json(),
         }
+
+    def _split_json(self) -> dict[str, Any]:
+        """A split batch's fields (``shard``, ``shards``, ``problems``), only where they are set."""
+        fields: dict[str, Any] = {}
+        if self.shard is not None:
+            fields["shard"] = str(self.shard)
+            fields["shards"] = [
+                {"shard": str(plan.shard), "items": list(plan.items), "bytes": plan.bytes} for plan in self.shards
+            ]
+        if self.problems:
+            fields["problems"] = list(self.problems)
+        return fields

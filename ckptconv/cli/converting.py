@@ -226,9 +226,9 @@ def fit(src: str, dst: str, reference: str, **options: Any) -> None:
 
 @click.command(cls=Command)
 @click.argument("src", type=click.Path(file_okay=False))
-@click.argument("dst", type=click.Path(file_okay=False))
+@click.argument("dst", type=click.Path(file_okay=False), required=False)
 @sections("batch")
-def batch(src: str, dst: str, **options: Any) -> None:
+def batch(src: str, dst: str | None, **options: Any) -> None:
     """Convert every checkpoint under a folder, in parallel, with a manifest.
 
     Checkpoints are found by content and name, recursively; a sharded
@@ -245,17 +245,28 @@ def batch(src: str, dst: str, **options: Any) -> None:
     names code-running callables, as scan says: never converted). --json prints
     the report on stdout. Every finished item is recorded
     at once in DST/ckptconv-manifest.jsonl, so --resume can carry on after an
-    interruption.
+    interruption. --shard INDEX/COUNT splits the items among COUNT processes
+    (Slurm array tasks, torchrun ranks: --shard auto) writing into one DST at
+    once, each with its own manifest; batch --report DST merges them.
 
     \b
     Example:
       ckptconv batch zoo/ out/ --to safetensors --dtype bf16 --jobs 4
       ckptconv batch zoo/ out/ --glob '**/*.pth' --resume
       ckptconv batch zoo/ out/ --executor dask --scheduler tcp://host:8786
+      ckptconv batch zoo/ out/ --shard auto --resume   # in each task of a Slurm array
+      ckptconv batch --report out/
     """
     from ckptconv.batching.flow import batch as run_batch
 
     quiet = options["quiet"]
+    if options["report"]:
+        if dst is not None or options["shard"] is not None:
+            raise click.UsageError("batch --report takes only DST, the output folder: ckptconv batch --report DST")
+        _report_batch(src, options)
+        return
+    if dst is None:
+        raise click.UsageError("Missing argument 'DST'.")
     if options["scheduler"] and options["executor"] != "dask":
         raise click.UsageError("--scheduler needs --executor dask")
     if options["scheduler"] and not options["dry_run"]:
@@ -278,6 +289,7 @@ def batch(src: str, dst: str, **options: Any) -> None:
             fail_fast=options["fail_fast"],
             dry_run=options["dry_run"],
             progress=not quiet and sys.stderr.isatty(),
+            shard=options["shard"],
         )
     except KeyboardInterrupt as interrupt:
         if os.environ.get("CKPTCONV_DEBUG"):
@@ -299,6 +311,11 @@ def batch(src: str, dst: str, **options: Any) -> None:
         say(quiet, f"found no checkpoints under {src!r}" + (" matching --glob" if options["globs"] else ""))
         return
     if report.dry_run and not options["as_json"]:
+        for plan in report.shards:  # the whole split, then this shard's items
+            this = " (this one)" if plan.shard == report.shard else ""
+            echo(f"shard {plan.shard}{this}: {plural(len(plan.items), 'item')}, {human_bytes(plan.bytes)}")
+            for name in plan.items:
+                echo(f"  {name}")
         for result in report.results:
             if result.status == "planned":
                 echo(f"{result.source} -> {result.output}")
@@ -312,16 +329,36 @@ def batch(src: str, dst: str, **options: Any) -> None:
         shown_files = ", ".join(training_state[:6]) + (f" and {more} more" if more > 0 else "")
         say(quiet, f"skipped {plural(len(training_state), 'file')} of training state, not model weights: {shown_files}")
     _say_item_hints(report, quiet)
+    _summarize(report, quiet)
+
+
+def _summarize(report: Any, quiet: bool) -> None:
+    """The end of a batch's output, and its exit code: failures, the summary line."""
     for result in report.unsafe:  # errors: shown even with -q
         echo(f"unsafe: {result.source}: {shortened(result.error)}", err=True)
     for result in report.failed:
         echo(f"failed: {result.source}: {shortened(result.error)}", err=True)
-    if report.cancelled:
+    for problem in report.problems:
+        echo(f"unfinished: {problem}", err=True)
+    if report.cancelled and not report.problems:
         not_started = f"{plural(len(report.cancelled), 'item')} {'was' if len(report.cancelled) == 1 else 'were'}"
         say(quiet, f"stopped after the first failure (--fail-fast); {not_started} not started")
+    shard = f" (shard {report.shard})" if report.shard is not None else ""
     manifest = f"; manifest: {report.manifest}" if report.manifest else "; nothing was written"
-    say(quiet, report.summary() + manifest)
+    say(quiet, report.summary() + shard + manifest)
     click.get_current_context().exit(report.exit_code)
+
+
+def _report_batch(dst: str, options: dict[str, Any]) -> None:
+    """batch --report DST: the shards' manifests merged into one summary and exit code."""
+    from ckptconv.batching.merging import merged_report
+
+    report = merged_report(dst)
+    if options["as_json"]:
+        import json
+
+        click.echo(json.dumps(report.to_json(), indent=2))
+    _summarize(report, options["quiet"])
 
 
 # The notes of a converted item that ask something of the user, shown by batch as convert shows them: a wrapper

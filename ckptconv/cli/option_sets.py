@@ -8,7 +8,7 @@ from typing import Any, Callable
 import click
 
 from ckptconv.batching.report import SCHEDULER_TIMEOUT_S
-from ckptconv.cli.params import CastTarget, Prefix, Regex, RenameRule, Size
+from ckptconv.cli.params import CastTarget, PartSpec, Prefix, Regex, RenameRule, ShardSpec, Size
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -72,6 +72,7 @@ def field_option_list(group: str, command: str, section: str | None = None) -> l
             kinds: dict[str, Any] = {
                 "text": click.STRING,
                 "size": Size(),
+                "part": PartSpec(),
                 "format": click.Choice(BATCH_FORMATS if command in _FILE_COMMANDS else OUTPUT_FORMATS),
             }
             if flag.kind == "format" and command in _FILE_COMMANDS and command != "batch":
@@ -231,6 +232,20 @@ _BATCH_OPTIONS = (
         "it before giving up.",
     ),
     _named(
+        "--shard",
+        type=ShardSpec(),
+        help="Convert only shard INDEX of COUNT (0-based: 0/4 to 3/4), a size-balanced split every shard "
+        "computes alike, so COUNT processes (on as many machines) can run into one DST at once; each keeps "
+        "DST/ckptconv-manifest.shard-INDEX-of-COUNT.jsonl. 'auto' reads a Slurm array's "
+        "SLURM_ARRAY_TASK_ID/_COUNT/_MIN or torchrun's RANK/WORLD_SIZE.",
+    ),
+    _named(
+        "--report",
+        is_flag=True,
+        help="Convert nothing: merge the manifests in DST (given alone: batch --report DST) into one summary "
+        "and exit code, naming shards not run or not finished.",
+    ),
+    _named(
         "--json",
         "as_json",
         is_flag=True,
@@ -245,6 +260,7 @@ _BATCH_SECTIONS = {
     "--executor": SPEED,
     "--scheduler": SPEED,
     "--scheduler-timeout": SPEED,
+    "--shard": SPEED,
 }
 
 

@@ -105,3 +105,35 @@ class Prefix(click.ParamType):  # type: ignore[type-arg]
 
 # ---------------------------------------------------------------------------------------
 # Option sets: the options fields' flags come from ckptconv.options; the rest are shared here
+
+
+class ShardSpec(click.ParamType):  # type: ignore[type-arg]
+    """``--shard INDEX/COUNT`` or ``auto`` (the scheduler's variables), checked here: a bad one exits 2."""
+
+    name = "INDEX/COUNT"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        import os
+
+        from ckptconv.batching.sharding import Shard, parse_shard
+
+        if isinstance(value, Shard):
+            return value
+        try:
+            return parse_shard(str(value), os.environ)
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
+class PartSpec(click.ParamType):  # type: ignore[type-arg]
+    """``--part INDEX/COUNT``, checked here: a bad one exits 2; the options field keeps its spelling."""
+
+    name = "INDEX/COUNT"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        from ckptconv.writing.parts import parse_part
+
+        try:
+            return str(parse_part(str(value)))
+        except ValueError as error:
+            self.fail(str(error), param, ctx)

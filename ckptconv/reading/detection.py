@@ -49,6 +49,7 @@ _MODULES = {
     "rank-shards": "rank_shards",
     "megatron-torch-dist": "megatron",
     "megatron-legacy": "megatron_legacy",
+    "hf-distributed": "hf_distributed",
 }
 
 
@@ -97,6 +98,14 @@ def resolve(path: PathLike) -> tuple[str, str]:
             read_policy.check_file(hub, folder=path)
             return safetensors.FORMAT, hub
         index = _module("sharded").find_index(path)
+        if _module("hf-distributed").find_files(path) is not None:
+            if index is not None:  # consolidated in place beside its rank files: two sets of the same weights
+                raise UnsupportedFormatError(
+                    f"{path!r} holds rank-local shards (shard-NNNNN-model-...safetensors) and an index "
+                    f"({os.path.basename(index)}); give the index to read the consolidated weights, or move one set",
+                    path=path,
+                )
+            return "hf-distributed", path
         if index is not None:
             read_policy.check_file(index, folder=path)
             return "sharded", index
@@ -224,8 +233,8 @@ def checkpoint_files(path: str) -> list[str]:
         return files
     if kind == "deepspeed":
         return _module("deepspeed").checkpoint_files(path) or []
-    if kind == "rank-shards":
-        return _module("rank-shards").find_files(path) or []
+    if kind in ("rank-shards", "hf-distributed"):
+        return _module(kind).find_files(path) or []
     if kind == "megatron-legacy":
         return _module("megatron-legacy").checkpoint_files(path) or []
     return [path]

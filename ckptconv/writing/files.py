@@ -34,6 +34,8 @@ class WriteReport:
         kept: the files a folder output's destination held that the new output does not use and ckptconv
             left where they are, since it cannot tell it wrote them: an earlier output's shards without
             ckptconv's provenance, a file of the user's, a config an earlier conversion carried.
+        pending: for one part of a folder (``--part``), the parts still to finish before the folder is
+            published (0: published, by this part or before it).
     """
 
     path: str
@@ -43,10 +45,15 @@ class WriteReport:
     aliases: Mapping[str, str] = field(default_factory=dict)
     files: tuple[str, ...] = ()
     kept: tuple[str, ...] = ()
+    pending: int = 0
 
     @property
     def notes(self) -> tuple[str, ...]:
-        """What the user should know of the write: the files it kept, named."""
+        """What the user should know of the write: the files it kept, named; the parts still to come."""
+        if self.pending:
+            waiting = plural(self.pending, "other part")
+            verb = "finishes" if self.pending == 1 else "finish"
+            return (f"this part's shards are written; {self.path!r} is published when {waiting} {verb}",)
         if not self.kept:
             return ()
         inside = os.path.join(self.path, "")

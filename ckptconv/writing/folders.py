@@ -36,6 +36,7 @@ def save_folder(
     record_crcs: dict[Storage, int] | None = None,
     stem: str | None = None,
     transaction: FolderTransaction | _Part,
+    written_before: Callable[[Any, str, str], WriteReport] | None = None,
 ) -> WriteReport:
     """Write a sharded or DCP folder as a whole or not at all (:mod:`.transaction`).
 
@@ -43,6 +44,8 @@ def save_folder(
     once the rest of the output (a model folder's configs) is there too. The previous output's files
     ckptconv wrote that the new one lacks are removed only with ``overwrite``, as the new folder is
     published, and files it did not write never. On any failure the previous output stays as it was.
+    ``written_before(shard, name, path)``: put the shard ``name`` that a part wrote (``convert --part``, verified
+    by :mod:`.parts`) at ``path`` in the staging folder instead of writing it.
     """
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise WriteError(f"{folder!r} is a file; give a folder for a sharded or DCP output", path=folder)
@@ -90,20 +93,23 @@ def save_folder(
         weight_map: dict[str, str] = {}
         for shard, name in zip(plan.shards, shard_files):
             # Shards are plain state dicts (what transformers loads); `extra` is for single files.
-            report = save_file(
-                list(shard),
-                os.path.join(staging, name),
-                kind,
-                inputs=inputs,
-                overwrite=True,
-                metadata=metadata,
-                extra=None,
-                update=update,
-                check=None,
-                fsync=fsync,
-                dedupe=dedupe,
-                record_crcs=record_crcs,
-            )
+            if written_before is not None:
+                report = written_before(shard, name, os.path.join(staging, name))
+            else:
+                report = save_file(
+                    list(shard),
+                    os.path.join(staging, name),
+                    kind,
+                    inputs=inputs,
+                    overwrite=True,
+                    metadata=metadata,
+                    extra=None,
+                    update=update,
+                    check=None,
+                    fsync=fsync,
+                    dedupe=dedupe,
+                    record_crcs=record_crcs,
+                )
             staged.append(name)
             total += report.bytes
             aliases.update(report.aliases)

@@ -3,6 +3,7 @@ index, as Hugging Face writes them. Pure: no bytes move here (:mod:`ckptconv.wri
 
 from __future__ import annotations
 
+import heapq
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,6 +50,26 @@ def plan_shards(entries: Sequence[tuple[str, TensorRef]], max_bytes: int | None)
         shards[-1].extend(group)
         sizes[-1] += size
     return ShardPlan(tuple(tuple(shard) for shard in shards), tuple(sizes))
+
+
+def balance(sizes: Sequence[tuple[str, int]], count: int) -> list[int]:
+    """Which of ``count`` bins each ``(name, bytes)`` goes to: largest first (equal sizes by name), each to the
+    bin with the fewest bytes so far (equal loads: the lowest index). Pure, and independent of the input's order,
+    so processes that compute it apart agree (``batch --shard``, ``convert --part``).
+
+    Example:
+        >>> balance([("a", 5), ("b", 3), ("c", 3), ("d", 1)], 2)
+        [0, 1, 1, 0]
+    """
+    order = sorted(range(len(sizes)), key=lambda index: (-sizes[index][1], sizes[index][0]))
+    loads = [(0, bin) for bin in range(count)]  # (bytes so far, bin): the heap's least is the lightest
+    heapq.heapify(loads)
+    owner = [0] * len(sizes)
+    for index in order:
+        load, bin = heapq.heappop(loads)
+        owner[index] = bin
+        heapq.heappush(loads, (load + sizes[index][1], bin))
+    return owner
 
 
 def _stem_suffix(kind: str, stem: str | None) -> tuple[str, str]:

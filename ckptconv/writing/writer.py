@@ -25,7 +25,7 @@ from ckptconv.reading.formats._base import MetadataValue
 from ckptconv.reading.read_policy import keeping_open
 from ckptconv.reading.streaming import keeping_workers
 from ckptconv.values.tensor import Storage, TensorRef
-from ckptconv.writing import model_files, write_policy
+from ckptconv.writing import model_files, parts, shards, write_policy
 from ckptconv.writing import torch_zip as zip_writer
 from ckptconv.writing.files import WriteReport, save_file
 from ckptconv.writing.folders import save_folder
@@ -188,10 +188,12 @@ def write_state(
     record_crcs: dict[Storage, int] | None = None,
     carried: ModelFiles | None = None,
     lock: OutputLock | None = None,
+    output_part: str | None = None,
 ) -> WriteReport:
     """:func:`save`, whose folder output may be a model folder: the files ``carried`` written beside the weights
     (named after their stem, ``adapter_model.safetensors``), all in one transaction; ``lock``: the output's lock,
-    when the caller holds it already."""
+    when the caller holds it already; ``output_part``: ``"i/N"``, write part i of N of the folder's shards
+    (:mod:`.parts`), the last part to finish publishing the folder."""
     if tied not in TIED:
         raise ValueError(f"tied must be one of {', '.join(TIED)}, not {tied!r}")
     path = as_path(path)
@@ -219,31 +221,60 @@ def write_state(
         cleanup.callback(close)
         cleanup.enter_context(keeping_open())  # each source file opened once for all its tensors
         cleanup.enter_context(keeping_workers())  # one pool of cast threads for all the tensors
+        if output_part is not None:
+            parts.refuse_parts(kind, folder_output and part is None)
         if folder_output:
-            transaction: FolderTransaction | _Part | None = part
-            if transaction is None:
-                held = cleanup.enter_context(contextlib.nullcontext(lock) if lock is not None else OutputLock(target))
-                transaction = FolderTransaction(held, inputs=protected, fsync=fsync)
-            with transaction.undone_on_failure():
-                report = save_folder(
-                    entries,
-                    target,
-                    kind,
-                    overwrite=overwrite,
-                    metadata=metadata,
-                    extra=extra,
-                    max_shard_size=max_shard_size,
-                    update=update,
-                    inputs=protected,
-                    check=check,
-                    fsync=fsync,
-                    dedupe=tied == "dedupe",
-                    record_crcs=record_crcs,
-                    stem=carried.stem if carried is not None else None,
-                    transaction=transaction,
-                )
-                staged = model_files.write(carried, transaction.path, inputs=protected, fsync=fsync) if carried else ()
-                return _publish(transaction, report, tuple(transaction.final(path) for path in staged))
+
+            def write_folder(written_before: parts.WrittenBefore | None = None) -> WriteReport:
+                """The folder as one transaction (its shards written now, or by the parts: ``written_before``)."""
+                with contextlib.ExitStack() as held_here:
+                    transaction: FolderTransaction | _Part | None = part
+                    if transaction is None:
+                        held = held_here.enter_context(
+                            contextlib.nullcontext(lock) if lock is not None else OutputLock(target)
+                        )
+                        transaction = FolderTransaction(held, inputs=protected, fsync=fsync)
+                    with transaction.undone_on_failure():
+                        report = save_folder(
+                            entries,
+                            target,
+                            kind,
+                            overwrite=overwrite,
+                            metadata=metadata,
+                            extra=extra,
+                            max_shard_size=max_shard_size,
+                            update=update,
+                            inputs=protected,
+                            check=check,
+                            fsync=fsync,
+                            dedupe=tied == "dedupe",
+                            record_crcs=record_crcs,
+                            stem=carried.stem if carried is not None else None,
+                            transaction=transaction,
+                            written_before=written_before,
+                        )
+                        staged = (
+                            model_files.write(carried, transaction.path, inputs=protected, fsync=fsync)
+                            if carried
+                            else ()
+                        )
+                        return _publish(transaction, report, tuple(transaction.final(path) for path in staged))
+
+            if output_part is None:
+                return write_folder()
+
+            def write_shard(shard: Any, path: str) -> WriteReport:
+                return save_file(
+                    list(shard), path, kind, inputs=protected, overwrite=True, metadata=metadata, extra=None,
+                    update=update, check=None, fsync=fsync, dedupe=tied == "dedupe", record_crcs=record_crcs,
+                )  # fmt: skip
+
+            plan = shards.plan_shards(entries, max_shard_size)
+            names, index = shards.shard_names(kind, len(plan.shards), carried.stem if carried is not None else None)
+            return parts.write_part(
+                plan, names, index, target, parts.parse_part(output_part), kind=kind, metadata=metadata,
+                write_shard=write_shard, publish=write_folder, inputs=protected, fsync=fsync,
+            )  # fmt: skip
         protected.check_file(target)
         return save_file(
             entries,

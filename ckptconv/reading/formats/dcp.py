@@ -43,7 +43,7 @@ from ckptconv.suffixes import DCP_DATA_SUFFIX, DCP_METADATA
 from ckptconv.values.standins import ForeignObject
 from ckptconv.values.tensor import ReadInto, Storage, TensorRef, contiguous_strides
 
-__all__ = ["METADATA_FILE", "checkpoint_files", "is_dcp_folder", "read"]
+__all__ = ["METADATA_FILE", "assembled", "box_inside", "checkpoint_files", "is_dcp_folder", "read"]
 
 FORMAT = "dcp"
 METADATA_FILE = DCP_METADATA
@@ -277,7 +277,6 @@ def _tensor(
         raise _damaged(folder, f"{fqn!r} has no chunks")
     shape = tuple(size)
     pieces: list[tuple[tuple[int, ...], TensorRef]] = []
-    covered = 0
     for chunk in chunks:
         chunk_fields = _fields(chunk, folder, f"chunk of {fqn!r}")
         offsets, sizes = chunk_fields.get("offsets"), chunk_fields.get("sizes")
@@ -292,23 +291,37 @@ def _tensor(
         if not isinstance(piece, TensorRef) or piece.shape != tuple(sizes):
             raise _damaged(folder, f"the chunk of {fqn!r} at {list(offsets)} is not a tensor of size {list(sizes)}")
         pieces.append((tuple(offsets), piece))
-        covered += math.prod(sizes)
-    dtype = pieces[0][1].dtype
-    if any(piece.dtype != dtype for _, piece in pieces) or covered != math.prod(shape):
-        raise _damaged(folder, f"the chunks of {fqn!r} do not tile a {dtype.name} tensor of size {list(shape)}")
     recorded = recorded_dtype(record.get("properties"))
-    if recorded is not None and recorded != dtype:
+    if recorded is not None and recorded != pieces[0][1].dtype:
         raise _damaged(
             folder,
-            f"{fqn!r} is recorded as {recorded.name} but its chunks hold {dtype.name}; torch's loader would cast "
-            f"them to {recorded.name}, so it is refused rather than read two ways",
+            f"{fqn!r} is recorded as {recorded.name} but its chunks hold {pieces[0][1].dtype.name}; torch's loader "
+            f"would cast them to {recorded.name}, so it is refused rather than read two ways",
         )
+    return assembled(fqn, shape, pieces, lambda detail: _damaged(folder, detail))
+
+
+def assembled(
+    fqn: str,
+    shape: tuple[int, ...],
+    pieces: list[tuple[tuple[int, ...], TensorRef]],
+    damaged: Callable[[str], Exception],
+) -> TensorRef:
+    """One tensor of ``shape`` from its chunks (each inside it: :func:`box_inside`), read where they lie.
+
+    Raises:
+        the exception ``damaged`` makes of a sentence: the chunks differ in dtype, or do not tile the tensor
+        (a hole, or an overlap).
+    """
+    dtype = pieces[0][1].dtype
+    covered = sum(math.prod(piece.shape) for _, piece in pieces)
+    if any(piece.dtype != dtype for _, piece in pieces) or covered != math.prod(shape):
+        raise damaged(f"the chunks of {fqn!r} do not tile a {dtype.name} tensor of size {list(shape)}")
     # Equal volumes are not enough: an overlap (or a chunk listed twice) can hide a hole.
     overlap = _overlapping_chunks([(offsets, piece.shape) for offsets, piece in pieces])
     if overlap is not None:
         first, second = overlap
-        raise _damaged(
-            folder,
+        raise damaged(
             f"the chunks of {fqn!r} at {list(first)} and {list(second)} overlap, so part of the tensor has two "
             "values and part none",
         )
