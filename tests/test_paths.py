@@ -838,6 +838,7 @@ def test_every_file_is_opened_through_the_policies() -> None:
         ("atomic.py", "_umask"),  # /proc/self/status
         ("staging.py", "remove_abandoned_staging"),  # an earlier version's staging folders, O_NOFOLLOW, their lock
         ("locks.py", "acquire"),  # the lock file beside an output, O_NOFOLLOW
+        ("parts.py", "_publish_if_last"),  # convert --part: the lock the last part takes to publish, O_NOFOLLOW
         ("transaction.py", "_fsync_folder"),  # the staging folder and the destination's parent, to fsync them
         ("loading.py", "load"),  # ckptconv.open, not the builtin
         ("worker.py", "main"),  # its own stdout, for results

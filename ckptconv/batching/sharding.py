@@ -21,8 +21,6 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ckptconv.writing.shards import balance
-
 __all__ = ["MANIFEST_GLOB", "Shard", "ShardPlan", "assign", "manifest_name", "parse_shard", "plans"]
 
 # A shard's manifest, beside the unsharded one (batching.manifest.MANIFEST_NAME).
@@ -151,6 +149,9 @@ def assign(sizes: Sequence[tuple[str, int]], count: int) -> list[int]:
         >>> assign([("a", 5), ("b", 3), ("c", 3), ("d", 1)], 2)
         [0, 1, 1, 0]
     """
+    # Imported here: the command line reads this module's values for --help, which imports no stage.
+    from ckptconv.writing.shards import balance
+
     return balance(sizes, count)
 
 

@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from ckptconv._text import human_bytes, plural
 from ckptconv.errors import CkptconvError, DestinationError, WriteError
+from ckptconv.reading import read_policy
 from ckptconv.reading.formats._base import MetadataValue, json_bytes
 from ckptconv.values.tensor import TensorRef
 from ckptconv.writing import shards, write_policy
@@ -276,9 +277,8 @@ def _matches(path: str, expected: Any) -> bool:
 def _read_record(hidden: str, part: Part) -> dict[str, Any] | None:
     path = os.path.join(hidden, _record_name(part))
     try:
-        with open(path, "rb") as file:
-            record = json.loads(file.read())
-    except (OSError, ValueError):
+        record = json.loads(read_policy.read_limited(path, folder=hidden, what="part record"))
+    except (OSError, ValueError, CkptconvError):
         return None
     if not isinstance(record, dict) or record.get("count") != part.count or not isinstance(record.get("shards"), dict):
         return None
