@@ -180,7 +180,9 @@ def test_plain_checkpoint_loads_into_dataparallel_and_compiled(fixture_models: A
         assert report.ok, report.summary()
         inner = getattr(model, "_orig_mod", model)
         inner = getattr(inner, "module", inner)
-        assert_same_state(inner.state_dict(), reference_load(GPU / "cuda0_state_dict.pt"))
+        # On a CUDA machine DataParallel moves the module to cuda:0: compare its values on the CPU.
+        loaded = {key: value.cpu() for key, value in inner.state_dict().items()}
+        assert_same_state(loaded, reference_load(GPU / "cuda0_state_dict.pt"))
 
 
 # -- LitEma ---------------------------------------------------------------------------
