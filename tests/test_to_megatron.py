@@ -7,7 +7,12 @@ installed; never ckptconv's reader on both sides.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +21,8 @@ import pytest
 import ckptconv
 from ckptconv.architectures.mapping import to_hugging_face, to_megatron
 from ckptconv.errors import TransformError
+
+from .conftest import run_cli
 
 torch = pytest.importorskip("torch")
 format_utils = pytest.importorskip("torch.distributed.checkpoint.format_utils")
@@ -83,3 +90,74 @@ def test_a_missing_or_unknown_tensor_is_refused_by_name() -> None:
     extra = dict(hf, **{"model.layers.0.extra.weight": hf["model.norm.weight"]})
     with pytest.raises(TransformError, match=r"hold model\.layers\.0\.extra\.weight, which it has no place for"):
         to_megatron(extra, config)
+
+
+def _hf_folder(fixture: str, layout: str, tmp_path: Path) -> Path:
+    """The fixture as a Hugging Face model folder (safetensors written by the safetensors library)."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    folder = RUNS / fixture
+    config = json.loads((folder / "config.json").read_text())
+    hf = to_hugging_face(ckptconv.open(str(folder)).select().weights, config, experts=layout)
+    out = tmp_path / f"hf_{fixture}"
+    out.mkdir()
+    safetensors_torch.save_file({k: v.torch().contiguous() for k, v in hf.items()}, str(out / "model.safetensors"))
+    shutil.copy(folder / "config.json", out / "config.json")
+    return out
+
+
+# megatron-core's own loader, on the CPU: a one-rank gloo group (its torch_dist strategy asks for the rank).
+_MEGATRON_LOAD = """
+import sys, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+from megatron.core.dist_checkpointing import load_plain_tensors
+for folder, out in zip(sys.argv[2::2], sys.argv[3::2]):
+    torch.save(load_plain_tensors(folder), out)
+dist.destroy_process_group()
+"""
+
+_CASES = [("megatron_llama", "fused"), ("megatron_mixtral", "per_expert"), ("megatron_qwen3_moe", "fused")]
+
+
+def test_convert_to_megatron_is_what_megatron_core_saved(tmp_path: Path) -> None:
+    """``convert HF/ OUT/ --to megatron``: torch's DCP reader, and megatron-core's ``load_plain_tensors`` where
+    it is installed, read every tensor of the fixture (Megatron-Core's own save) back, bit for bit."""
+    outs = []
+    for fixture, layout in _CASES:
+        source, out = _hf_folder(fixture, layout, tmp_path), tmp_path / f"out_{fixture}"
+        code, _, err = run_cli("convert", str(source), f"{out}/", "--to", "megatron", "--padded-vocab-size", "128")
+        assert code == 0, err
+        assert sorted(os.listdir(out)) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+        assert (out / "metadata.json").read_bytes() == (RUNS / fixture / "metadata.json").read_bytes()
+        assert torch.load(out / "common.pt", weights_only=True) == {}
+        vocab = json.loads((RUNS / fixture / "config.json").read_text())["vocab_size"]
+        _equal(_torch_read(out, tmp_path), _torch_read(RUNS / fixture, tmp_path), vocab)
+        outs.append((fixture, out, vocab))
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core is not installed (pip install 'megatron-core>=0.16' on Python 3.10+)")
+    args = [str(tmp_path / "pg")]
+    for fixture, out, _ in outs:
+        args += [str(out), str(tmp_path / f"{fixture}.mcore.pt")]
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _MEGATRON_LOAD, *args], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for fixture, _, vocab in outs:
+        loaded = torch.load(tmp_path / f"{fixture}.mcore.pt", weights_only=True)
+        _equal(loaded, _torch_read(RUNS / fixture, tmp_path), vocab)
+
+
+def test_to_megatron_refusals_leave_nothing(tmp_path: Path) -> None:
+    source = _hf_folder("megatron_llama", "fused", tmp_path)
+    out = tmp_path / "out"
+    code, _, err = run_cli("convert", str(source), str(tmp_path / "o.pt"), "--to", "megatron")
+    assert code == 2 and "--to megatron writes a folder" in err and "Traceback" not in err
+    code, _, err = run_cli("convert", str(source), f"{out}/", "--padded-vocab-size", "128")
+    assert code == 1 and "give it with --to megatron" in err
+    code, _, err = run_cli("convert", str(source), f"{out}/", "--to", "megatron", "--padded-vocab-size", "99")
+    assert code == 1 and "padded_vocab_size 99 is below the config's vocab_size 100" in err
+    code, _, err = run_cli("convert", str(source), f"{out}/", "--to", "megatron", "--layout", "fused")
+    assert code == 1 and "leave it out with --to megatron" in err
+    (source / "config.json").unlink()
+    code, _, err = run_cli("convert", str(source), f"{out}/", "--to", "megatron")
+    assert code == 1 and "needs the model's config.json" in err
+    assert not out.exists() and len(err.strip().splitlines()) == 1

@@ -115,7 +115,7 @@ def planned(
 ) -> tuple[str, ...]:
     """What ``convert --part i/N --dry-run`` says: every part's shards and bytes, one sentence each (the shards named
     as a plain folder names them; a PEFT or diffusers model folder names them after its own stem)."""
-    if part is None or kind == "dcp":
+    if part is None or kind in ("dcp", "megatron"):
         return ()
     this = parse_part(part)
     plan = shards.plan_shards(entries, max_shard_size)
@@ -287,7 +287,7 @@ def _read_record(hidden: str, part: Part) -> dict[str, Any] | None:
 
 def refuse_parts(kind: str, folder_output: bool) -> None:
     """``--part`` writes part of a sharded folder: refused for a single file, a DCP folder, a folder of models."""
-    if kind == "dcp" or not folder_output:
+    if kind in ("dcp", "megatron") or not folder_output:
         raise DestinationError(
             "--part writes part of a sharded folder: give a folder DST with --max-shard-size (not --to dcp)"
         )

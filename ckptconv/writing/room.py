@@ -26,7 +26,7 @@ def planned_bytes(
     if kind == "pt":
         storages, _ = zip_plan or zip_writer.plan_storages(entries)
         return sum(storage.nbytes for storage in storages)
-    if kind == "dcp" or not dedupe:
+    if kind in ("dcp", "megatron") or not dedupe:
         return sum(ref.nbytes for _, ref in entries)
     return sum(ref.nbytes for ref in {ref: None for _, ref in entries})
 
