@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import ckptconv
-from ckptconv.architectures.mapping import to_hugging_face, to_megatron
+from ckptconv.architectures.mapping import to_hugging_face, to_megatron, torch_dist_names
 from ckptconv.errors import TransformError
 
 from .conftest import run_cli
@@ -66,7 +66,7 @@ def test_megatron_to_hf_to_megatron_is_bit_exact(fixture: str, layout: str, tmp_
     hf = to_hugging_face(ckptconv.open(str(folder)).select().weights, config, experts=layout)
     padded = want["embedding.word_embeddings.weight"].shape[0]
     assert padded > config["vocab_size"]  # the fixtures are padded: the test covers the padding rows
-    back = to_megatron(hf, config, padded_vocab_size=padded)
+    back = torch_dist_names(to_megatron(hf, config, padded_vocab_size=padded))
     _equal({name: ref.torch() for name, ref in back.items()}, want, config["vocab_size"])
 
 
@@ -124,8 +124,9 @@ def test_convert_to_megatron_is_what_megatron_core_saved(tmp_path: Path) -> None
     outs = []
     for fixture, layout in _CASES:
         source, out = _hf_folder(fixture, layout, tmp_path), tmp_path / f"out_{fixture}"
-        code, _, err = run_cli("convert", str(source), f"{out}/", "--to", "megatron", "--padded-vocab-size", "128")
-        assert code == 0, err
+        args = ("--to", "megatron", "--padded-vocab-size", "128", "--verify")  # read back as it was meant
+        code, _, err = run_cli("convert", str(source), f"{out}/", *args)
+        assert code == 0 and "verified bit for bit" in err, err
         assert sorted(os.listdir(out)) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
         assert (out / "metadata.json").read_bytes() == (RUNS / fixture / "metadata.json").read_bytes()
         assert torch.load(out / "common.pt", weights_only=True) == {}
@@ -161,3 +162,12 @@ def test_to_megatron_refusals_leave_nothing(tmp_path: Path) -> None:
     code, _, err = run_cli("convert", str(source), f"{out}/", "--to", "megatron")
     assert code == 1 and "needs the model's config.json" in err
     assert not out.exists() and len(err.strip().splitlines()) == 1
+
+
+def test_a_megatron_folder_to_megatron_is_the_same_folder(tmp_path: Path) -> None:
+    """A ``torch_dist`` source passes as it is: its layers split on reading, stacked again on writing."""
+    out = tmp_path / "out"
+    code, _, err = run_cli("convert", str(RUNS / "megatron_qwen3_moe"), f"{out}/", "--to", "megatron", "--verify")
+    assert code == 0, err
+    want = _torch_read(RUNS / "megatron_qwen3_moe", tmp_path)
+    _equal(_torch_read(out, tmp_path), want, want["embedding.word_embeddings.weight"].shape[0])

@@ -167,19 +167,17 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 def torch_dist_names(weights: Mapping[str, TensorRef]) -> dict[str, TensorRef]:
-    """Megatron-Core's model names (``decoder.layers.{L}.…``, ``….local_experts.{E}.…``) as its ``torch_dist``
-    backend saves them: each expert weight stacked along a new dim 0 (``….mlp.experts.experts.linear_fc1.weight``
-    ``[E, …]``), then each layer's weight of one kind stacked along a new dim 0 (``decoder.layers.…`` ``[L, …]``),
-    the inverse of what :mod:`ckptconv.reading.formats.megatron` and :data:`families.MEGATRON_SPELLINGS` undo.
+    """Megatron-Core's names one per layer (``decoder.layers.{L}.…``, what :func:`to_megatron` gives) as its
+    ``torch_dist`` backend saves them: each layer's weight of one kind stacked along a new dim 0
+    (``decoder.layers.…`` ``[L, …]``), the inverse of the split :mod:`ckptconv.reading.formats.megatron` makes.
+    Other names pass as they are.
 
     Raises:
-        TransformError: a layer or an expert that one of its kind has and another lacks (Megatron stacks them all).
+        TransformError: a layer that lacks a weight another layer has (Megatron stacks them all).
     """
-    experts = [op.inverse() for op in families.TORCH_DIST_EXPERTS]
-    stacked = run_table(experts, weights, {}, strict=False)
-    kinds = sorted({m[2] for name in stacked if (m := _LAYER.match(name))})
+    kinds = sorted({m[2] for name in weights if (m := _LAYER.match(name))})
     layers = [Stack(("decoder.layers.{L}." + kind,), "decoder.layers." + kind, "L") for kind in kinds]
-    return run_table(layers, stacked, {}, strict=False)
+    return run_table(layers, weights, {}, strict=False)
 
 
 def to_megatron(
@@ -188,14 +186,17 @@ def to_megatron(
     *,
     padded_vocab_size: int | None = None,
 ) -> dict[str, TensorRef]:
-    """A Hugging Face model's weights under Megatron-Core's names, stacked as ``torch_dist`` saves a ``GPTModel``.
+    """A Hugging Face model's weights under Megatron-Core's names, as ckptconv reads a ``torch_dist`` folder that
+    ``dist_checkpointing.save`` wrote for a ``GPTModel``: one name per layer (:func:`torch_dist_names` stacks them
+    as the folder holds them), a layer's experts stacked (``….mlp.experts.experts.linear_fc1.weight`` ``[E, …]``).
 
     The family's table (:data:`families.FAMILIES`, picked by ``config["model_type"]``) run backwards: each rule's
     inverse, so the QKV rows are merged per query group, gate and up joined into ``linear_fc1``, the experts
-    stacked, bit for bit what :func:`to_hugging_face` splits. Layer norms take the names ``dist_checkpointing``
-    saves under (``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``) with either
-    layer spec. A config that ties the embedding (``tie_word_embeddings``) gives no ``output_layer.weight``, as
-    Megatron's ``share_embeddings_and_output_weights`` saves none.
+    stacked, bit for bit what :func:`to_hugging_face` splits; then :data:`families.TORCH_DIST_EXPERTS` backwards.
+    Layer norms take the names ``dist_checkpointing`` saves under (``self_attention.linear_qkv.layer_norm_weight``,
+    ``mlp.linear_fc1.layer_norm_weight``) with either layer spec. A config that ties the embedding
+    (``tie_word_embeddings``) gives no ``output_layer.weight``, as Megatron's
+    ``share_embeddings_and_output_weights`` saves none.
 
     Args:
         weights: the model's tensors by Hugging Face name, experts in either layout.
@@ -236,4 +237,4 @@ def to_megatron(
     sized = dict(config, padded_vocab_size=padded_vocab_size or vocab)
     backwards = [rule.inverse() for rule in reversed(families.table(str(model_type), layout))]
     mapped = run_table(backwards, weights, sized, strict=True, what="Hugging Face")
-    return torch_dist_names(mapped)
+    return run_table([op.inverse() for op in families.TORCH_DIST_EXPERTS], mapped, sized, strict=False)
