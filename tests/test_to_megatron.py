@@ -171,3 +171,16 @@ def test_a_megatron_folder_to_megatron_is_the_same_folder(tmp_path: Path) -> Non
     assert code == 0, err
     want = _torch_read(RUNS / "megatron_qwen3_moe", tmp_path)
     _equal(_torch_read(out, tmp_path), want, want["embedding.word_embeddings.weight"].shape[0])
+
+
+def test_a_tied_config_gives_no_output_layer() -> None:
+    """Megatron's ``share_embeddings_and_output_weights`` on one pipeline stage saves no ``output_layer.weight``
+    (``LanguageModule.tie_embeddings_and_output_weights_state_dict``: the embedding is the output layer)."""
+    folder = RUNS / "megatron_llama"
+    config = json.loads((folder / "config.json").read_text())
+    hf = to_hugging_face(ckptconv.open(str(folder)).select().weights, config)
+    tied = dict(config, tie_word_embeddings=True)
+    back = to_megatron({k: v for k, v in hf.items() if k != "lm_head.weight"}, tied)
+    assert "output_layer.weight" not in back and "embedding.word_embeddings.weight" in back
+    with pytest.raises(TransformError, match=r"lm_head\.weight, which it has no place for"):
+        to_megatron(hf, tied)
