@@ -184,3 +184,65 @@ def test_a_tied_config_gives_no_output_layer() -> None:
     assert "output_layer.weight" not in back and "embedding.word_embeddings.weight" in back
     with pytest.raises(TransformError, match=r"lm_head\.weight, which it has no place for"):
         to_megatron(hf, tied)
+
+
+# A live GPTModel (megatron-core's local layer spec, the fixture's sizes) loads the folder through its own
+# sharded_state_dict(); "log_all": the folder has no _extra_state entries (see docs/training-runs.md).
+_GPT_LOAD = """
+import sys, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+parallel_state.initialize_model_parallel(1, 1)
+config = TransformerConfig(
+    num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+    gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm",
+    add_bias_linear=False, use_cpu_initialization=True,
+)
+model = GPTModel(
+    config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=128, max_sequence_length=64,
+    share_embeddings_and_output_weights=False, position_embedding_type="rope",
+)
+model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), sys.argv[2], strict="log_all"), strict=False)
+torch.save({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}, sys.argv[3])
+dist.destroy_process_group()
+"""
+
+_LOCAL_SPEC = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def test_a_gpt_model_loads_the_folder_as_megatron_saved_it(tmp_path: Path) -> None:
+    """megatron-core's ``GPTModel`` loads ``--to megatron``'s folder through its own ``sharded_state_dict()`` (the
+    SwiGLU ``linear_fc1`` factory, the stacked layers) and then holds the fixture's tensors, bit for bit."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("megatron-core is not installed (pip install 'megatron-core>=0.16' on Python 3.10+)")
+    source, out = _hf_folder("megatron_llama", "fused", tmp_path), tmp_path / "out"
+    code, _, err = run_cli("convert", str(source), f"{out}/", "--to", "megatron", "--padded-vocab-size", "128")
+    assert code == 0, err
+    loaded_file = tmp_path / "loaded.pt"
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _GPT_LOAD, str(tmp_path / "pg"), str(out), str(loaded_file)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = torch.load(loaded_file, weights_only=True)
+    want = _torch_read(RUNS / "megatron_llama", tmp_path)
+    assert len(loaded) == 15
+    for name, tensor in loaded.items():
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            rest = ".".join(parts[3:])
+            expected = want["decoder.layers." + _LOCAL_SPEC.get(rest, rest)][int(parts[2])]
+        else:
+            expected = want[name]
+        value = tensor[:100] if name in PADDED else tensor
+        expected = expected[:100] if name in PADDED else expected
+        assert value.dtype == expected.dtype and value.shape == expected.shape, name
+        assert torch.equal(_bits(value), _bits(expected)), name
