@@ -42,7 +42,7 @@ from ckptconv.transforms.keys import Canonicalize, Cast, StepReport, StripPrefix
 from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing import model_files, write_policy
 from ckptconv.writing.locks import OutputLock
-from ckptconv.writing.naming import is_folder_destination, output_format
+from ckptconv.writing.naming import FOLDER_FORMATS, is_folder_destination, output_format
 from ckptconv.writing.parts import planned as planned_parts
 from ckptconv.writing.provenance import checkpoint_metadata, encode_entries, source_sha256
 from ckptconv.writing.transaction import enclosing, locked
@@ -263,13 +263,18 @@ def _convert(
             f"read {plural(ao, 'torch.ao quantized tensor')} as float32, exactly as tensor.dequantize() gives them"
         )
     folder = like.folder if like is not None else model.folder if model is not None else None
-    if folder_out and folder is not None and options.to != "dcp":  # the weights feed the config's model, all of it
+    # The weights feed the config's model, all of it (a DCP or Megatron folder out is no Hugging Face model).
+    if folder_out and folder is not None and options.to not in FOLDER_FORMATS:
         transformed.coverage = coverage.check(transformed.state, like or folder, allow_missing=options.allow_missing)
     summary = _summary(checkpoint, selection, transformed, destination, options)
     # A model folder in (or --like's) carries its configs, tokenizer ... to a folder out, rewritten where the
     # conversion changed what they say; a file out gets a note on what stays behind.
     carried = None
-    if folder is not None and summary.format != "dcp" and (like or checkpoint.format not in FRAMEWORK_FORMATS):
+    if (
+        folder is not None
+        and summary.format not in FOLDER_FORMATS
+        and (like or checkpoint.format not in FRAMEWORK_FORMATS)
+    ):
         carried = model_files.carry(
             folder,
             like.files if like is not None else (checkpoint.files or (checkpoint.path,)),

@@ -34,7 +34,7 @@ __all__ = [
     "flags",
 ]
 
-OUTPUT_FORMATS = ("pt", "safetensors", "dcp")
+OUTPUT_FORMATS = ("pt", "safetensors", "dcp", "megatron")
 # How safetensors outputs store tied tensors (see ckptconv.save); the first is the default.
 TIED = ("dedupe", "copy")
 # The schemes --quantize writes (ckptconv/quantization/fp8_quantize.py); the first is the default: none.
@@ -64,7 +64,7 @@ class Flag:
         commands: the commands that offer it.
         kind: ``"flag"`` (on/off), ``"text"``, ``"format"`` (one of the output
             formats the command can write), ``"size"`` (5GB, 500MB, 2GiB) or
-            ``"reference"`` (alone: ckptconv; ``=torch``: torch's readers) or
+            ``"reference"`` (alone: ckptconv; ``=torch``: torch's readers), ``"count"`` (a positive integer) or
             ``"choice"`` (one of ``choices``; the first is the default).
         metavar: the value's name in ``--help``.
         batch_help: the help text under ``batch``, where it differs.
@@ -100,8 +100,9 @@ class ConversionOptions:
         fit_to: a reference model, checkpoint or key list (see :func:`ckptconv.fit`):
             after ``transforms``, rename the keys to match it, or raise
             :class:`~ckptconv.errors.FitError` with the report and write nothing.
-        to: ``"pt"``, ``"safetensors"`` or ``"dcp"`` (a folder); None follows the
-            destination's suffix (:func:`ckptconv.batch`: safetensors).
+        to: ``"pt"``, ``"safetensors"``, ``"dcp"`` (a folder) or ``"megatron"`` (a Hugging Face model's weights as a
+            Megatron-Core ``torch_dist`` folder); None follows the destination's suffix (:func:`ckptconv.batch`:
+            safetensors).
         max_shard_size: write a folder of shards of at most this many bytes, with an index.
         part: ``"i/N"``: write only part ``i`` of ``N`` of that folder's shards (:mod:`ckptconv.writing.parts`),
             N processes at once; the last to finish publishes the folder.
@@ -137,6 +138,8 @@ class ConversionOptions:
             (:mod:`ckptconv.quantization.fp8_quantize`); ``"none"`` (the default) does not.
         layout: a mixture of experts' layout out: ``"fused"``, ``"per-expert"`` or ``"keep"`` (the default: as the
             source, or ``fit_to``'s model folder, has them); see :mod:`ckptconv.architectures.layouts`.
+        padded_vocab_size: with ``to="megatron"``, the rows of the embedding and output layer (the rows past the
+            config's ``vocab_size`` are zeros); None: ``vocab_size`` rows.
         allow_missing: write a model folder whose weights do not cover its config's model anyway (refused by
             default; see :mod:`ckptconv.architectures.coverage`), the list in the provenance.
         checksums: :func:`ckptconv.batch` only: record the sha256 of every input
@@ -174,7 +177,8 @@ class ConversionOptions:
         Flag(
             "--to",
             "Output format; by default it follows DST's suffix (.safetensors, or .pt/.pth/.bin/.pkl). "
-            "A folder DST gets shards (safetensors by default); 'dcp' writes a torch.distributed.checkpoint folder.",
+            "A folder DST gets shards (safetensors by default); 'dcp' writes a torch.distributed.checkpoint folder; "
+            "'megatron' writes a Hugging Face model folder's weights as a Megatron-Core torch_dist folder.",
             kind="format",
             batch_help="Output format of every item (default: safetensors).",
         ),
@@ -288,6 +292,19 @@ class ConversionOptions:
             "tensor for tensor as transformers writes each; 'keep' leaves them as the source (or --like) has them.",
             kind="choice",
             choices=LAYOUTS,
+        ),
+        fingerprint=True,
+    )
+    padded_vocab_size: int | None = _option(
+        None,
+        Flag(
+            "--padded-vocab-size",
+            "With --to megatron: give the embedding and output layer N rows, Megatron's vocabulary padded to a "
+            "multiple of make_vocab_size_divisible_by; the rows past the config's vocab_size are zeros. "
+            "Default: vocab_size rows.",
+            kind="count",
+            commands=frozenset({"convert"}),
+            metavar="N",
         ),
         fingerprint=True,
     )

@@ -64,6 +64,7 @@ def _sample_arguments(param: click.Option) -> list[list[str]]:
         "--scheduler-timeout": "5",
         "--shard": "0/2",
         "--part": "0/2",
+        "--padded-vocab-size": "128",
     }
     return [[flag, samples[flag]]]
 

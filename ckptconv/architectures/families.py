@@ -38,17 +38,30 @@ from typing import Any
 
 from ckptconv.architectures.operations import Chunk, Operation, Rename, Rows, SplitQKV, Stack, Unstack
 
-__all__ = ["EXPERT_LAYOUTS", "FAMILIES", "LEGACY_SPELLINGS", "MEGATRON_SPELLINGS", "expected", "table"]
+__all__ = [
+    "EXPERT_LAYOUTS",
+    "FAMILIES",
+    "LEGACY_SPELLINGS",
+    "MEGATRON_SPELLINGS",
+    "TORCH_DIST_EXPERTS",
+    "expected",
+    "table",
+]
 
 _M = "decoder.layers.{L}."
 _H = "model.layers.{L}."
 _EXPERT = _M + "mlp.experts.local_experts.{E}."
 
+#: The experts of a layer as ``torch_dist`` saves them (stacked) to one per expert; run backwards by ``to_megatron``.
+TORCH_DIST_EXPERTS: tuple[Operation, ...] = (
+    Unstack(_M + "mlp.experts.experts.linear_fc1.weight", (_EXPERT + "linear_fc1.weight",)),
+    Unstack(_M + "mlp.experts.experts.linear_fc2.weight", (_EXPERT + "linear_fc2.weight",)),
+)
+
 MEGATRON_SPELLINGS: tuple[Operation, ...] = (
     Rename(_M + "input_layernorm.weight", _M + "self_attention.linear_qkv.layer_norm_weight"),
     Rename(_M + "pre_mlp_layernorm.weight", _M + "mlp.linear_fc1.layer_norm_weight"),
-    Unstack(_M + "mlp.experts.experts.linear_fc1.weight", (_EXPERT + "linear_fc1.weight",)),
-    Unstack(_M + "mlp.experts.experts.linear_fc2.weight", (_EXPERT + "linear_fc2.weight",)),
+    *TORCH_DIST_EXPERTS,
     Rename(_M + "mlp.experts.linear_fc1.weight{E}", _EXPERT + "linear_fc1.weight"),
     Rename(_M + "mlp.experts.linear_fc2.weight{E}", _EXPERT + "linear_fc2.weight"),
 )

@@ -1,18 +1,24 @@
-"""Run a family's table over a checkpoint's names: Megatron-Core weights to a Hugging Face model's."""
+"""Run a family's table over a checkpoint's names: Megatron-Core weights to a Hugging Face model's, and back.
+
+:func:`to_hugging_face` runs a family's table; :func:`to_megatron` runs the same table backwards (every
+operation's :meth:`~ckptconv.architectures.operations.Operation.inverse`, last rule first) and then stacks the
+layers as Megatron-Core's ``torch_dist`` backend saves them (:func:`torch_dist_names`).
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from ckptconv._text import shown
 from ckptconv.architectures import families
-from ckptconv.architectures.operations import Operation, compile_pattern
+from ckptconv.architectures.operations import Operation, Stack, compile_pattern
 from ckptconv.errors import TransformError
 from ckptconv.reading.model_config import parse_model_config
 from ckptconv.values.tensor import TensorRef
 
-__all__ = ["expert_layout", "run_table", "to_hugging_face"]
+__all__ = ["expert_layout", "run_table", "to_hugging_face", "to_megatron", "torch_dist_names"]
 
 
 def bounded_list(names: list[str], limit: int = 4) -> str:
@@ -155,3 +161,80 @@ def to_hugging_face(
     if wrong:
         raise TransformError(f"sizes disagree with the config: {bounded_list(wrong)}")
     return {name: mapped[name] for name in want}
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def torch_dist_names(weights: Mapping[str, TensorRef]) -> dict[str, TensorRef]:
+    """Megatron-Core's names one per layer (``decoder.layers.{L}.…``, what :func:`to_megatron` gives) as its
+    ``torch_dist`` backend saves them: each layer's weight of one kind stacked along a new dim 0
+    (``decoder.layers.…`` ``[L, …]``), the inverse of the split :mod:`ckptconv.reading.formats.megatron` makes.
+    Other names pass as they are.
+
+    Raises:
+        TransformError: a layer that lacks a weight another layer has (Megatron stacks them all).
+    """
+    kinds = sorted({m[2] for name in weights if (m := _LAYER.match(name))})
+    layers = [Stack(("decoder.layers.{L}." + kind,), "decoder.layers." + kind, "L") for kind in kinds]
+    return run_table(layers, weights, {}, strict=False)
+
+
+def to_megatron(
+    weights: Mapping[str, TensorRef],
+    config: Mapping[str, Any],
+    *,
+    padded_vocab_size: int | None = None,
+) -> dict[str, TensorRef]:
+    """A Hugging Face model's weights under Megatron-Core's names, as ckptconv reads a ``torch_dist`` folder that
+    ``dist_checkpointing.save`` wrote for a ``GPTModel``: one name per layer (:func:`torch_dist_names` stacks them
+    as the folder holds them), a layer's experts stacked (``….mlp.experts.experts.linear_fc1.weight`` ``[E, …]``).
+
+    The family's table (:data:`families.FAMILIES`, picked by ``config["model_type"]``) run backwards: each rule's
+    inverse, so the QKV rows are merged per query group, gate and up joined into ``linear_fc1``, the experts
+    stacked, bit for bit what :func:`to_hugging_face` splits; then :data:`families.TORCH_DIST_EXPERTS` backwards.
+    Layer norms take the names ``dist_checkpointing`` saves under (``self_attention.linear_qkv.layer_norm_weight``,
+    ``mlp.linear_fc1.layer_norm_weight``) with either layer spec. A config that ties the embedding
+    (``tie_word_embeddings``) gives no ``output_layer.weight``, as Megatron's
+    ``share_embeddings_and_output_weights`` saves none.
+
+    Args:
+        weights: the model's tensors by Hugging Face name, experts in either layout.
+        config: its ``config.json`` as a dict.
+        padded_vocab_size: the rows Megatron's embedding and output layer have (its vocabulary padded to a
+            multiple of ``make_vocab_size_divisible_by`` times the tensor-parallel size); the rows past
+            ``vocab_size`` are zeros (a Hugging Face model has none to give; Megatron cuts their logits off).
+            None: ``vocab_size`` rows, no padding.
+
+    Raises:
+        InvalidConfigError: see :func:`to_hugging_face`.
+        TransformError: in one line, for an unknown ``model_type``, a name no rule maps, a tensor the config's model
+            has that the weights lack (or the other way), a size that disagrees with the config, or a
+            ``padded_vocab_size`` below ``vocab_size``.
+    """
+    config = _checked(config, weights)
+    model_type = config.get("model_type")
+    if model_type not in families.FAMILIES:
+        raise TransformError(
+            f"no Megatron-Core table for model_type {model_type!r}; known: {', '.join(sorted(families.FAMILIES))}"
+        )
+    layout = expert_layout(list(weights), config)
+    tied = bool(config.get("tie_word_embeddings", False))
+    want = families.expected(config, layout, tied)
+    missing = [name for name in want if name not in weights]
+    extra = [name for name in weights if name not in want]
+    if missing or extra:
+        parts = ([f"lack {bounded_list(missing)}"] if missing else []) + (
+            [f"hold {bounded_list(extra)}, which it has no place for"] if extra else []
+        )
+        raise TransformError(f"the weights do not make the config's {model_type} model: they {'; they '.join(parts)}")
+    wrong = [f"{n} {list(weights[n].shape)} (config: {list(s)})" for n, s in want.items() if weights[n].shape != s]
+    if wrong:
+        raise TransformError(f"sizes disagree with the config: {bounded_list(wrong)}")
+    vocab = int(config["vocab_size"])
+    if padded_vocab_size is not None and padded_vocab_size < vocab:
+        raise TransformError(f"padded_vocab_size {padded_vocab_size} is below the config's vocab_size {vocab}")
+    sized = dict(config, padded_vocab_size=padded_vocab_size or vocab)
+    backwards = [rule.inverse() for rule in reversed(families.table(str(model_type), layout))]
+    mapped = run_table(backwards, weights, sized, strict=True, what="Hugging Face")
+    return run_table([op.inverse() for op in families.TORCH_DIST_EXPERTS], mapped, sized, strict=False)

@@ -491,12 +491,13 @@ class Stack(Operation):
     def map(self, fields: Fields, pieces: Pieces, config: Config) -> Iterator[tuple[str, TensorRef]]:
         name = self.target.format(**fields)
         numbers = sorted({index for _, index in pieces if index is not None})
+        what = "layer" if self.gathers == "L" else "expert"
         if numbers != list(range(len(numbers))):
             missing = sorted(set(range(max(numbers) + 1)) - set(numbers))
             raise TransformError(
-                f"{name}: the experts numbered {numbers[:8]}{' …' if len(numbers) > 8 else ''} are not 0 to "
-                f"{len(numbers) - 1}; expert {missing[0]} is missing "
-                f"({self.sources[0].format(**fields, E=missing[0])})"
+                f"{name}: the {what}s numbered {numbers[:8]}{' …' if len(numbers) > 8 else ''} are not 0 to "
+                f"{len(numbers) - 1}; {what} {missing[0]} is missing "
+                f"({self.sources[0].format(**fields, **{self.gathers or 'E': missing[0]})})"
             )
         refs = [ref for index in numbers for ref in _all(self, fields, pieces, index)]
         _same(name, refs, refs[0].shape[1:])

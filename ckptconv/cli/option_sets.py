@@ -74,6 +74,7 @@ def field_option_list(group: str, command: str, section: str | None = None) -> l
                 "size": Size(),
                 "part": PartSpec(),
                 "format": click.Choice(BATCH_FORMATS if command in _FILE_COMMANDS else OUTPUT_FORMATS),
+                "count": click.IntRange(min=1),
             }
             if flag.kind == "format" and command in _FILE_COMMANDS and command != "batch":
                 help_text = help_text.split(" A folder DST")[0]  # no DCP folder here: convert --to dcp

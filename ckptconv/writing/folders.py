@@ -12,7 +12,7 @@ from ckptconv.reading.formats import dcp
 from ckptconv.reading.formats._base import MetadataValue, metadata_text
 from ckptconv.values.tensor import Storage, TensorRef
 from ckptconv.writing import dcp as dcp_writer
-from ckptconv.writing import shards, write_policy
+from ckptconv.writing import shards, torch_dist, write_policy
 from ckptconv.writing.atomic import atomic_output
 from ckptconv.writing.files import WriteReport, save_file
 from ckptconv.writing.provenance import written_by_ckptconv
@@ -54,6 +54,10 @@ def save_folder(
         plan = None
         names = [dcp.DATA_FILE, dcp.METADATA_FILE]
         family = re.compile(r"^(__\d+_\d+\.distcp|\.metadata)$")
+    elif kind == "megatron":
+        plan = None
+        names = [dcp.DATA_FILE, dcp.METADATA_FILE, torch_dist.COMMON_FILE, torch_dist.CONFIG_FILE]
+        family = re.compile(r"^(__\d+_\d+\.distcp|\.metadata|common\.pt|metadata\.json)$")
     else:
         plan = shards.plan_shards(entries, max_shard_size)
         shard_files, index_file = shards.shard_names(kind, len(plan.shards), stem)
@@ -87,7 +91,8 @@ def save_folder(
             staged.append(name)
             return atomic_output(os.path.join(staging, name), overwrite=True, fsync=fsync, inputs=inputs)
 
-        total = dcp_writer.write(entries, staging, open_output=open_output, on_bytes=update, record_crcs=record_crcs)
+        writer = torch_dist.write if kind == "megatron" else dcp_writer.write
+        total = writer(entries, staging, open_output=open_output, on_bytes=update, record_crcs=record_crcs)
     else:
         total = 0
         weight_map: dict[str, str] = {}

@@ -16,7 +16,11 @@ _FORMAT_NAMES = {
     "safetensors": "safetensors",
     "st": "safetensors",
     "dcp": "dcp",
+    "megatron": "megatron",
 }
+
+#: The outputs that are folders whatever their name: a DCP folder and Megatron-Core's torch_dist folder.
+FOLDER_FORMATS = ("dcp", "megatron")
 
 
 def _suffix_format(name: str) -> tuple[str, str] | None:
@@ -31,7 +35,7 @@ def _suffix_format(name: str) -> tuple[str, str] | None:
 
 
 def output_format(path: PathLike, to: str | None = None, *, folder: bool = False) -> str:
-    """``"pt"``, ``"safetensors"`` or ``"dcp"``: ``to`` if given, else from the destination's suffix.
+    """``"pt"``, ``"safetensors"``, ``"dcp"`` or ``"megatron"``: ``to`` if given, else from the destination's suffix.
 
     Folder outputs default to safetensors, as Hugging Face checkpoints are.
 
@@ -44,9 +48,9 @@ def output_format(path: PathLike, to: str | None = None, *, folder: bool = False
     if to is not None:
         name = _FORMAT_NAMES.get(to.lower())
         if name is None:
-            raise WriteError(f"unknown output format {to!r}; use 'pt', 'safetensors' or 'dcp'")
-        if name == "dcp" and not folder:
-            raise WriteError("a DCP checkpoint is a folder; give a folder as the destination")
+            raise WriteError(f"unknown output format {to!r}; use 'pt', 'safetensors', 'dcp' or 'megatron'")
+        if name in FOLDER_FORMATS and not folder:
+            raise WriteError(f"a {_FORMAT_TITLES[name]} checkpoint is a folder; give a folder as the destination")
         if named is not None and named[0] != name:
             stem = text[: -len(named[1])]
             instead = stem + (".safetensors" if name == "safetensors" else ".pt")
@@ -78,14 +82,14 @@ def is_folder_destination(path: PathLike, format: str | None, max_shard_size: in
     text = as_path(path)
     if os.path.isdir(text) or text.endswith(("/", os.sep)):
         return True
-    dcp = (format or "").lower() == "dcp"
+    dcp = (format or "").lower() in FOLDER_FORMATS
     if max_shard_size is None and not dcp:
         return False
     named = _suffix_format(os.path.basename(text))
     if named is not None and not os.path.exists(text):  # an existing file is refused when writing
-        cause = "--to dcp writes a folder" if dcp else "--max-shard-size writes a folder of shards and an index"
+        cause = f"--to {format} writes a folder" if dcp else "--max-shard-size writes a folder of shards and an index"
         folder = text[: -len(named[1])] + "/"
-        one_file = "leave out --to dcp" if dcp else "leave out --max-shard-size"
+        one_file = f"leave out --to {format}" if dcp else "leave out --max-shard-size"
         raise DestinationError(
             f"{text!r} is named like a file, but {cause}; write {folder!r} instead, "
             f"or {one_file} to write the one file {text!r}",
@@ -94,4 +98,4 @@ def is_folder_destination(path: PathLike, format: str | None, max_shard_size: in
     return True
 
 
-_FORMAT_TITLES = {"pt": "torch", "safetensors": "safetensors", "dcp": "DCP"}
+_FORMAT_TITLES = {"pt": "torch", "safetensors": "safetensors", "dcp": "DCP", "megatron": "Megatron-Core torch_dist"}

@@ -42,6 +42,7 @@ from ckptconv.writing import shards, write_policy
 from ckptconv.writing.atomic import atomic_output
 from ckptconv.writing.files import WriteReport
 from ckptconv.writing.locks import short_name
+from ckptconv.writing.naming import FOLDER_FORMATS
 from ckptconv.writing.provenance import file_sha256
 
 __all__ = ["Part", "PartsPlan", "WrittenBefore", "parse_part", "plan_parts", "planned", "refuse_parts", "write_part"]
@@ -115,7 +116,7 @@ def planned(
 ) -> tuple[str, ...]:
     """What ``convert --part i/N --dry-run`` says: every part's shards and bytes, one sentence each (the shards named
     as a plain folder names them; a PEFT or diffusers model folder names them after its own stem)."""
-    if part is None or kind == "dcp":
+    if part is None or kind in FOLDER_FORMATS:
         return ()
     this = parse_part(part)
     plan = shards.plan_shards(entries, max_shard_size)
@@ -287,7 +288,7 @@ def _read_record(hidden: str, part: Part) -> dict[str, Any] | None:
 
 def refuse_parts(kind: str, folder_output: bool) -> None:
     """``--part`` writes part of a sharded folder: refused for a single file, a DCP folder, a folder of models."""
-    if kind == "dcp" or not folder_output:
+    if kind in FOLDER_FORMATS or not folder_output:
         raise DestinationError(
             "--part writes part of a sharded folder: give a folder DST with --max-shard-size (not --to dcp)"
         )

@@ -10,6 +10,7 @@ from ckptconv._text import short_repr
 from ckptconv.errors import WriteError
 from ckptconv.values.tensor import TensorRef
 from ckptconv.writing import torch_zip as zip_writer
+from ckptconv.writing.naming import FOLDER_FORMATS
 
 
 def planned_bytes(
@@ -26,7 +27,7 @@ def planned_bytes(
     if kind == "pt":
         storages, _ = zip_plan or zip_writer.plan_storages(entries)
         return sum(storage.nbytes for storage in storages)
-    if kind == "dcp" or not dedupe:
+    if kind in FOLDER_FORMATS or not dedupe:
         return sum(ref.nbytes for _, ref in entries)
     return sum(ref.nbytes for ref in {ref: None for _, ref in entries})
 
