@@ -140,7 +140,7 @@ def test_transform_help_is_grouped_and_shows_only_what_the_command_takes() -> No
     assert headings == ["Selection:", "Transforms:", "Output:", "Safety:", "Speed:", "Run:", "Other options:"]
     assert "--add-prefix" not in stdout and "dcp" not in stdout
     assert "--strip-prefix" not in run_cli("add-module", "--help")[1]
-    assert "[pt|safetensors|dcp]" in run_cli("convert", "--help")[1]
+    assert "[pt|safetensors|dcp|megatron]" in run_cli("convert", "--help")[1]
 
 
 def test_commands_are_listed_in_workflow_order_with_whole_summaries() -> None:

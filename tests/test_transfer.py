@@ -460,9 +460,12 @@ def test_gpu_load_takes_every_records_crc_and_refuses_a_flipped_bit(
 ) -> None:
     """On a GPU the pieces' CRC-32s are taken from the staged bytes: every record's, read once
     (page cache or O_DIRECT), and a flipped bit near a record's end is refused."""
+    from ckptconv.gpu import crc as _gpu_crc
+
     monkeypatch.setattr(_transfer, "direct_io", mode)
     path, refs, crcs = _gpu_load_taking_crcs(tmp_path)
-    assert len(crcs) == sum(1 for r in refs.values() if r.storage.nbytes > 0)
+    records = sum(1 for r in refs.values() if r.storage.nbytes > 0)
+    assert len(crcs) == records, f"{len(crcs)} of {records} CRC-32s taken; the kernel: {_gpu_crc.failures}"
     assert all(crcs[r.storage] == r.storage.source.crc32 for r in refs.values() if r.storage.nbytes > 0)  # type: ignore[union-attr]
     record = refs["w4"].storage
     data = bytearray(path.read_bytes())
