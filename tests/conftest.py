@@ -265,3 +265,13 @@ def swap_after_discovery(monkeypatch: pytest.MonkeyPatch, module: Any, swap: Cal
         return items
 
     monkeypatch.setattr(module, "discover", discover_then_swap)
+
+
+def transformers_fp8_dequantization() -> Any:
+    """transformers' own fp8 block dequantization (``_dequantize_fp8_weight``), the oracle of the ragged-block
+    tests; skipped where the installed transformers lacks it (the last release for Python 3.10 does)."""
+    module = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    function = getattr(module, "_dequantize_fp8_weight", None)
+    if function is None:
+        pytest.skip("this transformers has no _dequantize_fp8_weight, the oracle (transformers 5.25 has it)")
+    return function

@@ -394,7 +394,9 @@ def test_dequantized_fp8_experts_are_fused_as_transformers_holds_them(tmp_path: 
     assert run_cli("convert", str(tmp_path / "src"), f"{fp8}/", "--quantize", "fp8-block")[0] == 0
     code, _, err = run_cli("convert", str(fp8), f"{tmp_path / 'out'}/", "--dtype", "bf16", "--layout", "fused")
     assert code == 0, err
-    model = transformers.AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.bfloat16)
+    # transformers dequantizes an fp8 folder as it loads it on a CPU-only machine; on a GPU machine it is asked to.
+    dequantize = transformers.FineGrainedFP8Config(dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.bfloat16, quantization_config=dequantize)
     model.save_pretrained(tmp_path / "theirs", save_original_format=False)
     _assert_same_tensors(tmp_path / "out", tmp_path / "theirs")
 

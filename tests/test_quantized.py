@@ -21,6 +21,8 @@ from ckptconv.errors import UnsupportedQuantizationError
 from ckptconv.quantization import Scheme, dequantize, detect
 from ckptconv.values.tensor import TensorRef
 
+from .conftest import transformers_fp8_dequantization
+
 TARGETS = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -119,7 +121,7 @@ def test_fp8_block_ragged_edges_match_transformers(
     """The last, partial blocks take their own scale. transformers' _dequantize_fp8_weight places ragged
     blocks; in float32 it has Fp8Dequantize's order (float32 product), then .to(target) rounds once.
     ``index_buffer``: the gather's indices a few rows at a time (2 rows of 300), not a band at once."""
-    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+    _dequantize_fp8_weight = transformers_fp8_dequantization()
 
     from ckptconv.quantization import fp8_block
 
@@ -314,7 +316,8 @@ def test_compressed_tensors_match_the_compressors(
 
 def test_dequantized_state_dict_is_written_by_ckptconv_save(tmp_path: Path) -> None:
     from safetensors.torch import load_file
-    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    _dequantize_fp8_weight = transformers_fp8_dequantization()
 
     torch.manual_seed(5)
     q = _fp8_ragged(torch.empty(200, 300), [128, 128])

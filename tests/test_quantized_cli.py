@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .conftest import run_cli
+from .conftest import run_cli, transformers_fp8_dequantization
 
 BLOCK = [128, 128]
 
@@ -103,7 +103,7 @@ def _written(folder: Path) -> dict[str, torch.Tensor]:
 )
 def test_fp8_block_folder_is_dequantized_as_transformers_does(tmp_path: Path, flag: str, target: torch.dtype) -> None:
     """DeepSeek-V3's layout, ragged edge blocks included, against transformers' own fine-grained fp8 dequantization."""
-    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+    _dequantize_fp8_weight = transformers_fp8_dequantization()
 
     state = fp8_block_state()
     folder = model_folder(tmp_path / "fp8", state, FP8_CONFIG)

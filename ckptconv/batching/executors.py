@@ -20,6 +20,7 @@ draining what is already running.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import importlib
@@ -489,16 +490,20 @@ def _distributed() -> Any:
         ) from None
 
 
+# Before Python 3.11 asyncio's TimeoutError (which distributed raises) is not the built-in one.
+_TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
+
+
 def _client(distributed: Any, address: str, timeout: float) -> Any:
     """A client of the scheduler at ``address`` once a worker has joined it, within ``timeout`` seconds each:
     a scheduler without workers would hold the tasks forever, printing nothing."""
     try:
         client = distributed.Client(address, set_as_default=False, timeout=f"{timeout}s")
-    except (OSError, TimeoutError) as error:
+    except (OSError, *_TIMEOUTS) as error:
         raise CkptconvError(f"cannot reach the Dask scheduler at {address!r} ({error}); check --scheduler") from None
     try:
         client.wait_for_workers(1, timeout=timeout)
-    except (OSError, TimeoutError):
+    except (OSError, *_TIMEOUTS):
         client.close()
         raise CkptconvError(
             f"no Dask worker joined the scheduler at {address!r} within {timeout:g} s; start workers "
