@@ -332,7 +332,7 @@ def batch(src: str, dst: str | None, **options: Any) -> None:
     _summarize(report, quiet)
 
 
-def _summarize(report: Any, quiet: bool) -> None:
+def _summarize(report: BatchReport, quiet: bool) -> None:
     """The end of a batch's output, and its exit code: failures, the summary line."""
     for result in report.unsafe:  # errors: shown even with -q
         echo(f"unsafe: {result.source}: {shortened(result.error)}", err=True)
