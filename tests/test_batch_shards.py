@@ -320,6 +320,7 @@ def test_shard_auto_reads_the_schedulers_variables(environ: dict[str, str], expe
         ({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "1"}, "is not one of 3"),
         ({"RANK": "4", "WORLD_SIZE": "4"}, "--shard auto (torchrun): shard index 4 is not in 0..3"),
         ({"RANK": "x", "WORLD_SIZE": "4"}, "RANK='x' is not a whole number"),
+        ({"RANK": "\u00b2", "WORLD_SIZE": "4"}, "RANK='\u00b2' is not a whole number"),  # isdigit, not int
     ],
 )
 def test_shard_auto_refuses_what_it_cannot_read(environ: dict[str, str], message: str) -> None:

@@ -172,6 +172,8 @@ def test_parse_part() -> None:
     assert parse_part("3/4") == Part(3, 4)
     with pytest.raises(ValueError, match=r"not in 0\.\.3"):
         parse_part("4/4")
+    with pytest.raises(ValueError, match=r"--part takes INDEX/COUNT"):
+        parse_part("\u00b2/4")  # a digit to str.isdigit, not to int()
 
 
 def test_dry_run_prints_the_plan_the_parts_follow(tmp_path: Path) -> None:

@@ -17,7 +17,14 @@ from ckptconv.runtime import cores as _cores
 
 def test_usable_cores_follow_the_affinity_and_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
     affinity = len(os.sched_getaffinity(0))
-    for cap, expected in (("", affinity), ("1", 1), (str(affinity + 5), affinity), ("0", affinity), ("x", affinity)):
+    for cap, expected in (
+        ("", affinity),
+        ("1", 1),
+        (str(affinity + 5), affinity),
+        ("0", affinity),
+        ("x", affinity),
+        ("\u00b2", affinity),
+    ):
         monkeypatch.setenv(_cores.CORES_VARIABLE, cap)
         assert _cores.usable.__wrapped__() == expected, cap
 

@@ -116,14 +116,23 @@ def _restore(pristine: Path, out: Path) -> None:
         shutil.copytree(pristine, out, symlinks=True)
 
 
-@pytest.mark.parametrize("kind", ["fresh", "single", "sharded"])
-def test_a_failure_at_every_step_leaves_the_old_output_or_the_new_one_whole(kind: str, tmp_path: Path) -> None:
+def _prepared(
+    tmp_path: Path, kind: str
+) -> tuple[list[str], Path, dict[str, str] | None, dict[str, str] | None, list[str], Path]:
+    """The scenario ``kind``: its command, DST, the old and the new output, every step, and a pristine copy of DST
+    (absent for a fresh one) that :func:`_restore` puts back before each run."""
     args, out = _scenario(tmp_path, kind)
     old = _tree(out)
     new, steps = _expected(tmp_path, args, out)
     pristine = tmp_path / "pristine"
     if out.exists():
         shutil.copytree(out, pristine, symlinks=True)
+    return args, out, old, new, steps, pristine
+
+
+@pytest.mark.parametrize("kind", ["fresh", "single", "sharded"])
+def test_a_failure_at_every_step_leaves_the_old_output_or_the_new_one_whole(kind: str, tmp_path: Path) -> None:
+    args, out, old, new, steps, pristine = _prepared(tmp_path, kind)
     assert len(steps) >= 12 and any(step.startswith(("exchange", "rename")) for step in steps)
     outcomes = []
     for failing in range(len(steps)):
@@ -207,12 +216,7 @@ def _finish(process: Any) -> None:
 def test_sigkill_at_every_step_leaves_the_old_output_or_the_new_one_and_the_next_run_cleans_up(
     kind: str, tmp_path: Path
 ) -> None:
-    args, out = _scenario(tmp_path, kind)
-    old = _tree(out)
-    new, steps = _expected(tmp_path, args, out)
-    pristine = tmp_path / "pristine"
-    if out.exists():
-        shutil.copytree(out, pristine, symlinks=True)
+    args, out, old, new, steps, pristine = _prepared(tmp_path, kind)
     outcomes = set()
     marker = tmp_path / "reached"
     for index in range(0, len(steps), 1 if kind == "fresh" else 2):  # every step, or every other (CI's time)
@@ -237,11 +241,7 @@ def test_sigkill_at_every_step_leaves_the_old_output_or_the_new_one_and_the_next
 def test_sigint_at_every_step_of_an_overwrite_keeps_the_old_output_or_says_the_new_one_is_whole(
     kind: str, tmp_path: Path
 ) -> None:
-    args, out = _scenario(tmp_path, kind)
-    old = _tree(out)
-    new, steps = _expected(tmp_path, args, out)
-    pristine = tmp_path / "pristine"
-    shutil.copytree(out, pristine, symlinks=True)
+    args, out, old, new, steps, pristine = _prepared(tmp_path, kind)
     errors, marker = tmp_path / "stderr", tmp_path / "reached"
     for index in range(0, len(steps), 2 if kind == "single" else 3):
         _restore(pristine, out)

@@ -92,7 +92,7 @@ def parse_shard(text: str, environ: Mapping[str, str]) -> Shard:
 
 def _integer(environ: Mapping[str, str], name: str) -> int:
     value = environ[name].strip()
-    if not value.isdigit():
+    if not value.isdecimal():
         raise ValueError(f"{name}={value!r} is not a whole number; pass --shard INDEX/COUNT instead of auto")
     return int(value)
 

@@ -302,9 +302,7 @@ def batch(src: str, dst: str | None, **options: Any) -> None:
         )
         click.get_current_context().exit(interrupted_code(interrupt))
     if options["as_json"]:  # data on stdout; the messages below stay on stderr
-        import json
-
-        click.echo(json.dumps(report.to_json(), indent=2))
+        _print_json(report)
     for note in report.notes:
         say(quiet, f"note: {note}")
     if not report.results:
@@ -332,7 +330,7 @@ def batch(src: str, dst: str | None, **options: Any) -> None:
     _summarize(report, quiet)
 
 
-def _summarize(report: Any, quiet: bool) -> None:
+def _summarize(report: BatchReport, quiet: bool) -> None:
     """The end of a batch's output, and its exit code: failures, the summary line."""
     for result in report.unsafe:  # errors: shown even with -q
         echo(f"unsafe: {result.source}: {shortened(result.error)}", err=True)
@@ -349,15 +347,20 @@ def _summarize(report: Any, quiet: bool) -> None:
     click.get_current_context().exit(report.exit_code)
 
 
+def _print_json(report: BatchReport) -> None:
+    """batch --json: the report on stdout."""
+    import json
+
+    click.echo(json.dumps(report.to_json(), indent=2))
+
+
 def _report_batch(dst: str, options: dict[str, Any]) -> None:
     """batch --report DST: the shards' manifests merged into one summary and exit code."""
     from ckptconv.batching.merging import merged_report
 
     report = merged_report(dst)
     if options["as_json"]:
-        import json
-
-        click.echo(json.dumps(report.to_json(), indent=2))
+        _print_json(report)
     _summarize(report, options["quiet"])
 
 

@@ -71,7 +71,7 @@ def usable() -> int:
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
     cap = os.environ.get(CORES_VARIABLE, "")
-    if cap.isdigit() and int(cap) > 0:
+    if cap.isdecimal() and int(cap) > 0:
         cores = min(cores, int(cap))
     return max(cores, 1)
 

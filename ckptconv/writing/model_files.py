@@ -301,11 +301,10 @@ def write(
     *,
     inputs: write_policy.Inputs,
     fsync: bool,
-    weights: Sequence[str] = (),
     made: Sequence[str] = (),
 ) -> tuple[str, ...]:
     """Write ``files`` into ``folder``, each atomically; on a failure those written are removed again, and the
-    ``weights`` written before them too, and the folders ``made`` for them: a model folder is whole, or not written.
+    folders ``made`` for them: a model folder is whole, or not written.
 
     Raises:
         LoadError: a source file is no longer a regular file inside its folder.
@@ -326,7 +325,7 @@ def write(
                         shutil.copyfileobj(source, output, 1 << 20)
             written.append(target)
     except BaseException:
-        for path in [*written, *weights]:
+        for path in written:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         write_policy.remove_folders([*made, *created])

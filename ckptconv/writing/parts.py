@@ -71,7 +71,7 @@ def parse_part(text: str) -> Part:
         ValueError: not INDEX/COUNT with 0 <= INDEX < COUNT (a sentence saying so).
     """
     index, slash, count = text.strip().partition("/")
-    if not (slash and index.isdigit() and count.isdigit()):
+    if not (slash and index.isdecimal() and count.isdecimal()):
         raise ValueError(f"--part takes INDEX/COUNT (0/4 to 3/4), not {text!r}")
     part = Part(int(index), int(count))
     if not 0 <= part.index < part.count:
