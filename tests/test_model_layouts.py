@@ -19,33 +19,18 @@ from safetensors.torch import load_file
 
 import ckptconv
 
-from .conftest import run_cli
+from .conftest import run_cli, tiny_gpt2, tiny_llama
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
 def _llama(tied: bool) -> Any:
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_llama(tied=tied).eval()
 
 
 def _gpt2() -> Any:  # GPT-2's class ties by default
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=0
-    )
-    return transformers.GPT2LMHeadModel(config).eval()
+    return tiny_gpt2().eval()
 
 
 MODELS = {"llama": (lambda: _llama(True), "model.embed_tokens.weight"), "gpt2": (_gpt2, "transformer.wte.weight")}
