@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import ckptconv
 
-from .conftest import run_cli, tiny_gpt2, tiny_llama
+from .conftest import assert_same_state, assert_same_tensor, run_cli, tiny_gpt2, tiny_llama
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -193,12 +193,10 @@ def test_the_nested_legacy_layout_reads_as_its_full_state_dict(tp: int, gated: b
     info = ckptconv.inspect(run)
     assert info.format == "megatron-legacy" and len(info.tensors) == len(model)  # was 0 entries
     loaded = ckptconv.load(run)
-    assert list(loaded) == list(model)
-    for name, tensor in model.items():
-        assert torch.equal(loaded[name], tensor), name
+    assert_same_state(loaded, model)  # the same keys in order, dtypes, shapes and bytes
     ckptconv.convert(run, tmp_path / "out.safetensors")
     written = load_file(tmp_path / "out.safetensors")
-    assert set(written) == set(model) and all(torch.equal(written[k], v) for k, v in model.items())
+    assert_same_state(written, model, ordered=False)
 
 
 def test_one_nested_legacy_file_given_alone_is_refused_rather_than_cut_to_its_encoder(tmp_path: Path) -> None:
@@ -352,8 +350,8 @@ def test_torch_ao_quantized_tensors_under_their_own_names_still_convert_as_dequa
     torch.save(state, tmp_path / "q.pt")
     ckptconv.convert(tmp_path / "q.pt", tmp_path / "q.safetensors")
     written = load_file(tmp_path / "q.safetensors")
-    assert torch.equal(written["conv.weight"], state["conv.weight"].dequantize())
-    assert torch.equal(written["conv.bias"], state["conv.bias"])
+    assert_same_tensor(written["conv.weight"], state["conv.weight"].dequantize())
+    assert_same_tensor(written["conv.bias"], state["conv.bias"])
 
 
 _LEGACY_NAMES = (  # Megatron-Core's name -> the legacy layout's (legacy/model/transformer.py, language_model.py)
