@@ -275,3 +275,30 @@ def transformers_fp8_dequantization() -> Any:
     if function is None:
         pytest.skip("this transformers has no _dequantize_fp8_weight, the oracle (transformers 5.25 has it)")
     return function
+
+
+def tiny_llama(*, tied: bool = False) -> Any:
+    """A two-layer transformers Llama (hidden 32, 4 heads, 2 key/value heads, vocabulary 96), random weights."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def tiny_gpt2() -> Any:
+    """A two-layer transformers GPT-2 (hidden 32, 2 heads, vocabulary 96; its class ties the head), random weights."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
+    return transformers.GPT2LMHeadModel(config)

@@ -110,3 +110,16 @@ def test_rank_files_beside_their_consolidated_index_are_ambiguous(tmp_path: Path
         ckptconv.load(folder)
     index = folder / "model.safetensors.index.json"
     assert sorted(ckptconv.load(index)) == sorted(ckptconv.load(RUN))
+
+
+def test_chunks_of_different_dimensions_are_refused_by_name(tmp_path: Path) -> None:
+    """Before: an IndexError from the reader when the first rank's chunk had more dimensions than another's."""
+    folder = _copy(tmp_path)
+
+    def two_dims(tensors: dict[str, torch.Tensor], info: dict[str, dict[str, list[int]]]) -> None:
+        tensors["proj.bias"] = tensors["proj.bias"].unsqueeze(1)
+        info["proj.bias"]["saved_offsets"] = [0, 0]
+
+    _rewrite(folder / "shard-00001-model-00001-of-00001.safetensors", two_dims)
+    with pytest.raises(MalformedCheckpointError, match=r"the chunks of 'proj\.bias' have different numbers of dim"):
+        ckptconv.load(folder)

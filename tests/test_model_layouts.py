@@ -19,33 +19,18 @@ from safetensors.torch import load_file
 
 import ckptconv
 
-from .conftest import run_cli
+from .conftest import assert_same_state, assert_same_tensor, run_cli, tiny_gpt2, tiny_llama
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
 def _llama(tied: bool) -> Any:
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_llama(tied=tied).eval()
 
 
 def _gpt2() -> Any:  # GPT-2's class ties by default
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=0
-    )
-    return transformers.GPT2LMHeadModel(config).eval()
+    return tiny_gpt2().eval()
 
 
 MODELS = {"llama": (lambda: _llama(True), "model.embed_tokens.weight"), "gpt2": (_gpt2, "transformer.wte.weight")}
@@ -208,12 +193,10 @@ def test_the_nested_legacy_layout_reads_as_its_full_state_dict(tp: int, gated: b
     info = ckptconv.inspect(run)
     assert info.format == "megatron-legacy" and len(info.tensors) == len(model)  # was 0 entries
     loaded = ckptconv.load(run)
-    assert list(loaded) == list(model)
-    for name, tensor in model.items():
-        assert torch.equal(loaded[name], tensor), name
+    assert_same_state(loaded, model)  # the same keys in order, dtypes, shapes and bytes
     ckptconv.convert(run, tmp_path / "out.safetensors")
     written = load_file(tmp_path / "out.safetensors")
-    assert set(written) == set(model) and all(torch.equal(written[k], v) for k, v in model.items())
+    assert_same_state(written, model, ordered=False)
 
 
 def test_one_nested_legacy_file_given_alone_is_refused_rather_than_cut_to_its_encoder(tmp_path: Path) -> None:
@@ -367,8 +350,8 @@ def test_torch_ao_quantized_tensors_under_their_own_names_still_convert_as_dequa
     torch.save(state, tmp_path / "q.pt")
     ckptconv.convert(tmp_path / "q.pt", tmp_path / "q.safetensors")
     written = load_file(tmp_path / "q.safetensors")
-    assert torch.equal(written["conv.weight"], state["conv.weight"].dequantize())
-    assert torch.equal(written["conv.bias"], state["conv.bias"])
+    assert_same_tensor(written["conv.weight"], state["conv.weight"].dequantize())
+    assert_same_tensor(written["conv.bias"], state["conv.bias"])
 
 
 _LEGACY_NAMES = (  # Megatron-Core's name -> the legacy layout's (legacy/model/transformer.py, language_model.py)

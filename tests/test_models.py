@@ -20,33 +20,10 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from .conftest import run_cli
+from .conftest import run_cli, tiny_gpt2, tiny_llama
 from .test_quantized_cli import FP8_CONFIG, fp8_block_state, model_folder
 
 transformers.logging.set_verbosity_error()
-
-
-def _gpt2() -> Any:
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=0
-    )
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _llama() -> Any:
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.LlamaForCausalLM(config)
 
 
 def _mixtral() -> Any:
@@ -110,8 +87,8 @@ def _image_inputs(model: Any) -> dict[str, torch.Tensor]:
 
 
 MODELS: dict[str, tuple[Callable[[], Any], Callable[[Any], dict[str, torch.Tensor]], Any]] = {
-    "gpt2": (_gpt2, _text_inputs, transformers.AutoModelForCausalLM),
-    "llama": (_llama, _text_inputs, transformers.AutoModelForCausalLM),
+    "gpt2": (tiny_gpt2, _text_inputs, transformers.AutoModelForCausalLM),
+    "llama": (tiny_llama, _text_inputs, transformers.AutoModelForCausalLM),
     "mixtral": (_mixtral, _text_inputs, transformers.AutoModelForCausalLM),
     "bart": (_bart, _text_inputs, transformers.AutoModelForSeq2SeqLM),
     "vit": (_vit, _image_inputs, transformers.AutoModelForImageClassification),
@@ -198,7 +175,7 @@ def test_every_non_weight_file_is_carried_byte_for_byte_and_the_unknown_one_name
 
 def test_a_sharded_pytorch_bin_folder_gives_a_safetensors_model_folder(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    model = _llama()
+    model = tiny_llama()
     folder = tmp_path / "bin"
     model.config.save_pretrained(folder)
     # The layout transformers 4 wrote (v5 writes safetensors only): torch.save shards and their index.
@@ -271,7 +248,7 @@ def test_dequantized_weights_lose_their_quantization_config(tmp_path: Path) -> N
 
 def test_tie_word_embeddings_follows_the_head_written(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    model = _gpt2()
+    model = tiny_gpt2()
     folder = tmp_path / "gpt2"
     model.save_pretrained(folder)
     # A head of its own (an untied fine-tune) under a config that still says tied.
@@ -307,7 +284,7 @@ def trainer_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     """A real transformers.Trainer run of one step: run/checkpoint-1/ with optimizer.pt, scheduler.pt ..."""
     run = tmp_path_factory.mktemp("trainer") / "run"
     torch.manual_seed(0)
-    model = _gpt2()
+    model = tiny_gpt2()
     arguments = transformers.TrainingArguments(
         str(run),
         max_steps=1,
@@ -400,7 +377,7 @@ def test_batch_over_a_training_run_gives_its_model_folders(trainer_run: tuple[An
 def test_an_accelerate_save_state_folder_converts_its_model(tmp_path: Path) -> None:
     accelerate = pytest.importorskip("accelerate")
     torch.manual_seed(0)
-    model = _gpt2()
+    model = tiny_gpt2()
     accelerator = accelerate.Accelerator(cpu=True)
     accelerator.prepare(model, torch.optim.Adam(model.parameters()))
     accelerator.save_state(str(tmp_path / "state"))
@@ -442,13 +419,13 @@ def _dcp(state: dict[str, torch.Tensor], folder: Path) -> Path:
 )
 def test_like_a_model_folder_gives_that_model_folder(command: str, write_source: Any, tmp_path: Path) -> None:
     torch.manual_seed(0)
-    base = _llama().to(torch.bfloat16)
+    base = tiny_llama().to(torch.bfloat16)
     base.config.dtype = torch.bfloat16
     base.save_pretrained(tmp_path / "base", max_shard_size="40KB")
     reference_shards = sorted(p.name for p in (tmp_path / "base").glob("model-*.safetensors"))
     assert len(reference_shards) > 1
     torch.manual_seed(1)
-    trained = _llama()  # fp32 training weights, another seed
+    trained = tiny_llama()  # fp32 training weights, another seed
     source = write_source(trained.state_dict(), tmp_path)
     out = tmp_path / "out"
     code, _, stderr = run_cli(command, str(source), f"{out}/", "--like", f"{tmp_path / 'base'}/")
@@ -463,9 +440,9 @@ def test_like_a_model_folder_gives_that_model_folder(command: str, write_source:
 
 def test_fit_like_a_model_folder_with_dtype_casts_as_asked(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    _llama().save_pretrained(tmp_path / "base")
+    tiny_llama().save_pretrained(tmp_path / "base")
     torch.manual_seed(1)
-    trained = _llama()
+    trained = tiny_llama()
     source = _lightning(trained.state_dict(), tmp_path)
     out = tmp_path / "out"
     code, _, stderr = run_cli("fit", str(source), f"{out}/", "--like", str(tmp_path / "base"), "--dtype", "fp16")
@@ -479,7 +456,7 @@ def test_a_peft_adapter_folder_converts_to_an_adapter_folder_peft_loads(tmp_path
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    adapted = peft.get_peft_model(_llama(), config)
+    adapted = peft.get_peft_model(tiny_llama(), config)
     adapted.save_pretrained(tmp_path / "adapter")
     out = tmp_path / "out"
     code, _, stderr = run_cli("convert", str(tmp_path / "adapter"), f"{out}/", "--dtype", "bf16")
@@ -490,7 +467,7 @@ def test_a_peft_adapter_folder_converts_to_an_adapter_folder_peft_loads(tmp_path
     written = load_file(out / "adapter_model.safetensors")
     assert written.keys() == source.keys()
     assert all(torch.equal(written[key], tensor.to(torch.bfloat16)) for key, tensor in source.items())
-    loaded = peft.PeftModel.from_pretrained(_llama(), out)
+    loaded = peft.PeftModel.from_pretrained(tiny_llama(), out)
     held = peft.get_peft_model_state_dict(loaded)
     assert held.keys() == written.keys()
     assert all(torch.equal(held[key].to(torch.bfloat16), tensor) for key, tensor in written.items())

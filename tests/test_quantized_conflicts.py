@@ -36,6 +36,14 @@ def _convert(folder: Path, out: Path, *args: str) -> tuple[int, str]:
     return code, err
 
 
+def _assert_refused(folder: Path, out: Path, error: str) -> None:
+    """Converting ``folder`` fails with exactly ``error`` and leaves nothing at ``out``."""
+    code, err = _convert(folder, out)
+    assert code == 1
+    assert err == error
+    assert not out.exists()
+
+
 def _deepseek_layer() -> dict[str, torch.Tensor]:
     torch.manual_seed(11)
     q = _fp8_quantize(torch.randn(128, 256), [128, 128])
@@ -74,13 +82,11 @@ def test_fp8_modules_to_not_convert_control_a_wrong_scale_grid_stays_refused(tmp
     state = _deepseek_layer()
     state["lm_head.weight_scale_inv"] = torch.ones(1, 1)
     config = {"quantization_config": {**FP8, "modules_to_not_convert": ["lm_head"]}}
-    code, err = _convert(model_folder(tmp_path / "q", state, config), tmp_path / "out")
-    assert code == 1
-    assert err == (
+    error = (
         "ckptconv: error: fp8 block-scaled tensor 'lm_head.weight_scale_inv' has shape [1, 1]; [1, 2] scales a "
         "[128, 256] weight in 128 x 128 blocks\n"
     )
-    assert not (tmp_path / "out").exists()
+    _assert_refused(model_folder(tmp_path / "q", state, config), tmp_path / "out", error)
 
 
 def test_mxfp4_modules_to_not_convert_naming_quantized_experts_is_dequantized_by_their_scales(tmp_path: Path) -> None:
@@ -133,13 +139,11 @@ def test_an_older_compression_config_is_removed_with_the_dequantization(tmp_path
 def test_compressed_tensors_ignored_quantized_module_no_group_targets_is_refused(tmp_path: Path) -> None:
     state, _, _, config = _ct_state()
     config["quantization_config"]["config_groups"]["group_0"]["targets"] = ["re:model\\.layers\\..*"]
-    code, err = _convert(model_folder(tmp_path / "q", state, config), tmp_path / "out")
-    assert code == 1
-    assert err == (
+    error = (
         "ckptconv: error: compressed-tensors tensor 'lm_head.weight' is quantized on disk (its module is in ignore), "
         "but no config group targets its module, so ckptconv cannot tell its strategy\n"
     )
-    assert not (tmp_path / "out").exists()
+    _assert_refused(model_folder(tmp_path / "q", state, config), tmp_path / "out", error)
 
 
 # -- the declared scheme and the tensors' scheme disagree ----------------------------------------------------
@@ -213,13 +217,11 @@ def test_compressed_tensors_fp8_weight_without_its_scale_is_refused(tmp_path: Pa
     """Before: written as its raw float8 values (up to 448), the config saying unquantized."""
     state, _, _, config = _ct_state(ignored_head=False)
     del state["lm_head.weight_scale"]
-    code, err = _convert(model_folder(tmp_path / "q", state, config), tmp_path / "out")
-    assert code == 1
-    assert err == (
+    error = (
         "ckptconv: error: compressed-tensors tensor 'lm_head.weight_scale' is missing: 'lm_head.weight' is "
         "float8_e4m3fn, quantized by config group 'group_0', and a plain cast would write its raw values\n"
     )
-    assert not (tmp_path / "out").exists()
+    _assert_refused(model_folder(tmp_path / "q", state, config), tmp_path / "out", error)
 
 
 def test_control_an_ignored_unquantized_module_is_left_as_it_is(tmp_path: Path) -> None:
@@ -291,14 +293,12 @@ def test_quanto_pairs_match_quantos_dequantize(tmp_path: Path, qtype: str, dtype
 
 def test_quanto_qint4_is_refused_in_one_line(tmp_path: Path) -> None:
     state = {f"model.{k}": v.contiguous() for k, v in _quanto_model("qint4", torch.float32).state_dict().items()}
-    code, err = _convert(model_folder(tmp_path / "q", state, {"model_type": "llama"}), tmp_path / "out")
-    assert code == 1
-    assert err == (
+    error = (
         "ckptconv: error: optimum-quanto tensor 'model.0.weight._data._data' is a packed qint4/qint2 tensor, whose "
         "weight shape the checkpoint does not hold (quanto keeps it in the module); load it with optimum-quanto and "
         "save it dequantized first\n"
     )
-    assert not (tmp_path / "out").exists()
+    _assert_refused(model_folder(tmp_path / "q", state, {"model_type": "llama"}), tmp_path / "out", error)
 
 
 # -- the last check on every output ----------------------------------------------------------------------------

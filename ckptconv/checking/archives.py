@@ -178,9 +178,9 @@ def members(path: str, archive_kind: str, folder: str) -> Iterator[Member]:
     """
     if archive_kind in _UNOPENED:
         raise NotScanned(f"it is {_UNOPENED[archive_kind]}, which scan cannot open; unpack it and scan the files")
-    size = os.path.getsize(path)
-    budget = _Budget(MAX_RATIO * size + _SLACK)
     with read_policy.open_file(path) as file:
+        # the size of the file opened (and checked regular), not of whatever the path names by then
+        budget = _Budget(MAX_RATIO * os.fstat(file.fileno()).st_size + _SLACK)
         if archive_kind == "zip":
             yield from _zip_members(file, budget, folder)
             return

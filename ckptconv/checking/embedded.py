@@ -13,6 +13,7 @@ import re
 import struct
 import zipfile
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 from ckptconv.errors import CkptconvError, LoadError
@@ -31,8 +32,9 @@ _PROTOCOLS = (b"\x02", b"\x03", b"\x04", b"\x05")
 _STORAGE_RECORD = re.compile(r"(^|/)data/\d+$")
 
 
-def _embedded_pickles(path: str) -> list[tuple[str, bytes]]:
-    """``(where, bytes)`` of every pickle inside a zip archive or a numpy object array.
+def _embedded_pickles(path: str) -> Iterator[tuple[str, bytes]]:
+    """``(where, bytes)`` of every pickle inside a zip archive or a numpy object array, one at a time (each is
+    up to 256 MiB: only one is held).
 
     ``torch.load`` reads one member of a zip, but other loaders (and an
     attacker's instructions) may read any; numpy's ``allow_pickle`` loads the
@@ -44,12 +46,11 @@ def _embedded_pickles(path: str) -> list[tuple[str, bytes]]:
         with read_policy.open_file(path) as file:  # regular files only: a FIFO would never end
             head = file.read(8)
             if head.startswith(b"\x93NUMPY"):
-                return _npy_pickle(path, file)
-            if head.startswith(b"PK\x03\x04"):
-                return _zip_pickles(path, file)
+                yield from _npy_pickle(path, file)
+            elif head.startswith(b"PK\x03\x04"):
+                yield from _zip_pickles(path, file)
     except (OSError, LoadError):
-        return []
-    return []
+        return
 
 
 def _npy_pickle(path: str, file: Any) -> list[tuple[str, bytes]]:
@@ -66,15 +67,14 @@ def _npy_pickle(path: str, file: Any) -> list[tuple[str, bytes]]:
     return [(f"{path} (object array data)", file.read(_MAX_EMBEDDED))]
 
 
-def _zip_pickles(path: str, file: Any) -> list[tuple[str, bytes]]:
+def _zip_pickles(path: str, file: Any) -> Iterator[tuple[str, bytes]]:
     from ckptconv.loading import _PARSE_FAILURES
 
     try:
         archive = zipfile.ZipFile(file)
         infos = archive.infolist()
     except (*_PARSE_FAILURES, OSError):
-        return []
-    found = []
+        return
     for info in infos:
         if info.is_dir() or info.flag_bits & 1 or info.compress_size > _MAX_EMBEDDED:
             continue
@@ -83,8 +83,7 @@ def _zip_pickles(path: str, file: Any) -> list[tuple[str, bytes]]:
             continue  # tensor bytes (torch's data/N records), or too big to be a hidden payload
         data = _zip_member_bytes(file, info)
         if data is not None and (named or (data[:1] == b"\x80" and data[1:2] in _PROTOCOLS)):
-            found.append((f"{path}:{info.filename}", data))
-    return found
+            yield f"{path}:{info.filename}", data
 
 
 def _zip_member_bytes(file: Any, info: zipfile.ZipInfo) -> bytes | None:

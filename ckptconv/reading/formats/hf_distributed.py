@@ -78,12 +78,12 @@ def read(folder: str) -> ReadResult:
             chunks.setdefault(key, []).append((tuple(offsets), ref))
     tree: dict[str, Any] = {}
     for key, pieces in chunks.items():
+        if len({len(ref.shape) for _, ref in pieces}) != 1:  # chunks of different ranks
+            raise _damaged(folder, f"the chunks of {key!r} have different numbers of dimensions")
+        # the furthest extent, so every chunk (offsets checked non-negative above) lies inside it
         shape = tuple(
             max(offset[dim] + ref.shape[dim] for offset, ref in pieces) for dim in range(len(pieces[0][1].shape))
         )
-        for offsets, ref in pieces:
-            if dcp.box_inside(list(offsets), list(ref.shape), shape) is None:  # chunks of different ranks
-                raise _damaged(folder, f"the chunks of {key!r} have different numbers of dimensions")
         tree[key] = dcp.assembled(key, shape, pieces, lambda detail: _damaged(folder, detail))
     return ReadResult(FORMAT, tree, files=tuple(files))
 
