@@ -255,6 +255,20 @@ def test_merge_lora_refuses_a_target_the_base_lacks(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_merge_lora_refuses_adapter_weights_linked_out_of_the_adapter_folder(tmp_path: Path) -> None:
+    # Its adapter_config.json linked out is refused; its weights file was followed (before: merged from outside).
+    base, adapter = _save(_llama(torch.float32), tmp_path, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    weights = os.path.join(adapter, "adapter_model.safetensors")
+    os.replace(weights, tmp_path / "elsewhere.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", weights)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["merge-lora", base, adapter, str(out) + "/"])
+    assert result.exit_code != 0, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "is a link that leads outside the checkpoint folder" in lines[0], result.output
+    assert not out.exists()
+
+
 def _trained(tmp_path: Path, dtype: Any, lora: Any) -> tuple[Any, str]:
     """A PEFT-wrapped model with random LoRA weights, and its base model folder."""
     base = str(tmp_path / "base")

@@ -9,6 +9,7 @@ from ckptconv._paths import PathLike, as_path
 from ckptconv.adapters.plan import AdapterTensors, group_tensors
 from ckptconv.errors import LoadError
 from ckptconv.loading import open as open_checkpoint
+from ckptconv.reading import read_policy
 from ckptconv.reading.adapter_config import CONFIG_NAME, WEIGHTS_NAMES, AdapterConfig, read_config
 from ckptconv.writing.provenance import file_sha256
 
@@ -42,7 +43,7 @@ def open_adapter(path: PathLike) -> Adapter:
     """Read a PEFT adapter folder (``adapter_config.json`` and ``adapter_model.safetensors`` or ``.bin``).
 
     Raises:
-        LoadError: the folder, its config or its weights are missing or unreadable.
+        LoadError: the folder, its config or its weights are missing, unreadable or a link out of the folder.
         TransformError: see :func:`ckptconv.reading.adapter_config.parse_config` and
             :func:`ckptconv.adapters.plan.group_tensors`.
     """
@@ -61,6 +62,7 @@ def open_adapter(path: PathLike) -> Adapter:
     weights = next((os.path.join(folder, n) for n in WEIGHTS_NAMES if os.path.lexists(os.path.join(folder, n))), None)
     if weights is None:
         raise LoadError(f"{folder!r} has no {' or '.join(WEIGHTS_NAMES)}", path=folder)
+    read_policy.check_file(weights, folder=folder)  # a link out of the folder is refused, as its config's is
     tensors = open_checkpoint(weights).select().weights
     grouped = group_tensors(tensors, config, repr(folder))
     return Adapter(folder, weights, config, grouped, file_sha256(weights))

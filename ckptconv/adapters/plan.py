@@ -275,6 +275,15 @@ def plan_merge(
         _float(ref, key, where)
         return ref
 
+    def plan_bias(module: str, lora_bias: TensorRef) -> None:
+        """The module's bias plus its lora_B bias (PEFT's ``lora_bias``), after the module's weight plan."""
+        bias_key = f"{module}.bias"
+        bias = base(bias_key)
+        if tuple(lora_bias.shape) != tuple(bias.shape):
+            raise TransformError(f"{where}: module {short_repr(module)}'s lora_B bias does not fit its bias")
+        inputs = {**_weight(plans, bias_key, bias), "B": lora_bias}
+        plans[bias_key] = TensorPlan("bias", inputs, bias.out_dtype, config.scaling(module), module=module)
+
     for key, value in {**adapter.base_layers, **adapter.saved}.items():
         ref = base(key)
         if tuple(value.shape) != tuple(ref.shape):
@@ -291,12 +300,7 @@ def plan_merge(
         if len(a.shape) > 2:  # a convolution's LoRA: A a conv (in -> r, the kernel), B a 1x1 conv (r -> out)
             plans[key] = _conv_plan(module, weight, roles, r, config, where)
             if "bias" in roles:
-                bias_key = f"{module}.bias"
-                bias = base(bias_key)
-                if tuple(roles["bias"].shape) != tuple(bias.shape):
-                    raise TransformError(f"{where}: module {short_repr(module)}'s lora_B bias does not fit its bias")
-                inputs = {**_weight(plans, bias_key, bias), "B": roles["bias"]}
-                plans[bias_key] = TensorPlan("bias", inputs, bias.out_dtype, config.scaling(module), module=module)
+                plan_bias(module, roles["bias"])
             continue
         if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != r or b.shape[1] != r:
             raise TransformError(
@@ -316,12 +320,7 @@ def plan_merge(
         kind = "dora" if "magnitude" in roles else "linear"
         plans[key] = TensorPlan(kind, inputs, weight.out_dtype, config.scaling(module), fifo, module)
         if "bias" in roles:
-            bias_key = f"{module}.bias"
-            bias = base(bias_key)
-            if tuple(roles["bias"].shape) != tuple(bias.shape):
-                raise TransformError(f"{where}: module {short_repr(module)}'s lora_B bias does not fit its bias")
-            inputs = {**_weight(plans, bias_key, bias), "B": roles["bias"]}
-            plans[bias_key] = TensorPlan("bias", inputs, bias.out_dtype, config.scaling(module), module=module)
+            plan_bias(module, roles["bias"])
     for module, roles in adapter.embedding.items():
         key = f"{module}.weight"
         weight = base(key)

@@ -224,6 +224,26 @@ class _OneToOne(Operation):
 
 
 @dataclass(frozen=True)
+class _OneToMany(Operation):
+    source: str
+    targets: tuple[str, ...]
+
+    @property
+    def sources(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (self.source,)
+
+
+@dataclass(frozen=True)
+class _ManyToOne(Operation):
+    sources: tuple[str, ...]
+    target: str
+
+    @property
+    def targets(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (self.target,)
+
+
+@dataclass(frozen=True)
 class Rename(_OneToOne):
     """One tensor, a new name."""
 
@@ -307,15 +327,8 @@ class Permute(_OneToOne):
 
 
 @dataclass(frozen=True)
-class Chunk(Operation):
+class Chunk(_OneToMany):
     """Equal contiguous blocks along dim 0, in order (``linear_fc1``: gate first, then up)."""
-
-    source: str
-    targets: tuple[str, ...]
-
-    @property
-    def sources(self) -> tuple[str, ...]:  # type: ignore[override]
-        return (self.source,)
 
     def map(self, fields: Fields, pieces: Pieces, config: Config) -> Iterator[tuple[str, TensorRef]]:
         (ref,) = _all(self, fields, pieces)
@@ -341,15 +354,8 @@ def _same(name: str, refs: list[TensorRef], rest: tuple[int, ...] | None = None)
 
 
 @dataclass(frozen=True)
-class Concatenate(Operation):
+class Concatenate(_ManyToOne):
     """Several tensors joined along dim 0, in order: the inverse of :class:`Chunk` (equal blocks)."""
-
-    sources: tuple[str, ...]
-    target: str
-
-    @property
-    def targets(self) -> tuple[str, ...]:  # type: ignore[override]
-        return (self.target,)
 
     def map(self, fields: Fields, pieces: Pieces, config: Config) -> Iterator[tuple[str, TensorRef]]:
         refs = _all(self, fields, pieces)
@@ -374,15 +380,8 @@ def _qkv_sizes(config: Config) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True)
-class SplitQKV(Operation):
+class SplitQKV(_OneToMany):
     """Megatron's ``linear_qkv``: per query group, ``heads/groups`` query heads, then one key, one value."""
-
-    source: str
-    targets: tuple[str, ...]  # q, k, v
-
-    @property
-    def sources(self) -> tuple[str, ...]:  # type: ignore[override]
-        return (self.source,)
 
     def map(self, fields: Fields, pieces: Pieces, config: Config) -> Iterator[tuple[str, TensorRef]]:
         (ref,) = _all(self, fields, pieces)
@@ -410,15 +409,8 @@ class SplitQKV(Operation):
 
 
 @dataclass(frozen=True)
-class MergeQKV(Operation):
+class MergeQKV(_ManyToOne):
     """q, k, v into Megatron's ``linear_qkv``, interleaved per query group: the inverse of :class:`SplitQKV`."""
-
-    sources: tuple[str, ...]  # q, k, v
-    target: str
-
-    @property
-    def targets(self) -> tuple[str, ...]:  # type: ignore[override]
-        return (self.target,)
 
     def map(self, fields: Fields, pieces: Pieces, config: Config) -> Iterator[tuple[str, TensorRef]]:
         q, k, v = refs = _all(self, fields, pieces)
@@ -446,16 +438,9 @@ class MergeQKV(Operation):
 
 
 @dataclass(frozen=True)
-class Unstack(Operation):
+class Unstack(_OneToMany):
     """A tensor stacked along dim 0 into one per index, the index filling ``{E}`` of every target; with several
     targets each index's slice is cut into equal blocks along its dim 0 (fused ``gate_up_proj`` into gate, up)."""
-
-    source: str
-    targets: tuple[str, ...]
-
-    @property
-    def sources(self) -> tuple[str, ...]:  # type: ignore[override]
-        return (self.source,)
 
     def map(self, fields: Fields, pieces: Pieces, config: Config) -> Iterator[tuple[str, TensorRef]]:
         (ref,) = _all(self, fields, pieces)
@@ -476,17 +461,11 @@ class Unstack(Operation):
 
 
 @dataclass(frozen=True)
-class Stack(Operation):
+class Stack(_ManyToOne):
     """One tensor per ``{E}`` (0 … N-1, all present, one shape) stacked along a new dim 0; with several sources,
     each index's tensors are first joined along dim 0 (per-expert gate, up into a fused ``gate_up_proj``)."""
 
-    sources: tuple[str, ...]
-    target: str
     gathers: str | None = "E"
-
-    @property
-    def targets(self) -> tuple[str, ...]:  # type: ignore[override]
-        return (self.target,)
 
     def map(self, fields: Fields, pieces: Pieces, config: Config) -> Iterator[tuple[str, TensorRef]]:
         name = self.target.format(**fields)
